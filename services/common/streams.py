@@ -1,0 +1,419 @@
+"""The Redis Streams between the services: protobuf entries tagged with policy versions.
+
+Data flow of one hop (``tasks``, ``rollouts``, ``scored`` are *queues*; ``weights`` is a *log*)::
+
+    StreamProducer.put(msg, policy_version)
+        │  Lua, atomically: XLEN < maxlen ? XADD : refuse      (a refused producer waits and retries)
+        ▼
+    stream  vcpo:<run_id>:<name>   fields: policy_version, type, payload (protobuf bytes)
+        │  XREADGROUP (consumer group, one per queue)
+        ▼
+    StreamConsumer.read() ──► Entry(id, policy_version, message) ──► the caller's work
+                                                                       │ once its effect is durable
+    StreamConsumer.ack(ids) ◄──────────────────────────────────────────┘  XACK + XDEL in one MULTI
+
+What blocks what: a producer blocks while its queue holds ``maxlen`` entries that are unread or read but
+unacknowledged, so a slow consumer holds its producers back and Redis memory stays bounded. Entries are
+deleted only when acknowledged, so the cap never trims an entry nobody processed. A consumer that dies
+leaves its entries pending; another consumer takes them over with :meth:`StreamConsumer.reclaim` once they
+have been idle for ``reclaim_idle_ms``; an entry delivered ``max_deliveries`` times without an ack, or one
+that cannot be decoded, goes to the dead-letter stream ``<key>:dead`` and is counted, never lost silently.
+
+The ``weights`` log is read by every sampler (plain XREAD, no group) and trimmed to its last
+``weights_maxlen`` announcements; only the newest matters.
+
+:class:`AdmissionCounter` is the lag bound of ARCHITECTURE.md: one Lua check-and-increment shared by all
+sampler replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import redis
+from google.protobuf.message import DecodeError, Message
+
+from services.common.config import RunConfig, StreamsConfig
+from services.common.observability import Metrics
+from vcpo.v1 import rollout_pb2, weights_pb2
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+# The four hops and the protobuf message each carries.
+STREAM_TYPES: dict[str, type[Message]] = {
+    "tasks": rollout_pb2.Task,
+    "rollouts": rollout_pb2.TrajectoryGroup,
+    "scored": rollout_pb2.TrajectoryGroup,
+    "weights": weights_pb2.WeightAnnouncement,
+}
+# The consumer group that works through each queue.
+STREAM_GROUPS: dict[str, str] = {"tasks": "sampler", "rollouts": "reward", "scored": "learner"}
+
+
+class StreamFullError(TimeoutError):
+    """A producer waited longer than its timeout for room on a full stream."""
+
+
+class MalformedEntryError(ValueError):
+    """A stream entry that cannot be decoded into the stream's message type; names the entry and the reason."""
+
+    def __init__(self, stream: str, entry_id: str, reason: str) -> None:
+        super().__init__(f"malformed entry {entry_id} on stream {stream!r}: {reason}")
+        self.stream, self.entry_id, self.reason = stream, entry_id, reason
+
+
+@dataclass(frozen=True)
+class StreamSpec(Generic[M]):
+    """One stream: its Redis key, message type and capacity rule."""
+
+    name: str
+    key: str
+    message_type: type[M]
+    maxlen: int
+    mode: Literal["queue", "log"]
+    group: str = ""
+
+    @property
+    def dead_letter_key(self) -> str:
+        return f"{self.key}:dead"
+
+
+def stream_key(run_id: str, name: str) -> str:
+    return f"vcpo:{run_id}:{name}"
+
+
+def stream_specs(run: RunConfig, streams: StreamsConfig) -> dict[str, StreamSpec[Any]]:
+    """The run's four streams, keyed by hop name."""
+    maxlen = {
+        "tasks": streams.tasks_maxlen,
+        "rollouts": streams.rollouts_maxlen,
+        "scored": streams.scored_maxlen,
+        "weights": streams.weights_maxlen,
+    }
+    return {
+        name: StreamSpec(
+            name=name,
+            key=stream_key(run.run_id, name),
+            message_type=mtype,
+            maxlen=maxlen[name],
+            mode="log" if name == "weights" else "queue",
+            group=STREAM_GROUPS.get(name, ""),
+        )
+        for name, mtype in STREAM_TYPES.items()
+    }
+
+
+@dataclass(frozen=True)
+class Entry(Generic[M]):
+    """A decoded stream entry."""
+
+    id: str
+    policy_version: int
+    message: M
+
+
+def _type_name(message_type: type[Message]) -> str:
+    return str(message_type.DESCRIPTOR.full_name)
+
+
+def decode_entry(spec: StreamSpec[M], entry_id: str, fields: dict[bytes, bytes] | None) -> Entry[M]:
+    """Decode one raw entry; raise MalformedEntryError naming what is wrong."""
+    if not fields:
+        raise MalformedEntryError(spec.name, entry_id, "entry has no fields (deleted, or not written by us)")
+    missing = [f for f in (b"policy_version", b"type", b"payload") if f not in fields]
+    if missing:
+        raise MalformedEntryError(spec.name, entry_id, f"missing fields {[m.decode() for m in missing]}")
+    type_name = fields[b"type"].decode(errors="replace")
+    if type_name != _type_name(spec.message_type):
+        raise MalformedEntryError(
+            spec.name, entry_id, f"type {type_name!r}, expected {_type_name(spec.message_type)!r}"
+        )
+    raw_version = fields[b"policy_version"].decode(errors="replace")
+    if not raw_version.isdigit():
+        raise MalformedEntryError(
+            spec.name, entry_id, f"policy_version {raw_version!r} is not a non-negative integer"
+        )
+    message = spec.message_type()
+    try:
+        message.ParseFromString(fields[b"payload"])
+    except DecodeError as exc:
+        raise MalformedEntryError(spec.name, entry_id, f"payload is not a valid {type_name}: {exc}") from None
+    return Entry(entry_id, int(raw_version), message)
+
+
+class StreamMetrics:
+    """The counters every producer and consumer of a service shares (labelled by stream name)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.written = metrics.counter("vcpo_stream_entries_written_total", "Entries added", ["stream"])
+        self.read = metrics.counter("vcpo_stream_entries_read_total", "Entries delivered", ["stream"])
+        self.acked = metrics.counter("vcpo_stream_entries_acked_total", "Entries acknowledged", ["stream"])
+        self.reclaimed = metrics.counter(
+            "vcpo_stream_entries_reclaimed_total", "Entries taken over from a stopped consumer", ["stream"]
+        )
+        self.dead = metrics.counter(
+            "vcpo_stream_dead_letter_total", "Entries moved to the dead-letter stream", ["stream", "reason"]
+        )
+        self.malformed = metrics.counter(
+            "vcpo_stream_malformed_total", "Entries that could not be decoded", ["stream"]
+        )
+        self.wait = metrics.counter(
+            "vcpo_stream_producer_wait_seconds_total",
+            "Time producers spent waiting on a full stream",
+            ["stream"],
+        )
+
+
+# KEYS[1] stream; ARGV: cap (0 = none), trim (0 = none), type, then (policy_version, payload) pairs.
+# Adds entries while the stream holds fewer than `cap`; returns the ids added (maybe fewer than asked).
+_PUT_LUA = """
+local key, cap, trim, typ = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local room = -1
+if cap > 0 then room = cap - redis.call('XLEN', key) end
+local ids = {}
+for i = 4, #ARGV, 2 do
+  if cap > 0 and room <= 0 then break end
+  local id
+  if trim > 0 then
+    id = redis.call('XADD', key, 'MAXLEN', '~', trim, '*',
+                    'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
+  else
+    id = redis.call('XADD', key, '*', 'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
+  end
+  ids[#ids + 1] = id
+  room = room - 1
+end
+return ids
+"""
+
+
+class StreamProducer(Generic[M]):
+    """Writes protobuf messages to one stream, waiting while a queue is at its cap (back-pressure)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        spec: StreamSpec[M],
+        metrics: StreamMetrics | None = None,
+        wait_timeout_s: float = 0.0,
+        max_batch: int = 256,
+    ) -> None:
+        self.client, self.spec, self.metrics = client, spec, metrics
+        self.wait_timeout_s = wait_timeout_s
+        self.max_batch = max_batch
+        self._put = client.register_script(_PUT_LUA)
+        self._type = _type_name(spec.message_type)
+        self._cap = spec.maxlen if spec.mode == "queue" else 0
+        self._trim = spec.maxlen if spec.mode == "log" else 0
+        self.waiting = False  # true while blocked on a full stream (services report it)
+
+    def put(self, message: M, policy_version: int) -> str:
+        """Append one message; blocks while the queue is full. Returns the entry id."""
+        return self.put_many([(message, policy_version)])[0]
+
+    def put_many(self, items: Sequence[tuple[M, int]]) -> list[str]:
+        """Append messages in order (batched through one script call); blocks while the queue is full."""
+        args: list[bytes | int] = []
+        for message, version in items:
+            if not isinstance(message, self.spec.message_type):
+                raise TypeError(
+                    f"stream {self.spec.name!r} carries {self._type}, got {type(message).__name__}"
+                )
+            if version < 0:
+                raise ValueError(f"policy_version must be >= 0, got {version}")
+            args += [version, message.SerializeToString()]
+        ids: list[str] = []
+        pending = args
+        waited_since: float | None = None
+        delay = 0.001
+        while pending:
+            batch = pending[: 2 * self.max_batch]
+            added = self._put(keys=[self.spec.key], args=[self._cap, self._trim, self._type, *batch])
+            ids += [i.decode() if isinstance(i, bytes) else str(i) for i in added]
+            pending = pending[2 * len(added) :]
+            if not pending:
+                break
+            if len(added) == 0:  # full: wait for consumers to acknowledge
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since, self.waiting = now, True
+                    log.debug("stream %s full (%d entries): producer waiting", self.spec.key, self._cap)
+                elif self.wait_timeout_s and now - waited_since > self.wait_timeout_s:
+                    self._stop_waiting(waited_since)
+                    raise StreamFullError(
+                        f"stream {self.spec.key!r} stayed full ({self._cap} unacknowledged entries) for "
+                        f"{self.wait_timeout_s:.1f}s; {len(ids)} of {len(items)} entries written"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            else:
+                delay = 0.001
+        if waited_since is not None:
+            self._stop_waiting(waited_since)
+        if self.metrics:
+            self.metrics.written.labels(self.spec.name).inc(len(ids))
+        return ids
+
+    def _stop_waiting(self, since: float) -> None:
+        self.waiting = False
+        if self.metrics:
+            self.metrics.wait.labels(self.spec.name).inc(time.monotonic() - since)
+
+
+class StreamConsumer(Generic[M]):
+    """One member of a queue's consumer group: read, acknowledge, reclaim from stopped members."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        spec: StreamSpec[M],
+        consumer: str,
+        metrics: StreamMetrics | None = None,
+        reclaim_idle_ms: int = 60_000,
+        max_deliveries: int = 5,
+        group: str | None = None,
+    ) -> None:
+        if spec.mode != "queue":
+            raise ValueError(f"stream {spec.name!r} is a log, not a queue: read it with StreamTail")
+        self.client, self.spec, self.consumer, self.metrics = client, spec, consumer, metrics
+        self.group = group or spec.group
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) if they do not exist yet."""
+        try:
+            self.client.xgroup_create(self.spec.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int = 1, block_ms: int | None = None) -> list[Entry[M]]:
+        """Up to ``count`` new entries; blocks up to ``block_ms`` (None: don't block) when there are none."""
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.spec.key: ">"}, count=count, block=block_ms
+        )
+        return self._decode(self._entries_of(reply), "read")
+
+    def pending(self, count: int = 100) -> list[Entry[M]]:
+        """This consumer's own delivered-but-unacknowledged entries (what a restarted consumer redoes)."""
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.spec.key: "0"}, count=count)
+        return self._decode(self._entries_of(reply), "read")
+
+    def reclaim(self, count: int = 100, min_idle_ms: int | None = None) -> list[Entry[M]]:
+        """Take over entries other consumers left pending for at least ``min_idle_ms``.
+
+        Entries delivered ``max_deliveries`` times already go to the dead-letter stream instead.
+        """
+        idle = self.reclaim_idle_ms if min_idle_ms is None else min_idle_ms
+        stale: Any = self.client.xpending_range(self.spec.key, self.group, "-", "+", count, idle=idle)
+        if not stale:
+            return []
+        deliveries = {_s(p["message_id"]): int(p["times_delivered"]) for p in stale}
+        # XCLAIM re-checks the idle time atomically, so two reclaimers never both take an entry.
+        claimed: Any = self.client.xclaim(self.spec.key, self.group, self.consumer, idle, list(deliveries))
+        raw: list[tuple[str, dict[bytes, bytes] | None]] = []
+        for entry_id, fields in claimed:
+            eid = _s(entry_id)
+            if deliveries.get(eid, 0) >= self.max_deliveries:
+                self._dead_letter(eid, fields, f"delivered {deliveries[eid]} times without an ack")
+            else:
+                raw.append((eid, fields))
+        if self.metrics and raw:
+            self.metrics.reclaimed.labels(self.spec.name).inc(len(raw))
+        return self._decode(raw, "reclaim")
+
+    def ack(self, ids: Sequence[str]) -> int:
+        """Acknowledge entries whose effect is durable, and delete them (making room for producers)."""
+        if not ids:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.spec.key, self.group, *ids)
+        pipe.xdel(self.spec.key, *ids)
+        acked, _ = pipe.execute()
+        if self.metrics:
+            self.metrics.acked.labels(self.spec.name).inc(acked)
+        return int(acked)
+
+    def backlog(self) -> int:
+        """Entries in the queue: unread plus read-but-unacknowledged."""
+        return int(self.client.xlen(self.spec.key))
+
+    @staticmethod
+    def _entries_of(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
+        if not reply:
+            return []
+        # RESP2: [[key, [(id, fields), ...]]]
+        return [(_s(eid), fields) for _key, entries in reply for eid, fields in entries]
+
+    def _decode(self, raw: list[tuple[str, dict[bytes, bytes] | None]], how: str) -> list[Entry[M]]:
+        out: list[Entry[M]] = []
+        for entry_id, fields in raw:
+            try:
+                out.append(decode_entry(self.spec, entry_id, fields))
+            except MalformedEntryError as exc:
+                log.warning("%s; moved to %s", exc, self.spec.dead_letter_key)
+                if self.metrics:
+                    self.metrics.malformed.labels(self.spec.name).inc()
+                self._dead_letter(entry_id, fields, exc.reason)
+        if self.metrics and how == "read" and raw:
+            self.metrics.read.labels(self.spec.name).inc(len(raw))
+        return out
+
+    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes] | None, reason: str) -> None:
+        """Keep the entry (with why) on the dead-letter stream, then ack and delete it from the queue."""
+        kept: dict[Any, Any] = dict(fields or {})
+        kept.update({b"dead_reason": reason, b"dead_entry_id": entry_id, b"dead_consumer": self.consumer})
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.spec.dead_letter_key, kept, maxlen=10_000, approximate=True)
+        pipe.xack(self.spec.key, self.group, entry_id)
+        pipe.xdel(self.spec.key, entry_id)
+        pipe.execute()
+        if self.metrics:
+            self.metrics.dead.labels(self.spec.name, reason.split(":")[0][:40]).inc()
+
+
+class StreamTail(Generic[M]):
+    """Follows a log stream (``weights``) from a position, as every sampler does; no consumer group."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        spec: StreamSpec[M],
+        start_id: str = "0",
+        metrics: StreamMetrics | None = None,
+    ) -> None:
+        self.client, self.spec, self.last_id, self.metrics = client, spec, start_id, metrics
+
+    def read(self, count: int = 100, block_ms: int | None = None) -> list[Entry[M]]:
+        """Entries after the last one read; malformed ones are logged, counted and skipped."""
+        reply = self.client.xread({self.spec.key: self.last_id}, count=count, block=block_ms)
+        out = []
+        for entry_id, fields in StreamConsumer._entries_of(reply):
+            self.last_id = entry_id
+            try:
+                out.append(decode_entry(self.spec, entry_id, fields))
+            except MalformedEntryError as exc:
+                log.warning("%s; skipped", exc)
+                if self.metrics:
+                    self.metrics.malformed.labels(self.spec.name).inc()
+        return out
+
+    def latest(self) -> Entry[M] | None:
+        """The newest entry, if any (e.g. the latest weight announcement)."""
+        reply: Any = self.client.xrevrange(self.spec.key, count=1)
+        if not reply:
+            return None
+        entry_id, fields = reply[0]
+        return decode_entry(self.spec, _s(entry_id), fields)
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,58 @@
+"""Configuration of the learner service (the ``[learner]`` table of a run file)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from services.common.config import Section, ServiceConfig
+
+
+class LearnerConfig(Section):
+    """Distributed training, the optimizer and the objective (VCPO.md) of the learner."""
+
+    num_ranks: int = Field(1, ge=1, description="Data-parallel DeepSpeed ZeRO-3 ranks.")
+    gpus_per_rank: float = Field(0, ge=0, description="GPUs per rank on a cluster; 0 on CPU.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl with GPUs, gloo without."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training precision; auto = bf16 on GPU, fp32 on CPU."
+    )
+    micro_batch_size: int = Field(4, ge=1, description="Trajectories per forward/backward on each rank.")
+    lr: float = Field(1e-6, gt=0, description="Base learning rate η₀ (scaled per step by the ESS rule).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    objective: Literal["vcpo", "grpo", "rloo", "reinforce"] = Field(
+        "vcpo", description="Advantage/baseline estimator of the policy-gradient loss."
+    )
+    importance_weighting: Literal["truncated", "masked", "none"] = Field(
+        "truncated", description="How the sequence importance weight enters the loss (TIS, MIS, none)."
+    )
+    truncation: float = Field(8.0, gt=0, description="Importance-weight cap C.")
+    ess_rule: Literal["sqrt", "linear", "off"] = Field("sqrt", description="ESS learning-rate scale rule.")
+    rho_base: float = Field(1.0, gt=0, le=1, description="ESS ratio at and above which the rate is unscaled.")
+    baseline_weighting: Literal["paper", "exact", "released"] = Field(
+        "paper", description="OPOB weighting W_i (VCPO.md §3)."
+    )
+    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = Field(
+        "seq-mean-token-mean", description="How token terms aggregate into the loss."
+    )
+    ppo_clip: float = Field(0.0, ge=0, description="PPO ratio clip ε; 0 disables clipping.")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints.")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {v}")
+        return v
+
+
+class LearnerServiceConfig(ServiceConfig):
+    """Everything the learner reads: the shared sections and ``[learner]``."""
+
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)

@@ -1,0 +1,47 @@
+"""Configuration of the sampler service (the ``[sampler]`` table of a run file)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import Section, ServiceConfig
+
+
+class SamplerConfig(Section):
+    """Generation engine, sampling settings, task source and the sampler's endpoints."""
+
+    engine: Literal["vllm"] = Field("vllm", description="Generation engine implementation.")
+    replicas: int = Field(1, ge=1, description="Sampler replicas; they share one admission counter.")
+    n: int = Field(8, ge=1, description="Responses per prompt: the size of each rollout group.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    max_tokens: int = Field(512, ge=1, description="Longest response (per turn in multi-turn episodes).")
+    max_model_len: int = Field(4096, ge=16, description="Longest prompt + response the engine accepts.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per sampler replica (vLLM tensor parallel).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of accelerator memory (of RAM on the CPU build) vLLM reserves."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Engine dtype.")
+    weight_update: Literal["pause", "in_flight"] = Field(
+        "pause",
+        description="How new weights enter a running engine: pause at a safe point, or swap in flight and "
+        "record each token's version.",
+    )
+    dataset: str = Field(
+        "",
+        description="Training prompts: a .jsonl or .parquet path, or 'builtin:<name>'. Empty: only the "
+        "`tasks` stream (gRPC submissions).",
+    )
+    prompt_field: str = Field("prompt", description="Dataset column holding the prompt.")
+    answer_field: str = Field("answer", description="Dataset column holding the reference answer.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="Client-facing gRPC API port; 0 = a free port.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+
+
+class SamplerServiceConfig(ServiceConfig):
+    """Everything the sampler reads: the shared sections and ``[sampler]``."""
+
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)

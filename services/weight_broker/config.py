@@ -1,0 +1,34 @@
+"""Configuration of the weight broker (the ``[weight_broker]`` table of a run file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import Section, ServiceConfig
+
+
+class WeightBrokerConfig(Section):
+    """Transport, retention and memory bounds of versioned weight distribution."""
+
+    transport: Literal["grpc", "filesystem"] = Field(
+        "grpc", description="gRPC streaming through the broker, or safetensors files on a shared path."
+    )
+    retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
+    storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
+    storage_dir: Path = Field(
+        Path(""),
+        description="Directory for disk storage or the filesystem transport; empty = <run_dir>/weights.",
+    )
+    chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
+    rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
+    grpc_port: int = Field(50052, ge=0, le=65535, description="Broker gRPC port; 0 = a free port.")
+    metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+
+
+class WeightBrokerServiceConfig(ServiceConfig):
+    """Everything the broker reads: the shared sections and ``[weight_broker]``."""
+
+    weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)

@@ -1,0 +1,168 @@
+"""Configuration: layering, presets, and errors that name the bad key, value and source."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.config import SystemConfig
+from services.common.config import (
+    ConfigError,
+    RunConfig,
+    add_config_arguments,
+    config_from_args,
+    load_config,
+    parse_literal,
+    write_resolved,
+)
+from services.learner.config import LearnerServiceConfig
+from services.reward.config import RewardServiceConfig
+from services.sampler.config import SamplerServiceConfig
+from services.weight_broker.config import WeightBrokerServiceConfig
+
+PRESETS = sorted((Path(__file__).parent.parent / "deploy" / "presets").glob("*.toml"))
+SERVICE_MODELS = [SamplerServiceConfig, LearnerServiceConfig, RewardServiceConfig, WeightBrokerServiceConfig]
+
+
+def test_presets_exist() -> None:
+    names = {p.stem for p in PRESETS}
+    assert {"local", "qwen2.5-1.5b-gsm8k", "qwen2.5-7b-math"} <= names
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_parses_for_the_system_and_every_service(preset: Path) -> None:
+    system = load_config(SystemConfig, [preset], env={})
+    for model in SERVICE_MODELS:
+        service = load_config(model, [preset], env={})
+        assert service.run == system.run  # the shared section reads the same in every service
+        assert service.streams == system.streams
+
+
+def test_paper_preset_has_the_paper_hyperparameters() -> None:
+    cfg = load_config(SystemConfig, [p for p in PRESETS if p.stem == "qwen2.5-7b-math"], env={})
+    assert (cfg.learner.lr, cfg.sampler.n, cfg.run.groups_per_step) == (1e-6, 16, 32)
+    assert (cfg.learner.truncation, cfg.learner.rho_base, cfg.sampler.max_tokens) == (8.0, 1.0, 2048)
+
+
+def test_layers_defaults_then_files_then_env_then_cli(tmp_path: Path) -> None:
+    a = tmp_path / "a.toml"
+    b = tmp_path / "b.toml"
+    a.write_text('[run]\nk = 3\ngroups_per_step = 5\nrun_id = "from-a"\n[sampler]\ntop_p = 0.5\n')
+    b.write_text("[run]\nk = 7\n")
+    assert load_config(SamplerServiceConfig, env={}).run.k == RunConfig().k  # defaults
+    cfg = load_config(SamplerServiceConfig, [a, b], env={})
+    assert (cfg.run.k, cfg.run.groups_per_step, cfg.run.run_id, cfg.sampler.top_p) == (7, 5, "from-a", 0.5)
+    env = {"VCPO_RUN__K": "9", "VCPO_SAMPLER__TEMPERATURE": "0.7", "VCPO_TARGET": "cpu", "PATH": "/bin"}
+    cfg = load_config(SamplerServiceConfig, [a, b], env=env)
+    assert (cfg.run.k, cfg.sampler.temperature) == (9, 0.7)
+    cfg = load_config(SamplerServiceConfig, [a, b], env=env, overrides=[("run.k", 11, "cli")])
+    assert (cfg.run.k, cfg.run.groups_per_step, cfg.sampler.temperature) == (11, 5, 0.7)
+
+
+def test_cli_flags_and_set(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, LearnerServiceConfig)
+    args = parser.parse_args(["--run.k", "16", "--set", "learner.betas=[0.8, 0.9]", "--learner.lr", "3e-6"])
+    cfg = config_from_args(LearnerServiceConfig, args, env={"VCPO_RUN__K": "2"})
+    assert (cfg.run.k, cfg.learner.betas, cfg.learner.lr) == (16, (0.8, 0.9), 3e-6)
+    help_text = parser.format_help()
+    assert "--run.k" in help_text and "Maximum policy lag" in help_text
+
+
+def test_parse_literal() -> None:
+    assert parse_literal("16") == 16
+    assert parse_literal("1e-6") == 1e-6
+    assert parse_literal("true") is True
+    assert parse_literal("[1, 2]") == [1, 2]
+    assert parse_literal("runs/x") == "runs/x"
+    assert parse_literal("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "expected"),
+    [
+        ("[run]\nk = -1\n", {}, "run.k = -1 (from {file}): Input should be greater than or equal to 0"),
+        ("", {"VCPO_RUN__K": "-2"}, "run.k = -2 (from env VCPO_RUN__K)"),
+        (
+            "[sampler]\ntop_p = 1.5\n",
+            {},
+            "sampler.top_p = 1.5 (from {file}): Input should be less than or equal to 1",
+        ),
+        ("[sampler]\ntemprature = 0.5\n", {}, "unknown key 'sampler.temprature' (from {file})"),
+        (
+            '[run]\nrun_id = "bad id!"\n',
+            {},
+            'run.run_id = "bad id!" (from {file}): String should match pattern',
+        ),
+        ('[sampler]\nweight_update = "sometimes"\n', {}, 'sampler.weight_update = "sometimes"'),
+        (
+            "[learner]\nbetas = [0.9, 1.5]\n",
+            {},
+            "learner.betas = [0.9, 1.5] (from {file}): Value error, each beta",
+        ),
+        (
+            "[reward]\nmin_replicas = 4\nmax_replicas = 2\n",
+            {},
+            "max_replicas (2) must be >= min_replicas (4)",
+        ),
+        ("[smapler]\nn = 2\n", {}, "unknown section 'smapler' (from {file})"),
+        (
+            "",
+            {"VCPO_SAMPLER__N": "many"},
+            'sampler.n = "many" (from env VCPO_SAMPLER__N): Input should be a valid integer',
+        ),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_them(
+    tmp_path: Path, toml: str, env: dict[str, str], expected: str
+) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(SystemConfig, [f], env=env)
+    assert expected.format(file=f) in str(info.value)
+
+
+def test_every_service_model_reports_bad_values_too(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text("[run]\ngroups_per_step = 0\n")
+    for model in SERVICE_MODELS:
+        with pytest.raises(ConfigError, match=r"run.groups_per_step = 0 \(from .*run.toml\)"):
+            load_config(model, [f], env={})
+
+
+def test_missing_and_broken_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope.toml"):
+        load_config(SystemConfig, [tmp_path / "nope.toml"], env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nk=1")
+    with pytest.raises(ConfigError, match=r"bad.toml is not valid TOML"):
+        load_config(SystemConfig, [bad], env={})
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, SamplerServiceConfig)
+    with pytest.raises(ConfigError, match=r"--set expects KEY=VALUE, got 'run.k'"):
+        config_from_args(SamplerServiceConfig, parser.parse_args(["--set", "run.k"]), env={})
+
+
+def test_resolved_config_is_written_as_json(tmp_path: Path) -> None:
+    cfg = load_config(SystemConfig, [p for p in PRESETS if p.stem == "local"], env={})
+    path = write_resolved(cfg, tmp_path / "run")
+    data = json.loads(path.read_text())
+    assert data["run"]["k"] == 4 and data["learner"]["objective"] == "vcpo"
+    assert SystemConfig.model_validate(data) == cfg  # the resolved file is itself a valid config
+
+
+def test_config_modules_import_nothing_heavy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deploy.config, services.common.config\n"
+        "heavy = [m for m in ('torch', 'vllm', 'deepspeed', 'ray', 'transformers') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
