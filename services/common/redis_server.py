@@ -33,7 +33,7 @@ class LocalRedis:
                 "redis-server not found on PATH: run `make setup` (installs Debian's redis-server)"
             )
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="vcpo-redis-")
-        self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
+        self.data_dir = Path(data_dir or self._tmp.name).absolute()  # type: ignore[union-attr]
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         args = [
