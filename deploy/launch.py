@@ -20,12 +20,10 @@ import logging
 import sys
 import time
 
-import redis
-
 from deploy.config import SystemConfig
 from services.common.config import ConfigError, add_config_arguments, config_from_args, write_resolved
 from services.common.redis_server import LocalRedis
-from services.common.streams import StreamConsumer, stream_specs
+from services.common.streams import StreamConsumer, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
 
@@ -64,12 +62,10 @@ def launch(cfg: SystemConfig) -> int:
 
     local: LocalRedis | None = None
     if cfg.run.redis_url:
-        client = redis.Redis.from_url(cfg.run.redis_url)
-        client.ping()
-        where = cfg.run.redis_url
+        client, where = connect(cfg.run.redis_url), cfg.run.redis_url
     else:
         local = LocalRedis(data_dir=run_dir / "redis", persistent=True)
-        client, where = local.client(), f"{local.url} (local redis-server, pid {local.process.pid})"
+        client, where = connect(local.url), f"{local.url} (local redis-server, pid {local.process.pid})"
     try:
         _step("redis", where, t0)
         specs = stream_specs(cfg.run, cfg.streams)

@@ -20,6 +20,7 @@ from services.common.streams import (
     StreamMetrics,
     StreamProducer,
     StreamTail,
+    connect,
     decode_entry,
     stream_specs,
 )
@@ -240,6 +241,7 @@ def test_malformed_entry_raises_a_clear_error(fields: dict[bytes, bytes], reason
     with pytest.raises(MalformedEntryError) as info:
         decode_entry(spec, "1-0", fields)
     assert reason in str(info.value)
+    assert info.value.kind in {"bad_payload", "wrong_type", "bad_version", "missing_fields"}
     assert "entry 1-0 on stream 'rollouts'" in str(info.value)
 
 
@@ -259,7 +261,9 @@ def test_consumer_counts_and_dead_letters_malformed_entries_and_keeps_going(
 
     entries = consumer.read(count=10)
     assert [e.id for e in entries] == [good_before, good_after]
-    assert metrics.malformed.labels("rollouts")._value.get() == 2
+    assert metrics.malformed.labels("rollouts", "bad_payload")._value.get() == 1
+    assert metrics.malformed.labels("rollouts", "missing_fields")._value.get() == 1
+    assert metrics.dead.labels("rollouts", "bad_payload")._value.get() == 1
     dead = redis_client.xrange(spec.dead_letter_key)
     assert len(dead) == 2
     assert b"payload is not a valid" in dead[0][1][b"dead_reason"]
@@ -281,7 +285,10 @@ def test_entry_delivered_too_often_goes_to_dead_letter(redis_client: redis.Redis
     assert consumer.reclaim() == []  # a 4th would exceed max_deliveries: dead-lettered instead
     assert redis_client.xlen(spec.dead_letter_key) == 1
     assert redis_client.xlen(spec.key) == 0
-    assert metrics.dead.labels("rollouts", "delivered 3 times without an ack")._value.get() == 1
+    assert metrics.dead.labels("rollouts", "max_deliveries")._value.get() == 1
+    assert (
+        redis_client.xrange(spec.dead_letter_key)[0][1][b"dead_reason"] == b"delivered 3 times without an ack"
+    )
 
 
 def test_restarted_consumer_sees_its_own_pending_entries(redis_client: redis.Redis) -> None:
@@ -301,3 +308,16 @@ def test_run_ids_keep_streams_apart(redis_client: redis.Redis) -> None:
     StreamProducer(redis_client, a).put(make_task(1), 0)
     assert StreamConsumer(redis_client, b, "c").read() == []
     assert isinstance(StreamConsumer(redis_client, a, "c").read()[0].message, rollout_pb2.Task)
+
+
+def test_connect_names_an_unreachable_redis() -> None:
+    from services.common.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConnectionError, match=f"cannot reach Redis at {url}"):
+        connect(url, retries=1)
+
+
+def test_connect_gives_a_working_client(redis_url: str) -> None:
+    client = connect(redis_url)
+    assert client.ping()

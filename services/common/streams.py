@@ -36,6 +36,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import redis
 from google.protobuf.message import DecodeError, Message
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import Metrics
@@ -61,11 +63,14 @@ class StreamFullError(TimeoutError):
 
 
 class MalformedEntryError(ValueError):
-    """A stream entry that cannot be decoded into the stream's message type; names the entry and the reason."""
+    """A stream entry that cannot be decoded into the stream's message type; names the entry and the reason.
 
-    def __init__(self, stream: str, entry_id: str, reason: str) -> None:
+    ``kind`` is a fixed category (a metric label); ``reason`` is the readable detail.
+    """
+
+    def __init__(self, stream: str, entry_id: str, kind: str, reason: str) -> None:
         super().__init__(f"malformed entry {entry_id} on stream {stream!r}: {reason}")
-        self.stream, self.entry_id, self.reason = stream, entry_id, reason
+        self.stream, self.entry_id, self.kind, self.reason = stream, entry_id, kind, reason
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,27 @@ class StreamSpec(Generic[M]):
     @property
     def dead_letter_key(self) -> str:
         return f"{self.key}:dead"
+
+
+def connect(url: str, retries: int = 5) -> redis.Redis:
+    """A Redis client that rides out short outages: each command is retried with bounded exponential backoff.
+
+    A retried write whose first attempt did land can add an entry twice; the streams are at-least-once by
+    design (consumers key their work on group ids), never at-most-once.
+    """
+    client = redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        socket_connect_timeout=5.0,
+        socket_keepalive=True,
+        health_check_interval=30,
+    )
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        raise ConnectionError(f"cannot reach Redis at {url}: {exc}") from exc
+    return client
 
 
 def stream_key(run_id: str, name: str) -> str:
@@ -125,25 +151,37 @@ def _type_name(message_type: type[Message]) -> str:
 def decode_entry(spec: StreamSpec[M], entry_id: str, fields: dict[bytes, bytes] | None) -> Entry[M]:
     """Decode one raw entry; raise MalformedEntryError naming what is wrong."""
     if not fields:
-        raise MalformedEntryError(spec.name, entry_id, "entry has no fields (deleted, or not written by us)")
+        raise MalformedEntryError(
+            spec.name, entry_id, "empty", "entry has no fields (deleted, or not written by us)"
+        )
     missing = [f for f in (b"policy_version", b"type", b"payload") if f not in fields]
     if missing:
-        raise MalformedEntryError(spec.name, entry_id, f"missing fields {[m.decode() for m in missing]}")
+        raise MalformedEntryError(
+            spec.name, entry_id, "missing_fields", f"missing fields {[m.decode() for m in missing]}"
+        )
     type_name = fields[b"type"].decode(errors="replace")
     if type_name != _type_name(spec.message_type):
         raise MalformedEntryError(
-            spec.name, entry_id, f"type {type_name!r}, expected {_type_name(spec.message_type)!r}"
+            spec.name,
+            entry_id,
+            "wrong_type",
+            f"type {type_name!r}, expected {_type_name(spec.message_type)!r}",
         )
     raw_version = fields[b"policy_version"].decode(errors="replace")
     if not raw_version.isdigit():
         raise MalformedEntryError(
-            spec.name, entry_id, f"policy_version {raw_version!r} is not a non-negative integer"
+            spec.name,
+            entry_id,
+            "bad_version",
+            f"policy_version {raw_version!r} is not a non-negative integer",
         )
     message = spec.message_type()
     try:
         message.ParseFromString(fields[b"payload"])
     except DecodeError as exc:
-        raise MalformedEntryError(spec.name, entry_id, f"payload is not a valid {type_name}: {exc}") from None
+        raise MalformedEntryError(
+            spec.name, entry_id, "bad_payload", f"payload is not a valid {type_name}: {exc}"
+        ) from None
     return Entry(entry_id, int(raw_version), message)
 
 
@@ -161,7 +199,7 @@ class StreamMetrics:
             "vcpo_stream_dead_letter_total", "Entries moved to the dead-letter stream", ["stream", "reason"]
         )
         self.malformed = metrics.counter(
-            "vcpo_stream_malformed_total", "Entries that could not be decoded", ["stream"]
+            "vcpo_stream_malformed_total", "Entries that could not be decoded", ["stream", "kind"]
         )
         self.wait = metrics.counter(
             "vcpo_stream_producer_wait_seconds_total",
@@ -323,7 +361,8 @@ class StreamConsumer(Generic[M]):
         for entry_id, fields in claimed:
             eid = _s(entry_id)
             if deliveries.get(eid, 0) >= self.max_deliveries:
-                self._dead_letter(eid, fields, f"delivered {deliveries[eid]} times without an ack")
+                detail = f"delivered {deliveries[eid]} times without an ack"
+                self._dead_letter(eid, fields, "max_deliveries", detail)
             else:
                 raw.append((eid, fields))
         if self.metrics and raw:
@@ -361,23 +400,30 @@ class StreamConsumer(Generic[M]):
             except MalformedEntryError as exc:
                 log.warning("%s; moved to %s", exc, self.spec.dead_letter_key)
                 if self.metrics:
-                    self.metrics.malformed.labels(self.spec.name).inc()
-                self._dead_letter(entry_id, fields, exc.reason)
+                    self.metrics.malformed.labels(self.spec.name, exc.kind).inc()
+                self._dead_letter(entry_id, fields, exc.kind, exc.reason)
         if self.metrics and how == "read" and raw:
             self.metrics.read.labels(self.spec.name).inc(len(raw))
         return out
 
-    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes] | None, reason: str) -> None:
+    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes] | None, kind: str, reason: str) -> None:
         """Keep the entry (with why) on the dead-letter stream, then ack and delete it from the queue."""
         kept: dict[Any, Any] = dict(fields or {})
-        kept.update({b"dead_reason": reason, b"dead_entry_id": entry_id, b"dead_consumer": self.consumer})
+        kept.update(
+            {
+                b"dead_kind": kind,
+                b"dead_reason": reason,
+                b"dead_entry_id": entry_id,
+                b"dead_consumer": self.consumer,
+            }
+        )
         pipe = self.client.pipeline(transaction=True)
         pipe.xadd(self.spec.dead_letter_key, kept, maxlen=10_000, approximate=True)
         pipe.xack(self.spec.key, self.group, entry_id)
         pipe.xdel(self.spec.key, entry_id)
         pipe.execute()
         if self.metrics:
-            self.metrics.dead.labels(self.spec.name, reason.split(":")[0][:40]).inc()
+            self.metrics.dead.labels(self.spec.name, kind).inc()
 
 
 class StreamTail(Generic[M]):
@@ -403,7 +449,7 @@ class StreamTail(Generic[M]):
             except MalformedEntryError as exc:
                 log.warning("%s; skipped", exc)
                 if self.metrics:
-                    self.metrics.malformed.labels(self.spec.name).inc()
+                    self.metrics.malformed.labels(self.spec.name, exc.kind).inc()
         return out
 
     def latest(self) -> Entry[M] | None:
