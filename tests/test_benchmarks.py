@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -25,3 +27,30 @@ def test_streams_benchmark_quick_mode_prints_its_figures() -> None:
     for key in ("groups_per_s", "saturated_p50_ms", "paced_1000_per_s_p99_ms", "batched_over_unbatched"):
         assert figures[key] > 0
     assert figures["group_bytes"] > 20_000  # realistic groups: 8 x 512 tokens with log-probs
+
+
+def test_vcpo_step_benchmark_quick_mode_prints_its_figures() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/vcpo_step.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("brute-shared") for line in lines)  # the table
+    figures = json.loads(lines[-1])
+    for key in ("vcpo_over_grpo", "brute_over_vcpo", "brute_shared_over_vcpo"):
+        assert figures[key] > 0
+    assert figures["max_rel_err"] < 1e-4  # the norm pass agrees with brute force in float32
+
+
+@pytest.mark.gpu
+def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/vcpo_step.py", "--quick", "--device", "cuda"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["max_rel_err"] < 1e-3

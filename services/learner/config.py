@@ -40,6 +40,7 @@ class LearnerConfig(Section):
     loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = Field(
         "seq-mean-token-mean", description="How token terms aggregate into the loss."
     )
+    std_normalize: bool = Field(True, description="Divide advantages by the group's reward std (vcpo, grpo).")
     ppo_clip: float = Field(0.0, ge=0, description="PPO ratio clip ε; 0 disables clipping.")
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")

@@ -1,0 +1,549 @@
+"""The learner's objective (VCPO.md §1–§4, §6): one step's trajectories in, ``(loss, metrics)`` out.
+
+Why a module of its own: every number the learner optimises comes from here, so it is pure (tensors in,
+tensors and floats out; no I/O, no services, no model code) and testable to round-off. The per-trajectory
+gradient-norm pass (§5) lives in ``grad_norms.py`` and consumes :func:`trajectory_coefficients`.
+
+Rules this module decides (each function's docstring repeats the ones it applies):
+
+- Importance weights live in log space, float64: ``ℓ_i = Σ_t mask·(log π − log μ)``; positions outside the
+  mask are ignored even if they hold NaN/inf (``torch.where``, never a multiply). ``exp(ℓ)`` of a large
+  ``ℓ`` is never formed: the loss weight is ``exp(min(ℓ, log C))``, ESS and OPOB are log-sum-exp forms.
+- Validity: bad shapes or dtypes, non-integer group ids, non-finite rewards, a loss mask that is not 0/1 and
+  non-finite *current* log-probs on masked tokens raise ``ValueError`` naming the indices. A trajectory with
+  an empty mask, or a non-finite *behaviour* log-prob on a masked token, is skipped and counted: coefficient
+  0, excluded from ESS, baselines, group statistics and from ``B`` (``B`` = number of valid trajectories).
+- The step is skipped (``step_skipped = 1``, loss ``0·Σ logπ`` so it stays differentiable) when no trajectory
+  is valid, when ρ is not finite, or when a coefficient or the loss overflows the loss dtype (e.g. with
+  ``C = inf`` and ``ℓ ≫ 88`` in float32). A NaN/inf loss is never returned.
+- Advantages: vcpo ``(R − b_OPOB)/σ_g``; grpo ``(R − mean_g)/σ_g``; rloo ``R_i −`` the mean of the other
+  members of its group; reinforce ``R −`` the mean over the valid batch. ``σ_g`` is the population std of the
+  group's valid rewards; divide only when ``std_normalize`` and ``σ_g > 1e-8`` (rloo, reinforce never divide).
+- Zero-signal rule: in the group objectives (vcpo, grpo, rloo) a group whose valid rewards are all equal, or
+  that has one valid member, gets ``Â = 0`` exactly. REINFORCE's baseline is the batch mean, so the same rule
+  applies to the batch (all valid rewards equal, or one valid trajectory); its groups are not zeroed.
+- PPO clipping (``ppo_clip > 0``) replaces the sequence weight by per-token ratios (``w̄ ≡ 1`` everywhere,
+  ``importance_weighting`` inert); the log-ratio is clamped to ``[-20, 20]`` before ``exp`` (as veRL does) so
+  a wild token cannot overflow the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from services.learner.ess import (
+    distributed_effective_sample_size,
+    effective_sample_size,
+    ess_from_partial_sums,
+    ess_partial_sums,
+    lr_scale,
+)
+
+Objective = Literal["vcpo", "grpo", "rloo", "reinforce"]
+ISMode = Literal["truncated", "masked", "none"]
+Aggregation = Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]
+Weighting = Literal["paper", "exact", "released"]
+LRRule = Literal["sqrt", "linear", "off"]
+
+STD_EPS = 1e-8  # σ_g at or below this is treated as zero: no division
+PPO_LOG_RATIO_LIMIT = 20.0  # per-token log-ratio clamp under PPO clipping (veRL uses the same bound)
+METRIC_KEYS = (
+    "ess", "ess_ratio", "lr_scale", "log_weight_max", "log_weight_min", "log_weight_p50", "log_weight_p90",
+    "log_weight_p99", "frac_truncated", "baseline_shift_mean_abs", "baseline_fallbacks", "skipped_empty",
+    "skipped_nonfinite", "singleton_groups", "step_skipped", "num_trajectories", "num_valid", "num_tokens",
+    "advantage_abs_mean", "ppo_clip_fraction", "loss",
+)  # fmt: skip
+_F64 = torch.float64
+
+
+def _check_choice(owner: str, name: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_truncation(owner: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{owner}truncation must be a number > 0 (math.inf allowed), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """How one step's loss is built (VCPO.md §3–§4); every field is validated on construction."""
+
+    objective: Objective = "vcpo"
+    importance_weighting: ISMode = "truncated"  # TIS = truncated, MIS = masked, none = no correction
+    truncation: float = 8.0  # C (> 0, may be math.inf)
+    ess_rule: LRRule = "sqrt"
+    rho_base: float = 1.0  # in (0, 1]
+    baseline_weighting: Weighting = "paper"
+    loss_aggregation: Aggregation = "seq-mean-token-mean"
+    std_normalize: bool = True  # divide by the group's population std (vcpo, grpo)
+    ppo_clip: float = 0.0  # ε; 0 = off
+
+    def __post_init__(self) -> None:
+        o = "ObjectiveConfig."
+        _check_choice(o, "objective", self.objective, get_args(Objective))
+        _check_choice(o, "importance_weighting", self.importance_weighting, get_args(ISMode))
+        _check_truncation(o, self.truncation)
+        _check_choice(o, "ess_rule", self.ess_rule, get_args(LRRule))
+        rb = self.rho_base
+        if isinstance(rb, bool) or not isinstance(rb, int | float) or not 0 < rb <= 1:
+            raise ValueError(f"{o}rho_base must be in (0, 1], got {rb!r}")
+        _check_choice(o, "baseline_weighting", self.baseline_weighting, get_args(Weighting))
+        _check_choice(o, "loss_aggregation", self.loss_aggregation, get_args(Aggregation))
+        if not isinstance(self.std_normalize, bool):
+            raise ValueError(f"{o}std_normalize must be a bool, got {self.std_normalize!r}")
+        pc = self.ppo_clip
+        if isinstance(pc, bool) or not isinstance(pc, int | float) or not (math.isfinite(pc) and pc >= 0):
+            raise ValueError(f"{o}ppo_clip must be a finite number >= 0, got {pc!r}")
+
+
+@dataclass
+class PolicyBatch:
+    """One step's trajectories on one rank; response positions aligned, padding anywhere outside the mask."""
+
+    logprobs: Tensor  # [B, T] current-policy log-probs of the response tokens (may require grad)
+    behaviour_logprobs: Tensor  # [B, T] sampler's log-probs
+    loss_mask: Tensor  # [B, T] bool (or 0/1): tokens the model generated and is trained on
+    rewards: Tensor  # [B]
+    group_ids: Tensor  # [B] integer ids; trajectories of one prompt group share an id
+    sq_grad_norms: Tensor | None = None  # [B] ‖∇θ log π(τ_i)‖², required when objective == "vcpo"
+
+
+# ---------------------------------------------------------------- §1 log weights, §2 ESS and step size
+
+
+def _where(bad: Tensor, limit: int = 5) -> str:
+    """``bad``'s true indices, the first ``limit`` of them, for an error message."""
+    idx = bad.nonzero().tolist()
+    shown = [tuple(i) if len(i) > 1 else i[0] for i in idx[:limit]]
+    more = f" (first {limit} of {len(idx)})" if len(idx) > limit else ""
+    return f"{shown}{more}"
+
+
+def sequence_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """``ℓ_i = Σ_t mask·(log π − log μ)`` in float64, detached, shape ``[B]``.
+
+    Positions outside the mask are ignored even if they hold NaN/inf. A non-finite log-prob on a masked token
+    makes ``ℓ_i`` non-finite (callers skip such trajectories).
+    """
+    if logprobs.dim() != 2 or logprobs.shape != behaviour_logprobs.shape or logprobs.shape != loss_mask.shape:
+        raise ValueError(
+            "logprobs, behaviour_logprobs and loss_mask must share one [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(behaviour_logprobs.shape)}, {tuple(loss_mask.shape)}"
+        )
+    diff = logprobs.detach().to(_F64) - behaviour_logprobs.detach().to(_F64)
+    return torch.where(loss_mask.bool(), diff, torch.zeros_like(diff)).sum(dim=-1)
+
+
+# ---------------------------------------------------------------- §3 the off-policy optimal baseline
+
+
+def _segments(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Dense group index per trajectory (ids may be any integers) and the number of groups."""
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def _seg_sum(x: Tensor, inv: Tensor, n: int) -> Tensor:
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
+
+
+def _seg_extreme(x: Tensor, inv: Tensor, n: int, reduce: str) -> Tensor:
+    fill = -math.inf if reduce == "amax" else math.inf
+    out = torch.full((n,), fill, dtype=x.dtype, device=x.device)
+    return out.scatter_reduce_(0, inv, x, reduce, include_self=False)
+
+
+def _log_loss_weight(log_w: Tensor, mode: str, truncation: float) -> Tensor:
+    """``log w̄``: truncated ``min(ℓ, log C)``; masked ``ℓ`` if ``ℓ ≤ log C`` else ``-inf``; none ``0``."""
+    log_c = math.log(truncation)
+    if mode == "truncated":
+        return torch.clamp(log_w, max=log_c)
+    if mode == "masked":
+        return torch.where(log_w <= log_c, log_w, torch.full_like(log_w, -math.inf))
+    return torch.zeros_like(log_w)
+
+
+def _opob_groups(
+    rewards: Tensor, log_weights: Tensor, sq_grad_norms: Tensor, inv: Tensor, n_groups: int,
+    weighting: str, truncation: float, lengths: Tensor | None, aggregation: str, importance_weighting: str,
+) -> tuple[Tensor, int]:  # fmt: skip
+    """Per-group ``b_g`` (float64 ``[G]``) and the number of groups that fell back to their mean."""
+    r, lw, g = rewards.to(_F64), log_weights.to(_F64), sq_grad_norms.detach().to(_F64)
+    nan = torch.full_like(g, math.nan)
+    log_g = torch.where(torch.isnan(g), nan, torch.where(g > 0, torch.log(g), torch.full_like(g, -math.inf)))
+    if weighting == "paper":
+        log_big_w = 2.0 * lw + log_g
+    else:
+        log_wbar = _log_loss_weight(lw, importance_weighting, truncation)
+        if weighting == "exact":
+            log_a = log_wbar
+            if aggregation == "seq-mean-token-mean":
+                assert lengths is not None
+                log_a = log_wbar - torch.log(lengths.to(_F64))
+            log_big_w = 2.0 * log_a + log_g
+        else:  # released
+            log_big_w = 2.0 * log_wbar + log_g + 2.0 * lw
+    bad = torch.isnan(log_big_w) | torch.isposinf(log_big_w)
+    clean = torch.where(bad, torch.full_like(log_big_w, -math.inf), log_big_w)
+    gmax = _seg_extreme(clean, inv, n_groups, "amax")
+    fallback = (_seg_sum(bad.to(_F64), inv, n_groups) > 0) | torch.isneginf(gmax)
+    e = torch.exp(clean - torch.where(fallback, torch.zeros_like(gmax), gmax)[inv])
+    count = _seg_sum(torch.ones_like(r), inv, n_groups)
+    mean = _seg_sum(r, inv, n_groups) / count
+    weighted = _seg_sum(e * r, inv, n_groups) / torch.where(fallback, count, _seg_sum(e, inv, n_groups))
+    lo, hi = _seg_extreme(r, inv, n_groups, "amin"), _seg_extreme(r, inv, n_groups, "amax")
+    return torch.minimum(torch.maximum(torch.where(fallback, mean, weighted), lo), hi), int(fallback.sum())
+
+
+def opob_baseline_with_stats(
+    rewards: Tensor,
+    log_weights: Tensor,
+    sq_grad_norms: Tensor,
+    group_ids: Tensor,
+    weighting: str = "paper",
+    *,
+    truncation: float = 8.0,
+    lengths: Tensor | None = None,
+    aggregation: str = "seq-mean-token-mean",
+    importance_weighting: str = "truncated",
+) -> tuple[Tensor, int]:
+    """:func:`opob_baseline` and the number of groups that fell back to their plain mean."""
+    owner = "opob_baseline "
+    _check_choice(owner, "weighting", weighting, get_args(Weighting))
+    _check_choice(owner, "aggregation", aggregation, get_args(Aggregation))
+    _check_choice(owner, "importance_weighting", importance_weighting, get_args(ISMode))
+    truncation = _check_truncation(owner, truncation)
+    n = rewards.shape[0] if rewards.dim() == 1 else -1
+    names = ("rewards", "log_weights", "sq_grad_norms", "group_ids", "lengths")
+    for name, t in zip(names, (rewards, log_weights, sq_grad_norms, group_ids, lengths), strict=True):
+        if t is not None and (t.dim() != 1 or t.shape[0] != n):
+            raise ValueError(f"opob_baseline: {name} must have shape [B] = [{n}], got {tuple(t.shape)}")
+    _check_group_ids(group_ids, "opob_baseline group_ids")
+    _check_finite(rewards, "opob_baseline rewards")
+    if weighting == "exact" and aggregation == "seq-mean-token-mean":
+        if lengths is None:
+            raise ValueError("opob_baseline: weighting 'exact' with seq-mean-token-mean needs `lengths`")
+        if bool((~(lengths > 0)).any()):
+            raise ValueError(f"opob_baseline: lengths must be > 0, bad at {_where(~(lengths > 0))}")
+    if n == 0:
+        return torch.zeros(0, dtype=_F64, device=rewards.device), 0
+    inv, n_groups = _segments(group_ids)
+    args = (weighting, truncation, lengths, aggregation, importance_weighting)
+    b, fallbacks = _opob_groups(rewards, log_weights, sq_grad_norms, inv, n_groups, *args)
+    return b[inv], fallbacks
+
+
+def opob_baseline(
+    rewards: Tensor,
+    log_weights: Tensor,
+    sq_grad_norms: Tensor,
+    group_ids: Tensor,
+    weighting: str = "paper",
+    *,
+    truncation: float = 8.0,
+    lengths: Tensor | None = None,
+    aggregation: str = "seq-mean-token-mean",
+    importance_weighting: str = "truncated",
+) -> Tensor:
+    """Each trajectory's group baseline ``b_g = Σ_g W_i R_i / Σ_g W_i`` (float64 ``[B]``, VCPO.md §3).
+
+    ``log W_i`` per weighting (``g_i`` = squared score-gradient norm, ``w̄`` per ``importance_weighting``):
+    paper ``2ℓ_i + log g_i``; exact ``2 log a_i + log g_i`` with ``log a_i = log w̄_i − log L_i`` for
+    seq-mean-token-mean (``lengths`` required) else ``log w̄_i``; released ``2 log w̄_i + log g_i + 2ℓ_i``.
+    ``g_i ≤ 0`` is weight 0. The weighted mean is a per-group softmax of ``log W`` (log space: a weight like
+    ``e^2000`` is fine). A group whose weights are all zero, or hold any NaN/+inf (``g`` NaN/inf, ``ℓ`` NaN),
+    falls back to its plain mean. ``b_g`` is clamped into ``[min R_g, max R_g]`` against round-off.
+    """
+    return opob_baseline_with_stats(
+        rewards, log_weights, sq_grad_norms, group_ids, weighting, truncation=truncation, lengths=lengths,
+        aggregation=aggregation, importance_weighting=importance_weighting,
+    )[0]  # fmt: skip
+
+
+# ---------------------------------------------------------------- validation and advantages
+
+
+def _check_group_ids(group_ids: Tensor, what: str) -> None:
+    dt = group_ids.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise ValueError(f"{what} must have an integer dtype, got {dt}")
+
+
+def _check_finite(t: Tensor, what: str, where: Tensor | None = None) -> None:
+    bad = ~torch.isfinite(t) if where is None else where & ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise ValueError(f"{what} are non-finite at {_where(bad)}")
+
+
+def _validate(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
+    """Raise ``ValueError`` on a malformed batch; return the loss mask as bool."""
+    lp, mask = batch.logprobs, batch.loss_mask
+    if lp.dim() != 2 or not lp.dtype.is_floating_point:
+        raise ValueError(
+            f"PolicyBatch.logprobs must be a 2-D float tensor [B, T], got {lp.dtype} {tuple(lp.shape)}"
+        )
+    b = lp.shape[0]
+    for name in ("behaviour_logprobs", "loss_mask"):
+        if getattr(batch, name).shape != lp.shape:
+            got = tuple(getattr(batch, name).shape)
+            raise ValueError(f"PolicyBatch.{name} must have shape {tuple(lp.shape)}, got {got}")
+    for name in ("rewards", "group_ids", "sq_grad_norms"):
+        t = getattr(batch, name)
+        if t is not None and (t.dim() != 1 or t.shape[0] != b):
+            raise ValueError(f"PolicyBatch.{name} must have shape [B] = [{b}], got {tuple(t.shape)}")
+    if config.objective == "vcpo" and batch.sq_grad_norms is None:
+        raise ValueError("PolicyBatch.sq_grad_norms is required for objective 'vcpo' (the OPOB weights)")
+    _check_group_ids(batch.group_ids, "PolicyBatch.group_ids")
+    if mask.dtype != torch.bool:
+        not01 = (mask != 0) & (mask != 1)
+        if bool(not01.any()):
+            raise ValueError(f"PolicyBatch.loss_mask must be bool or 0/1, bad values at {_where(not01)}")
+        mask = mask != 0
+    _check_finite(batch.rewards, "PolicyBatch.rewards")
+    _check_finite(lp.detach(), "PolicyBatch.logprobs on masked tokens", mask)
+    return mask
+
+
+def _advantages(
+    config: ObjectiveConfig, r: Tensor, inv: Tensor, n_groups: int,
+    log_w: Tensor, lengths: Tensor, g: Tensor | None,
+) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """``Â`` (float64) over valid trajectories and the baseline metrics (VCPO.md §3–§4, module rules)."""
+    count = _seg_sum(torch.ones_like(r), inv, n_groups)
+    mean = _seg_sum(r, inv, n_groups) / count
+    dev = r - mean[inv]
+    std = torch.sqrt(_seg_sum(dev * dev, inv, n_groups) / count)
+    single = count == 1
+    zero_group = (_seg_extreme(r, inv, n_groups, "amax") == _seg_extreme(r, inv, n_groups, "amin")) | single
+    stats = {
+        "baseline_fallbacks": 0.0,
+        "baseline_shift_mean_abs": 0.0,
+        "singleton_groups": float(single.sum()),
+    }
+    if config.objective == "vcpo":
+        assert g is not None
+        # under PPO the loss carries no sequence weight: w̄ ≡ 1 in the exact and released weights too
+        is_mode = "none" if config.ppo_clip > 0 else config.importance_weighting
+        b, fallbacks = _opob_groups(
+            r, log_w, g, inv, n_groups, config.baseline_weighting, config.truncation, lengths,
+            config.loss_aggregation, is_mode,
+        )  # fmt: skip
+        adv = r - b[inv]
+        stats["baseline_fallbacks"] = float(fallbacks)
+        stats["baseline_shift_mean_abs"] = float((b - mean).abs().mean())
+    elif config.objective == "grpo":
+        adv = dev
+    elif config.objective == "rloo":
+        adv = r - (_seg_sum(r, inv, n_groups)[inv] - r) / torch.clamp(count[inv] - 1, min=1)
+    else:  # reinforce: the batch is the baseline's "group"
+        adv = r - r.mean()
+        zero_group = torch.full_like(zero_group, bool(r.max() == r.min()))
+    if config.objective in ("vcpo", "grpo") and config.std_normalize:
+        s = std[inv]
+        adv = torch.where(s > STD_EPS, adv / torch.where(s > STD_EPS, s, torch.ones_like(s)), adv)
+    return torch.where(zero_group[inv], torch.zeros_like(adv), adv), stats
+
+
+# ---------------------------------------------------------------- §4 coefficients and the loss
+
+
+@dataclass
+class _Step:
+    """Everything both loss forms share: validity, log weights, advantages, metrics."""
+
+    mask: Tensor  # [B, T] bool, rows of skipped trajectories cleared
+    valid: Tensor  # [B] bool
+    lengths: Tensor  # [B] float64 loss tokens per trajectory (0 for skipped ones)
+    log_w: Tensor  # [B] float64 ℓ (0 for skipped ones)
+    adv: Tensor  # [B] float64 Â (0 for skipped ones)
+    skip: bool
+    metrics: dict[str, float]
+
+
+def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None) -> _Step:
+    mask = _validate(batch, config)
+    beh = batch.behaviour_logprobs.detach()
+    lengths = mask.sum(dim=-1).to(_F64)
+    nonempty = lengths > 0
+    beh_ok = ~(mask & ~torch.isfinite(beh)).any(dim=-1)
+    valid = nonempty & beh_ok
+    mask = mask & valid[:, None]
+    lengths = torch.where(valid, lengths, torch.zeros_like(lengths))
+    log_w_all = sequence_log_weights(batch.logprobs, beh, mask)
+    lw, r = log_w_all[valid], batch.rewards.detach().to(_F64)[valid]
+    n_valid = int(valid.sum())
+    ess, local_rho = effective_sample_size(lw)
+    rho = local_rho if ess_ratio is None else float(ess_ratio)
+    if math.isfinite(rho) and not 0 <= rho <= 1:
+        raise ValueError(f"ess_ratio must be in [0, 1], got {rho!r}")
+    nan = math.nan
+    m: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+    m.update(ess=ess, ess_ratio=rho, lr_scale=lr_scale(rho, config.rho_base, config.ess_rule))
+    m.update(skipped_empty=float((~nonempty).sum()), skipped_nonfinite=float((nonempty & ~beh_ok).sum()))
+    m.update(num_trajectories=float(valid.numel()), num_valid=float(n_valid), num_tokens=float(lengths.sum()))
+    if n_valid:
+        q = torch.quantile(lw, torch.tensor([0.5, 0.9, 0.99], dtype=_F64, device=lw.device)).tolist()
+        m.update(log_weight_max=float(lw.max()), log_weight_min=float(lw.min()))
+        m.update(log_weight_p50=q[0], log_weight_p90=q[1], log_weight_p99=q[2])
+        m["frac_truncated"] = float((lw > math.log(config.truncation)).to(_F64).mean())
+        inv, n_groups = _segments(batch.group_ids[valid])
+        g = None if batch.sq_grad_norms is None else batch.sq_grad_norms[valid]
+        adv_v, stats = _advantages(config, r, inv, n_groups, lw, lengths[valid], g)
+        m.update(stats)
+        m["advantage_abs_mean"] = float(adv_v.abs().mean())
+    else:
+        m.update(
+            log_weight_max=nan, log_weight_min=nan, log_weight_p50=nan, log_weight_p90=nan, log_weight_p99=nan
+        )
+        adv_v = r
+    adv = torch.zeros_like(log_w_all).masked_scatter_(valid, adv_v)
+    log_w = torch.where(valid, log_w_all, torch.zeros_like(log_w_all))
+    skip = n_valid == 0 or not math.isfinite(rho)
+    return _Step(mask, valid, lengths, log_w, adv, skip, m)
+
+
+def _zero_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``0·Σ logπ`` over masked tokens: zero, finite, and still connected to the graph."""
+    return torch.where(mask, logprobs, torch.zeros_like(logprobs)).sum() * 0.0
+
+
+def _masked_seq_sums(logprobs: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, logprobs, torch.zeros_like(logprobs)).sum(dim=-1)
+
+
+def _coefficients(
+    batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None
+) -> tuple[Tensor, _Step]:
+    step = _prepare(batch, config, ess_ratio)
+    dtype = batch.logprobs.dtype
+    if step.skip:
+        return torch.zeros_like(step.log_w, dtype=dtype), step
+    n_valid = step.metrics["num_valid"]
+    wbar = torch.exp(_log_loss_weight(step.log_w, config.importance_weighting, config.truncation))
+    if config.loss_aggregation == "seq-mean-token-mean":
+        denom = n_valid * torch.where(step.valid, step.lengths, torch.ones_like(step.lengths))
+    elif config.loss_aggregation == "seq-mean-token-sum":
+        denom = torch.full_like(step.lengths, n_valid)
+    else:
+        denom = torch.full_like(step.lengths, step.metrics["num_tokens"])
+    # Â = 0 wins over an overflowing w̄ (C = inf): 0·inf must not turn a zero-signal trajectory into NaN
+    live = step.valid & (step.adv != 0)
+    coef64 = torch.where(live, -step.adv * wbar / denom, torch.zeros_like(step.adv))
+    coef = coef64.to(dtype)
+    # the coefficients and the loss they imply must be representable in the loss dtype
+    value = (coef * _masked_seq_sums(batch.logprobs.detach(), step.mask)).sum()
+    if not (bool(torch.isfinite(coef).all()) and math.isfinite(float(value))):
+        step.skip = True
+        return torch.zeros_like(coef), step
+    return coef, step
+
+
+def _finish(step: _Step) -> dict[str, float]:
+    step.metrics["step_skipped"] = float(step.skip)
+    if step.skip:
+        step.metrics["lr_scale"] = 0.0
+    return step.metrics
+
+
+def trajectory_coefficients(
+    batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """Detached ``coef [B]`` (``batch.logprobs``' dtype) with ``loss = Σ_i coef_i · Σ_t mask_it · logπ_it``.
+
+    ``coef_i = −Â_i·w̄_i/(B·L_i)`` (seq-mean-token-mean), ``−Â_i·w̄_i/B`` (seq-mean-token-sum),
+    ``−Â_i·w̄_i/ΣL`` (token-mean); ``B`` and ``ΣL`` count valid trajectories only, skipped ones get 0, and a
+    skipped step gives all zeros. ``w̄``: truncated ``exp(min(ℓ, log C))``, masked ``exp(ℓ)·[ℓ ≤ log C]``,
+    none 1. ``ess_ratio`` is the global ρ when given, else this batch's. Raises ``ValueError`` when
+    ``config.ppo_clip > 0`` (per-token coefficients have no per-trajectory form).
+    """
+    if config.ppo_clip > 0:
+        raise ValueError(f"trajectory_coefficients: ppo_clip={config.ppo_clip} has per-token coefficients")
+    coef, step = _coefficients(batch, config, ess_ratio)
+    m = _finish(step)
+    m["loss"] = float((coef * _masked_seq_sums(batch.logprobs.detach(), step.mask)).sum())
+    return coef, m
+
+
+def _ppo_loss(batch: PolicyBatch, config: ObjectiveConfig, step: _Step) -> tuple[Tensor, float]:
+    """The clipped per-token surrogate and the share of loss tokens where the clip binds (zero gradient)."""
+    lp, mask, eps = batch.logprobs, step.mask, config.ppo_clip
+    beh = batch.behaviour_logprobs.detach().to(lp.dtype)
+    log_ratio = torch.where(mask, lp - torch.where(mask, beh, torch.zeros_like(beh)), torch.zeros_like(lp))
+    ratio = torch.exp(torch.clamp(log_ratio, -PPO_LOG_RATIO_LIMIT, PPO_LOG_RATIO_LIMIT))
+    adv = step.adv.to(lp.dtype)[:, None]
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1.0 - eps, 1.0 + eps) * adv
+    term = torch.where(mask, torch.minimum(unclipped, clipped), torch.zeros_like(lp))
+    binds = mask & (clipped.detach() < unclipped.detach())
+    seq = term.sum(dim=-1)
+    n_valid, n_tok = step.metrics["num_valid"], step.metrics["num_tokens"]
+    if config.loss_aggregation == "seq-mean-token-mean":
+        lengths = torch.where(step.valid, step.lengths, torch.ones_like(step.lengths)).to(lp.dtype)
+        total = (seq / lengths).sum() / n_valid
+    elif config.loss_aggregation == "seq-mean-token-sum":
+        total = seq.sum() / n_valid
+    else:
+        total = seq.sum() / n_tok
+    return -total, float(binds.sum()) / n_tok
+
+
+def policy_loss(
+    batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """The step's scalar loss (differentiable through ``batch.logprobs``, its dtype) and metrics.
+
+    ``ppo_clip == 0``: ``Σ_i coef_i Σ_t mask·logπ`` with :func:`trajectory_coefficients`' coefficients (same
+    code). ``ppo_clip = ε > 0``: token term ``min(r_t·Â_i, clip(r_t, 1−ε, 1+ε)·Â_i)`` with
+    ``r_t = exp(clamp(logπ_t − logμ_t, ±20))``, aggregated per ``loss_aggregation``, negated; no sequence
+    weight, so ``w̄ ≡ 1`` wherever it appears (also in the exact and released OPOB weights) and
+    ``importance_weighting`` has no effect. ``ess_ratio``: the global ρ when given (in [0, 1], or non-finite
+    to skip), else this batch's; it drives ``lr_scale`` and the skip, while ``metrics["ess"]`` is always this
+    batch's own ESS. A skipped step (module rules) returns ``0·Σ logπ`` and ``metrics["step_skipped"] = 1``,
+    ``lr_scale = 0``. Metric keys, in order: :data:`METRIC_KEYS`; undefined statistics (ESS and log-weight
+    quantiles of a batch with no valid trajectory) are NaN, the loss never is.
+    """
+    lp = batch.logprobs
+    if config.ppo_clip == 0:
+        coef, step = _coefficients(batch, config, ess_ratio)
+        loss = (coef * _masked_seq_sums(lp, step.mask)).sum()
+    else:
+        step = _prepare(batch, config, ess_ratio)
+        loss = lp.new_zeros(())
+        if not step.skip:
+            loss, step.metrics["ppo_clip_fraction"] = _ppo_loss(batch, config, step)
+            step.skip = not math.isfinite(float(loss.detach()))
+    if step.skip:
+        loss = _zero_loss(lp, step.mask)
+        step.metrics["ppo_clip_fraction"] = 0.0
+    m = _finish(step)
+    m["loss"] = float(loss.detach())
+    return loss, m
+
+
+# §5, the per-trajectory gradient norms OPOB needs, is model code: it lives in grad_norms.py and is
+# re-exported here so the whole of VCPO.md is reachable from one module.
+from services.learner.grad_norms import per_trajectory_sq_grad_norms  # noqa: E402
+
+__all__ = [
+    "METRIC_KEYS",
+    "ObjectiveConfig",
+    "PolicyBatch",
+    "distributed_effective_sample_size",
+    "effective_sample_size",
+    "ess_from_partial_sums",
+    "ess_partial_sums",
+    "lr_scale",
+    "opob_baseline",
+    "opob_baseline_with_stats",
+    "per_trajectory_sq_grad_norms",
+    "policy_loss",
+    "sequence_log_weights",
+    "trajectory_coefficients",
+]

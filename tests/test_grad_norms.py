@@ -1,0 +1,191 @@
+"""The norm pass against brute force: one backward per trajectory on the tiny Qwen2 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    root = tmp_path_factory.mktemp("models")
+    spec = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 96, "vocab_size": 300}  # fmt: skip
+    return {
+        tied: build_tiny_model(root / f"tied-{tied}", TinyModelSpec(tie_word_embeddings=tied, **spec))
+        for tied in (False, True)
+    }
+
+
+def load(model_dirs: dict[bool, Path], tied: bool, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[tied], dtype=dtype)  # sdpa, the default
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    with torch.no_grad():  # fresh random weights would leave RMSNorm weights at 1: make every term count
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.train()
+
+
+def make_batch(vocab: int, padding: str, rows: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Ragged prompt+response rows, padded to one length; responses with a masked-out "tool output" span."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(6, 30, (rows,), generator=g)]
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    attn = torch.zeros(rows, width, dtype=torch.long)
+    resp = torch.zeros(rows, width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        row = torch.randint(3, vocab, (n,), generator=g)
+        row[1:n:5] = row[0]  # repeated token ids: the embedding rule's id grouping matters
+        prompt = int(torch.randint(1, n - 2, (1,), generator=g))
+        m = torch.zeros(n, dtype=torch.long)
+        m[prompt:] = 1
+        if n - prompt > 6:
+            m[prompt + 2 : prompt + 4] = 0  # tool output inside the response
+        sl = slice(width - n, width) if padding == "left" else slice(0, n)
+        ids[r, sl], attn[r, sl], resp[r, sl] = row, 1, m
+    return ids, attn, resp
+
+
+def brute_force(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+    out = []
+    for r in range(ids.shape[0]):
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(model, ids[r : r + 1], attn[r : r + 1])
+        torch.where(resp[r : r + 1].bool(), logp, 0.0).sum().backward()
+        out.append(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
+    model.zero_grad(set_to_none=True)
+    return torch.stack(out)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.float64, 1e-8)], ids=["f32", "f64"])
+def test_norms_match_brute_force(
+    model_dirs, tied: bool, padding: str, dtype: torch.dtype, tol: float
+) -> None:
+    model = load(model_dirs, tied, dtype)
+    ids, attn, resp = make_batch(model.config.vocab_size, padding)
+    expected = brute_force(model, ids, attn, resp)
+    for micro_batch in (1, 8):
+        got = per_trajectory_sq_grad_norms(model, ids, attn, resp, micro_batch_size=micro_batch)
+        assert got.shape == (8,) and got.dtype == torch.float64
+        assert rel_err(got, expected) <= tol, (micro_batch, got, expected)
+    assert all(p.grad is None for p in model.parameters())  # no parameter gradient was formed
+
+
+def test_padding_and_batch_neighbours_do_not_change_a_row(model_dirs) -> None:
+    model = load(model_dirs, False, torch.float64)
+    ids, attn, resp = make_batch(model.config.vocab_size, "right")
+    alone = torch.cat(
+        [
+            per_trajectory_sq_grad_norms(model, ids[r : r + 1], attn[r : r + 1], resp[r : r + 1])
+            for r in range(8)
+        ]
+    )
+    together = per_trajectory_sq_grad_norms(model, ids, attn, resp)
+    assert rel_err(together, alone) <= 1e-10
+    # the same rows left-padded: positions follow the mask, so the values are the same
+    lids, lattn, lresp = make_batch(model.config.vocab_size, "left")
+    assert rel_err(per_trajectory_sq_grad_norms(model, lids, lattn, lresp), together) <= 1e-8
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weighted_gradient_equals_autograd_of_the_weighted_loss(model_dirs, tied: bool) -> None:
+    model = load(model_dirs, tied, torch.float64)
+    ids, attn, resp = make_batch(model.config.vocab_size, "left", seed=3)
+    coef = torch.linspace(-1.5, 2.0, 8, dtype=torch.float64)
+    coef[2] = 0.0
+
+    # Σ_i c_i ∇f_i, one backward per row
+    per_row = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for r in range(8):
+        model.zero_grad(set_to_none=True)
+        logp_r = token_logprobs(model, ids[r : r + 1], attn[r : r + 1])
+        torch.where(resp[r : r + 1].bool(), logp_r, 0.0).sum().backward()
+        for n, p in model.named_parameters():
+            per_row[n] += coef[r] * p.grad
+    # the ordinary backward of the weighted loss
+    model.zero_grad(set_to_none=True)
+    logp = token_logprobs(model, ids, attn)
+    (torch.where(resp.bool(), logp, 0.0).sum(1) * coef).sum().backward()
+    ordinary = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad(set_to_none=True)
+    result = norm_pass(model, ids, attn, resp)
+    assert all(p.grad is None for p in model.parameters())
+    result.accumulate_weighted_gradients(coef)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        exact = float((p.grad - per_row[name]).norm() / per_row[name].norm().clamp_min(1e-30))
+        assert exact <= 1e-10, (name, exact)
+        # Qwen2's RMSNorm computes in float32 even in a float64 model, so scaling the backward signal
+        # before or after it differs at float32 round-off
+        close = float((p.grad - ordinary[name]).norm() / ordinary[name].norm().clamp_min(1e-30))
+        assert close <= 1e-5, (name, close)
+    # the log-probs the pass returns are the forward's
+    assert torch.allclose(result.token_logprobs, logp.detach(), atol=1e-12)
+    with pytest.raises(RuntimeError, match="already used or released"):
+        result.accumulate_weighted_gradients(coef)
+
+
+def test_bad_inputs_are_named(model_dirs) -> None:
+    model = load(model_dirs, False, torch.float32)
+    ids, attn, resp = make_batch(model.config.vocab_size, "right")
+    bad = resp.clone()
+    bad[:, 0] = 1
+    with pytest.raises(ValueError, match=r"response_mask\[:, 0\] must be 0"):
+        per_trajectory_sq_grad_norms(model, ids, attn, bad)
+    bad = resp.clone()
+    row = int((attn == 0).any(1).nonzero()[0])
+    bad[row, -1] = 1
+    with pytest.raises(ValueError, match=rf"marks padding .* in rows \[{row}\]"):
+        per_trajectory_sq_grad_norms(model, ids, attn, bad)
+    with pytest.raises(ValueError, match="response_mask shape"):
+        per_trajectory_sq_grad_norms(model, ids, attn, resp[:, 1:])
+    result = norm_pass(model, ids, attn, resp)
+    with pytest.raises(ValueError, match=r"coefficients must have shape \(8,\)"):
+        result.accumulate_weighted_gradients(torch.ones(3))
+    with pytest.raises(ValueError, match="coefficients must be finite"):
+        result.accumulate_weighted_gradients(torch.full((8,), float("nan")))
+
+
+def test_empty_response_rows_have_zero_norm(model_dirs) -> None:
+    model = load(model_dirs, False, torch.float64)
+    ids, attn, resp = make_batch(model.config.vocab_size, "right")
+    resp[3] = 0
+    got = per_trajectory_sq_grad_norms(model, ids, attn, resp)
+    assert got[3] == 0 and (got[torch.arange(8) != 3] > 0).all()
+
+
+def test_frozen_parameters_are_left_out_and_unknown_modules_refused(model_dirs) -> None:
+    model = load(model_dirs, False, torch.float64)
+    ids, attn, resp = make_batch(model.config.vocab_size, "right", rows=3)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for layer in model.model.layers[:1]:
+        layer.requires_grad_(False)
+    assert (
+        rel_err(per_trajectory_sq_grad_norms(model, ids, attn, resp), brute_force(model, ids, attn, resp))
+        <= 1e-8
+    )
+
+    class WithLayerNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+    with pytest.raises(NotImplementedError, match=r"'norm' \(LayerNorm\) owns trainable parameters"):
+        norm_pass(WithLayerNorm(), ids, attn, resp)

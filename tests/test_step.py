@@ -1,0 +1,146 @@
+"""The step's gradient: VCPO by the norm pass equals autograd of the VCPO loss; micro-batching changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.learner.grad_norms import per_trajectory_sq_grad_norms, token_logprobs
+from services.learner.step import TrajectoryTensors, policy_gradient_backward, vcpo_backward
+from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss
+from tests.test_grad_norms import make_batch
+
+SPEC = TinyModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=96, vocab_size=300)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("step") / "model", SPEC)
+
+
+def load(model_dir: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).train()
+
+
+def trajectories(model: nn.Module, seed: int = 0) -> TrajectoryTensors:
+    ids, attn, resp = make_batch(model.config.vocab_size, "left", rows=8, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        behaviour = token_logprobs(model, ids, attn) + 0.3 * torch.randn(
+            ids.shape, generator=g, dtype=torch.float64
+        )
+    rewards = torch.tensor(
+        [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64
+    )  # group 1: equal rewards
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 3, 3])
+    return TrajectoryTensors(ids, attn, resp, behaviour, rewards, groups)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        err = float((a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-30))
+        assert err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("weighting", ["paper", "exact", "released"])
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_vcpo_backward_equals_autograd_of_the_vcpo_loss(
+    model_dir: Path, weighting: str, aggregation: str
+) -> None:
+    model = load(model_dir)
+    batch = trajectories(model)
+    config = ObjectiveConfig(baseline_weighting=weighting, loss_aggregation=aggregation)  # type: ignore[arg-type]
+
+    model.zero_grad(set_to_none=True)
+    metrics = vcpo_backward(model, batch, config)
+    fused = grads(model)
+
+    model.zero_grad(set_to_none=True)
+    norms = per_trajectory_sq_grad_norms(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+    logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    policy = PolicyBatch(logprobs, batch.behaviour_logprobs, batch.response_mask.bool(), batch.rewards,
+                         batch.group_ids, norms)  # fmt: skip
+    loss, expected_metrics = policy_loss(policy, config)
+    loss.backward()
+    close(fused, grads(model), 1e-5)  # float32 RMSNorm internals bound the agreement (see test_grad_norms)
+    for key in ("ess_ratio", "lr_scale", "baseline_shift_mean_abs"):
+        assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-9)
+    assert 0 < metrics["ess_ratio"] < 1 and metrics["baseline_shift_mean_abs"] > 0
+
+
+def test_micro_batch_size_changes_nothing(model_dir: Path) -> None:
+    model = load(model_dir)
+    batch = trajectories(model, seed=1)
+    results = []
+    for mb in (None, 3, 1):
+        model.zero_grad(set_to_none=True)
+        metrics = vcpo_backward(model, batch, ObjectiveConfig(), micro_batch_size=mb)
+        results.append((grads(model), metrics))
+    for g, m in results[1:]:
+        close(g, results[0][0], 1e-10)
+        assert m["ess_ratio"] == pytest.approx(results[0][1]["ess_ratio"], rel=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "rloo", "reinforce"])
+def test_policy_gradient_backward_micro_batched_equals_one_batch(model_dir: Path, objective: str) -> None:
+    model = load(model_dir)
+    batch = trajectories(model, seed=2)
+    config = ObjectiveConfig(objective=objective, importance_weighting="truncated")  # type: ignore[arg-type]
+    model.zero_grad(set_to_none=True)
+    policy_gradient_backward(model, batch, config)
+    whole = grads(model)
+    model.zero_grad(set_to_none=True)
+    policy_gradient_backward(model, batch, config, micro_batch_size=3)
+    close(grads(model), whole, 1e-10)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "vcpo"])
+def test_ppo_clipping_runs_through_the_ordinary_path(model_dir: Path, objective: str) -> None:
+    from services.learner.step import backward
+
+    model = load(model_dir)
+    batch = trajectories(model, seed=3)
+    config = ObjectiveConfig(objective=objective, ppo_clip=0.2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="use policy_gradient_backward"):
+        vcpo_backward(model, batch, config)
+    model.zero_grad(set_to_none=True)
+    metrics = backward(model, batch, config, micro_batch_size=4)
+    micro = grads(model)
+    assert all(torch.isfinite(g).all() for g in micro.values())
+    assert 0 <= metrics["ppo_clip_fraction"] <= 1
+    model.zero_grad(set_to_none=True)
+    backward(model, batch, config)
+    close(micro, grads(model), 1e-10)
+
+
+def test_every_learner_config_maps_to_an_objective() -> None:
+    import itertools
+
+    from services.learner.config import LearnerConfig
+    from services.learner.step import objective_config
+
+    for objective, weighting, aggregation in itertools.product(
+        ["vcpo", "grpo", "rloo", "reinforce"], ["paper", "exact", "released"],
+        ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"],
+    ):  # fmt: skip
+        learner = LearnerConfig(
+            objective=objective, baseline_weighting=weighting, loss_aggregation=aggregation
+        )
+        config = objective_config(learner)
+        assert (config.objective, config.baseline_weighting, config.loss_aggregation) == (
+            objective,
+            weighting,
+            aggregation,
+        )
