@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -18,13 +17,17 @@ class WeightBrokerConfig(Section):
     )
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
-    storage_dir: Path = Field(
-        Path(""),
-        description="Directory for disk storage or the filesystem transport; empty = <run_dir>/weights.",
+    storage_dir: str = Field(
+        "", description="Directory for disk storage or the filesystem transport; empty = <run_dir>/weights."
     )
     chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
     rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
     grpc_port: int = Field(50052, ge=0, le=65535, description="Broker gRPC port; 0 = a free port.")
+    advertise_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Host name samplers reach the broker at (put in announcements).",
+    )
     metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
 
 

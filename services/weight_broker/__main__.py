@@ -1,0 +1,3 @@
+from services.weight_broker.main import main
+
+main()

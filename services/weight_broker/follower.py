@@ -1,0 +1,110 @@
+"""A sampler's side of weight sync: notice newer versions, load each whole, and say why it is waiting.
+
+    weights stream (announcements) ─┐
+    transport.latest() (fallback) ──┴─► newer than loaded? ─► transport.fetch(loader.begin(v)) ─► loader.commit(v)
+                                                               any failure ─► loader.abort(v), reason kept
+
+The loader stages a version and switches the engine to it only in ``commit``, so a version is never
+half-applied. If the broker cannot be reached, the follower keeps the weights it has and records why;
+admission control then lets the sampler start groups only while its loaded version is within the lag
+bound, and :meth:`WeightFollower.waiting_reason` says why it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from services.common.admission import Admission
+from services.common.streams import StreamTail
+from services.weight_broker.client import BrokerUnavailable, WeightTransport
+from services.weight_broker.protocol import Sink
+from services.weight_broker.store import VersionNotFound
+from vcpo.v1 import weights_pb2
+
+log = logging.getLogger(__name__)
+
+
+class VersionLoader(Protocol):
+    """Where fetched tensors go: staged by ``begin``'s sink, applied together by ``commit``."""
+
+    def begin(self, version: int) -> Sink: ...
+
+    def commit(self, version: int) -> None: ...
+
+    def abort(self, version: int) -> None: ...
+
+
+class WeightFollower:
+    def __init__(
+        self,
+        transport: WeightTransport,
+        loader: VersionLoader,
+        announcements: StreamTail[weights_pb2.WeightAnnouncement] | None = None,
+        loaded_version: int | None = None,
+    ) -> None:
+        self.transport, self.loader, self.announcements = transport, loader, announcements
+        self.loaded_version = loaded_version
+        self.newest_known: int | None = loaded_version
+        self.last_error = ""
+        self.unreachable_since: float | None = None
+
+    def poll(self) -> bool:
+        """Load the newest version if there is a newer one; True if the loaded version changed."""
+        try:
+            newest = self._newest()
+        except BrokerUnavailable as exc:
+            self._failed(str(exc))
+            return False
+        if newest is None or (self.loaded_version is not None and newest <= self.loaded_version):
+            self._ok()
+            return False
+        sink = self.loader.begin(newest)
+        try:
+            manifest = self.transport.fetch(sink, newest)
+        except (BrokerUnavailable, VersionNotFound) as exc:
+            self.loader.abort(newest)
+            self._failed(str(exc))
+            return False
+        except BaseException:
+            self.loader.abort(newest)
+            raise
+        self.loader.commit(int(manifest.policy_version))
+        self.loaded_version = int(manifest.policy_version)
+        self._ok()
+        log.info("loaded weights of version %d (%d bytes)", self.loaded_version, manifest.total_bytes)
+        return True
+
+    def _newest(self) -> int | None:
+        if self.announcements is not None:
+            for entry in self.announcements.read(count=1000):
+                self.newest_known = max(self.newest_known or 0, entry.policy_version)
+        if self.announcements is None or self.newest_known is None:
+            latest = self.transport.latest()
+            if latest is not None:
+                self.newest_known = max(self.newest_known or 0, latest)
+        return self.newest_known
+
+    def _failed(self, error: str) -> None:
+        self.last_error = error
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+        log.warning("weights stay at version %s: %s", self.loaded_version, error)
+
+    def _ok(self) -> None:
+        self.last_error, self.unreachable_since = "", None
+
+    def waiting_reason(self, admission: Admission) -> str:
+        """Why a sampler refused by admission control is waiting, for its status and logs."""
+        why = f"{admission.reason} (loaded weights: version {self.loaded_version})"
+        if self.last_error:
+            down = time.monotonic() - (self.unreachable_since or time.monotonic())
+            return f"{why}; cannot get newer weights for {down:.0f}s: {self.last_error}"
+        if (
+            self.newest_known is not None
+            and self.loaded_version is not None
+            and self.newest_known > self.loaded_version
+        ):
+            return f"{why}; loading version {self.newest_known}"
+        return f"{why}; the learner has not published a newer version yet"

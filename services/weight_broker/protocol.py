@@ -1,0 +1,169 @@
+"""The publish and fetch protocols as plain functions, shared by the gRPC servicer and both client transports.
+
+    learner:  publish_requests(specs, tensors) ─► PublishRequest stream ─► apply_publish(store) ─► version
+    sampler:  fetch_responses(store) ─► FetchResponse stream ─► receive_fetch(sink) ─► sink(name, tensor) × n
+
+Over gRPC the two halves run in different processes; with the shared-filesystem transport both halves run
+in the client against a :class:`DiskStore` on the shared path. Either way the bytes are checked the same way:
+each tensor's checksum when its last chunk arrives, the version checksum at commit, and again per tensor on
+the fetching side before the sink sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from services.weight_broker.store import PublishRejected, StoredVersion, VersionStore
+from services.weight_broker.tensors import (
+    Hasher,
+    TensorSpec,
+    dtype_name,
+    manifest_of,
+    tensor_bytes,
+    tensor_from_bytes,
+    version_checksum,
+)
+from vcpo.v1 import weights_pb2
+
+Sink = Callable[[str, torch.Tensor], None]
+
+
+class IntegrityError(ValueError):
+    """Fetched bytes do not match their checksum."""
+
+
+def publish_requests(
+    version: int,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    chunk_bytes: int = 4 << 20,
+    run_id: str = "",
+) -> Iterator[weights_pb2.PublishRequest]:
+    """The publish stream: manifest, each tensor's chunks (checksum on its last), commit.
+
+    ``tensors`` is consumed lazily, one tensor at a time, in the order of ``specs`` (a ZeRO-3 learner gathers
+    each bucket inside that iterator, so the whole model never sits in one extra buffer).
+    """
+    yield weights_pb2.PublishRequest(manifest=manifest_of(specs, version, run_id))
+    digests: list[tuple[str, str]] = []
+    expected = iter(specs)
+    for name, tensor in tensors:
+        spec = next(expected, None)
+        if spec is None or spec.name != name:
+            raise ValueError(
+                f"tensor {name!r} arrived, expected {spec.name if spec else 'no more tensors'!r}"
+            )
+        if (dtype_name(tensor.dtype), tuple(tensor.shape)) != (spec.dtype, spec.shape):
+            raise ValueError(
+                f"tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, the manifest says "
+                f"{spec.dtype}{list(spec.shape)}"
+            )
+        data, hasher = tensor_bytes(tensor), Hasher()
+        hasher.update(data)
+        digest = hasher.hexdigest()
+        offset = 0
+        while True:
+            piece = bytes(data[offset : offset + chunk_bytes])
+            last = offset + len(piece) >= len(data)
+            yield weights_pb2.PublishRequest(
+                chunk=weights_pb2.WeightChunk(
+                    policy_version=version, tensor_name=name, offset=offset, data=piece, last=last,
+                    checksum=digest if last else "",
+                )
+            )  # fmt: skip
+            offset += len(piece)
+            if last:
+                break
+        digests.append((name, digest))
+    missing = [s.name for s in expected]
+    if missing:
+        raise ValueError(f"the tensors ended before {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    commit = weights_pb2.PublishRequest.Commit(checksum=version_checksum(digests))
+    yield weights_pb2.PublishRequest(commit=commit)
+
+
+def apply_publish(store: VersionStore, requests: Iterator[weights_pb2.PublishRequest]) -> StoredVersion:
+    """Run a publish stream into ``store``; the version is visible only if the stream ends with a valid commit.
+
+    Anything else (a stream that breaks off, raises, or ends without commit) leaves nothing behind.
+    """
+    first = next(requests, None)
+    if first is None or first.WhichOneof("item") != "manifest":
+        raise PublishRejected("invalid", "a publish must start with the version's manifest")
+    writer = store.begin(first.manifest)
+    try:
+        for request in requests:
+            kind = request.WhichOneof("item")
+            if kind == "chunk":
+                writer.write(request.chunk)
+            elif kind == "commit":
+                return writer.commit(request.commit.checksum)
+            else:
+                raise PublishRejected("invalid", f"unexpected {kind!r} in the middle of a publish")
+        raise PublishRejected("invalid", f"the publish of version {writer.version} ended without a commit")
+    finally:
+        writer.abort()  # no-op after a commit
+
+
+def fetch_responses(
+    store: VersionStore, version: int | None = None, start_tensor: str = "", chunk_bytes: int = 4 << 20
+) -> Iterator[weights_pb2.FetchResponse]:
+    """The fetch stream: the manifest, then the chunks from ``start_tensor`` on, read from the stored copy."""
+    stored = store.get(version)
+    yield weights_pb2.FetchResponse(manifest=stored.manifest)
+    for chunk in stored.chunks(start_tensor, chunk_bytes):
+        yield weights_pb2.FetchResponse(chunk=chunk)
+
+
+def receive_fetch(
+    responses: Iterable[weights_pb2.FetchResponse],
+    sink: Sink,
+    start_tensor: str = "",
+    expected_version: int | None = None,
+) -> weights_pb2.VersionManifest:
+    """Assemble and verify each tensor, hand it to ``sink(name, tensor)`` in order; return the manifest.
+
+    Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), ValueError on a stream
+    that is out of order or ends early.
+    """
+    stream = iter(responses)
+    head = next(stream, None)
+    if head is None or head.WhichOneof("item") != "manifest":
+        raise ValueError("a fetch must start with the version's manifest")
+    manifest = head.manifest
+    if expected_version is not None and manifest.policy_version != expected_version:
+        raise ValueError(f"asked for version {expected_version}, got {manifest.policy_version}")
+    names = [t.name for t in manifest.tensors]
+    todo = manifest.tensors[names.index(start_tensor) :] if start_tensor else manifest.tensors
+    for meta in todo:
+        buffer, hasher, offset = bytearray(meta.nbytes), Hasher(), 0
+        while True:
+            response = next(stream, None)
+            if response is None or response.WhichOneof("item") != "chunk":
+                raise ValueError(
+                    f"the fetch of version {manifest.policy_version} ended inside tensor {meta.name!r}"
+                )
+            chunk = response.chunk
+            if (
+                chunk.tensor_name != meta.name
+                or chunk.offset != offset
+                or offset + len(chunk.data) > meta.nbytes
+            ):
+                raise ValueError(
+                    f"out-of-order chunk {chunk.tensor_name!r}@{chunk.offset}, expected {meta.name!r}@{offset}"
+                )
+            buffer[offset : offset + len(chunk.data)] = chunk.data
+            hasher.update(chunk.data)
+            offset += len(chunk.data)
+            if chunk.last:
+                break
+        digest = hasher.hexdigest()
+        if offset != meta.nbytes or digest != meta.checksum:
+            raise IntegrityError(
+                f"version {manifest.policy_version}, tensor {meta.name!r}: received {offset} of {meta.nbytes} bytes "
+                f"with checksum {digest}, expected {meta.checksum}"
+            )
+        sink(meta.name, tensor_from_bytes(buffer, meta.dtype, meta.shape))
+    return manifest

@@ -1,0 +1,188 @@
+"""The broker's gRPC face: publish, fetch, latest, list, status; announcements on the `weights` stream.
+
+Errors map to gRPC codes a client can act on: a stale publish is FAILED_PRECONDITION, a duplicate
+ALREADY_EXISTS, a publish while another is in progress ABORTED, bad bytes DATA_LOSS, a malformed stream
+INVALID_ARGUMENT, an unknown version NOT_FOUND. The messages say which version and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from services.common.observability import Metrics
+from services.common.streams import StreamProducer
+from services.weight_broker.protocol import apply_publish, fetch_responses
+from services.weight_broker.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
+from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+REJECT_CODES = {
+    "stale": grpc.StatusCode.FAILED_PRECONDITION,
+    "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+    "in_progress": grpc.StatusCode.ABORTED,
+    "integrity": grpc.StatusCode.DATA_LOSS,
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class BrokerMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        self.latest = metrics.gauge("vcpo_broker_latest_policy_version", "Newest published policy version")
+        self.published = metrics.counter("vcpo_broker_versions_published_total", "Versions committed")
+        self.rejected = metrics.counter("vcpo_broker_publish_rejected_total", "Publishes refused", ["reason"])
+        self.publish_seconds = metrics.histogram(
+            "vcpo_broker_publish_seconds", "Duration of a successful publish",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )  # fmt: skip
+        self.received = metrics.counter("vcpo_broker_received_bytes_total", "Weight bytes received")
+        self.sent = metrics.counter("vcpo_broker_sent_bytes_total", "Weight bytes sent to fetchers")
+        self.active_fetches = metrics.gauge("vcpo_broker_active_fetches", "Fetches streaming now")
+        self.fetches = metrics.counter("vcpo_broker_fetches_total", "Fetches by outcome", ["outcome"])
+        self.stored = metrics.gauge("vcpo_broker_stored_bytes", "Bytes of the retained versions")
+        self.announce_failures = metrics.counter(
+            "vcpo_broker_announce_failures_total",
+            "Announcements that could not be written to the weights stream",
+        )
+
+
+class Announcer:
+    """Writes a WeightAnnouncement for each committed version to the run's `weights` stream."""
+
+    def __init__(
+        self, producer: StreamProducer[weights_pb2.WeightAnnouncement], transport: str, location: str
+    ):
+        self.producer, self.transport, self.location = producer, transport, location
+
+    def announce(self, manifest: weights_pb2.VersionManifest, location: str | None = None) -> None:
+        slim = weights_pb2.VersionManifest()
+        slim.CopyFrom(manifest)
+        self.producer.put(
+            weights_pb2.WeightAnnouncement(
+                policy_version=manifest.policy_version,
+                manifest=slim,
+                transport=self.transport,
+                location=location or self.location,
+                published_unix=time.time(),
+            ),
+            int(manifest.policy_version),
+        )
+
+
+class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grpc.StatusServicer):
+    def __init__(
+        self,
+        store: VersionStore,
+        metrics: BrokerMetrics,
+        announcer: Announcer | None = None,
+        chunk_bytes: int = 4 << 20,
+        run_id: str = "",
+    ) -> None:
+        self.store, self.metrics, self.announcer = store, metrics, announcer
+        self.chunk_bytes, self.run_id = chunk_bytes, run_id
+        self.started = time.monotonic()
+        latest = store.latest()
+        if latest is not None:
+            metrics.latest.set(latest)
+        metrics.stored.set(store.stored_bytes())
+
+    def Publish(
+        self, request_iterator: Iterator[weights_pb2.PublishRequest], context: grpc.ServicerContext
+    ) -> weights_pb2.PublishResponse:
+        t0 = time.monotonic()
+
+        def counted() -> Iterator[weights_pb2.PublishRequest]:
+            for request in request_iterator:
+                if request.WhichOneof("item") == "chunk":
+                    self.metrics.received.inc(len(request.chunk.data))
+                yield request
+
+        try:
+            stored = apply_publish(self.store, counted())
+        except PublishRejected as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            log.warning("publish refused (%s): %s", exc.reason, exc)
+            context.abort(REJECT_CODES[exc.reason], str(exc))
+        seconds = time.monotonic() - t0
+        self._published(stored, seconds)
+        return weights_pb2.PublishResponse(
+            policy_version=stored.manifest.policy_version,
+            total_bytes=stored.manifest.total_bytes,
+            seconds=seconds,
+        )
+
+    def _published(self, stored: StoredVersion, seconds: float) -> None:
+        m = stored.manifest
+        self.metrics.published.inc()
+        self.metrics.publish_seconds.observe(seconds)
+        self.metrics.latest.set(m.policy_version)
+        self.metrics.stored.set(self.store.stored_bytes())
+        log.info("version %d published: %d tensors, %d bytes in %.2fs", m.policy_version, len(m.tensors),
+                 m.total_bytes, seconds)  # fmt: skip
+        if self.announcer is not None:
+            try:
+                self.announcer.announce(m)
+            except Exception:  # the version is committed and fetchable; samplers also poll GetLatest
+                self.metrics.announce_failures.inc()
+                log.exception("could not announce version %d on the weights stream", m.policy_version)
+
+    def Fetch(
+        self, request: weights_pb2.FetchRequest, context: grpc.ServicerContext
+    ) -> Iterator[weights_pb2.FetchResponse]:
+        version = request.policy_version if request.HasField("policy_version") else None
+        chunk_bytes = request.max_chunk_bytes or self.chunk_bytes
+        try:
+            responses = fetch_responses(self.store, version, request.start_tensor, chunk_bytes)
+            head = next(responses)
+        except VersionNotFound as exc:
+            self.metrics.fetches.labels("not_found").inc()
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        self.metrics.active_fetches.inc()
+        outcome = "cancelled"
+        try:
+            yield head
+            for response in responses:
+                yield response
+                self.metrics.sent.inc(len(response.chunk.data))
+            outcome = "complete"
+        finally:
+            self.metrics.active_fetches.dec()
+            self.metrics.fetches.labels(outcome).inc()
+
+    def GetLatest(
+        self, request: weights_pb2.GetLatestRequest, context: grpc.ServicerContext
+    ) -> weights_pb2.GetLatestResponse:
+        latest = self.store.latest()
+        return weights_pb2.GetLatestResponse(available=latest is not None, policy_version=latest or 0)
+
+    def ListVersions(
+        self, request: weights_pb2.ListVersionsRequest, context: grpc.ServicerContext
+    ) -> weights_pb2.ListVersionsResponse:
+        return weights_pb2.ListVersionsResponse(versions=self.store.manifests())
+
+    def GetStatus(
+        self, request: common_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        latest = self.store.latest()
+        return common_pb2.ServiceStatus(
+            service="weight_broker",
+            run_id=self.run_id,
+            policy_version=latest or 0,
+            state=common_pb2.ServiceStatus.READY,
+            detail="no version published yet" if latest is None else f"serving up to version {latest}",
+            uptime_seconds=time.monotonic() - self.started,
+            figures={
+                "stored_bytes": float(self.store.stored_bytes()),
+                "versions": float(len(self.store.manifests())),
+            },
+        )
+
+
+def add_to_server(servicer: WeightBrokerServicer, server: grpc.Server) -> list[str]:
+    weights_pb2_grpc.add_WeightBrokerServicer_to_server(servicer, server)
+    common_pb2_grpc.add_StatusServicer_to_server(servicer, server)
+    return ["vcpo.v1.WeightBroker", "vcpo.v1.Status"]

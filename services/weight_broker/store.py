@@ -1,0 +1,434 @@
+"""Versioned weight storage: a version becomes visible only complete and verified; versions move forward.
+
+    begin(manifest) ─► VersionWriter ── write(chunk) × n ── commit(checksum) ─► StoredVersion (visible)
+                              └── abort() / any error: nothing of it remains
+    get(version | None) ─► StoredVersion ── chunks(start_tensor) ─► WeightChunk stream (from the stored copy)
+
+Two stores behind one interface, chosen by ``[weight_broker] storage``:
+
+- :class:`MemoryStore` keeps each retained version as one buffer per tensor. A fetch streams slices of
+  that buffer (one chunk copied at a time), so any number of concurrent fetchers add only their in-flight
+  chunks, never a copy of the model each.
+- :class:`DiskStore` keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
+  ``manifest.json``, written under a temporary name and renamed on commit (atomic), read back by ``pread``.
+  It survives restarts, and it is the layout of the shared-filesystem transport, so a sampler or vLLM can
+  load a version directory directly.
+
+Retention keeps the newest ``retain`` versions; a fetch in progress keeps reading a version dropped under
+it (the buffer stays referenced; the unlinked file stays open).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from services.weight_broker.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
+from vcpo.v1 import weights_pb2
+
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+
+
+class PublishRejected(Exception):
+    """A publish the store refuses; ``reason`` is one of stale, duplicate, in_progress, invalid, integrity."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class VersionNotFound(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class StoredVersion(ABC):
+    """A committed, verified version: its manifest (with checksums) and its bytes."""
+
+    manifest: weights_pb2.VersionManifest
+
+    @abstractmethod
+    def read(self, index: int, offset: int, size: int) -> bytes:
+        """``size`` bytes of tensor ``index`` from ``offset``."""
+
+    def chunks(self, start_tensor: str = "", chunk_bytes: int = 4 << 20) -> Iterator[weights_pb2.WeightChunk]:
+        """The version's chunks in order, from tensor ``start_tensor`` (a resumed fetch) on."""
+        names = [t.name for t in self.manifest.tensors]
+        if start_tensor and start_tensor not in names:
+            raise VersionNotFound(f"version {self.manifest.policy_version} has no tensor {start_tensor!r}")
+        first = names.index(start_tensor) if start_tensor else 0
+        for index, meta in enumerate(self.manifest.tensors[first:], start=first):
+            offset = 0
+            while True:
+                size = min(chunk_bytes, meta.nbytes - offset)
+                last = offset + size >= meta.nbytes
+                yield weights_pb2.WeightChunk(
+                    policy_version=self.manifest.policy_version,
+                    tensor_name=meta.name,
+                    offset=offset,
+                    data=self.read(index, offset, size),
+                    last=last,
+                    checksum=meta.checksum if last else "",
+                )
+                offset += size
+                if last:
+                    break
+
+
+class VersionWriter(ABC):
+    """An in-progress publish: takes chunks in order, verifies every tensor, commits atomically."""
+
+    def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
+        self.store, self.manifest = store, manifest
+        self._index = 0  # tensor being written
+        self._offset = 0
+        self._hasher = Hasher()
+        self._digests: list[str] = []
+        self._done = False
+
+    @property
+    def version(self) -> int:
+        return int(self.manifest.policy_version)
+
+    def write(self, chunk: weights_pb2.WeightChunk) -> None:
+        """Take the next chunk; raises PublishRejected (and aborts) on anything out of order or corrupt."""
+        try:
+            self._write(chunk)
+        except PublishRejected:
+            self.abort()
+            raise
+
+    def _write(self, chunk: weights_pb2.WeightChunk) -> None:
+        if self._index >= len(self.manifest.tensors):
+            raise PublishRejected("invalid", f"chunk for {chunk.tensor_name!r} after the last tensor")
+        meta = self.manifest.tensors[self._index]
+        if chunk.policy_version != self.version:
+            raise PublishRejected(
+                "invalid", f"chunk of version {chunk.policy_version} in a publish of {self.version}"
+            )
+        if chunk.tensor_name != meta.name or chunk.offset != self._offset:
+            raise PublishRejected(
+                "invalid",
+                f"expected tensor {meta.name!r} at byte {self._offset}, got {chunk.tensor_name!r} at {chunk.offset}",
+            )
+        end = self._offset + len(chunk.data)
+        if (
+            end > meta.nbytes
+            or (chunk.last and end != meta.nbytes)
+            or (not chunk.last and end == meta.nbytes)
+        ):
+            raise PublishRejected(
+                "invalid", f"tensor {meta.name!r}: chunk ends at {end} of {meta.nbytes} bytes"
+            )
+        self._put(self._index, self._offset, chunk.data)
+        self._hasher.update(chunk.data)
+        self._offset = end
+        if chunk.last:
+            digest = self._hasher.hexdigest()
+            if chunk.checksum != digest:
+                raise PublishRejected(
+                    "integrity",
+                    f"tensor {meta.name!r}: checksum {chunk.checksum!r} != received bytes' {digest!r}",
+                )
+            self._digests.append(digest)
+            self._index, self._offset, self._hasher = self._index + 1, 0, Hasher()
+
+    def commit(self, expected_checksum: str) -> StoredVersion:
+        """Make the version visible, if every tensor arrived and the version checksum matches."""
+        try:
+            if self._index != len(self.manifest.tensors):
+                missing = len(self.manifest.tensors) - self._index
+                raise PublishRejected(
+                    "invalid", f"commit with {missing} tensor(s) of version {self.version} missing"
+                )
+            final = weights_pb2.VersionManifest()
+            final.CopyFrom(self.manifest)
+            for meta, digest in zip(final.tensors, self._digests, strict=True):
+                meta.checksum = digest
+            final.checksum = version_checksum(list(final.tensors))
+            if expected_checksum != final.checksum:
+                raise PublishRejected(
+                    "integrity", f"version checksum {expected_checksum!r} != computed {final.checksum!r}"
+                )
+            stored = self._finish(final)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self.store._committed(stored)
+        return stored
+
+    def abort(self) -> None:
+        """Drop everything written; idempotent."""
+        if not self._done:
+            self._done = True
+            self._discard()
+            self.store._aborted(self.version)
+
+    @abstractmethod
+    def _put(self, index: int, offset: int, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
+
+    @abstractmethod
+    def _discard(self) -> None: ...
+
+
+class VersionStore(ABC):
+    """The retained versions and the one publish in progress."""
+
+    def __init__(self, retain: int) -> None:
+        if retain < 1:
+            raise ValueError(f"retain must be >= 1, got {retain}")
+        self.retain = retain
+        self._versions: dict[int, StoredVersion] = {}
+        self._in_progress: int | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
+        _validate(manifest)
+        v = int(manifest.policy_version)
+        with self._lock:
+            self._refresh_locked()
+            latest = max(self._versions, default=None)
+            if v in self._versions:
+                raise PublishRejected("duplicate", f"version {v} is already published")
+            if latest is not None and v < latest:
+                raise PublishRejected(
+                    "stale", f"version {v} is older than the latest published version {latest}"
+                )
+            if self._in_progress is not None:
+                raise PublishRejected(
+                    "in_progress", f"a publish of version {self._in_progress} is in progress"
+                )
+            self._in_progress = v
+        try:
+            return self._writer(manifest)
+        except BaseException:
+            self._aborted(v)
+            raise
+
+    def get(self, version: int | None = None) -> StoredVersion:
+        with self._lock:
+            self._refresh_locked()
+            if not self._versions:
+                raise VersionNotFound("no version has been published yet")
+            v = max(self._versions) if version is None else version
+            if v not in self._versions:
+                raise VersionNotFound(f"version {v} is not retained (retained: {sorted(self._versions)})")
+            return self._versions[v]
+
+    def latest(self) -> int | None:
+        with self._lock:
+            self._refresh_locked()
+            return max(self._versions, default=None)
+
+    def manifests(self) -> list[weights_pb2.VersionManifest]:
+        with self._lock:
+            self._refresh_locked()
+            return [self._versions[v].manifest for v in sorted(self._versions)]
+
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(int(s.manifest.total_bytes) for s in self._versions.values())
+
+    def _committed(self, stored: StoredVersion) -> None:
+        with self._lock:
+            self._versions[int(stored.manifest.policy_version)] = stored
+            self._in_progress = None
+            for old in sorted(self._versions)[: -self.retain]:
+                self._drop(self._versions.pop(old))
+
+    def _aborted(self, version: int) -> None:
+        with self._lock:
+            if self._in_progress == version:
+                self._in_progress = None
+
+    def _refresh_locked(self) -> None:
+        """Pick up versions other processes committed (the shared-filesystem case); a no-op in memory."""
+        return
+
+    @abstractmethod
+    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter: ...
+
+    def _drop(self, stored: StoredVersion) -> None:
+        """Release a version that fell out of retention; in memory, dropping the reference is enough."""
+        return
+
+
+def _validate(manifest: weights_pb2.VersionManifest) -> None:
+    if not manifest.tensors:
+        raise PublishRejected("invalid", f"version {manifest.policy_version}: the manifest lists no tensors")
+    names = set()
+    for t in manifest.tensors:
+        if not t.name or t.name in names:
+            raise PublishRejected("invalid", f"tensor name {t.name!r} is empty or repeated")
+        names.add(t.name)
+        try:
+            size = torch_dtype(t.dtype).itemsize
+        except ValueError as exc:
+            raise PublishRejected("invalid", f"tensor {t.name!r}: {exc}") from None
+        for d in t.shape:
+            if d < 0:
+                raise PublishRejected(
+                    "invalid", f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}"
+                )
+            size *= d
+        if size != t.nbytes:
+            raise PublishRejected(
+                "invalid", f"tensor {t.name!r}: {t.nbytes} bytes, but {t.dtype}{list(t.shape)} is {size}"
+            )
+    if manifest.total_bytes != sum(t.nbytes for t in manifest.tensors):
+        raise PublishRejected(
+            "invalid", f"total_bytes {manifest.total_bytes} is not the sum of the tensors' sizes"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+class _MemoryVersion(StoredVersion):
+    def __init__(self, manifest: weights_pb2.VersionManifest, buffers: list[bytearray]) -> None:
+        self.manifest, self._views = manifest, [memoryview(b).toreadonly() for b in buffers]
+
+    def read(self, index: int, offset: int, size: int) -> bytes:
+        return bytes(self._views[index][offset : offset + size])
+
+
+class _MemoryWriter(VersionWriter):
+    def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
+        super().__init__(store, manifest)
+        self._buffers: list[bytearray] = []
+
+    def _put(self, index: int, offset: int, data: bytes) -> None:
+        if index == len(self._buffers):  # allocated tensor by tensor as the publish arrives
+            self._buffers.append(bytearray(self.manifest.tensors[index].nbytes))
+        self._buffers[index][offset : offset + len(data)] = data
+
+    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
+        return _MemoryVersion(manifest, self._buffers)
+
+    def _discard(self) -> None:
+        self._buffers = []
+
+
+class MemoryStore(VersionStore):
+    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
+        return _MemoryWriter(self, manifest)
+
+
+# ------------------------------------------------------------------------------------------------ disk
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:010d}"
+
+
+class _DiskVersion(StoredVersion):
+    def __init__(self, path: Path, manifest: weights_pb2.VersionManifest) -> None:
+        self.path, self.manifest = path, manifest
+        self._fd = os.open(path / WEIGHTS, os.O_RDONLY)
+        _, self._starts = safetensors_header(manifest)
+
+    def read(self, index: int, offset: int, size: int) -> bytes:
+        data = os.pread(self._fd, size, self._starts[index] + offset)
+        if len(data) != size:
+            raise OSError(
+                f"{self.path / WEIGHTS}: short read of tensor {self.manifest.tensors[index].name!r}"
+            )
+        return data
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class _DiskWriter(VersionWriter):
+    def __init__(self, store: DiskStore, manifest: weights_pb2.VersionManifest) -> None:
+        super().__init__(store, manifest)
+        self._final = version_dir(store.root, int(manifest.policy_version))
+        self._tmp = store.root / f".{self._final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp.mkdir(parents=True)
+        prefix, self._starts = safetensors_header(manifest)
+        self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
+        self._file.write(prefix)
+
+    def _put(self, index: int, offset: int, data: bytes) -> None:
+        self._file.write(data)  # chunks arrive in order, so the file is written front to back
+
+    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        (self._tmp / MANIFEST).write_text(json_format.MessageToJson(manifest))
+        os.replace(self._tmp, self._final)  # atomic: the version appears whole or not at all
+        return _DiskVersion(self._final, manifest)
+
+    def _discard(self) -> None:
+        self._file.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class DiskStore(VersionStore):
+    """Versions as ``v<version>/`` directories under ``root``; survives restarts; shareable between processes."""
+
+    def __init__(self, root: str | Path, retain: int, owner: bool = True) -> None:
+        """``owner``: this process is the directory's only publisher (the broker, or the learner with the
+        filesystem transport): it removes partial versions a crashed predecessor left and prunes retention.
+        Readers (samplers on a shared volume) pass ``owner=False``."""
+        super().__init__(retain)
+        self.root, self.owner = Path(root), owner
+        self.root.mkdir(parents=True, exist_ok=True)
+        if owner:
+            for leftover in self.root.glob(".v*.partial-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        with self._lock:
+            self._refresh_locked()
+            for old in sorted(self._versions)[: -self.retain]:
+                self._drop(self._versions.pop(old))
+
+    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
+        if not self.owner:
+            raise PublishRejected("invalid", f"{self.root} is opened read-only (owner=False)")
+        return _DiskWriter(self, manifest)
+
+    def _refresh_locked(self) -> None:
+        present = {}
+        for path in self.root.glob("v*"):
+            if path.name[1:].isdigit() and (path / MANIFEST).exists():
+                present[int(path.name[1:])] = path
+        for v in list(self._versions):
+            if v not in present:  # pruned by another process
+                del self._versions[v]
+        for v, path in present.items():
+            if v not in self._versions:
+                manifest = json_format.Parse((path / MANIFEST).read_text(), weights_pb2.VersionManifest())
+                try:
+                    self._versions[v] = _DiskVersion(path, manifest)
+                except FileNotFoundError:  # pruned between the glob and the open
+                    continue
+
+    def _drop(self, stored: StoredVersion) -> None:
+        assert isinstance(stored, _DiskVersion)
+        if self.owner:
+            shutil.rmtree(stored.path, ignore_errors=True)
+
+
+def make_store(storage: str, retain: int, root: str | Path | None = None) -> VersionStore:
+    if storage == "memory":
+        return MemoryStore(retain)
+    if storage == "disk":
+        if not root:
+            raise ValueError("disk storage needs a directory")
+        return DiskStore(root, retain)
+    raise ValueError(f"storage must be 'memory' or 'disk', got {storage!r}")

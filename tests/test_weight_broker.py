@@ -1,0 +1,361 @@
+"""The weight broker over real gRPC and real Redis: exact round-trips, atomic publishes, retention, restarts."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+
+from services.common.config import RunConfig, StreamsConfig
+from services.common.observability import GrpcServer, Metrics, grpc_server
+from services.common.streams import StreamProducer, StreamTail, stream_specs
+from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.weight_broker.client import (
+    BrokerUnavailable,
+    FilesystemTransport,
+    GrpcTransport,
+    RetryPolicy,
+    StalePublish,
+    VersionExists,
+)
+from services.weight_broker.protocol import publish_requests
+from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore
+from services.weight_broker.tensors import TensorSpec
+from vcpo.v1 import weights_pb2, weights_pb2_grpc
+
+FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def state_dict(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("broker") / "model", TinyModelSpec())
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["extra.bf16"] = torch.randn(3, 5).to(torch.bfloat16)  # another dtype
+    tensors["extra.scalar"] = torch.tensor(2.5)  # zero-dimensional
+    tensors["extra.empty"] = torch.zeros(0, 4)  # no bytes at all
+    return tensors
+
+
+def specs_of(sd: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec.of(n, t) for n, t in sd.items()]
+
+
+def source(sd: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+    return lambda: iter(sd.items())
+
+
+class Broker:
+    def __init__(
+        self, store: VersionStore, announcer: Announcer | None = None, chunk_bytes: int = 64 << 10
+    ) -> None:
+        self.metrics = BrokerMetrics(Metrics("test-broker"))
+        self.servicer = WeightBrokerServicer(store, self.metrics, announcer, chunk_bytes)
+        self.server: GrpcServer = grpc_server(
+            lambda s: add_to_server(self.servicer, s), port=0, host="127.0.0.1"
+        )
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def client(self, **kwargs: object) -> GrpcTransport:
+        return GrpcTransport(self.address, retry=FAST, chunk_bytes=64 << 10, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+@pytest.fixture
+def broker() -> Iterator[Broker]:
+    b = Broker(MemoryStore(retain=3))
+    yield b
+    b.stop()
+
+
+def fetch_all(
+    transport: GrpcTransport | FilesystemTransport, version: int | None = None
+) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    transport.fetch(lambda name, t: got.__setitem__(name, t.clone()), version)
+    return got
+
+
+def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].reshape(-1).view(torch.uint8).equal(b[name].reshape(-1).view(torch.uint8)), name
+
+
+def test_round_trip_of_a_tiny_model_is_bit_exact(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    client = broker.client()
+    assert client.latest() is None
+    result = client.publish(1, specs_of(state_dict), source(state_dict))
+    assert result.policy_version == 1 and result.total_bytes == sum(t.nbytes for t in state_dict.values())
+    assert client.latest() == 1
+    assert_bit_exact(fetch_all(client), state_dict)
+    assert_bit_exact(fetch_all(client, 1), state_dict)
+    [manifest] = client.versions()
+    assert manifest.policy_version == 1 and all(t.checksum.startswith("xxh3_128:") for t in manifest.tensors)
+
+
+def test_versions_only_move_forward(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    client = broker.client()
+    client.publish(5, specs_of(state_dict), source(state_dict))
+    with pytest.raises(VersionExists, match="version 5 is already published"):
+        client.publish(5, specs_of(state_dict), source(state_dict))
+    with pytest.raises(StalePublish, match="version 4 is older than the latest published version 5"):
+        client.publish(4, specs_of(state_dict), source(state_dict))
+    assert broker.metrics.rejected.labels("stale")._value.get() == 1
+    assert broker.metrics.rejected.labels("duplicate")._value.get() == 1
+    client.publish(6, specs_of(state_dict), source(state_dict))
+    assert client.latest() == 6
+
+
+def _broken_off(sd: dict[str, torch.Tensor], version: int) -> Iterator[weights_pb2.PublishRequest]:
+    """A publish stream that dies half-way through, as when the learner crashes."""
+    for i, request in enumerate(publish_requests(version, specs_of(sd), iter(sd.items()), 64 << 10)):
+        if i == 10:
+            raise RuntimeError("learner died")
+        yield request
+
+
+def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+    with pytest.raises(grpc.RpcError):
+        stub.Publish(_broken_off(state_dict, 1), timeout=30)
+    # a stream that ends without its commit is refused too
+    without_commit = list(publish_requests(1, specs_of(state_dict), iter(state_dict.items()), 64 << 10))[:-1]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Publish(iter(without_commit), timeout=30)
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without a commit" in info.value.details()
+    )
+    client = broker.client()
+    assert client.latest() is None and client.versions() == []
+    # nothing is left in progress: the same version publishes cleanly afterwards
+    client.publish(1, specs_of(state_dict), source(state_dict))
+    assert_bit_exact(fetch_all(client), state_dict)
+
+
+def test_corrupted_chunk_is_detected(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    requests = list(publish_requests(1, specs_of(state_dict), iter(state_dict.items()), 64 << 10))
+    chunk = requests[3].chunk
+    chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]  # one flipped byte in transit
+    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Publish(iter(requests), timeout=30)
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum" in info.value.details() and requests[3].chunk.tensor_name in info.value.details()
+    assert broker.client().latest() is None
+    assert broker.metrics.rejected.labels("integrity")._value.get() == 1
+
+
+def test_corruption_at_rest_is_detected_by_the_fetcher(
+    tmp_path: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    b = Broker(DiskStore(tmp_path / "store", retain=2))
+    try:
+        client = b.client()
+        client.publish(1, specs_of(state_dict), source(state_dict))
+        weights = next((tmp_path / "store").glob("v*/model.safetensors"))
+        raw = bytearray(weights.read_bytes())
+        raw[-3] ^= 0x01  # a bit flips on disk
+        weights.write_bytes(bytes(raw))
+        with pytest.raises(BrokerUnavailable, match=r"IntegrityError: version 1, tensor .* checksum"):
+            fetch_all(client)
+    finally:
+        b.stop()
+
+
+def test_four_concurrent_fetchers_get_identical_bytes(
+    broker: Broker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    broker.client().publish(1, specs_of(state_dict), source(state_dict))
+    results: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def fetch(i: int) -> None:
+        try:
+            results[i] = fetch_all(broker.client())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for r in results:
+        assert_bit_exact(r, state_dict)
+    assert broker.metrics.fetches.labels("complete")._value.get() == 4
+
+
+def test_retention_drops_the_oldest(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    client = broker.client()
+    for v in range(1, 6):
+        client.publish(v, specs_of(state_dict), source(state_dict))
+    assert [m.policy_version for m in client.versions()] == [3, 4, 5]
+    with pytest.raises(VersionNotFound, match=r"version 1 is not retained \(retained: \[3, 4, 5\]\)"):
+        fetch_all(client, 1)
+    assert broker.metrics.stored._value.get() == 3 * sum(t.nbytes for t in state_dict.values())
+
+
+def test_fetch_resumes_from_a_given_tensor(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    client = broker.client()
+    client.publish(1, specs_of(state_dict), source(state_dict))
+    names = list(state_dict)
+    got: dict[str, torch.Tensor] = {}
+    client.fetch(lambda n, t: got.__setitem__(n, t.clone()), start_tensor=names[7])
+    assert list(got) == names[7:]
+    assert_bit_exact(got, {n: state_dict[n] for n in names[7:]})
+
+
+def test_announcement_arrives_on_the_weights_stream(
+    redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
+) -> None:
+    spec = stream_specs(RunConfig(run_id="wb"), StreamsConfig())["weights"]
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "broker:1234"))
+    try:
+        b.client().publish(7, specs_of(state_dict), source(state_dict))
+        [entry] = StreamTail(redis_client, spec).read()
+        a = entry.message
+        assert entry.policy_version == 7 and a.policy_version == 7
+        assert a.transport == "grpc" and a.location == "broker:1234"
+        assert a.manifest.total_bytes == sum(t.nbytes for t in state_dict.values())
+        assert [t.name for t in a.manifest.tensors] == list(state_dict)
+        assert a.manifest.checksum == b.client().versions()[0].checksum
+    finally:
+        b.stop()
+
+
+def test_disk_retention_survives_a_broker_restart(
+    tmp_path: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    b = Broker(DiskStore(tmp_path / "store", retain=2))
+    for v in (1, 2, 3):
+        b.client().publish(v, specs_of(state_dict), source(state_dict))
+    b.stop()
+    (tmp_path / "store" / ".v0000000004.partial-1-dead").mkdir()  # what a crash mid-publish leaves
+    restarted = Broker(DiskStore(tmp_path / "store", retain=2))
+    try:
+        client = restarted.client()
+        assert [m.policy_version for m in client.versions()] == [2, 3]
+        assert_bit_exact(fetch_all(client, 2), state_dict)
+        assert not list((tmp_path / "store").glob(".v*"))  # the partial version is gone
+        with pytest.raises(StalePublish):
+            client.publish(1, specs_of(state_dict), source(state_dict))
+    finally:
+        restarted.stop()
+
+
+def test_disk_versions_load_as_ordinary_safetensors(
+    tmp_path: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    from safetensors.torch import load_file
+
+    fs = FilesystemTransport(tmp_path / "shared", retain=2, publisher=True)
+    fs.publish(3, specs_of(state_dict), source(state_dict))
+    assert_bit_exact(load_file(fs.path_of(3) / "model.safetensors"), state_dict)
+
+
+def test_filesystem_transport_round_trip_and_reader_process_view(
+    tmp_path: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    publisher = FilesystemTransport(tmp_path / "shared", retain=2, publisher=True)
+    reader = FilesystemTransport(tmp_path / "shared", publisher=False)
+    assert reader.latest() is None
+    publisher.publish(1, specs_of(state_dict), source(state_dict))
+    assert reader.latest() == 1  # a reader sees versions another process committed
+    assert_bit_exact(fetch_all(reader), state_dict)
+    with pytest.raises(VersionExists):
+        publisher.publish(1, specs_of(state_dict), source(state_dict))
+    for v in (2, 3):
+        publisher.publish(v, specs_of(state_dict), source(state_dict))
+    assert [m.policy_version for m in reader.versions()] == [2, 3]
+
+
+def test_publisher_checks_tensors_against_the_manifest(
+    broker: Broker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    specs = specs_of(state_dict)
+    wrong = dict(state_dict)
+    first = next(iter(wrong))
+    wrong[first] = wrong[first].double()
+    with pytest.raises(ValueError, match=f"tensor '{first}' is float64"):
+        list(publish_requests(1, specs, iter(wrong.items())))
+    with pytest.raises(ValueError, match="the tensors ended before"):
+        list(publish_requests(1, specs, iter(list(state_dict.items())[:3])))
+
+
+def test_unreachable_broker_fails_after_bounded_retries() -> None:
+    from services.common.redis_server import free_port
+
+    client = GrpcTransport(
+        f"127.0.0.1:{free_port()}", retry=RetryPolicy(attempts=3, initial_backoff_s=0.01, timeout_s=2)
+    )
+    with pytest.raises(
+        BrokerUnavailable, match=r"latest version from 127.0.0.1:\d+ failed 3 times; last error: UNAVAILABLE"
+    ):
+        client.latest()
+
+
+class StagingLoader:
+    """A loader that stages tensors and switches only on commit, recording what it was asked to do."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, torch.Tensor] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.events: list[tuple[str, int]] = []
+
+    def begin(self, version: int):  # type: ignore[no-untyped-def]
+        self.staged = {}
+        self.events.append(("begin", version))
+        return lambda name, t: self.staged.__setitem__(name, t.clone())
+
+    def commit(self, version: int) -> None:
+        self.active, self.staged = self.staged, {}
+        self.events.append(("commit", version))
+
+    def abort(self, version: int) -> None:
+        self.staged = {}
+        self.events.append(("abort", version))
+
+
+def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
+    redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
+) -> None:
+    from services.common.admission import AdmissionCounter
+    from services.weight_broker.follower import WeightFollower
+
+    spec = stream_specs(RunConfig(run_id="follow"), StreamsConfig())["weights"]
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "x"))
+    loader = StagingLoader()
+    follower = WeightFollower(b.client(), loader, StreamTail(redis_client, spec))
+    assert not follower.poll() and follower.loaded_version is None  # nothing published yet
+    b.client().publish(0, specs_of(state_dict), source(state_dict))
+    assert follower.poll() and follower.loaded_version == 0
+    assert_bit_exact(loader.active, state_dict)
+    assert loader.events == [("begin", 0), ("commit", 0)]
+
+    # the broker goes away after announcing version 1 but before anyone fetched it
+    b.client().publish(1, specs_of(state_dict), source(state_dict))
+    b.stop()
+    follower.transport = GrpcTransport(
+        b.address, retry=RetryPolicy(attempts=2, initial_backoff_s=0.01, timeout_s=2)
+    )
+    assert not follower.poll()
+    assert follower.loaded_version == 0 and loader.events[-1] == ("abort", 1)  # version 0 stays, whole
+    assert_bit_exact(loader.active, state_dict)
+    counter = AdmissionCounter(redis_client, "follow", k=1, groups_per_step=2)
+    admitted = [counter.try_admit(follower.loaded_version) for _ in range(5)]
+    assert [a.admitted for a in admitted] == [True] * 4 + [False]  # keeps generating while the bound allows
+    reason = follower.waiting_reason(admitted[-1])
+    assert "lag bound reached" in reason and "loaded weights: version 0" in reason
+    assert "cannot get newer weights" in reason and "UNAVAILABLE" in reason
