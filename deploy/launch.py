@@ -2,11 +2,13 @@
 
 Today this starts what exists of the system and says plainly what does not yet:
 
-    config (TOML + env + flags) ──► resolved config in <run_dir>/config.resolved.json
+    config (TOML + env + flags), with the local Redis URL and free ports filled in
+      └─► <run_dir>/config.resolved.json, the one file every service process reads
     Redis (run.redis_url, or a local redis-server on a free port, append-only file in <run_dir>/redis)
       └─► the run's streams and consumer groups: tasks, rollouts, scored (queues), weights (log)
     policy model (run.model, or the tiny Qwen2 model built into <run_dir>/model)
-    services: weight broker, learner, sampler, reward, and the Ray launcher that places them
+    weight broker process (python -m services.weight_broker), up once its gRPC health says SERVING
+    learner, sampler, reward, and the Ray launcher that places them
       └─► each is started once its implementation exists; until then it is listed as missing
 
     python -m deploy.launch --config deploy/presets/local.toml [--run.k 8 ...]
@@ -17,19 +19,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from deploy.config import SystemConfig
 from services.common.config import ConfigError, add_config_arguments, config_from_args, write_resolved
-from services.common.redis_server import LocalRedis
+from services.common.observability import check_health
+from services.common.redis_server import LocalRedis, free_port
 from services.common.streams import StreamConsumer, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
 
 # component -> (module that runs it, the issue that builds it)
-SERVICES = {
-    "weight_broker": ("services.weight_broker.main", 4),
+PENDING = {
     "learner": ("services.learner.main", 5),
     "sampler": ("services.sampler.main", 6),
     "reward": ("services.reward.main", 7),
@@ -51,6 +56,55 @@ def prepare_model(cfg: SystemConfig) -> str:
     return f"{path} (tiny Qwen2, {count_parameters(path):,} parameters)"
 
 
+class ServiceProcess:
+    """A service as a child process of the launcher, logging to <run_dir>/logs/<name>.log; we keep its PID."""
+
+    def __init__(self, name: str, module: str, config_file: Path, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.name, self.log_path = name, log_dir / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(config_file)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_healthy(self, target: str, service: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check_health(target, service, timeout_s=1.0):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s; see {self.log_path}")
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
+    """The config every process reads: the Redis actually used and concrete ports instead of 0."""
+    wb = cfg.weight_broker
+    return cfg.model_copy(
+        update={
+            "run": cfg.run.model_copy(update={"redis_url": redis_url}),
+            "weight_broker": wb.model_copy(
+                update={
+                    "grpc_port": wb.grpc_port or free_port(),
+                    "metrics_port": wb.metrics_port or free_port(),
+                }
+            ),
+        }
+    )
+
+
 def launch(cfg: SystemConfig) -> int:
     run_dir = cfg.run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,40 +112,52 @@ def launch(cfg: SystemConfig) -> int:
         f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, run_dir={run_dir}"
     )
     t0 = time.monotonic()
-    _step("config", str(write_resolved(cfg, run_dir)), t0)
-
     local: LocalRedis | None = None
-    if cfg.run.redis_url:
-        client, where = connect(cfg.run.redis_url), cfg.run.redis_url
-    else:
-        local = LocalRedis(data_dir=run_dir / "redis", persistent=True)
-        client, where = connect(local.url), f"{local.url} (local redis-server, pid {local.process.pid})"
+    services: list[ServiceProcess] = []
     try:
+        if cfg.run.redis_url:
+            client, where = connect(cfg.run.redis_url), cfg.run.redis_url
+        else:
+            local = LocalRedis(data_dir=run_dir / "redis", persistent=True)
+            client, where = connect(local.url), f"{local.url} (local redis-server, pid {local.process.pid})"
         _step("redis", where, t0)
+        cfg = _with_ports_and_redis(cfg, cfg.run.redis_url or (local.url if local else ""))
+        config_file = write_resolved(cfg, run_dir)
+        _step("config", str(config_file), t0)
+
         specs = stream_specs(cfg.run, cfg.streams)
         for spec in specs.values():
             if spec.mode == "queue":
                 StreamConsumer(client, spec, "launcher")  # creates the stream and its consumer group
         _step("streams", ", ".join(f"{s.key} ({s.mode}, cap {s.maxlen})" for s in specs.values()), t0)
 
-        model = prepare_model(cfg)
-        _step("model", model, t0)
+        _step("model", prepare_model(cfg), t0)
 
-        missing = []
-        for name, (module, issue) in SERVICES.items():
-            if importlib.util.find_spec(module) is None:
-                missing.append(name)
-                print(f"  [missing] {name:<14} not built yet (issue {issue}: {module})")
+        broker = ServiceProcess("weight_broker", "services.weight_broker", config_file, run_dir / "logs")
+        services.append(broker)
+        address = f"127.0.0.1:{cfg.weight_broker.grpc_port}"
+        broker.wait_healthy(address, "vcpo.v1.WeightBroker")
+        _step(
+            "weight_broker",
+            f"{address} (pid {broker.process.pid}, metrics :{cfg.weight_broker.metrics_port})",
+            t0,
+        )
+
+        missing = [name for name, (module, _) in PENDING.items() if importlib.util.find_spec(module) is None]
+        for name in missing:
+            module, issue = PENDING[name]
+            print(f"  [missing] {name:<14} not built yet (issue {issue}: {module})")
         if missing:
             print(
-                f"\n{len(missing)} of {len(SERVICES)} components are not built yet, so there is nothing to "
-                "train. Up and checked: the resolved config, Redis with the run's streams and consumer "
-                "groups, and the policy model."
+                f"\n{len(missing)} components are not built yet, so there is nothing to train. Up and checked: "
+                "the resolved config, Redis with the run's streams and consumer groups, the policy model and "
+                "the weight broker. Stopping them."
             )
             return 0
         raise NotImplementedError("every service exists: the Ray launcher (issue 8) starts them")
     finally:
-        client.close()
+        for service in reversed(services):
+            service.stop()
         if local is not None:
             local.stop()
 

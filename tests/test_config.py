@@ -153,6 +153,12 @@ def test_resolved_config_is_written_as_json(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["run"]["k"] == 4 and data["learner"]["objective"] == "vcpo"
     assert SystemConfig.model_validate(data) == cfg  # the resolved file is itself a valid config
+    assert load_config(SystemConfig, [path], env={}) == cfg  # and what the launcher hands every service
+    assert load_config(SamplerServiceConfig, [path], env={}).run == cfg.run
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ConfigError, match=r"broken.json is not valid JSON"):
+        load_config(SystemConfig, [broken], env={})
 
 
 def test_config_modules_import_nothing_heavy() -> None:

@@ -22,12 +22,21 @@ def test_launch_brings_up_the_foundation_and_names_missing_services(tmp_path: Pa
     run_dir = tmp_path / "run"
     out = launch("--run.run_dir", str(run_dir), "--run.k", "2")
     assert out.returncode == 0, out.stdout + out.stderr
-    for piece in ("[ok]      config", "[ok]      redis", "[ok]      streams", "[ok]      model"):
+    for piece in (
+        "[ok]      config",
+        "[ok]      redis",
+        "[ok]      streams",
+        "[ok]      model",
+        "[ok]      weight_broker",
+    ):
         assert piece in out.stdout
     assert "vcpo:local:rollouts (queue, cap 64)" in out.stdout
     assert "[missing] sampler" in out.stdout and "issue 6" in out.stdout
     resolved = json.loads((run_dir / "config.resolved.json").read_text())
     assert resolved["run"]["k"] == 2  # the flag won over the preset
+    assert resolved["run"]["redis_url"].startswith("redis://127.0.0.1:")  # what the services were handed
+    assert resolved["weight_broker"]["grpc_port"] > 0
+    assert "serving on gRPC port" in (run_dir / "logs" / "weight_broker.log").read_text()
     assert (run_dir / "model" / "config.json").exists()
     assert (run_dir / "redis" / "appendonlydir").is_dir()  # the local Redis persisted into the run dir
 

@@ -8,7 +8,7 @@ own, and ignores the other services' sections (which their own services validate
 
 Layers, later wins:
   1. the defaults in the models;
-  2. TOML files, in the order given (tables deep-merge);
+  2. TOML files (or resolved-config JSON files), in the order given (tables deep-merge);
   3. environment variables ``VCPO_<SECTION>__<FIELD>`` (e.g. ``VCPO_RUN__K=16``; nested sections add
      more ``__``); variables without the double underscore (``VCPO_TARGET``) are not config;
   4. command-line flags ``--<section>.<field> VALUE`` (e.g. ``--run.k 16``) or ``--set run.k=16``.
@@ -207,12 +207,17 @@ def load_config(
     for f in files:
         path = Path(f)
         try:
-            with path.open("rb") as fh:
-                layers.merge(tomllib.load(fh), str(path))
+            if path.suffix == ".json":  # a resolved config written by write_resolved (what launchers hand on)
+                layers.merge(json.loads(path.read_text()), str(path))
+            else:
+                with path.open("rb") as fh:
+                    layers.merge(tomllib.load(fh), str(path))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
     for name, raw in sorted((os.environ if env is None else env).items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
