@@ -81,9 +81,7 @@ def backward(
     if config.objective == "vcpo" and config.ppo_clip == 0:
         return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio)
     norms = None
-    if (
-        config.objective == "vcpo"
-    ):  # with PPO clipping: norms by the norm pass, then the per-token loss by autograd
+    if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
         norms = per_trajectory_sq_grad_norms(
             model, batch.input_ids, batch.attention_mask, batch.response_mask, micro_batch_size
         )

@@ -78,13 +78,38 @@ class PublishResult:
 class WeightTransport(ABC):
     """What the learner and the samplers use; see the module docstring."""
 
+    retry: RetryPolicy
+    chunk_bytes: int
+    where: str  # for messages: the broker address or the shared path
+
     @abstractmethod
     def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult: ...
 
-    @abstractmethod
     def fetch(
         self, sink: Sink, version: int | None = None, start_tensor: str = ""
-    ) -> weights_pb2.VersionManifest: ...
+    ) -> weights_pb2.VersionManifest:
+        """Hand every tensor of ``version`` (None: the latest), verified and in order, to ``sink(name, tensor)``.
+
+        A retry continues the same version from the first tensor the sink has not received.
+        """
+        cursor = _FetchCursor(sink, version, start_tensor)
+
+        def once() -> weights_pb2.VersionManifest:
+            start = cursor.next_start()
+            return receive_fetch(cursor.pin(self._fetch_stream(cursor.version, start)), cursor.deliver, start)
+
+        what = (
+            f"fetch of {'the latest version' if version is None else f'version {version}'} from {self.where}"
+        )
+        return _retrying(what, self.retry, once, self._transient)
+
+    @abstractmethod
+    def _fetch_stream(
+        self, version: int | None, start_tensor: str
+    ) -> Iterable[weights_pb2.FetchResponse]: ...
+
+    @abstractmethod
+    def _transient(self, exc: BaseException) -> bool: ...
 
     @abstractmethod
     def latest(self) -> int | None: ...
@@ -169,7 +194,8 @@ class GrpcTransport(WeightTransport):
         run_id: str = "",
         max_message_bytes: int = 64 << 20,
     ) -> None:
-        self.address, self.retry, self.chunk_bytes, self.run_id = address, retry, chunk_bytes, run_id
+        self.address = self.where = address
+        self.retry, self.chunk_bytes, self.run_id = retry, chunk_bytes, run_id
         self._channel = grpc.insecure_channel(
             address,
             options=[
@@ -196,26 +222,19 @@ class GrpcTransport(WeightTransport):
 
         return _retrying(f"publish of version {version} to {self.address}", self.retry, once, _grpc_transient)
 
-    def fetch(
-        self, sink: Sink, version: int | None = None, start_tensor: str = ""
-    ) -> weights_pb2.VersionManifest:
-        cursor = _FetchCursor(sink, version, start_tensor)
-
-        def once() -> weights_pb2.VersionManifest:
-            start = cursor.next_start()
-            request = weights_pb2.FetchRequest(start_tensor=start, max_chunk_bytes=self.chunk_bytes)
-            if cursor.version is not None:
-                request.policy_version = cursor.version
-            stream = self._stub.Fetch(request, timeout=self.retry.timeout_s)
-            return receive_fetch(cursor.pin(stream), cursor.deliver, start)
-
-        what = f"fetch of {'the latest version' if version is None else f'version {version}'} from {self.address}"
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[weights_pb2.FetchResponse]:
+        request = weights_pb2.FetchRequest(start_tensor=start_tensor, max_chunk_bytes=self.chunk_bytes)
+        if version is not None:
+            request.policy_version = version
         try:
-            return _retrying(what, self.retry, once, _grpc_transient)
+            yield from self._stub.Fetch(request, timeout=self.retry.timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise VersionNotFound(exc.details()) from None
             raise
+
+    def _transient(self, exc: BaseException) -> bool:
+        return _grpc_transient(exc)
 
     def latest(self) -> int | None:
         def once() -> int | None:
@@ -252,13 +271,8 @@ class FilesystemTransport(WeightTransport):
         run_id: str = "",
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
-        self.root, self.announcer, self.chunk_bytes, self.run_id, self.retry = (
-            Path(root),
-            announcer,
-            chunk_bytes,
-            run_id,
-            retry,
-        )
+        self.root, self.where = Path(root), str(root)
+        self.announcer, self.chunk_bytes, self.run_id, self.retry = announcer, chunk_bytes, run_id, retry
         self.store = DiskStore(self.root, retain, owner=publisher)
 
     def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
@@ -277,19 +291,11 @@ class FilesystemTransport(WeightTransport):
             self.announcer.announce(stored.manifest, str(version_dir(self.root, version)))
         return PublishResult(version, int(stored.manifest.total_bytes), time.monotonic() - t0)
 
-    def fetch(
-        self, sink: Sink, version: int | None = None, start_tensor: str = ""
-    ) -> weights_pb2.VersionManifest:
-        cursor = _FetchCursor(sink, version, start_tensor)
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[weights_pb2.FetchResponse]:
+        return fetch_responses(self.store, version, start_tensor, self.chunk_bytes)
 
-        def once() -> weights_pb2.VersionManifest:
-            start = cursor.next_start()
-            responses = fetch_responses(self.store, cursor.version, start, self.chunk_bytes)
-            return receive_fetch(cursor.pin(responses), cursor.deliver, start)
-
-        return _retrying(
-            f"fetch from {self.root}", self.retry, once, lambda e: isinstance(e, IntegrityError | OSError)
-        )
+    def _transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, IntegrityError | OSError)
 
     def latest(self) -> int | None:
         return self.store.latest()
