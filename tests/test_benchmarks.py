@@ -54,3 +54,18 @@ def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["max_rel_err"] < 1e-3
+
+
+def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/weight_sync.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr  # non-zero also if any fetcher got different bytes
+    lines = out.stdout.strip().splitlines()
+    assert "all fetchers' digests equal the publisher's" in lines
+    figures = json.loads(lines[-1])
+    assert figures["broker_over_socket"] > 0 and figures["peak_rss_over_model"] > 0

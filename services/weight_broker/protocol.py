@@ -67,12 +67,13 @@ def publish_requests(
         while True:
             piece = bytes(data[offset : offset + chunk_bytes])
             last = offset + len(piece) >= len(data)
-            yield weights_pb2.PublishRequest(
-                chunk=weights_pb2.WeightChunk(
-                    policy_version=version, tensor_name=name, offset=offset, data=piece, last=last,
-                    checksum=digest if last else "",
-                )
-            )  # fmt: skip
+            # filled in place: passing a submessage to the constructor copies its bytes once more
+            request = weights_pb2.PublishRequest()
+            c = request.chunk
+            c.policy_version, c.tensor_name, c.offset, c.data, c.last = version, name, offset, piece, last
+            if last:
+                c.checksum = digest
+            yield request
             offset += len(piece)
             if last:
                 break
@@ -108,13 +109,28 @@ def apply_publish(store: VersionStore, requests: Iterator[weights_pb2.PublishReq
 
 
 def fetch_responses(
-    store: VersionStore, version: int | None = None, start_tensor: str = "", chunk_bytes: int = 4 << 20
+    store: VersionStore,
+    version: int | None = None,
+    start_tensor: str = "",
+    chunk_bytes: int = 4 << 20,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Iterator[weights_pb2.FetchResponse]:
-    """The fetch stream: the manifest, then the chunks from ``start_tensor`` on, read from the stored copy."""
+    """The fetch stream: the manifest, then the chunks from ``start_tensor`` on, read from the stored copy.
+
+    ``on_bytes(n)`` is told the size of each chunk as it is handed on (for metrics).
+    """
     stored = store.get(version)
     yield weights_pb2.FetchResponse(manifest=stored.manifest)
-    for chunk in stored.chunks(start_tensor, chunk_bytes):
-        yield weights_pb2.FetchResponse(chunk=chunk)
+    v = stored.manifest.policy_version
+    for meta, offset, data, last in stored.chunks(start_tensor, chunk_bytes):
+        response = weights_pb2.FetchResponse()  # filled in place: no extra copy of `data`
+        c = response.chunk
+        c.policy_version, c.tensor_name, c.offset, c.data, c.last = v, meta.name, offset, data, last
+        if last:
+            c.checksum = meta.checksum
+        yield response
+        if on_bytes is not None:
+            on_bytes(len(data))
 
 
 def receive_fetch(
@@ -138,7 +154,8 @@ def receive_fetch(
     names = [t.name for t in manifest.tensors]
     todo = manifest.tensors[names.index(start_tensor) :] if start_tensor else manifest.tensors
     for meta in todo:
-        buffer, hasher, offset = bytearray(meta.nbytes), Hasher(), 0
+        parts: list[bytes] = []
+        hasher, offset = Hasher(), 0
         while True:
             response = next(stream, None)
             if response is None or response.WhichOneof("item") != "chunk":
@@ -146,17 +163,14 @@ def receive_fetch(
                     f"the fetch of version {manifest.policy_version} ended inside tensor {meta.name!r}"
                 )
             chunk = response.chunk
-            if (
-                chunk.tensor_name != meta.name
-                or chunk.offset != offset
-                or offset + len(chunk.data) > meta.nbytes
-            ):
+            data = chunk.data  # each read of a bytes field copies it: read it once
+            if chunk.tensor_name != meta.name or chunk.offset != offset or offset + len(data) > meta.nbytes:
                 raise ValueError(
                     f"out-of-order chunk {chunk.tensor_name!r}@{chunk.offset}, expected {meta.name!r}@{offset}"
                 )
-            buffer[offset : offset + len(chunk.data)] = chunk.data
-            hasher.update(chunk.data)
-            offset += len(chunk.data)
+            parts.append(data)
+            hasher.update(data)
+            offset += len(data)
             if chunk.last:
                 break
         digest = hasher.hexdigest()
@@ -165,5 +179,6 @@ def receive_fetch(
                 f"version {manifest.policy_version}, tensor {meta.name!r}: received {offset} of {meta.nbytes} bytes "
                 f"with checksum {digest}, expected {meta.checksum}"
             )
+        buffer = parts[0] if len(parts) == 1 else bytearray().join(parts)  # one copy, no zero-fill
         sink(meta.name, tensor_from_bytes(buffer, meta.dtype, meta.shape))
     return manifest

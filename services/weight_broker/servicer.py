@@ -39,7 +39,9 @@ class BrokerMetrics:
             "vcpo_broker_publish_seconds", "Duration of a successful publish",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )  # fmt: skip
-        self.received = metrics.counter("vcpo_broker_received_bytes_total", "Weight bytes received")
+        self.received = metrics.counter(
+            "vcpo_broker_received_bytes_total", "Weight bytes of committed versions"
+        )
         self.sent = metrics.counter("vcpo_broker_sent_bytes_total", "Weight bytes sent to fetchers")
         self.active_fetches = metrics.gauge("vcpo_broker_active_fetches", "Fetches streaming now")
         self.fetches = metrics.counter("vcpo_broker_fetches_total", "Fetches by outcome", ["outcome"])
@@ -95,14 +97,8 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
     ) -> weights_pb2.PublishResponse:
         t0 = time.monotonic()
 
-        def counted() -> Iterator[weights_pb2.PublishRequest]:
-            for request in request_iterator:
-                if request.WhichOneof("item") == "chunk":
-                    self.metrics.received.inc(len(request.chunk.data))
-                yield request
-
         try:
-            stored = apply_publish(self.store, counted())
+            stored = apply_publish(self.store, request_iterator)
         except PublishRejected as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.warning("publish refused (%s): %s", exc.reason, exc)
@@ -118,6 +114,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
     def _published(self, stored: StoredVersion, seconds: float) -> None:
         m = stored.manifest
         self.metrics.published.inc()
+        self.metrics.received.inc(m.total_bytes)
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.latest.set(m.policy_version)
         self.metrics.stored.set(self.store.stored_bytes())
@@ -136,7 +133,9 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         version = request.policy_version if request.HasField("policy_version") else None
         chunk_bytes = request.max_chunk_bytes or self.chunk_bytes
         try:
-            responses = fetch_responses(self.store, version, request.start_tensor, chunk_bytes)
+            responses = fetch_responses(
+                self.store, version, request.start_tensor, chunk_bytes, self.metrics.sent.inc
+            )
             head = next(responses)
         except VersionNotFound as exc:
             self.metrics.fetches.labels("not_found").inc()
@@ -145,9 +144,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         outcome = "cancelled"
         try:
             yield head
-            for response in responses:
-                yield response
-                self.metrics.sent.inc(len(response.chunk.data))
+            yield from responses
             outcome = "complete"
         finally:
             self.metrics.active_fetches.dec()

@@ -60,8 +60,10 @@ class StoredVersion(ABC):
     def read(self, index: int, offset: int, size: int) -> bytes:
         """``size`` bytes of tensor ``index`` from ``offset``."""
 
-    def chunks(self, start_tensor: str = "", chunk_bytes: int = 4 << 20) -> Iterator[weights_pb2.WeightChunk]:
-        """The version's chunks in order, from tensor ``start_tensor`` (a resumed fetch) on."""
+    def chunks(
+        self, start_tensor: str = "", chunk_bytes: int = 4 << 20
+    ) -> Iterator[tuple[weights_pb2.TensorMeta, int, bytes, bool]]:
+        """``(tensor, offset, data, last)`` in order, from tensor ``start_tensor`` (a resumed fetch) on."""
         names = [t.name for t in self.manifest.tensors]
         if start_tensor and start_tensor not in names:
             raise VersionNotFound(f"version {self.manifest.policy_version} has no tensor {start_tensor!r}")
@@ -71,14 +73,7 @@ class StoredVersion(ABC):
             while True:
                 size = min(chunk_bytes, meta.nbytes - offset)
                 last = offset + size >= meta.nbytes
-                yield weights_pb2.WeightChunk(
-                    policy_version=self.manifest.policy_version,
-                    tensor_name=meta.name,
-                    offset=offset,
-                    data=self.read(index, offset, size),
-                    last=last,
-                    checksum=meta.checksum if last else "",
-                )
+                yield meta, offset, self.read(index, offset, size), last
                 offset += size
                 if last:
                     break
@@ -108,6 +103,7 @@ class VersionWriter(ABC):
             raise
 
     def _write(self, chunk: weights_pb2.WeightChunk) -> None:
+        data = chunk.data  # each read of a bytes field copies it: read it once
         if self._index >= len(self.manifest.tensors):
             raise PublishRejected("invalid", f"chunk for {chunk.tensor_name!r} after the last tensor")
         meta = self.manifest.tensors[self._index]
@@ -120,7 +116,7 @@ class VersionWriter(ABC):
                 "invalid",
                 f"expected tensor {meta.name!r} at byte {self._offset}, got {chunk.tensor_name!r} at {chunk.offset}",
             )
-        end = self._offset + len(chunk.data)
+        end = self._offset + len(data)
         if (
             end > meta.nbytes
             or (chunk.last and end != meta.nbytes)
@@ -129,8 +125,8 @@ class VersionWriter(ABC):
             raise PublishRejected(
                 "invalid", f"tensor {meta.name!r}: chunk ends at {end} of {meta.nbytes} bytes"
             )
-        self._put(self._index, self._offset, chunk.data)
-        self._hasher.update(chunk.data)
+        self._put(self._index, self._offset, data)
+        self._hasher.update(data)
         self._offset = end
         if chunk.last:
             digest = self._hasher.hexdigest()
@@ -298,28 +294,42 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
 
 
 class _MemoryVersion(StoredVersion):
-    def __init__(self, manifest: weights_pb2.VersionManifest, buffers: list[bytearray]) -> None:
-        self.manifest, self._views = manifest, [memoryview(b).toreadonly() for b in buffers]
+    """The chunks exactly as they arrived (immutable bytes, no copy). A fetch with the publisher's chunk
+    size is served those very objects; another chunk size is cut from them."""
+
+    def __init__(self, manifest: weights_pb2.VersionManifest, chunks: list[list[tuple[int, bytes]]]) -> None:
+        self.manifest, self._chunks = manifest, chunks
 
     def read(self, index: int, offset: int, size: int) -> bytes:
-        return bytes(self._views[index][offset : offset + size])
+        parts, end = [], offset + size
+        for start, data in self._chunks[index]:
+            stop = start + len(data)
+            if stop <= offset or start >= end:
+                continue
+            if start == offset and stop == end:
+                return data  # the common case: same chunking as the publish
+            parts.append(data[max(offset - start, 0) : min(end, stop) - start])
+        return b"".join(parts)
 
 
 class _MemoryWriter(VersionWriter):
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
         super().__init__(store, manifest)
-        self._buffers: list[bytearray] = []
+        self._chunks: list[list[tuple[int, bytes]]] = []
 
     def _put(self, index: int, offset: int, data: bytes) -> None:
-        if index == len(self._buffers):  # allocated tensor by tensor as the publish arrives
-            self._buffers.append(bytearray(self.manifest.tensors[index].nbytes))
-        self._buffers[index][offset : offset + len(data)] = data
+        if index == len(self._chunks):
+            self._chunks.append([])
+        self._chunks[index].append((offset, data))
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
-        return _MemoryVersion(manifest, self._buffers)
+        assert len(self._chunks) == len(
+            manifest.tensors
+        )  # every tensor ends with a (possibly empty) last chunk
+        return _MemoryVersion(manifest, self._chunks)
 
     def _discard(self) -> None:
-        self._buffers = []
+        self._chunks = []
 
 
 class MemoryStore(VersionStore):

@@ -1,0 +1,416 @@
+"""Weight sync through the broker: publish, one fetch and concurrent fetches, against a raw loopback socket.
+
+For each model size (float32, a transformer-like list of tensors: embedding, 4 layers of qkv / o / up / down
+projections with their norms, final norm, lm_head; the largest tensors are 64 MiB at 1 GiB) one run does:
+
+    socket     a receiver process reads the same number of bytes with recv_into into a preallocated
+               buffer; this process sends every tensor's bytes with sendall from a memoryview. The
+               ceiling for moving these bytes between two processes on this machine (best of
+               --socket-repeats connections, i.e. the most favourable figure for the socket).
+    broker     a fresh ``python -m services.weight_broker`` process (memory storage, retain 1) per size,
+               so its peak RSS (VmHWM) is the peak of that size; its RSS after start-up is the baseline.
+    publish    this process publishes version 1 via GrpcTransport (tensors built once, seed 0).
+    fetch      one fetcher process runs GrpcTransport.fetch(sink), released by an Event once connected.
+    fan-out    --fetchers processes fetch version 1 together, released by one Event; timed from the
+               release until the last finishes; aggregate = fetchers x bytes / that time.
+
+Every fetcher's sink hashes each tensor (xxh3_128 over name and bytes, in order) and drops it, so no fetcher
+keeps a copy of the model; the hashing is inside the timed path (a sampler copies each tensor into its
+model at about the same cost) and its seconds are reported. The digests of all fetchers must equal the
+publisher's, or the run exits non-zero. Broker CPU seconds per phase come from /proc/<pid>/stat.
+
+Headline figures (the JSON object on the last line), at the largest size measured:
+
+    broker_over_socket    min(publish GB/s, single-fetch GB/s) / socket GB/s  (target >= 0.5)
+    peak_rss_over_model   (broker VmHWM - broker RSS after start-up) / model bytes, the peak over the
+                          broker's whole life: publish, the single fetch and the fan-out (target <= 2.5)
+
+Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
+
+    python benchmarks/weight_sync.py [--quick] [--sizes 64 256 1024] [--fetchers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import xxhash
+
+from services.common.observability import check_health
+from services.common.redis_server import free_port
+from services.weight_broker.client import GrpcTransport
+from services.weight_broker.tensors import TensorSpec, tensor_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+TARGET_BROKER_OVER_SOCKET = 0.5
+TARGET_PEAK_RSS_OVER_MODEL = 2.5
+LAYERS = 4
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def model_layout(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a float32 model of about ``total_bytes``: 3/4 in the layers, the rest in the
+    embedding and lm_head."""
+    hidden = max(64, int(math.sqrt(0.75 * total_bytes / (LAYERS * 48))) // 64 * 64)
+    layout: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        layout += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.qkv_proj.weight", (3 * hidden, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.mlp.up_proj.weight", (4 * hidden, hidden)),
+            (f"{p}.mlp.down_proj.weight", (hidden, 4 * hidden)),
+        ]
+    layout.append(("model.norm.weight", (hidden,)))
+    used = 4 * sum(math.prod(shape) for _, shape in layout)
+    vocab = max(1, (total_bytes - used) // (2 * 4 * hidden))
+    return [("model.embed_tokens.weight", (vocab, hidden)), *layout, ("lm_head.weight", (vocab, hidden))]
+
+
+def build_model(total_bytes: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=g)) for name, shape in model_layout(total_bytes)]
+
+
+def digest_of(named: list[tuple[str, torch.Tensor]]) -> str:
+    h = xxhash.xxh3_128()
+    for name, tensor in named:
+        h.update(name.encode())
+        h.update(tensor_bytes(tensor))
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- socket
+
+
+def _socket_receiver(nbytes: int, connections: int, port_queue: Any) -> None:
+    buffer = bytearray(nbytes)  # preallocated (and zeroed, so its pages exist) before any timing
+    view = memoryview(buffer)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_queue.put(server.getsockname()[1])
+        for _ in range(connections):
+            conn, _ = server.accept()
+            with conn:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError(f"sender closed after {got} of {nbytes} bytes")
+                    got += n
+                conn.sendall(b"k")  # everything is in the buffer
+
+
+def socket_gbps(named: list[tuple[str, torch.Tensor]], repeats: int) -> float:
+    """Best throughput of ``repeats`` loopback copies of the model's bytes (send until the receiver's ack)."""
+    views = [tensor_bytes(t) for _, t in named]
+    nbytes = sum(len(v) for v in views)
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    receiver = ctx.Process(target=_socket_receiver, args=(nbytes, repeats, ports))
+    receiver.start()
+    port = ports.get(timeout=120)
+    best = 0.0
+    for _ in range(repeats):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            t0 = time.perf_counter()
+            for v in views:
+                conn.sendall(v)
+            if conn.recv(1) != b"k":
+                raise ConnectionError("the socket receiver did not acknowledge")
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    receiver.join(timeout=60)
+    if receiver.exitcode != 0:
+        raise RuntimeError(f"socket receiver exited with {receiver.exitcode}")
+    return best
+
+
+# ----------------------------------------------------------------------------------------------- broker
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of ``pid`` in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class Broker:
+    """A broker process on a free port (memory storage, retain 1), its PID tracked and terminated by PID."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = run_dir / "broker.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.weight_broker",
+             "--set", f"weight_broker.grpc_port={self.port}", "--set", "weight_broker.metrics_port=0",
+             "--set", "weight_broker.storage=memory", "--set", "weight_broker.retain_versions=1",
+             "--set", f"run.run_dir={run_dir}", "--set", "run.redis_url="],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not check_health(self.address, timeout_s=1.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the broker did not come up:\n{self.log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------------------------- fetchers
+
+
+def _fetcher(address: str, index: int, ready: Any, go: Any, results: Any) -> None:
+    try:
+        transport = GrpcTransport(address)
+        transport.latest()  # the channel is connected before the release
+        hasher = xxhash.xxh3_128()
+        counts = {"bytes": 0, "tensors": 0}
+        sink_seconds = 0.0
+
+        def sink(name: str, tensor: torch.Tensor) -> None:
+            nonlocal sink_seconds
+            t = time.perf_counter()
+            data = tensor_bytes(tensor)
+            hasher.update(name.encode())
+            hasher.update(data)
+            counts["bytes"] += len(data)
+            counts["tensors"] += 1
+            sink_seconds += time.perf_counter() - t  # the tensor is dropped on return
+
+        ready.put(index)
+        go.wait()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        transport.fetch(sink, version=1)
+        done = time.monotonic()  # CLOCK_MONOTONIC: one clock across processes
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        transport.close()
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        results.put({"index": index, "done": done, "digest": hasher.hexdigest(), **counts,
+                     "sink_s": sink_seconds, "cpu_s": cpu, "maxrss": cpu1.ru_maxrss * 1024})  # fmt: skip
+    except BaseException as exc:
+        results.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _collect(queue: Any, n: int, procs: list[Any], timeout_s: float) -> list[Any]:
+    """``n`` items from ``queue``; fails fast when a fetcher died without reporting."""
+    items: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(items) < n:
+        try:
+            items.append(queue.get(timeout=1.0))
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"fetchers: {len(items)} of {n} reported; exit codes {dead}") from None
+    return items
+
+
+def run_fetchers(address: str, n: int) -> tuple[float, list[dict[str, Any]]]:
+    """Start ``n`` fetcher processes, release them together; seconds from the release to the last finish."""
+    ctx = mp.get_context("spawn")
+    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_fetcher, args=(address, i, ready, go, results)) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        _collect(ready, n, procs, timeout_s=120)
+        released = time.monotonic()
+        go.set()
+        out: list[dict[str, Any]] = _collect(results, n, procs, timeout_s=900)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:  # only on an error path: this fetcher is ours, stopped by its handle
+                p.terminate()
+                p.join()
+    errors = [r["error"] for r in out if "error" in r]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"fetchers failed: {errors or [p.exitcode for p in procs]}")
+    return max(r["done"] for r in out) - released, sorted(out, key=lambda r: r["index"])
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+
+def run_size(size_mib: int, fetchers: int, socket_repeats: int) -> dict[str, Any]:
+    named = build_model(size_mib * MiB)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    expected = digest_of(named)
+    row: dict[str, Any] = {"size_mib": size_mib, "bytes": nbytes, "tensors": len(named),
+                           "largest_tensor_mib": max(t.numel() * 4 for _, t in named) / MiB}  # fmt: skip
+    row["socket_gbps"] = socket_gbps(named, socket_repeats)
+
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
+        broker = Broker(Path(tmp))
+        try:
+            time.sleep(0.5)  # let start-up settle before the baseline
+            row["rss_base"] = proc_status(broker.pid)["VmRSS"]
+            publisher = GrpcTransport(broker.address)
+            publisher.latest()  # connected before timing
+            specs = [TensorSpec.of(name, t) for name, t in named]
+            cpu_b, cpu_p = cpu_seconds(broker.pid), resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            result = publisher.publish(1, specs, lambda: iter(named))
+            seconds = time.perf_counter() - t0
+            cpu_p1 = resource.getrusage(resource.RUSAGE_SELF)
+            publisher.close()
+            if result.total_bytes != nbytes:
+                raise RuntimeError(f"the broker stored {result.total_bytes} bytes, published {nbytes}")
+            row["publish_gbps"] = nbytes / seconds / 1e9
+            row["broker_cpu_publish_s"] = cpu_seconds(broker.pid) - cpu_b
+            row["publisher_cpu_s"] = (cpu_p1.ru_utime - cpu_p.ru_utime) + (cpu_p1.ru_stime - cpu_p.ru_stime)
+            row["publish_s"] = seconds
+            status = proc_status(broker.pid)
+            row["rss_after_publish"], row["hwm_after_publish"] = status["VmRSS"], status["VmHWM"]
+
+            fetches: list[dict[str, Any]] = []
+            for n, key in ((1, "fetch"), (fetchers, "fanout")):
+                cpu_b = cpu_seconds(broker.pid)
+                seconds, out = run_fetchers(broker.address, n)
+                row[f"broker_cpu_{key}_s"] = cpu_seconds(broker.pid) - cpu_b
+                row[f"{key}_s"] = seconds
+                row[f"{key}_gbps"] = n * nbytes / seconds / 1e9
+                row[f"{key}_sink_s"] = max(r["sink_s"] for r in out)
+                row[f"{key}_fetcher_cpu_s"] = max(r["cpu_s"] for r in out)
+                row[f"{key}_fetcher_maxrss"] = max(r["maxrss"] for r in out)
+                status = proc_status(broker.pid)
+                row[f"hwm_after_{key}"] = status["VmHWM"]
+                fetches += [{**r, "phase": key} for r in out]
+            row["rss_end"] = status["VmRSS"]
+            row["rss_peak"] = status["VmHWM"]
+        finally:
+            broker.stop()
+    bad = [f"{r['phase']}#{r['index']}" for r in fetches if r["digest"] != expected or r["bytes"] != nbytes]
+    row["digests_match"] = not bad
+    if bad:
+        raise SystemExit(f"{size_mib} MiB: fetchers {bad} received bytes that differ from the published ones")
+    row["peak_over_model"] = (row["rss_peak"] - row["rss_base"]) / nbytes
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="16 and 32 MiB with 2 fetchers (seconds)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="model sizes in MiB (default 64 256 1024)")
+    parser.add_argument("--fetchers", type=int, default=0, help="concurrent fetchers (default 4; quick: 2)")
+    parser.add_argument("--socket-repeats", type=int, default=3, help="socket copies per size (best is kept)")
+    args = parser.parse_args()
+    sizes = args.sizes or ([16, 32] if args.quick else [64, 256, 1024])
+    fetchers = args.fetchers or (2 if args.quick else 4)
+
+    rows = []
+    for size in sizes:
+        rows.append(run_size(size, fetchers, args.socket_repeats))
+        print(f"# {size} MiB done", file=sys.stderr, flush=True)
+
+    n = fetchers
+    print(f"float32 model, broker in memory storage; {n} concurrent fetchers; GB/s = 1e9 bytes/s; "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'MiB':>5} {'tensors':>7} {'socket':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
+          f"{'base':>6} {'+pub':>6} {'peak':>6} {'peak-base':>9}")  # fmt: skip
+    print(f"{'':>5} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "
+          f"{'MiB':>6} {'/ model':>9}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['size_mib']:>5} {r['tensors']:>7} {r['socket_gbps']:>7.2f} {r['publish_gbps']:>7.2f} "
+            f"{r['fetch_gbps']:>7.2f} {r['fanout_gbps']:>7.2f} {r['rss_base'] / MiB:>6.0f} "
+            f"{(r['rss_after_publish'] - r['rss_base']) / MiB:>6.0f} {r['rss_peak'] / MiB:>6.0f} "
+            f"{r['peak_over_model']:>9.2f}"
+        )
+    print("base: broker RSS after start-up; +pub: its RSS growth by the publish; peak: its VmHWM over the "
+          "publish, the single fetch and the fan-out")  # fmt: skip
+    print("where the time goes (CPU seconds; fetcher figures are the slowest fetcher's):")
+    print(f"{'MiB':>5} {'pub s':>6} {'pubCPU':>6} {'brkCPU':>6} | {'fetch s':>7} {'brkCPU':>6} {'fchCPU':>6} "
+          f"{'sink':>5} | {f'{n}x s':>6} {'brkCPU':>6} {'fchCPU':>6} | {'HWM pub':>7} {'fetch':>6} {f'{n}x':>6}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['size_mib']:>5} {r['publish_s']:>6.2f} {r['publisher_cpu_s']:>6.2f} "
+            f"{r['broker_cpu_publish_s']:>6.2f} | {r['fetch_s']:>7.2f} {r['broker_cpu_fetch_s']:>6.2f} "
+            f"{r['fetch_fetcher_cpu_s']:>6.2f} {r['fetch_sink_s']:>5.2f} | {r['fanout_s']:>6.2f} "
+            f"{r['broker_cpu_fanout_s']:>6.2f} {r['fanout_fetcher_cpu_s']:>6.2f} | "
+            f"{r['hwm_after_publish'] / MiB:>7.0f} {r['hwm_after_fetch'] / MiB:>6.0f} {r['hwm_after_fanout'] / MiB:>6.0f}"
+        )
+    print("all fetchers' digests equal the publisher's")
+
+    big = rows[-1]
+    ratio = min(big["publish_gbps"], big["fetch_gbps"]) / big["socket_gbps"]
+    headline = {
+        "broker_over_socket": round(ratio, 3),
+        "broker_over_socket_basis": "min(publish, single fetch) / socket, largest size",
+        "publish_over_socket": round(big["publish_gbps"] / big["socket_gbps"], 3),
+        "fetch_over_socket": round(big["fetch_gbps"] / big["socket_gbps"], 3),
+        "fanout_over_socket": round(big["fanout_gbps"] / big["socket_gbps"], 3),
+        "peak_rss_over_model": round(big["peak_over_model"], 3),
+        "largest_mib": big["size_mib"],
+        "fetchers": n,
+        "target_broker_over_socket": TARGET_BROKER_OVER_SOCKET,
+        "target_peak_rss_over_model": TARGET_PEAK_RSS_OVER_MODEL,
+        "meets_broker_over_socket": ratio >= TARGET_BROKER_OVER_SOCKET,
+        "meets_peak_rss_over_model": big["peak_over_model"] <= TARGET_PEAK_RSS_OVER_MODEL,
+        "per_size": {
+            str(r["size_mib"]): {
+                "socket_gbps": round(r["socket_gbps"], 3),
+                "publish_gbps": round(r["publish_gbps"], 3),
+                "fetch_gbps": round(r["fetch_gbps"], 3),
+                "fanout_gbps": round(r["fanout_gbps"], 3),
+                "broker_peak_rss_mib": round(r["rss_peak"] / MiB, 1),
+                "broker_base_rss_mib": round(r["rss_base"] / MiB, 1),
+                "peak_rss_over_model": round(r["peak_over_model"], 3),
+            }
+            for r in rows
+        },
+    }
+    print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+    main()
