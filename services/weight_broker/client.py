@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from services.weight_broker.protocol import (
+    BrokenStream,
     IntegrityError,
     Sink,
     apply_publish,
@@ -155,7 +156,7 @@ _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEED
 def _grpc_transient(exc: BaseException) -> bool:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code() in _TRANSIENT_CODES
-    return isinstance(exc, IntegrityError | ValueError)  # a corrupted or broken-off fetch stream
+    return isinstance(exc, IntegrityError | BrokenStream)  # a corrupted or broken-off fetch stream
 
 
 class _FetchCursor:
@@ -208,10 +209,22 @@ class GrpcTransport(WeightTransport):
     def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
         def once() -> PublishResult:
             t0 = time.monotonic()
-            requests = publish_requests(version, specs, tensors(), self.chunk_bytes, self.run_id)
+            source_errors: list[BaseException] = []
+
+            def guarded() -> Iterator[weights_pb2.PublishRequest]:
+                # gRPC reports an exception raised while iterating requests only as "Exception iterating
+                # requests!"; keep ours (a tensor that does not match the manifest, a failed gather) to re-raise
+                try:
+                    yield from publish_requests(version, specs, tensors(), self.chunk_bytes, self.run_id)
+                except BaseException as exc:
+                    source_errors.append(exc)
+                    raise
+
             try:
-                reply = self._stub.Publish(requests, timeout=self.retry.timeout_s)
+                reply = self._stub.Publish(guarded(), timeout=self.retry.timeout_s)
             except grpc.RpcError as exc:
+                if source_errors:
+                    raise source_errors[0] from None
                 code = exc.code()
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     raise VersionExists(exc.details()) from None

@@ -34,6 +34,10 @@ class IntegrityError(ValueError):
     """Fetched bytes do not match their checksum."""
 
 
+class BrokenStream(ValueError):
+    """A fetch stream that ended early or out of order (worth retrying, unlike a bad request)."""
+
+
 def publish_requests(
     version: int,
     specs: Sequence[TensorSpec],
@@ -141,16 +145,16 @@ def receive_fetch(
 ) -> weights_pb2.VersionManifest:
     """Assemble and verify each tensor, hand it to ``sink(name, tensor)`` in order; return the manifest.
 
-    Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), ValueError on a stream
+    Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), BrokenStream on a stream
     that is out of order or ends early.
     """
     stream = iter(responses)
     head = next(stream, None)
     if head is None or head.WhichOneof("item") != "manifest":
-        raise ValueError("a fetch must start with the version's manifest")
+        raise BrokenStream("a fetch must start with the version's manifest")
     manifest = head.manifest
     if expected_version is not None and manifest.policy_version != expected_version:
-        raise ValueError(f"asked for version {expected_version}, got {manifest.policy_version}")
+        raise BrokenStream(f"asked for version {expected_version}, got {manifest.policy_version}")
     names = [t.name for t in manifest.tensors]
     todo = manifest.tensors[names.index(start_tensor) :] if start_tensor else manifest.tensors
     for meta in todo:
@@ -159,13 +163,13 @@ def receive_fetch(
         while True:
             response = next(stream, None)
             if response is None or response.WhichOneof("item") != "chunk":
-                raise ValueError(
+                raise BrokenStream(
                     f"the fetch of version {manifest.policy_version} ended inside tensor {meta.name!r}"
                 )
             chunk = response.chunk
             data = chunk.data  # each read of a bytes field copies it: read it once
             if chunk.tensor_name != meta.name or chunk.offset != offset or offset + len(data) > meta.nbytes:
-                raise ValueError(
+                raise BrokenStream(
                     f"out-of-order chunk {chunk.tensor_name!r}@{chunk.offset}, expected {meta.name!r}@{offset}"
                 )
             parts.append(data)
