@@ -118,9 +118,15 @@ def test_versions_only_move_forward(broker: Broker, state_dict: dict[str, torch.
     assert client.latest() == 6
 
 
+def as_protos(sd: dict[str, torch.Tensor], version: int) -> list[weights_pb2.PublishRequest]:
+    """The publish stream as ordinary protobuf messages: what a client built on the generated stub sends."""
+    raw = publish_requests(version, specs_of(sd), iter(sd.items()), 64 << 10)
+    return [weights_pb2.PublishRequest.FromString(r) for r in raw]
+
+
 def _broken_off(sd: dict[str, torch.Tensor], version: int) -> Iterator[weights_pb2.PublishRequest]:
     """A publish stream that dies half-way through, as when the learner crashes."""
-    for i, request in enumerate(publish_requests(version, specs_of(sd), iter(sd.items()), 64 << 10)):
+    for i, request in enumerate(as_protos(sd, version)):
         if i == 10:
             raise RuntimeError("learner died")
         yield request
@@ -131,7 +137,7 @@ def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[
     with pytest.raises(grpc.RpcError):
         stub.Publish(_broken_off(state_dict, 1), timeout=30)
     # a stream that ends without its commit is refused too
-    without_commit = list(publish_requests(1, specs_of(state_dict), iter(state_dict.items()), 64 << 10))[:-1]
+    without_commit = as_protos(state_dict, 1)[:-1]
     with pytest.raises(grpc.RpcError) as info:
         stub.Publish(iter(without_commit), timeout=30)
     assert (
@@ -145,7 +151,7 @@ def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[
 
 
 def test_corrupted_chunk_is_detected(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
-    requests = list(publish_requests(1, specs_of(state_dict), iter(state_dict.items()), 64 << 10))
+    requests = as_protos(state_dict, 1)
     chunk = requests[3].chunk
     chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]  # one flipped byte in transit
     stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
@@ -369,3 +375,38 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     reason = follower.waiting_reason(admitted[-1])
     assert "lag bound reached" in reason and "loaded weights: version 0" in reason
     assert "cannot get newer weights" in reason and "UNAVAILABLE" in reason
+
+
+def test_generated_stub_clients_interoperate(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
+    """A plain protobuf client (any language) publishes and fetches through the hand-encoded chunk path."""
+    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+    reply = stub.Publish(iter(as_protos(state_dict, 2)), timeout=30)
+    assert reply.policy_version == 2
+    assert_bit_exact(fetch_all(broker.client()), state_dict)  # our client reads what the stub wrote
+    responses = list(stub.Fetch(weights_pb2.FetchRequest(), timeout=30))  # the stub reads what we send
+    assert responses[0].manifest.policy_version == 2
+    first = responses[1].chunk
+    name = next(iter(state_dict))
+    assert first.tensor_name == name and first.offset == 0
+    assert first.data == bytes(state_dict[name].reshape(-1).view(torch.uint8).numpy()[: len(first.data)])
+
+
+def test_wire_chunks_round_trip_through_protobuf() -> None:
+    from services.weight_broker.wire import decode_chunk, encode_chunk
+
+    data = bytes(range(256)) * 40
+    raw = encode_chunk(7, "model.layers.0.mlp.up_proj.weight", 4096, memoryview(data), True, "xxh3_128:ab")
+    for message in (weights_pb2.FetchResponse, weights_pb2.PublishRequest):
+        parsed = message.FromString(raw).chunk
+        assert (parsed.policy_version, parsed.tensor_name, parsed.offset, parsed.last, parsed.checksum) == (
+            7, "model.layers.0.mlp.up_proj.weight", 4096, True, "xxh3_128:ab",
+        )  # fmt: skip
+        assert parsed.data == data
+        again = decode_chunk(message(chunk=parsed).SerializeToString())
+        assert again is not None and bytes(again.data) == data and again.offset == 4096 and again.last
+    assert (
+        decode_chunk(weights_pb2.FetchResponse(manifest=weights_pb2.VersionManifest()).SerializeToString())
+        is None
+    )
+    with pytest.raises(ValueError, match="truncated"):
+        decode_chunk(raw[:-10])

@@ -105,9 +105,8 @@ class WeightTransport(ABC):
         return _retrying(what, self.retry, once, self._transient)
 
     @abstractmethod
-    def _fetch_stream(
-        self, version: int | None, start_tensor: str
-    ) -> Iterable[weights_pb2.FetchResponse]: ...
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[bytes]:
+        """Serialized FetchResponses of ``version`` from ``start_tensor`` on."""
 
     @abstractmethod
     def _transient(self, exc: BaseException) -> bool: ...
@@ -143,6 +142,10 @@ def _retrying(
     raise AssertionError("unreachable")
 
 
+def _raw(message: bytes) -> bytes:
+    return message
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
@@ -174,12 +177,15 @@ class _FetchCursor:
         first = self.names.index(self.start_tensor) if self.start_tensor else 0
         return self.names[first + self.delivered]
 
-    def pin(self, responses: Iterable[weights_pb2.FetchResponse]) -> Iterator[weights_pb2.FetchResponse]:
-        for r in responses:
-            if r.WhichOneof("item") == "manifest":
-                self.version = int(r.manifest.policy_version)
-                self.names = [t.name for t in r.manifest.tensors]
-            yield r
+    def pin(self, responses: Iterable[bytes]) -> Iterator[bytes]:
+        first = True
+        for raw in responses:
+            if first:  # the manifest: a retry must continue this version
+                manifest = weights_pb2.FetchResponse.FromString(raw).manifest
+                self.version = int(manifest.policy_version)
+                self.names = [t.name for t in manifest.tensors]
+                first = False
+            yield raw
 
     def deliver(self, name: str, tensor: torch.Tensor) -> None:
         self.sink(name, tensor)
@@ -205,13 +211,24 @@ class GrpcTransport(WeightTransport):
             ],
         )
         self._stub = weights_pb2_grpc.WeightBrokerStub(self._channel)
+        # the streaming methods carry serialized messages (chunks encoded by `wire`, same wire format)
+        self._publish = self._channel.stream_unary(
+            "/vcpo.v1.WeightBroker/Publish",
+            request_serializer=_raw,
+            response_deserializer=weights_pb2.PublishResponse.FromString,
+        )
+        self._fetch = self._channel.unary_stream(
+            "/vcpo.v1.WeightBroker/Fetch",
+            request_serializer=weights_pb2.FetchRequest.SerializeToString,
+            response_deserializer=_raw,
+        )
 
     def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
         def once() -> PublishResult:
             t0 = time.monotonic()
             source_errors: list[BaseException] = []
 
-            def guarded() -> Iterator[weights_pb2.PublishRequest]:
+            def guarded() -> Iterator[bytes]:
                 # gRPC reports an exception raised while iterating requests only as "Exception iterating
                 # requests!"; keep ours (a tensor that does not match the manifest, a failed gather) to re-raise
                 try:
@@ -221,7 +238,7 @@ class GrpcTransport(WeightTransport):
                     raise
 
             try:
-                reply = self._stub.Publish(guarded(), timeout=self.retry.timeout_s)
+                reply = self._publish(guarded(), timeout=self.retry.timeout_s)
             except grpc.RpcError as exc:
                 if source_errors:
                     raise source_errors[0] from None
@@ -235,12 +252,12 @@ class GrpcTransport(WeightTransport):
 
         return _retrying(f"publish of version {version} to {self.address}", self.retry, once, _grpc_transient)
 
-    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[weights_pb2.FetchResponse]:
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[bytes]:
         request = weights_pb2.FetchRequest(start_tensor=start_tensor, max_chunk_bytes=self.chunk_bytes)
         if version is not None:
             request.policy_version = version
         try:
-            yield from self._stub.Fetch(request, timeout=self.retry.timeout_s)
+            yield from self._fetch(request, timeout=self.retry.timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise VersionNotFound(exc.details()) from None
@@ -304,7 +321,7 @@ class FilesystemTransport(WeightTransport):
             self.announcer.announce(stored.manifest, str(version_dir(self.root, version)))
         return PublishResult(version, int(stored.manifest.total_bytes), time.monotonic() - t0)
 
-    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[weights_pb2.FetchResponse]:
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[bytes]:
         return fetch_responses(self.store, version, start_tensor, self.chunk_bytes)
 
     def _transient(self, exc: BaseException) -> bool:

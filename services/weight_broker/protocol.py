@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from google.protobuf.message import DecodeError
 
 from services.weight_broker.store import PublishRejected, StoredVersion, VersionStore
 from services.weight_broker.tensors import (
@@ -25,6 +26,7 @@ from services.weight_broker.tensors import (
     tensor_from_bytes,
     version_checksum,
 )
+from services.weight_broker.wire import decode_chunk, encode_chunk
 from vcpo.v1 import weights_pb2
 
 Sink = Callable[[str, torch.Tensor], None]
@@ -44,13 +46,14 @@ def publish_requests(
     tensors: Iterable[tuple[str, torch.Tensor]],
     chunk_bytes: int = 4 << 20,
     run_id: str = "",
-) -> Iterator[weights_pb2.PublishRequest]:
-    """The publish stream: manifest, each tensor's chunks (checksum on its last), commit.
+) -> Iterator[bytes]:
+    """The publish stream, serialized PublishRequests: manifest, each tensor's chunks (checksum on its last),
+    commit. Chunks are encoded by :mod:`wire` straight from the tensor's bytes (one copy).
 
     ``tensors`` is consumed lazily, one tensor at a time, in the order of ``specs`` (a ZeRO-3 learner gathers
     each bucket inside that iterator, so the whole model never sits in one extra buffer).
     """
-    yield weights_pb2.PublishRequest(manifest=manifest_of(specs, version, run_id))
+    yield weights_pb2.PublishRequest(manifest=manifest_of(specs, version, run_id)).SerializeToString()
     digests: list[tuple[str, str]] = []
     expected = iter(specs)
     for name, tensor in tensors:
@@ -69,15 +72,9 @@ def publish_requests(
         digest = hasher.hexdigest()
         offset = 0
         while True:
-            piece = bytes(data[offset : offset + chunk_bytes])
+            piece = data[offset : offset + chunk_bytes]
             last = offset + len(piece) >= len(data)
-            # filled in place: passing a submessage to the constructor copies its bytes once more
-            request = weights_pb2.PublishRequest()
-            c = request.chunk
-            c.policy_version, c.tensor_name, c.offset, c.data, c.last = version, name, offset, piece, last
-            if last:
-                c.checksum = digest
-            yield request
+            yield encode_chunk(version, name, offset, piece, last, digest if last else "")
             offset += len(piece)
             if last:
                 break
@@ -86,27 +83,40 @@ def publish_requests(
     if missing:
         raise ValueError(f"the tensors ended before {missing[:3]}{'...' if len(missing) > 3 else ''}")
     commit = weights_pb2.PublishRequest.Commit(checksum=version_checksum(digests))
-    yield weights_pb2.PublishRequest(commit=commit)
+    yield weights_pb2.PublishRequest(commit=commit).SerializeToString()
 
 
-def apply_publish(store: VersionStore, requests: Iterator[weights_pb2.PublishRequest]) -> StoredVersion:
-    """Run a publish stream into ``store``; the version is visible only if the stream ends with a valid commit.
+def _parse_request(raw: bytes) -> weights_pb2.PublishRequest:
+    try:
+        return weights_pb2.PublishRequest.FromString(raw)
+    except DecodeError as exc:
+        raise PublishRejected("invalid", f"undecodable publish message: {exc}") from None
 
-    Anything else (a stream that breaks off, raises, or ends without commit) leaves nothing behind.
+
+def apply_publish(store: VersionStore, requests: Iterator[bytes]) -> StoredVersion:
+    """Run a publish stream (serialized PublishRequests) into ``store``; the version is visible only if the
+    stream ends with a valid commit. Anything else (a stream that breaks off, raises, or ends without commit)
+    leaves nothing behind.
     """
-    first = next(requests, None)
+    raw = next(requests, None)
+    first = None if raw is None else _parse_request(raw)
     if first is None or first.WhichOneof("item") != "manifest":
         raise PublishRejected("invalid", "a publish must start with the version's manifest")
     writer = store.begin(first.manifest)
     try:
-        for request in requests:
+        for raw in requests:
+            try:
+                chunk = decode_chunk(raw)
+            except ValueError as exc:
+                raise PublishRejected("invalid", f"undecodable chunk: {exc}") from None
+            if chunk is not None:
+                writer.write(chunk)
+                continue
+            request = _parse_request(raw)
             kind = request.WhichOneof("item")
-            if kind == "chunk":
-                writer.write(request.chunk)
-            elif kind == "commit":
+            if kind == "commit":
                 return writer.commit(request.commit.checksum)
-            else:
-                raise PublishRejected("invalid", f"unexpected {kind!r} in the middle of a publish")
+            raise PublishRejected("invalid", f"unexpected {kind!r} in the middle of a publish")
         raise PublishRejected("invalid", f"the publish of version {writer.version} ended without a commit")
     finally:
         writer.abort()  # no-op after a commit
@@ -118,38 +128,39 @@ def fetch_responses(
     start_tensor: str = "",
     chunk_bytes: int = 4 << 20,
     on_bytes: Callable[[int], None] | None = None,
-) -> Iterator[weights_pb2.FetchResponse]:
-    """The fetch stream: the manifest, then the chunks from ``start_tensor`` on, read from the stored copy.
+) -> Iterator[bytes]:
+    """The fetch stream, serialized FetchResponses: the manifest, then the chunks from ``start_tensor`` on,
+    read from the stored copy and encoded by :mod:`wire`.
 
     ``on_bytes(n)`` is told the size of each chunk as it is handed on (for metrics).
     """
     stored = store.get(version)
-    yield weights_pb2.FetchResponse(manifest=stored.manifest)
+    yield weights_pb2.FetchResponse(manifest=stored.manifest).SerializeToString()
     v = stored.manifest.policy_version
     for meta, offset, data, last in stored.chunks(start_tensor, chunk_bytes):
-        response = weights_pb2.FetchResponse()  # filled in place: no extra copy of `data`
-        c = response.chunk
-        c.policy_version, c.tensor_name, c.offset, c.data, c.last = v, meta.name, offset, data, last
-        if last:
-            c.checksum = meta.checksum
-        yield response
+        yield encode_chunk(v, meta.name, offset, data, last, meta.checksum if last else "")
         if on_bytes is not None:
             on_bytes(len(data))
 
 
 def receive_fetch(
-    responses: Iterable[weights_pb2.FetchResponse],
+    responses: Iterable[bytes],
     sink: Sink,
     start_tensor: str = "",
     expected_version: int | None = None,
 ) -> weights_pb2.VersionManifest:
-    """Assemble and verify each tensor, hand it to ``sink(name, tensor)`` in order; return the manifest.
+    """From serialized FetchResponses, assemble and verify each tensor, hand it to ``sink(name, tensor)`` in
+    order; return the manifest.
 
     Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), BrokenStream on a stream
     that is out of order or ends early.
     """
     stream = iter(responses)
-    head = next(stream, None)
+    raw = next(stream, None)
+    try:
+        head = None if raw is None else weights_pb2.FetchResponse.FromString(raw)
+    except DecodeError as exc:
+        raise BrokenStream(f"undecodable fetch message: {exc}") from None
     if head is None or head.WhichOneof("item") != "manifest":
         raise BrokenStream("a fetch must start with the version's manifest")
     manifest = head.manifest
@@ -158,16 +169,19 @@ def receive_fetch(
     names = [t.name for t in manifest.tensors]
     todo = manifest.tensors[names.index(start_tensor) :] if start_tensor else manifest.tensors
     for meta in todo:
-        parts: list[bytes] = []
+        parts: list[memoryview] = []
         hasher, offset = Hasher(), 0
         while True:
-            response = next(stream, None)
-            if response is None or response.WhichOneof("item") != "chunk":
+            raw = next(stream, None)
+            try:
+                chunk = None if raw is None else decode_chunk(raw)
+            except ValueError as exc:
+                raise BrokenStream(f"undecodable chunk: {exc}") from None
+            if chunk is None:
                 raise BrokenStream(
                     f"the fetch of version {manifest.policy_version} ended inside tensor {meta.name!r}"
                 )
-            chunk = response.chunk
-            data = chunk.data  # each read of a bytes field copies it: read it once
+            data = chunk.data
             if chunk.tensor_name != meta.name or chunk.offset != offset or offset + len(data) > meta.nbytes:
                 raise BrokenStream(
                     f"out-of-order chunk {chunk.tensor_name!r}@{chunk.offset}, expected {meta.name!r}@{offset}"
@@ -183,6 +197,6 @@ def receive_fetch(
                 f"version {manifest.policy_version}, tensor {meta.name!r}: received {offset} of {meta.nbytes} bytes "
                 f"with checksum {digest}, expected {meta.checksum}"
             )
-        buffer = parts[0] if len(parts) == 1 else bytearray().join(parts)  # one copy, no zero-fill
+        buffer = bytearray().join(parts)  # the one copy of the data on this side (no zero-fill)
         sink(meta.name, tensor_from_bytes(buffer, meta.dtype, meta.shape))
     return manifest

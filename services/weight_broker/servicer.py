@@ -93,7 +93,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         metrics.stored.set(store.stored_bytes())
 
     def Publish(
-        self, request_iterator: Iterator[weights_pb2.PublishRequest], context: grpc.ServicerContext
+        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> weights_pb2.PublishResponse:
         t0 = time.monotonic()
 
@@ -127,9 +127,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
                 self.metrics.announce_failures.inc()
                 log.exception("could not announce version %d on the weights stream", m.policy_version)
 
-    def Fetch(
-        self, request: weights_pb2.FetchRequest, context: grpc.ServicerContext
-    ) -> Iterator[weights_pb2.FetchResponse]:
+    def Fetch(self, request: weights_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         version = request.policy_version if request.HasField("policy_version") else None
         chunk_bytes = request.max_chunk_bytes or self.chunk_bytes
         try:
@@ -179,7 +177,34 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         )
 
 
+def _raw(message: bytes) -> bytes:
+    return message
+
+
 def add_to_server(servicer: WeightBrokerServicer, server: grpc.Server) -> list[str]:
-    weights_pb2_grpc.add_WeightBrokerServicer_to_server(servicer, server)
+    """Register vcpo.v1.WeightBroker, with Publish requests and Fetch responses passed as serialized bytes
+    (chunks are encoded and decoded by :mod:`wire`; the wire format is unchanged), and vcpo.v1.Status."""
+    pb = weights_pb2
+    handlers = {
+        "Publish": grpc.stream_unary_rpc_method_handler(
+            servicer.Publish,
+            request_deserializer=_raw,
+            response_serializer=pb.PublishResponse.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=_raw
+        ),
+        "GetLatest": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLatest,
+            request_deserializer=pb.GetLatestRequest.FromString,
+            response_serializer=pb.GetLatestResponse.SerializeToString,
+        ),
+        "ListVersions": grpc.unary_unary_rpc_method_handler(
+            servicer.ListVersions,
+            request_deserializer=pb.ListVersionsRequest.FromString,
+            response_serializer=pb.ListVersionsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("vcpo.v1.WeightBroker", handlers),))
     common_pb2_grpc.add_StatusServicer_to_server(servicer, server)
     return ["vcpo.v1.WeightBroker", "vcpo.v1.Status"]

@@ -32,6 +32,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from services.weight_broker.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
+from services.weight_broker.wire import Chunk
 from vcpo.v1 import weights_pb2
 
 MANIFEST = "manifest.json"
@@ -57,12 +58,12 @@ class StoredVersion(ABC):
     manifest: weights_pb2.VersionManifest
 
     @abstractmethod
-    def read(self, index: int, offset: int, size: int) -> bytes:
+    def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
         """``size`` bytes of tensor ``index`` from ``offset``."""
 
     def chunks(
         self, start_tensor: str = "", chunk_bytes: int = 4 << 20
-    ) -> Iterator[tuple[weights_pb2.TensorMeta, int, bytes, bool]]:
+    ) -> Iterator[tuple[weights_pb2.TensorMeta, int, bytes | memoryview, bool]]:
         """``(tensor, offset, data, last)`` in order, from tensor ``start_tensor`` (a resumed fetch) on."""
         names = [t.name for t in self.manifest.tensors]
         if start_tensor and start_tensor not in names:
@@ -94,7 +95,7 @@ class VersionWriter(ABC):
     def version(self) -> int:
         return int(self.manifest.policy_version)
 
-    def write(self, chunk: weights_pb2.WeightChunk) -> None:
+    def write(self, chunk: Chunk) -> None:
         """Take the next chunk; raises PublishRejected (and aborts) on anything out of order or corrupt."""
         try:
             self._write(chunk)
@@ -102,8 +103,8 @@ class VersionWriter(ABC):
             self.abort()
             raise
 
-    def _write(self, chunk: weights_pb2.WeightChunk) -> None:
-        data = chunk.data  # each read of a bytes field copies it: read it once
+    def _write(self, chunk: Chunk) -> None:
+        data = chunk.data
         if self._index >= len(self.manifest.tensors):
             raise PublishRejected("invalid", f"chunk for {chunk.tensor_name!r} after the last tensor")
         meta = self.manifest.tensors[self._index]
@@ -171,7 +172,7 @@ class VersionWriter(ABC):
             self.store._aborted(self.version)
 
     @abstractmethod
-    def _put(self, index: int, offset: int, data: bytes) -> None: ...
+    def _put(self, index: int, offset: int, data: memoryview) -> None: ...
 
     @abstractmethod
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
@@ -294,13 +295,15 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
 
 
 class _MemoryVersion(StoredVersion):
-    """The chunks exactly as they arrived (immutable bytes, no copy). A fetch with the publisher's chunk
-    size is served those very objects; another chunk size is cut from them."""
+    """The chunks exactly as they arrived (views into the received, immutable messages: no copy). A fetch
+    with the publisher's chunk size is served those very views; another chunk size is cut from them."""
 
-    def __init__(self, manifest: weights_pb2.VersionManifest, chunks: list[list[tuple[int, bytes]]]) -> None:
+    def __init__(
+        self, manifest: weights_pb2.VersionManifest, chunks: list[list[tuple[int, memoryview]]]
+    ) -> None:
         self.manifest, self._chunks = manifest, chunks
 
-    def read(self, index: int, offset: int, size: int) -> bytes:
+    def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
         parts, end = [], offset + size
         for start, data in self._chunks[index]:
             stop = start + len(data)
@@ -315,9 +318,9 @@ class _MemoryVersion(StoredVersion):
 class _MemoryWriter(VersionWriter):
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
         super().__init__(store, manifest)
-        self._chunks: list[list[tuple[int, bytes]]] = []
+        self._chunks: list[list[tuple[int, memoryview]]] = []
 
-    def _put(self, index: int, offset: int, data: bytes) -> None:
+    def _put(self, index: int, offset: int, data: memoryview) -> None:
         if index == len(self._chunks):
             self._chunks.append([])
         self._chunks[index].append((offset, data))
@@ -373,7 +376,7 @@ class _DiskWriter(VersionWriter):
         self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
         self._file.write(prefix)
 
-    def _put(self, index: int, offset: int, data: bytes) -> None:
+    def _put(self, index: int, offset: int, data: memoryview) -> None:
         self._file.write(data)  # chunks arrive in order, so the file is written front to back
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
