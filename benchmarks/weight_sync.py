@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import xxhash
 
+from services.common.memory import ALLOCATOR_ENV
 from services.common.observability import check_health
 from services.common.redis_server import free_port
 from services.weight_broker.client import GrpcTransport
@@ -343,7 +344,15 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", help="model sizes in MiB (default 64 256 1024)")
     parser.add_argument("--fetchers", type=int, default=0, help="concurrent fetchers (default 4; quick: 2)")
     parser.add_argument("--socket-repeats", type=int, default=3, help="socket copies per size (best is kept)")
+    parser.add_argument(
+        "--default-allocator", action="store_true",
+        help="run the broker and fetchers without the allocator settings services get (services/common/memory.py)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if (
+        not args.default_allocator
+    ):  # the broker and the spawned fetchers start with what a deployment gives them
+        os.environ.update(ALLOCATOR_ENV)
     sizes = args.sizes or ([16, 32] if args.quick else [64, 256, 1024])
     fetchers = args.fetchers or (2 if args.quick else 4)
 
@@ -353,8 +362,9 @@ def main() -> None:
         print(f"# {size} MiB done", file=sys.stderr, flush=True)
 
     n = fetchers
+    allocator = "default glibc allocator" if args.default_allocator else "service allocator settings"
     print(f"float32 model, broker in memory storage; {n} concurrent fetchers; GB/s = 1e9 bytes/s; "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+          f"{os.cpu_count()} CPUs; {allocator}")  # fmt: skip
     print(f"{'MiB':>5} {'tensors':>7} {'socket':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
           f"{'base':>6} {'+pub':>6} {'peak':>6} {'peak-base':>9}")  # fmt: skip
     print(f"{'':>5} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from deploy.config import SystemConfig
 from services.common.config import ConfigError, add_config_arguments, config_from_args, write_resolved
+from services.common.memory import service_env
 from services.common.observability import check_health
 from services.common.redis_server import LocalRedis, free_port
 from services.common.streams import StreamConsumer, connect, stream_specs
@@ -67,6 +68,7 @@ class ServiceProcess:
             [sys.executable, "-m", module, "--config", str(config_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env=service_env(),  # allocator settings for large buffers (services/common/memory.py)
         )
 
     def wait_healthy(self, target: str, service: str, timeout_s: float = 120.0) -> None:
