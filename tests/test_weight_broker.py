@@ -99,8 +99,10 @@ def test_round_trip_of_a_tiny_model_is_bit_exact(broker: Broker, state_dict: dic
     result = client.publish(1, specs_of(state_dict), source(state_dict))
     assert result.policy_version == 1 and result.total_bytes == sum(t.nbytes for t in state_dict.values())
     assert client.latest() == 1
-    assert_bit_exact(fetch_all(client), state_dict)
+    assert_bit_exact(fetch_all(client), state_dict)  # served as the very messages received
     assert_bit_exact(fetch_all(client, 1), state_dict)
+    other_chunking = GrpcTransport(broker.address, retry=FAST, chunk_bytes=10_000)  # cut and encoded anew
+    assert_bit_exact(fetch_all(other_chunking, 1), state_dict)
     [manifest] = client.versions()
     assert manifest.policy_version == 1 and all(t.checksum.startswith("xxh3_128:") for t in manifest.tensors)
 

@@ -136,11 +136,10 @@ def fetch_responses(
     """
     stored = store.get(version)
     yield weights_pb2.FetchResponse(manifest=stored.manifest).SerializeToString()
-    v = stored.manifest.policy_version
-    for meta, offset, data, last in stored.chunks(start_tensor, chunk_bytes):
-        yield encode_chunk(v, meta.name, offset, data, last, meta.checksum if last else "")
+    for message, size in stored.encoded_chunks(start_tensor, chunk_bytes):
+        yield message
         if on_bytes is not None:
-            on_bytes(len(data))
+            on_bytes(size)
 
 
 def receive_fetch(

@@ -32,7 +32,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from services.weight_broker.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
-from services.weight_broker.wire import Chunk
+from services.weight_broker.wire import Chunk, encode_chunk
 from vcpo.v1 import weights_pb2
 
 MANIFEST = "manifest.json"
@@ -61,23 +61,27 @@ class StoredVersion(ABC):
     def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
         """``size`` bytes of tensor ``index`` from ``offset``."""
 
-    def chunks(
+    def encoded_chunks(
         self, start_tensor: str = "", chunk_bytes: int = 4 << 20
-    ) -> Iterator[tuple[weights_pb2.TensorMeta, int, bytes | memoryview, bool]]:
-        """``(tensor, offset, data, last)`` in order, from tensor ``start_tensor`` (a resumed fetch) on."""
+    ) -> Iterator[tuple[bytes, int]]:
+        """Each chunk, from tensor ``start_tensor`` (a resumed fetch) on, as a serialized FetchResponse with
+        its payload size."""
         names = [t.name for t in self.manifest.tensors]
         if start_tensor and start_tensor not in names:
             raise VersionNotFound(f"version {self.manifest.policy_version} has no tensor {start_tensor!r}")
-        first = names.index(start_tensor) if start_tensor else 0
-        for index, meta in enumerate(self.manifest.tensors[first:], start=first):
-            offset = 0
-            while True:
-                size = min(chunk_bytes, meta.nbytes - offset)
-                last = offset + size >= meta.nbytes
-                yield meta, offset, self.read(index, offset, size), last
-                offset += size
-                if last:
-                    break
+        for index in range(names.index(start_tensor) if start_tensor else 0, len(names)):
+            yield from self._encoded_tensor(index, chunk_bytes)
+
+    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+        meta, v, offset = self.manifest.tensors[index], self.manifest.policy_version, 0
+        while True:
+            size = min(chunk_bytes, meta.nbytes - offset)
+            last = offset + size >= meta.nbytes
+            data = self.read(index, offset, size)
+            yield encode_chunk(v, meta.name, offset, data, last, meta.checksum if last else ""), size
+            offset += size
+            if last:
+                return
 
 
 class VersionWriter(ABC):
@@ -126,7 +130,7 @@ class VersionWriter(ABC):
             raise PublishRejected(
                 "invalid", f"tensor {meta.name!r}: chunk ends at {end} of {meta.nbytes} bytes"
             )
-        self._put(self._index, self._offset, data)
+        self._put(self._index, self._offset, data, chunk.message)
         self._hasher.update(data)
         self._offset = end
         if chunk.last:
@@ -172,7 +176,8 @@ class VersionWriter(ABC):
             self.store._aborted(self.version)
 
     @abstractmethod
-    def _put(self, index: int, offset: int, data: memoryview) -> None: ...
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
+        """Store ``data`` (``message``: the serialized chunk message it came in, if known)."""
 
     @abstractmethod
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
@@ -294,18 +299,22 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
 # ---------------------------------------------------------------------------------------------- memory
 
 
-class _MemoryVersion(StoredVersion):
-    """The chunks exactly as they arrived (views into the received, immutable messages: no copy). A fetch
-    with the publisher's chunk size is served those very views; another chunk size is cut from them."""
+_Stored = tuple[int, memoryview, bytes | None]  # (offset, data, the message it arrived in)
 
-    def __init__(
-        self, manifest: weights_pb2.VersionManifest, chunks: list[list[tuple[int, memoryview]]]
-    ) -> None:
+
+class _MemoryVersion(StoredVersion):
+    """The chunks exactly as they arrived: views into the received, immutable messages (no copy).
+
+    A serialized PublishRequest holding a chunk is, byte for byte, a FetchResponse holding that chunk (both
+    put it in field 2), so a fetch with the publisher's chunk size is served the received messages
+    themselves; another chunk size is cut from the views and encoded anew."""
+
+    def __init__(self, manifest: weights_pb2.VersionManifest, chunks: list[list[_Stored]]) -> None:
         self.manifest, self._chunks = manifest, chunks
 
     def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
         parts, end = [], offset + size
-        for start, data in self._chunks[index]:
+        for start, data, _ in self._chunks[index]:
             stop = start + len(data)
             if stop <= offset or start >= end:
                 continue
@@ -314,16 +323,26 @@ class _MemoryVersion(StoredVersion):
             parts.append(data[max(offset - start, 0) : min(end, stop) - start])
         return b"".join(parts)
 
+    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+        stored = self._chunks[index]
+        same = all(len(d) == chunk_bytes for _, d, _ in stored[:-1]) and len(stored[-1][1]) <= chunk_bytes
+        if same and all(m is not None for _, _, m in stored):
+            for _, d, m in stored:
+                assert m is not None
+                yield m, len(d)  # the received message itself
+        else:
+            yield from super()._encoded_tensor(index, chunk_bytes)
+
 
 class _MemoryWriter(VersionWriter):
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
         super().__init__(store, manifest)
-        self._chunks: list[list[tuple[int, memoryview]]] = []
+        self._chunks: list[list[_Stored]] = []
 
-    def _put(self, index: int, offset: int, data: memoryview) -> None:
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
         if index == len(self._chunks):
             self._chunks.append([])
-        self._chunks[index].append((offset, data))
+        self._chunks[index].append((offset, data, message))
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
         assert len(self._chunks) == len(
@@ -376,7 +395,7 @@ class _DiskWriter(VersionWriter):
         self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
         self._file.write(prefix)
 
-    def _put(self, index: int, offset: int, data: memoryview) -> None:
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
         self._file.write(data)  # chunks arrive in order, so the file is written front to back
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:

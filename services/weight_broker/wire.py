@@ -64,6 +64,7 @@ class Chunk:
     data: memoryview
     last: bool
     checksum: str
+    message: bytes | None = None  # the whole serialized message it was decoded from, when that was bytes
 
 
 def encode_chunk(policy_version: int, tensor_name: str, offset: int, data: bytes | memoryview, last: bool,
@@ -94,7 +95,12 @@ def decode_chunk(message: bytes | memoryview) -> Chunk | None:
             pos += length
         else:
             pos = _skip(buf, pos, wire)
-    return None if found is None else _decode_fields(found)
+    if found is None:
+        return None
+    chunk = _decode_fields(found)
+    if isinstance(message, bytes):
+        chunk.message = message
+    return chunk
 
 
 def _skip(buf: memoryview, pos: int, wire: int) -> int:
