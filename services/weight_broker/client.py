@@ -83,8 +83,22 @@ class WeightTransport(ABC):
     chunk_bytes: int
     where: str  # for messages: the broker address or the shared path
 
+    def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
+        """Publish ``version``; transient failures are retried, calling ``tensors()`` again each time."""
+        return _retrying(
+            f"publish of version {version} to {self.where}",
+            self.retry,
+            lambda: self.publish_once(version, specs, tensors()),
+            self.is_transient,
+        )
+
     @abstractmethod
-    def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult: ...
+    def publish_once(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishResult:
+        """One attempt that consumes ``tensors`` once, lazily, in the order of ``specs``; raises on any failure
+        (:meth:`is_transient` says whether another attempt may succeed). For callers that must coordinate
+        retries themselves, such as ZeRO-3 ranks gathering in lockstep."""
 
     def fetch(
         self, sink: Sink, version: int | None = None, start_tensor: str = ""
@@ -102,14 +116,15 @@ class WeightTransport(ABC):
         what = (
             f"fetch of {'the latest version' if version is None else f'version {version}'} from {self.where}"
         )
-        return _retrying(what, self.retry, once, self._transient)
+        return _retrying(what, self.retry, once, self.is_transient)
 
     @abstractmethod
     def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[bytes]:
         """Serialized FetchResponses of ``version`` from ``start_tensor`` on."""
 
     @abstractmethod
-    def _transient(self, exc: BaseException) -> bool: ...
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether a failed call may succeed if tried again."""
 
     @abstractmethod
     def latest(self) -> int | None: ...
@@ -223,34 +238,33 @@ class GrpcTransport(WeightTransport):
             response_deserializer=_raw,
         )
 
-    def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
-        def once() -> PublishResult:
-            t0 = time.monotonic()
-            source_errors: list[BaseException] = []
+    def publish_once(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishResult:
+        t0 = time.monotonic()
+        source_errors: list[BaseException] = []
 
-            def guarded() -> Iterator[bytes]:
-                # gRPC reports an exception raised while iterating requests only as "Exception iterating
-                # requests!"; keep ours (a tensor that does not match the manifest, a failed gather) to re-raise
-                try:
-                    yield from publish_requests(version, specs, tensors(), self.chunk_bytes, self.run_id)
-                except BaseException as exc:
-                    source_errors.append(exc)
-                    raise
-
+        def guarded() -> Iterator[bytes]:
+            # gRPC reports an exception raised while iterating requests only as "Exception iterating
+            # requests!"; keep ours (a tensor that does not match the manifest, a failed gather) to re-raise
             try:
-                reply = self._publish(guarded(), timeout=self.retry.timeout_s)
-            except grpc.RpcError as exc:
-                if source_errors:
-                    raise source_errors[0] from None
-                code = exc.code()
-                if code == grpc.StatusCode.ALREADY_EXISTS:
-                    raise VersionExists(exc.details()) from None
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise StalePublish(exc.details()) from None
+                yield from publish_requests(version, specs, tensors, self.chunk_bytes, self.run_id)
+            except BaseException as exc:
+                source_errors.append(exc)
                 raise
-            return PublishResult(int(reply.policy_version), int(reply.total_bytes), time.monotonic() - t0)
 
-        return _retrying(f"publish of version {version} to {self.address}", self.retry, once, _grpc_transient)
+        try:
+            reply = self._publish(guarded(), timeout=self.retry.timeout_s)
+        except grpc.RpcError as exc:
+            if source_errors:
+                raise source_errors[0] from None
+            code = exc.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                raise VersionExists(exc.details()) from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StalePublish(exc.details()) from None
+            raise
+        return PublishResult(int(reply.policy_version), int(reply.total_bytes), time.monotonic() - t0)
 
     def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[bytes]:
         request = weights_pb2.FetchRequest(start_tensor=start_tensor, max_chunk_bytes=self.chunk_bytes)
@@ -263,7 +277,7 @@ class GrpcTransport(WeightTransport):
                 raise VersionNotFound(exc.details()) from None
             raise
 
-    def _transient(self, exc: BaseException) -> bool:
+    def is_transient(self, exc: BaseException) -> bool:
         return _grpc_transient(exc)
 
     def latest(self) -> int | None:
@@ -305,11 +319,13 @@ class FilesystemTransport(WeightTransport):
         self.announcer, self.chunk_bytes, self.run_id, self.retry = announcer, chunk_bytes, run_id, retry
         self.store = DiskStore(self.root, retain, owner=publisher)
 
-    def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
+    def publish_once(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishResult:
         t0 = time.monotonic()
         try:
             stored = apply_publish(
-                self.store, publish_requests(version, specs, tensors(), self.chunk_bytes, self.run_id)
+                self.store, publish_requests(version, specs, tensors, self.chunk_bytes, self.run_id)
             )
         except PublishRejected as exc:
             if exc.reason == "duplicate":
@@ -324,7 +340,7 @@ class FilesystemTransport(WeightTransport):
     def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[bytes]:
         return fetch_responses(self.store, version, start_tensor, self.chunk_bytes)
 
-    def _transient(self, exc: BaseException) -> bool:
+    def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, IntegrityError | OSError)
 
     def latest(self) -> int | None:

@@ -1,0 +1,157 @@
+"""Publish the learner's weights from ZeRO-3 shards, bucket by bucket, in Hugging Face naming.
+
+    every rank:  for each bucket of parameters (≤ bucket_bytes, or one large parameter):
+                     GatheredParameters(bucket)   ── all-gather: the bucket's full tensors exist on all ranks
+                     rank 0: stream them to the transport (publish_once consumes them lazily)
+                     others: nothing (they only take part in the all-gathers)
+                 broadcast rank 0's outcome; a transient failure is retried by all ranks together
+
+No rank ever holds more than one bucket of gathered parameters beyond its shards, and the model is never
+copied into one extra buffer. Every rank must call :func:`publish_version` (the gathers are collectives),
+and every rank drains the gathers even when rank 0's publish fails part-way, so no rank is left waiting.
+Names are the module's ``named_parameters()`` names, which for a Hugging Face model are the checkpoint names
+vLLM loads (tied output embeddings appear once, as in ``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.weight_broker.client import PublishResult, VersionExists, WeightTransport
+from services.weight_broker.tensors import TensorSpec, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def tensor_specs(module: nn.Module) -> list[TensorSpec]:
+    """The manifest of a (possibly ZeRO-3 partitioned) module: names, dtypes and full shapes, no gathering."""
+    return [TensorSpec(name, dtype_name(p.dtype), _full_shape(p)) for name, p in module.named_parameters()]
+
+
+@dataclass
+class GatherStats:
+    """What the gathers held at once, to check the bucket bound."""
+
+    buckets: int = 0
+    max_bucket_bytes: int = 0
+    sizes: list[int] = field(default_factory=list)
+
+
+def gathered_tensors(
+    module: nn.Module, bucket_bytes: int = 256 << 20, stats: GatherStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter's full tensor, gathered bucket by bucket; valid until the next item is requested.
+
+    All ranks of a ZeRO-3 group must iterate it to the end together. Without ZeRO-3 it just yields the
+    parameters.
+    """
+    params = list(module.named_parameters())
+    bucket: list[tuple[str, nn.Parameter]] = []
+    size = 0
+
+    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        if stats is not None:
+            stats.buckets += 1
+            stats.sizes.append(size)
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, size)
+        with _gathered([p for _, p in bucket]):
+            for name, p in bucket:
+                yield name, p.data
+
+    for name, p in params:
+        nbytes = p.element_size() * int(torch.Size(_full_shape(p)).numel())
+        if bucket and size + nbytes > bucket_bytes:
+            yield from flush()
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield from flush()
+
+
+def _drain(source: Iterator[tuple[str, torch.Tensor]]) -> None:
+    # gRPC pulls a publish's requests on its own thread, which may still be inside the generator for a
+    # moment after a failed call returns
+    for _ in range(200):
+        try:
+            for _ in source:
+                pass
+            return
+        except ValueError as exc:
+            if "already executing" not in str(exc):
+                raise
+            time.sleep(0.05)
+    raise RuntimeError("the publish source stayed busy in another thread")
+
+
+def _gathered(params: list[nn.Parameter]) -> AbstractContextManager[Any]:
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return nullcontext()
+
+
+def publish_version(
+    module: nn.Module,
+    transport: WeightTransport | None,
+    version: int,
+    rank: int,
+    bucket_bytes: int = 256 << 20,
+    attempts: int = 3,
+    backoff_s: float = 1.0,
+    stats: GatherStats | None = None,
+) -> PublishResult | None:
+    """Publish ``module``'s weights as ``version``: a collective every rank calls; rank 0 passes the transport.
+
+    Returns the result on rank 0 (None elsewhere). A version the broker already has counts as published
+    (a restarted learner republishing). Raises on every rank if rank 0's publish fails for good.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    specs = tensor_specs(module)
+    for attempt in range(1, attempts + 1):
+        source = gathered_tensors(module, bucket_bytes, stats)
+        result: PublishResult | None = None
+        error: BaseException | None = None
+        if rank == 0:
+            if transport is None:
+                raise ValueError("rank 0 needs a transport to publish with")
+            try:
+                result = transport.publish_once(version, specs, source)
+            except VersionExists:
+                result = PublishResult(version, sum(s.nbytes for s in specs), 0.0)
+            except Exception as exc:
+                error = exc
+        _drain(source)  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
+        outcome = (
+            0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
+        )
+        if distributed:
+            flag = torch.tensor([outcome], dtype=torch.int64)
+            dist.broadcast(flag, src=0)
+            outcome = int(flag.item())
+        if outcome == 0:
+            return result
+        if outcome == 2 or attempt == attempts:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"rank 0 failed to publish version {version}; see its log")
+        log.warning(
+            "publish of version %d failed (attempt %d/%d): %s; retrying", version, attempt, attempts, error
+        )
+        time.sleep(backoff_s * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
