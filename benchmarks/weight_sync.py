@@ -38,9 +38,7 @@ import math
 import multiprocessing as mp
 import os
 import resource
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,13 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import xxhash
 
+from deploy.launch import ServiceProcess
 from services.common.memory import ALLOCATOR_ENV
-from services.common.observability import check_health
 from services.common.redis_server import free_port
 from services.weight_broker.client import GrpcTransport
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 TARGET_BROKER_OVER_SOCKET = 0.5
 TARGET_PEAK_RSS_OVER_MODEL = 2.5
@@ -166,41 +163,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-class Broker:
-    """A broker process on a free port (memory storage, retain 1), its PID tracked and terminated by PID."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = run_dir / "broker.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.weight_broker",
-             "--set", f"weight_broker.grpc_port={self.port}", "--set", "weight_broker.metrics_port=0",
-             "--set", "weight_broker.storage=memory", "--set", "weight_broker.retain_versions=1",
-             "--set", f"run.run_dir={run_dir}", "--set", "run.redis_url="],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not check_health(self.address, timeout_s=1.0):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the broker did not come up:\n{self.log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+def start_broker(run_dir: Path) -> tuple[ServiceProcess, str]:
+    """A broker process on a free port (memory storage, retain 1), healthy; and its address."""
+    port = free_port()
+    broker = ServiceProcess(
+        "broker", "services.weight_broker",
+        ["--set", f"weight_broker.grpc_port={port}", "--set", "weight_broker.metrics_port=0",
+         "--set", "weight_broker.storage=memory", "--set", "weight_broker.retain_versions=1",
+         "--set", f"run.run_dir={run_dir}", "--set", "run.redis_url="],
+        run_dir / "broker.log",
+        env=dict(os.environ),  # main() decided whether the allocator settings are in it
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    try:
+        broker.wait_healthy(address, "", timeout_s=60)
+    except (RuntimeError, TimeoutError):
+        broker.stop()
+        raise RuntimeError(f"the broker did not come up:\n{broker.log_path.read_text()[-2000:]}") from None
+    return broker, address
 
 
 # ---------------------------------------------------------------------------------------------- fetchers
@@ -289,11 +269,11 @@ def run_size(size_mib: int, fetchers: int, socket_repeats: int) -> dict[str, Any
     row["socket_gbps"] = socket_gbps(named, socket_repeats)
 
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
-        broker = Broker(Path(tmp))
+        broker, address = start_broker(Path(tmp))
         try:
             time.sleep(0.5)  # let start-up settle before the baseline
             row["rss_base"] = proc_status(broker.pid)["VmRSS"]
-            publisher = GrpcTransport(broker.address)
+            publisher = GrpcTransport(address)
             publisher.latest()  # connected before timing
             specs = [TensorSpec.of(name, t) for name, t in named]
             cpu_b, cpu_p = cpu_seconds(broker.pid), resource.getrusage(resource.RUSAGE_SELF)
@@ -314,7 +294,7 @@ def run_size(size_mib: int, fetchers: int, socket_repeats: int) -> dict[str, Any
             fetches: list[dict[str, Any]] = []
             for n, key in ((1, "fetch"), (fetchers, "fanout")):
                 cpu_b = cpu_seconds(broker.pid)
-                seconds, out = run_fetchers(broker.address, n)
+                seconds, out = run_fetchers(address, n)
                 row[f"broker_cpu_{key}_s"] = cpu_seconds(broker.pid) - cpu_b
                 row[f"{key}_s"] = seconds
                 row[f"{key}_gbps"] = n * nbytes / seconds / 1e9

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from deploy.config import SystemConfig
@@ -58,18 +59,26 @@ def prepare_model(cfg: SystemConfig) -> str:
 
 
 class ServiceProcess:
-    """A service as a child process of the launcher, logging to <run_dir>/logs/<name>.log; we keep its PID."""
+    """``python -m <module> <args>`` as a child process logging to ``log_path``; we keep its PID and stop it
+    by that PID only. The environment defaults to ours plus the allocator settings for large buffers
+    (services/common/memory.py)."""
 
-    def __init__(self, name: str, module: str, config_file: Path, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.name, self.log_path = name, log_dir / f"{name}.log"
+    def __init__(
+        self, name: str, module: str, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.name, self.log_path = name, log_path
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, "--config", str(config_file)],
+            [sys.executable, "-m", module, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=service_env(),  # allocator settings for large buffers (services/common/memory.py)
+            env=service_env() if env is None else env,
         )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def wait_healthy(self, target: str, service: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -135,7 +144,12 @@ def launch(cfg: SystemConfig) -> int:
 
         _step("model", prepare_model(cfg), t0)
 
-        broker = ServiceProcess("weight_broker", "services.weight_broker", config_file, run_dir / "logs")
+        broker = ServiceProcess(
+            "weight_broker",
+            "services.weight_broker",
+            ["--config", str(config_file)],
+            run_dir / "logs" / "weight_broker.log",
+        )
         services.append(broker)
         address = f"127.0.0.1:{cfg.weight_broker.grpc_port}"
         broker.wait_healthy(address, "vcpo.v1.WeightBroker")
