@@ -173,7 +173,7 @@ def main() -> None:
     # correctness first: the same norms and the same gradient
     model.zero_grad(set_to_none=True)
     metrics = vcpo_backward(model, batch, ObjectiveConfig())
-    vcpo_grads = [p.grad.detach().clone() for p in model.parameters()]
+    vcpo_grads = grads_of(model)
     from services.learner.grad_norms import per_trajectory_sq_grad_norms
 
     vcpo_norms = per_trajectory_sq_grad_norms(

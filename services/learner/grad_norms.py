@@ -302,6 +302,14 @@ def norm_pass(
     return NormPassResult(_sq_norms(caps, uses), logp.detach(), caps, uses)
 
 
+def micro_batches(n: int, micro_batch_size: int | None) -> list[tuple[int, int]]:
+    """``(start, stop)`` row spans of ``micro_batch_size`` rows (None or 0: all rows at once)."""
+    size = micro_batch_size or max(n, 1)
+    if size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def per_trajectory_sq_grad_norms(
     model: nn.Module,
     input_ids: Tensor,
@@ -312,15 +320,9 @@ def per_trajectory_sq_grad_norms(
     """One value per row: ‖∇θ Σ_t response_mask[t]·log π(input_ids[t] | input_ids[<t])‖² over all trainable
     parameters (float64), by the norm pass, ``micro_batch_size`` rows at a time (default: all at once).
     Produces no parameter gradients."""
-    n = input_ids.shape[0]
-    step = micro_batch_size or max(n, 1)
-    if step < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     out = []
-    for i in range(0, n, step):
-        result = norm_pass(
-            model, input_ids[i : i + step], attention_mask[i : i + step], response_mask[i : i + step]
-        )
+    for a, b in micro_batches(input_ids.shape[0], micro_batch_size):
+        result = norm_pass(model, input_ids[a:b], attention_mask[a:b], response_mask[a:b])
         result.release()
         out.append(result.sq_grad_norms)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

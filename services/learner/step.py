@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from services.learner.config import LearnerConfig
-from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, token_logprobs
+from services.learner.grad_norms import micro_batches, norm_pass, per_trajectory_sq_grad_norms, token_logprobs
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss, trajectory_coefficients
 
 
@@ -88,13 +88,6 @@ def backward(
     return policy_gradient_backward(model, batch, config, micro_batch_size, ess_ratio, norms)
 
 
-def _spans(n: int, micro_batch_size: int | None) -> list[tuple[int, int]]:
-    size = micro_batch_size or max(n, 1)
-    if size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return [(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def vcpo_backward(
     model: nn.Module,
     batch: TrajectoryTensors,
@@ -107,19 +100,10 @@ def vcpo_backward(
         raise ValueError(
             "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
         )
-    spans = _spans(len(batch), micro_batch_size)
-    passes = [
-        norm_pass(model, batch.input_ids[a:b], batch.attention_mask[a:b], batch.response_mask[a:b])
-        for a, b in spans
-    ]
-    policy = PolicyBatch(
-        logprobs=torch.cat([p.token_logprobs for p in passes]),
-        behaviour_logprobs=batch.behaviour_logprobs,
-        loss_mask=batch.response_mask.bool(),
-        rewards=batch.rewards,
-        group_ids=batch.group_ids,
-        sq_grad_norms=torch.cat([p.sq_grad_norms for p in passes]),
-    )
+    spans = micro_batches(len(batch), micro_batch_size)
+    passes = [norm_pass(model, *_ids(batch.rows(a, b)), batch.response_mask[a:b]) for a, b in spans]
+    logprobs = torch.cat([p.token_logprobs for p in passes])
+    policy = _policy(batch, logprobs, torch.cat([p.sq_grad_norms for p in passes]))
     coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
     for p, (a, b) in zip(passes, spans, strict=True):
         p.accumulate_weighted_gradients(coefficients[a:b])
@@ -144,7 +128,7 @@ def policy_gradient_backward(
         raise ValueError(
             "objective 'vcpo' needs per-trajectory gradient norms: use vcpo_backward or backward"
         )
-    spans = _spans(len(batch), micro_batch_size)
+    spans = micro_batches(len(batch), micro_batch_size)
     if len(spans) == 1:
         logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)
         loss, metrics = policy_loss(_policy(batch, logprobs, sq_grad_norms), config, ess_ratio)
