@@ -61,12 +61,10 @@ class Announcer:
         self.producer, self.transport, self.location = producer, transport, location
 
     def announce(self, manifest: weights_pb2.VersionManifest, location: str | None = None) -> None:
-        slim = weights_pb2.VersionManifest()
-        slim.CopyFrom(manifest)
         self.producer.put(
             weights_pb2.WeightAnnouncement(
                 policy_version=manifest.policy_version,
-                manifest=slim,
+                manifest=manifest,
                 transport=self.transport,
                 location=location or self.location,
                 published_unix=time.time(),
