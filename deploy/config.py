@@ -6,7 +6,7 @@ in any table is caught before anything starts.
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
 from services.learner.config import LearnerConfig
@@ -37,3 +37,17 @@ class SystemConfig(ServiceConfig):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> SystemConfig:
+        if self.sampler.n > self.learner.max_group_size:
+            raise ValueError(
+                f"sampler.n = {self.sampler.n} exceeds learner.max_group_size = {self.learner.max_group_size}: "
+                "the learner would reject every group"
+            )
+        if self.run.groups_per_step < self.learner.num_ranks:
+            raise ValueError(
+                f"run.groups_per_step = {self.run.groups_per_step} is less than learner.num_ranks = "
+                f"{self.learner.num_ranks}: every rank trains on whole groups, so each step needs one per rank"
+            )
+        return self

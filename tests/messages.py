@@ -30,12 +30,13 @@ def make_group(
     policy_version: int = 3,
     scored: bool = False,
     seed: int = 0,
+    vocab: int = 32_000,
 ) -> rollout_pb2.TrajectoryGroup:
     """A group of ``n`` responses of ``response_len`` tokens with per-token log-probs and a loss mask."""
     rng = random.Random(seed + i)
     trajectories = []
     for j in range(n):
-        tokens = [rng.randrange(32_000) for _ in range(response_len)]
+        tokens = [rng.randrange(vocab) for _ in range(response_len)]
         mask = [not (100 <= t < 120) for t in range(response_len)]  # a masked "tool output" span
         logprobs = [-rng.random() * 5 if m else 0.0 for m in mask]
         traj = rollout_pb2.Trajectory(
@@ -67,7 +68,7 @@ def make_group(
         group_id=f"group-{i}",
         run_id="test",
         task=make_task(i),
-        prompt_tokens=[rng.randrange(32_000) for _ in range(prompt_len)],
+        prompt_tokens=[rng.randrange(vocab) for _ in range(prompt_len)],
         trajectories=trajectories,
         policy_version_start=policy_version,
         policy_version_end=policy_version + 1,

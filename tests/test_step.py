@@ -144,3 +144,46 @@ def test_every_learner_config_maps_to_an_objective() -> None:
             weighting,
             aggregation,
         )
+
+
+class _Agree:
+    """Single-process collectives of a rank whose peers need ``count`` micro-batches."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def num_micro_batches(self, local: int) -> int:
+        return max(local, self.count)
+
+    def ess_ratio(self, log_weights: torch.Tensor) -> float:
+        from services.learner.ess import effective_sample_size
+
+        return effective_sample_size(log_weights)[1]
+
+    def loss_scale(self, metrics: dict[str, float], aggregation: str) -> float:
+        return 1.0
+
+
+def test_step_spans_give_every_rank_the_same_micro_batch_count() -> None:
+    from services.learner.step import step_spans
+
+    assert step_spans(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert step_spans(5, 2, _Agree(1)) == [(0, 2), (2, 4), (4, 5)]
+    assert step_spans(4, 2, _Agree(4)) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert step_spans(2, 2, _Agree(3)) == [(0, 0), (0, 1), (1, 2)]  # a padding micro-batch; each row once
+
+
+@pytest.mark.parametrize("objective", ["vcpo", "grpo"])
+def test_padding_micro_batches_change_nothing(model_dir: Path, objective: str) -> None:
+    from services.learner.step import backward, step_spans
+
+    config = ObjectiveConfig(objective=objective)
+    grads, losses = [], []
+    for count in (1, 11):  # 8 rows: 2 micro-batches of 4, or 11 spans of which 3 are padding
+        model = load(model_dir)
+        batch = trajectories(model)
+        assert sum(b == a for a, b in step_spans(len(batch), 4, _Agree(count))) == (3 if count == 11 else 0)
+        losses.append(backward(model, batch, config, 4, collectives=_Agree(count))["loss"])
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)

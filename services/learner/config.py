@@ -42,7 +42,22 @@ class LearnerConfig(Section):
     )
     std_normalize: bool = Field(True, description="Divide advantages by the group's reward std (vcpo, grpo).")
     ppo_clip: float = Field(0.0, ge=0, description="PPO ratio clip ε; 0 disables clipping.")
+    max_group_size: int = Field(
+        64, ge=1, description="Largest rollout group accepted; larger groups are rejected and counted."
+    )
     checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints.")
+    checkpoint_dir: str = Field(
+        "", description="DeepSpeed checkpoints; empty = <run_dir>/learner/checkpoints."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest deleted first).")
+    publish_bucket_mb: int = Field(
+        256, ge=1, description="ZeRO-3 parameters gathered at once while publishing a version."
+    )
+    read_block_ms: int = Field(1000, ge=1, description="Longest wait on the scored stream per read.")
+    master_port: int = Field(
+        0, ge=0, le=65535, description="torch.distributed rendezvous port; 0 = a free one."
+    )
+    grpc_port: int = Field(50054, ge=0, le=65535, description="Status and health gRPC port; 0 = a free port.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
 
     @field_validator("betas")

@@ -29,7 +29,7 @@ hooks (ZeRO-3's partition-and-reduce) run as usual, with no second forward or fu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,30 +62,78 @@ class NormPassResult:
     captures: list[_Capture] = field(repr=False)
     params: dict[int, tuple[nn.Parameter, list[tuple[_Capture, str]]]] = field(repr=False)
 
-    def accumulate_weighted_gradients(self, coefficients: Tensor) -> None:
+    def accumulate_weighted_gradients(
+        self, coefficients: Tensor, backward: Callable[[Tensor], None] | None = None
+    ) -> None:
         """Add Σ_i c_i ∇θ f_i to every trainable parameter's ``.grad`` (through autograd hooks), then free.
 
-        ``coefficients`` has one entry per row of this micro-batch.
+        ``coefficients`` has one entry per row of this micro-batch; see :func:`accumulate_weighted_gradients`.
         """
-        if not self.captures:
-            raise RuntimeError("this norm pass's saved activations were already used or released")
-        b = self.sq_grad_norms.shape[0]
-        if coefficients.shape != (b,):
-            raise ValueError(f"coefficients must have shape ({b},), got {tuple(coefficients.shape)}")
-        if not torch.isfinite(coefficients).all():
-            raise ValueError("coefficients must be finite")
-        dummies = []
-        for param, uses in self.params.values():
-            make = _weighted_grad_fn(param, uses, coefficients)
-            dummies.append(_GradInjection.apply(param, make))
-        if dummies:
-            torch.autograd.backward(torch.stack(dummies).sum())
+        accumulate_weighted_gradients([self], [coefficients], backward)
         self.release()
 
     def release(self) -> None:
         """Drop the saved activations (when the weighted gradient will come from an ordinary backward)."""
         self.captures = []
         self.params = {}
+
+
+def accumulate_weighted_gradients(
+    passes: Sequence[NormPassResult],
+    coefficients: Sequence[Tensor],
+    backward: Callable[[Tensor], None] | None = None,
+) -> None:
+    """Add ``Σ_passes Σ_i c_i ∇θ f_i`` to every trainable parameter's ``.grad`` in one backward.
+
+    One autograd node per parameter hands it the whole step's gradient, formed from the passes' saved
+    activations when autograd reaches it (one parameter's gradient in memory at a time). ``backward`` runs the
+    backward of the injecting scalar: ``Tensor.backward`` by default, a DeepSpeed engine's ``backward`` under
+    ZeRO-3, where AccumulateGrad and ZeRO-3's partition-and-reduce hooks then run as in any backward, once
+    per parameter, and no parameter is gathered (a weight gradient needs only activations). The passes stay
+    usable until :meth:`NormPassResult.release`.
+    """
+    if not passes:
+        raise ValueError("no norm passes to form a gradient from")
+    if len(passes) != len(coefficients):
+        raise ValueError(f"{len(passes)} norm passes but {len(coefficients)} coefficient tensors")
+    for p, c in zip(passes, coefficients, strict=True):
+        if not p.captures:
+            raise RuntimeError("a norm pass's saved activations were already used or released")
+        b = p.sq_grad_norms.shape[0]
+        if c.shape != (b,):
+            raise ValueError(f"coefficients must have shape ({b},), got {tuple(c.shape)}")
+        if not torch.isfinite(c).all():
+            raise ValueError("coefficients must be finite")
+    params = [param for param, _ in passes[0].params.values()]
+    with _full_shaped(params):
+        dummies = []
+        for key, (param, _) in passes[0].params.items():
+            uses = [(use, c) for p, c in zip(passes, coefficients, strict=True) for use in p.params[key][1]]
+            dummies.append(_GradInjection.apply(param, _weighted_grad_fn(param, uses)))
+        (backward or Tensor.backward)(torch.stack(dummies).sum())
+
+
+@contextmanager
+def _full_shaped(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Give ZeRO-3-partitioned parameters their full shape, without memory, while a gradient is handed over.
+
+    Autograd checks a gradient against the shape its parameter had when the graph was built, and
+    AccumulateGrad lays ``.grad`` out like the parameter. A partitioned parameter's ``.data`` is an empty
+    placeholder (its shard lives in ``ds_tensor``), so for the injection its ``.data`` is a zero-stride view
+    of one element expanded to ``ds_shape``; ZeRO-3's hooks then reduce-scatter the full gradient as usual.
+    The placeholders are put back afterwards. Nothing reads the values of the expanded view.
+    """
+    swapped: list[tuple[nn.Parameter, Tensor]] = []
+    try:
+        for p in params:
+            shape = _full_shape(p)
+            if tuple(p.shape) != shape:
+                swapped.append((p, p.data))
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
+        yield
+    finally:
+        for p, placeholder in swapped:
+            p.data = placeholder
 
 
 class _GradInjection(torch.autograd.Function):
@@ -108,12 +156,17 @@ def _rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
     return h.to(x.dtype)
 
 
+def _full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The parameter's real shape, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def _weighted_grad_fn(
-    param: nn.Parameter, uses: list[tuple[_Capture, str]], coefficients: Tensor
+    param: nn.Parameter, uses: list[tuple[tuple[_Capture, str], Tensor]]
 ) -> Callable[[], Tensor]:
     def make() -> Tensor:
-        grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-        for cap, role in uses:
+        grad = torch.zeros(_full_shape(param), dtype=param.dtype, device=param.device)
+        for (cap, role), coefficients in uses:
             assert cap.x is not None and cap.delta is not None
             d = cap.delta * coefficients.to(cap.delta.dtype)[:, None, None]
             if cap.kind == "linear" and role == "weight":

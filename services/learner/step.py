@@ -5,29 +5,47 @@
       ├─ objective "vcpo" without PPO clipping:
       │    per micro-batch: norm_pass → log π (detached), ‖∇ log π(τ_i)‖², saved activations
       │    whole step:      trajectory_coefficients → c_i, ESS, ρ, OPOB, metrics   (vcpo.py, pure)
-      │    per micro-batch: accumulate_weighted_gradients(c_i) → .grad              (no second backward)
+      │    one backward:    accumulate_weighted_gradients(c) → .grad               (no second forward)
       │
       └─ any other objective (GRPO, RLOO, REINFORCE) or PPO clipping (per-token weights):
            [vcpo: norms by the norm pass, activations released]
            per micro-batch: forward → policy_loss → backward                       (ordinary autograd)
 
 Both leave the step's gradient in the parameters' ``.grad`` and return the metrics; the caller applies
-``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. For a
-distributed learner, ``ess_ratio`` is the all-reduced global ρ (``distributed_effective_sample_size``).
-The VCPO path keeps every micro-batch's activations until the coefficients are known; that is the memory
-of one batched forward of the step's trajectories.
+``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The VCPO path
+keeps every micro-batch's activations until the coefficients are known; that is the memory of one batched
+forward of the step's trajectories.
+
+Distributed (DeepSpeed ZeRO-3, each rank holding whole groups): pass ``backward=engine.backward`` and a
+:class:`StepCollectives`. Then every rank runs the same number of micro-batches (padding rows where it has
+too few), ρ is the global one, and each rank's loss is rescaled so that the data-parallel average of the
+ranks' gradients is the gradient of the one loss over all ranks' trajectories.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from services.learner.config import LearnerConfig
-from services.learner.grad_norms import micro_batches, norm_pass, per_trajectory_sq_grad_norms, token_logprobs
-from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss, trajectory_coefficients
+from services.learner.grad_norms import (
+    accumulate_weighted_gradients,
+    micro_batches,
+    norm_pass,
+    token_logprobs,
+)
+from services.learner.vcpo import (
+    ObjectiveConfig,
+    PolicyBatch,
+    policy_loss,
+    trajectory_coefficients,
+    valid_log_weights,
+)
 
 
 @dataclass
@@ -70,22 +88,53 @@ def objective_config(learner: LearnerConfig) -> ObjectiveConfig:
     )
 
 
+class StepCollectives(Protocol):
+    """What the ranks of a distributed step agree on; a single-process step needs none of it.
+
+    Every method is a collective: all ranks call it, in the same order, once per step.
+    """
+
+    def num_micro_batches(self, local: int) -> int:
+        """The step's micro-batch count on every rank (the most any rank needs): ZeRO-3 gathers parameters
+        in every forward, so all ranks must run the same number of forwards and backwards."""
+        ...
+
+    def ess_ratio(self, log_weights: Tensor) -> float:
+        """The global ρ from this rank's valid log weights (:func:`distributed_effective_sample_size`)."""
+        ...
+
+    def loss_scale(self, metrics: dict[str, float], aggregation: str) -> float:
+        """The factor turning this rank's loss (normalised by its own trajectory or token count) into its
+        share of the global loss, times the world size the data-parallel gradient average divides by; 0
+        when any rank had to skip the step."""
+        ...
+
+
+Backward = Callable[[Tensor], None]
+
+
 def backward(
     model: nn.Module,
     batch: TrajectoryTensors,
     config: ObjectiveConfig,
     micro_batch_size: int | None = None,
     ess_ratio: float | None = None,
+    backward: Backward | None = None,
+    collectives: StepCollectives | None = None,
 ) -> dict[str, float]:
     """The step's gradient by the right path for ``config``: the norm pass for VCPO, autograd otherwise."""
     if config.objective == "vcpo" and config.ppo_clip == 0:
-        return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio)
+        return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio, backward, collectives)
     norms = None
     if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
-        norms = per_trajectory_sq_grad_norms(
-            model, batch.input_ids, batch.attention_mask, batch.response_mask, micro_batch_size
-        )
-    return policy_gradient_backward(model, batch, config, micro_batch_size, ess_ratio, norms)
+        spans = step_spans(len(batch), micro_batch_size, collectives)
+        passes = [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
+        for p in passes:
+            p.release()
+        norms = torch.cat([p.sq_grad_norms for p, (a, b) in zip(passes, spans, strict=True) if b > a])
+    return policy_gradient_backward(
+        model, batch, config, micro_batch_size, ess_ratio, norms, backward, collectives
+    )
 
 
 def vcpo_backward(
@@ -94,19 +143,41 @@ def vcpo_backward(
     config: ObjectiveConfig,
     micro_batch_size: int | None = None,
     ess_ratio: float | None = None,
+    backward: Backward | None = None,
+    collectives: StepCollectives | None = None,
 ) -> dict[str, float]:
-    """Accumulate the VCPO gradient of ``batch`` into ``.grad`` by the norm pass; return the step's metrics."""
+    """Accumulate the VCPO gradient of ``batch`` into ``.grad`` by the norm pass; return the step's metrics.
+
+    One backward for the whole step (``backward``: default ``Tensor.backward``, ``engine.backward`` under
+    DeepSpeed) hands every parameter its gradient from the saved activations of all micro-batches.
+    """
     if config.objective != "vcpo" or config.ppo_clip > 0:
         raise ValueError(
             "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
         )
-    spans = micro_batches(len(batch), micro_batch_size)
-    passes = [norm_pass(model, *_ids(batch.rows(a, b)), batch.response_mask[a:b]) for a, b in spans]
-    logprobs = torch.cat([p.token_logprobs for p in passes])
-    policy = _policy(batch, logprobs, torch.cat([p.sq_grad_norms for p in passes]))
-    coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
-    for p, (a, b) in zip(passes, spans, strict=True):
-        p.accumulate_weighted_gradients(coefficients[a:b])
+    spans = step_spans(len(batch), micro_batch_size, collectives)
+    passes = [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
+    try:
+        real = [p for p, (a, b) in zip(passes, spans, strict=True) if b > a]
+        policy = _policy(
+            batch,
+            torch.cat([p.token_logprobs for p in real]),
+            torch.cat([p.sq_grad_norms for p in real]),
+        )
+        if collectives is not None:
+            ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
+        coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
+        if collectives is not None:
+            scale = collectives.loss_scale(metrics, config.loss_aggregation)
+            coefficients = coefficients * scale
+            metrics["loss"] *= scale
+        per_pass = [
+            coefficients[a:b] if b > a else torch.zeros(1, dtype=coefficients.dtype) for a, b in spans
+        ]
+        accumulate_weighted_gradients(passes, per_pass, backward)
+    finally:
+        for p in passes:
+            p.release()
     return metrics
 
 
@@ -117,6 +188,8 @@ def policy_gradient_backward(
     micro_batch_size: int | None = None,
     ess_ratio: float | None = None,
     sq_grad_norms: Tensor | None = None,
+    backward: Backward | None = None,
+    collectives: StepCollectives | None = None,
 ) -> dict[str, float]:
     """Accumulate the gradient of any objective by ordinary forward/backward per micro-batch.
 
@@ -128,27 +201,79 @@ def policy_gradient_backward(
         raise ValueError(
             "objective 'vcpo' needs per-trajectory gradient norms: use vcpo_backward or backward"
         )
-    spans = micro_batches(len(batch), micro_batch_size)
+    run_backward = backward or Tensor.backward
+    spans = step_spans(len(batch), micro_batch_size, collectives)
+
+    def objective(logprobs: Tensor, rho: float | None) -> tuple[Tensor, dict[str, float]]:
+        policy = _policy(batch, logprobs, sq_grad_norms)
+        if collectives is not None and rho is None:
+            rho = collectives.ess_ratio(valid_log_weights(policy, config))
+        return policy_loss(policy, config, rho)
+
     if len(spans) == 1:
-        logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)
-        loss, metrics = policy_loss(_policy(batch, logprobs, sq_grad_norms), config, ess_ratio)
-        loss.backward()
+        loss, metrics = objective(token_logprobs(model, *_ids(batch)), ess_ratio)
+        scale = _scale(collectives, metrics, config)
+        run_backward(loss * scale)
         return metrics
     with torch.no_grad():
-        detached = torch.cat([token_logprobs(model, *_ids(batch.rows(a, b))) for a, b in spans])
-    _, metrics = policy_loss(_policy(batch, detached, sq_grad_norms), config, ess_ratio)
+        scored = [token_logprobs(model, *_ids(rows)) for rows in _span_rows(batch, spans)]
+    detached = torch.cat([lp for lp, (a, b) in zip(scored, spans, strict=True) if b > a])
+    _, metrics = objective(detached, ess_ratio)
+    scale = _scale(collectives, metrics, config)
+    rho = metrics["ess_ratio"] if ess_ratio is None else ess_ratio
     # every micro-batch's loss is the whole-step loss restricted to its rows, with the whole-step statistics:
     # run the full-batch loss with the graph only through this micro-batch's log-probs
-    for a, b in spans:
-        live = token_logprobs(model, *_ids(batch.rows(a, b)))
-        logprobs = torch.cat([detached[:a], live, detached[b:]])
-        loss, _ = policy_loss(
-            _policy(batch, logprobs, sq_grad_norms),
-            config,
-            metrics["ess_ratio"] if ess_ratio is None else ess_ratio,
-        )
-        loss.backward()
+    for rows, (a, b) in zip(_span_rows(batch, spans), spans, strict=True):
+        live = token_logprobs(model, *_ids(rows))
+        if b == a:  # a padding micro-batch: zero gradient, but the same collectives as the other ranks
+            run_backward(live.sum() * 0.0)
+            continue
+        loss, _ = objective(torch.cat([detached[:a], live, detached[b:]]), rho)
+        run_backward(loss * scale)
     return metrics
+
+
+def _scale(collectives: StepCollectives | None, metrics: dict[str, float], config: ObjectiveConfig) -> float:
+    if collectives is None:
+        return 1.0
+    scale = collectives.loss_scale(metrics, config.loss_aggregation)
+    metrics["loss"] *= scale
+    return scale
+
+
+def step_spans(
+    n: int, micro_batch_size: int | None, collectives: StepCollectives | None = None
+) -> list[tuple[int, int]]:
+    """The step's micro-batches as ``(start, stop)`` row spans: ``micro_batch_size`` rows each, or, in a
+    distributed step, the count every rank agrees on with rows spread evenly (a rank with fewer rows than
+    micro-batches gets empty spans, run as one padding row)."""
+    spans = micro_batches(n, micro_batch_size)
+    if collectives is None:
+        return spans
+    count = collectives.num_micro_batches(len(spans))
+    if count == len(spans):
+        return spans
+    bounds = [n * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _span_rows(batch: TrajectoryTensors, spans: list[tuple[int, int]]) -> Iterator[TrajectoryTensors]:
+    for a, b in spans:
+        yield batch.rows(a, b) if b > a else _padding_row(batch)
+
+
+def _padding_row(batch: TrajectoryTensors) -> TrajectoryTensors:
+    """One two-token row with nothing to train on: its forward and backward carry no gradient."""
+    ids = batch.input_ids[:1, :2].clone()
+    zeros = torch.zeros_like(ids)
+    return TrajectoryTensors(
+        ids,
+        torch.ones_like(ids),
+        zeros,
+        torch.zeros(ids.shape, dtype=batch.behaviour_logprobs.dtype),
+        batch.rewards[:1].clone(),
+        batch.group_ids[:1].clone(),
+    )
 
 
 def _ids(batch: TrajectoryTensors) -> tuple[Tensor, Tensor]:

@@ -368,7 +368,8 @@ class _Step:
     metrics: dict[str, float]
 
 
-def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None) -> _Step:
+def _validity(batch: PolicyBatch, config: ObjectiveConfig) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(mask, valid, lengths, nonempty, beh_ok)``: the loss mask with skipped rows cleared, and why rows skip."""
     mask = _validate(batch, config)
     beh = batch.behaviour_logprobs.detach()
     lengths = mask.sum(dim=-1).to(_F64)
@@ -377,6 +378,19 @@ def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | Non
     valid = nonempty & beh_ok
     mask = mask & valid[:, None]
     lengths = torch.where(valid, lengths, torch.zeros_like(lengths))
+    return mask, valid, lengths, nonempty, beh_ok
+
+
+def valid_log_weights(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
+    """ℓ (float64) of the trajectories the step keeps, the ones ESS is taken over: what a distributed
+    learner all-reduces (:func:`distributed_effective_sample_size`) to pass the global ρ to the loss."""
+    mask, valid, *_ = _validity(batch, config)
+    return sequence_log_weights(batch.logprobs, batch.behaviour_logprobs.detach(), mask)[valid]
+
+
+def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | None) -> _Step:
+    mask, valid, lengths, nonempty, beh_ok = _validity(batch, config)
+    beh = batch.behaviour_logprobs.detach()
     log_w_all = sequence_log_weights(batch.logprobs, beh, mask)
     lw, r = log_w_all[valid], batch.rewards.detach().to(_F64)[valid]
     n_valid = int(valid.sum())
@@ -546,4 +560,5 @@ __all__ = [
     "policy_loss",
     "sequence_log_weights",
     "trajectory_coefficients",
+    "valid_log_weights",
 ]

@@ -1,0 +1,259 @@
+"""One learner rank: a DeepSpeed ZeRO-3 engine that turns a step's trajectories into the next policy version.
+
+    every rank r of N, each step:
+      its whole groups as TrajectoryTensors
+        ├─ step.backward(..., backward=engine.backward, collectives=DistCollectives)
+        │     same micro-batch count on every rank · global ρ · loss rescaled to the global normaliser
+        ├─ lr ← η₀ · s(ρ) for this step only; engine.step(): clip at grad_clip, AdamW, ZeRO-3 partitions
+        └─ metrics gathered from every rank and merged (identical on all ranks)
+      publish_version(...) after the step (publish.py), checkpoints (save/load) as collectives
+
+The process group is initialised from the usual environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), set by ``services.learner.main`` (plain processes) or the Ray actor group.
+The model comes through ``AutoModelForCausalLM.from_pretrained`` (a hub id or a local directory); with
+ZeRO-3 it is partitioned while it loads (``HfDeepSpeedConfig``), so no rank ever holds a full copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from services.learner.config import LearnerConfig
+from services.learner.ess import distributed_effective_sample_size, lr_scale
+from services.learner.step import TrajectoryTensors, backward, objective_config
+from services.learner.vcpo import METRIC_KEYS
+
+log = logging.getLogger(__name__)
+
+# merged over ranks by summing; the rest of METRIC_KEYS are recomputed or averaged (see merge_metrics)
+SUMMED = (
+    "baseline_fallbacks", "skipped_empty", "skipped_nonfinite", "singleton_groups", "num_trajectories",
+    "num_valid", "num_tokens",
+)  # fmt: skip
+
+
+def resolve_backend(learner: LearnerConfig) -> str:
+    if learner.backend != "auto":
+        return learner.backend
+    return "nccl" if torch.cuda.is_available() and learner.gpus_per_rank > 0 else "gloo"
+
+
+def resolve_precision(learner: LearnerConfig) -> str:
+    if learner.precision != "auto":
+        return learner.precision
+    return "bf16" if torch.cuda.is_available() and learner.gpus_per_rank > 0 else "fp32"
+
+
+def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of the learner: ZeRO-3, AdamW, clipping, bf16 on GPU, fp32 on CPU."""
+    return {
+        "train_micro_batch_size_per_gpu": learner.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": learner.micro_batch_size * world_size,
+        "gradient_clipping": learner.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": learner.lr,
+                "betas": list(learner.betas),
+                "eps": 1e-8,
+                "weight_decay": learner.weight_decay,
+            },
+        },
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
+        "bf16": {"enabled": resolve_precision(learner) == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DistCollectives:
+    """:class:`services.learner.step.StepCollectives` over the default process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.ess = math.nan  # the global ESS of the last step, set by ess_ratio
+        self.log_weights: list[float] = []  # this rank's valid log weights of the last step
+
+    def num_micro_batches(self, local: int) -> int:
+        t = torch.tensor([local], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def ess_ratio(self, log_weights: Tensor) -> float:
+        self.log_weights = [float(w) for w in log_weights.detach().cpu().tolist()]
+        self.ess, rho = distributed_effective_sample_size(log_weights)
+        return rho
+
+    def loss_scale(self, metrics: dict[str, float], aggregation: str) -> float:
+        local = metrics["num_tokens"] if aggregation == "token-mean" else metrics["num_valid"]
+        # a rank with nothing valid skips locally and harmlessly; one that skipped with valid trajectories
+        # (an overflowing coefficient) skips the whole step, so no rank's gradient is dropped unseen
+        overflow = float(metrics["step_skipped"] > 0 and metrics["num_valid"] > 0)
+        t = torch.tensor([local, overflow], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        total, overflows = float(t[0]), float(t[1])
+        if overflows > 0 or total == 0:
+            metrics["step_skipped"] = 1.0
+            return 0.0
+        return self.world_size * local / total
+
+
+def merge_metrics(
+    per_rank: list[tuple[dict[str, float], list[float]]], ess: float, rho: float, config: LearnerConfig
+) -> dict[str, float]:
+    """The step's metrics over all ranks from each rank's ``(metrics, valid log weights)``.
+
+    Counts and the (rescaled) loss add up; ρ, ESS and the LR scale are the global ones; log-weight
+    statistics are recomputed from every rank's weights; per-trajectory means are weighted by valid counts.
+    """
+    ms = [m for m, _ in per_rank]
+    out: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+    for key in SUMMED:
+        out[key] = sum(m[key] for m in ms)
+    out["loss"] = sum(m["loss"] for m in ms) / len(ms)  # each rank's loss carries the world size factor
+    skipped = any(m["step_skipped"] for m in ms) or not math.isfinite(rho)
+    out.update(ess=ess, ess_ratio=rho, step_skipped=float(skipped))
+    out["lr_scale"] = 0.0 if skipped else lr_scale(rho, config.rho_base, config.ess_rule)
+    lw = torch.tensor([w for _, ws in per_rank for w in ws], dtype=torch.float64)
+    if lw.numel():
+        q = torch.quantile(lw, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+        out.update(log_weight_max=float(lw.max()), log_weight_min=float(lw.min()))
+        out.update(log_weight_p50=q[0], log_weight_p90=q[1], log_weight_p99=q[2])
+        out["frac_truncated"] = float((lw > math.log(config.truncation)).double().mean())
+    else:
+        for key in ("log_weight_max", "log_weight_min", "log_weight_p50", "log_weight_p90", "log_weight_p99"):
+            out[key] = math.nan
+    valid = out["num_valid"]
+    for key in ("baseline_shift_mean_abs", "advantage_abs_mean"):
+        out[key] = sum(m[key] * m["num_valid"] for m in ms) / valid if valid else 0.0
+    tokens = out["num_tokens"]
+    out["ppo_clip_fraction"] = (
+        sum(m["ppo_clip_fraction"] * m["num_tokens"] for m in ms) / tokens if tokens else 0.0
+    )
+    return out
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: the version it produced, its metrics and its phase times."""
+
+    version: int
+    step: int
+    metrics: dict[str, float]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """One rank of the learner. Every method that touches the model is a collective across all ranks."""
+
+    def __init__(self, learner: LearnerConfig, model: str, seed: int = 0) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.config = learner
+        self.objective = objective_config(learner)
+        self.backend = resolve_backend(learner)
+        self.precision = resolve_precision(learner)
+        if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend=self.backend)
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        torch.manual_seed(seed)
+        ds_config = deepspeed_config(learner, self.world_size)
+        self._hf_ds_config = HfDeepSpeedConfig(
+            ds_config
+        )  # must stay alive: from_pretrained loads partitioned
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+        module.train()
+        self.engine, *_ = deepspeed.initialize(
+            model=module, model_parameters=module.parameters(), config=ds_config
+        )
+        self.device = self.engine.device
+        self.collectives = DistCollectives(self.world_size)
+        self.version = 0  # the policy version the current weights are
+        self.step = 0  # optimizer steps taken
+
+    @property
+    def module(self) -> torch.nn.Module:
+        module: torch.nn.Module = self.engine.module
+        return module
+
+    def train_step(self, batch: TrajectoryTensors) -> StepResult:
+        """One optimizer step on this rank's share of the step's groups; advances the version by one."""
+        t0 = time.perf_counter()
+        batch = _to(batch, self.device)
+        metrics = backward(
+            self.module,
+            batch,
+            self.objective,
+            self.config.micro_batch_size,
+            backward=self._backward,
+            collectives=self.collectives,
+        )
+        t1 = time.perf_counter()
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, (metrics, self.collectives.log_weights))
+        merged = merge_metrics(gathered, self.collectives.ess, metrics["ess_ratio"], self.config)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = self.config.lr * merged["lr_scale"]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        merged["grad_norm"] = math.nan if norm is None else float(norm)
+        merged["lr"] = self.config.lr * merged["lr_scale"]
+        t2 = time.perf_counter()
+        self.step += 1
+        self.version += 1
+        tokens = float(batch.attention_mask.sum())
+        timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens}
+        return StepResult(self.version, self.step, merged, timings)
+
+    def _backward(self, loss: Tensor) -> None:
+        # engine.forward would mark the start of a micro-step (ZeRO-3 then adds, not copies, the next
+        # backward's gradient partitions); the step calls the module directly, so mark it here
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
+        self.engine.backward(loss)
+
+    def save_checkpoint(self, directory: Path, client_state: dict[str, Any], keep: int) -> Path:
+        """Write a DeepSpeed checkpoint (weights, optimizer, ``client_state``) tagged by step; keep ``keep``."""
+        tag = f"step{self.step:09d}"
+        state = dict(client_state, version=self.version, step=self.step)
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+        torch.distributed.barrier()
+        if self.rank == 0:
+            tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name.startswith("step"))
+            for old in tags[:-keep]:
+                shutil.rmtree(directory / old, ignore_errors=True)
+        torch.distributed.barrier()
+        return directory / tag
+
+    def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
+        """Resume from the latest checkpoint in ``directory``; its client state, or None when there is none."""
+        if not (directory / "latest").is_file():
+            return None
+        path, state = self.engine.load_checkpoint(str(directory))
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint named by {directory / 'latest'}")
+        self.version, self.step = int(state["version"]), int(state["step"])
+        return dict(state)
+
+
+def _to(batch: TrajectoryTensors, device: torch.device) -> TrajectoryTensors:
+    if device.type == "cpu":
+        return batch
+    return TrajectoryTensors(*(getattr(batch, f).to(device) for f in TrajectoryTensors.__dataclass_fields__))

@@ -1,0 +1,87 @@
+"""Run learner ranks (DeepSpeed ZeRO-3, gloo) as spawned processes, and make scored groups they can train on."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.redis_server import free_port
+from tests.messages import make_group
+from vcpo.v1 import rollout_pb2
+
+
+def scored_groups(
+    model_dir: Path,
+    sizes: list[int],
+    response_lens: tuple[int, int] = (6, 14),
+    prompt_len: int = 5,
+    version: int = 0,
+    seed: int = 0,
+    noise: float = 0.2,
+) -> list[rollout_pb2.TrajectoryGroup]:
+    """Groups of the given sizes with ragged responses, behaviour log-probs near the model's own and rewards
+    that differ inside each group."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.grad_norms import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for i, n in enumerate(sizes):
+        g = make_group(i, n=n, response_len=response_lens[1], prompt_len=prompt_len, policy_version=version,
+                       scored=True, seed=seed * 1000, vocab=vocab)  # fmt: skip
+        for j, t in enumerate(g.trajectories):
+            keep = rng.randint(*response_lens)
+            del t.response_tokens[keep:], t.behaviour_logprobs[keep:], t.loss_mask[keep:]
+            t.loss_mask[:] = [not 2 <= k < 4 for k in range(keep)]  # a masked tool-output span
+            t.policy_version_start = t.policy_version_end = version
+            del t.version_segments[1:]
+            t.reward.value = float(rng.random() < 0.5) if j > 1 else float(j)  # never all equal
+            ids = torch.tensor([list(g.prompt_tokens) + list(t.response_tokens)])
+            with torch.no_grad():
+                lp = token_logprobs(model, ids, torch.ones_like(ids))[0, len(g.prompt_tokens) :]
+            t.behaviour_logprobs[:] = (lp + noise * torch.randn(keep, generator=gen)).tolist()
+        groups.append(g)
+    return groups
+
+
+def _entry(
+    target: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    try:
+        out.put((rank, "ok", target(rank, *args)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout_s: float = 240) -> list[Any]:
+    """``target(rank, *args)`` on ``world`` spawned ranks of one gloo process group; their results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((out.get(timeout=timeout_s) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    errors = [r[2] for r in results if r[1] != "ok"]
+    assert not errors, "\n".join(errors)
+    return [r[2] for r in results]
