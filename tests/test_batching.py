@@ -76,6 +76,9 @@ def test_a_group_scored_by_the_same_weights_has_zero_log_weights(model) -> None:
     assert weights.abs().max() < 1e-5
 
 
+VOCAB = 32_000  # the messages' token ids are below it
+
+
 def _broken(kind: str) -> rollout_pb2.TrajectoryGroup:
     group = scored(0, n=3)
     t = group.trajectories[1]
@@ -97,12 +100,14 @@ def _broken(kind: str) -> rollout_pb2.TrajectoryGroup:
         t.reward.value = math.nan
     elif kind == "bad_versions":
         t.policy_version_end = t.policy_version_start - 1
+    elif kind == "token_out_of_range":
+        t.response_tokens[2] = VOCAB
     return group
 
 
 @pytest.mark.parametrize("kind", REJECT_REASONS)
 def test_bad_groups_are_rejected_with_their_reason(kind: str) -> None:
-    problem = check_group(_broken(kind), max_group_size=8)
+    problem = check_group(_broken(kind), max_group_size=8, vocab_size=VOCAB)
     assert problem is not None and problem[0] == kind and "group 'group-0'" in problem[1]
 
 
@@ -120,7 +125,8 @@ def test_assembler_keeps_drops_by_lag_and_counts_rejections() -> None:
     assert outcomes == ["kept", "kept", "dropped", "kept", "dropped", "kept"]
     assert dict(asm.dropped_by_lag) == {3: 1, -1: 1}  # too old; from a version that does not exist yet
     assert asm.offer(_broken("nonfinite_reward"), version) == "rejected"
-    assert asm.rejected == {"nonfinite_reward": 1} and "reward nan" in asm.last_rejection
+    assert asm.rejected == {"nonfinite_reward": 1} and asm.last_rejection[0] == "nonfinite_reward"
+    assert "reward nan" in asm.last_rejection[1]
     assert asm.ready and [g.group_id for g in asm.take()] == ["group-0", "group-1", "group-3"]
     assert not asm.ready and [g.group_id for g in asm.groups] == ["group-5"]
 

@@ -340,9 +340,10 @@ class StreamConsumer(Generic[M]):
         )
         return self._decode(self._entries_of(reply), "read")
 
-    def pending(self, count: int = 100) -> list[Entry[M]]:
-        """This consumer's own delivered-but-unacknowledged entries (what a restarted consumer redoes)."""
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.spec.key: "0"}, count=count)
+    def pending(self, count: int = 100, after: str = "0") -> list[Entry[M]]:
+        """This consumer's own delivered-but-unacknowledged entries with ids above ``after``, oldest first
+        (what a restarted consumer redoes); page through them by passing the last id seen."""
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.spec.key: after}, count=count)
         return self._decode(self._entries_of(reply), "read")
 
     def reclaim(self, count: int = 100, min_idle_ms: int | None = None) -> list[Entry[M]]:

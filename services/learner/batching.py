@@ -25,12 +25,17 @@ from vcpo.v1 import rollout_pb2
 
 REJECT_REASONS = (
     "empty_group", "group_too_large", "empty_prompt", "length_mismatch", "missing_logprobs",
-    "nonfinite_logprobs", "missing_reward", "nonfinite_reward", "bad_versions",
+    "nonfinite_logprobs", "missing_reward", "nonfinite_reward", "bad_versions", "token_out_of_range",
 )  # fmt: skip
 
 
-def check_group(group: rollout_pb2.TrajectoryGroup, max_group_size: int) -> tuple[str, str] | None:
-    """``(reason, detail)`` if the group must not be trained on, else None. ``reason`` is one of REJECT_REASONS."""
+def check_group(
+    group: rollout_pb2.TrajectoryGroup, max_group_size: int, vocab_size: int | None = None
+) -> tuple[str, str] | None:
+    """``(reason, detail)`` if the group must not be trained on, else None. ``reason`` is one of REJECT_REASONS.
+
+    With ``vocab_size``, token ids outside ``[0, vocab_size)`` (another tokenizer's output) are rejected too.
+    """
     n = len(group.trajectories)
     if n == 0:
         return "empty_group", f"group {group.group_id!r} has no trajectories"
@@ -41,6 +46,17 @@ def check_group(group: rollout_pb2.TrajectoryGroup, max_group_size: int) -> tupl
         )
     if not group.prompt_tokens:
         return "empty_prompt", f"group {group.group_id!r} has no prompt tokens"
+    if vocab_size is not None:
+        sources = [("prompt", group.prompt_tokens)]
+        sources += [(f"trajectory {i}", t.response_tokens) for i, t in enumerate(group.trajectories)]
+        for source, ids in sources:
+            bad = next((tok for tok in ids if tok >= vocab_size), None)
+            if bad is not None:
+                return (
+                    "token_out_of_range",
+                    f"group {group.group_id!r}, {source}: token id {bad} outside the model's vocabulary "
+                    f"of {vocab_size}",
+                )
     for i, t in enumerate(group.trajectories):
         where = f"group {group.group_id!r}, trajectory {i}"
         tokens, logprobs, mask = len(t.response_tokens), len(t.behaviour_logprobs), len(t.loss_mask)
@@ -74,17 +90,18 @@ class StepAssembler:
     k: int
     groups_per_step: int
     max_group_size: int
+    vocab_size: int | None = None
     groups: list[rollout_pb2.TrajectoryGroup] = field(default_factory=list)
     rejected: Counter[str] = field(default_factory=Counter)
     dropped_by_lag: Counter[int] = field(default_factory=Counter)
-    last_rejection: str = ""
+    last_rejection: tuple[str, str] = ("", "")  # (reason, detail) of the last rejected group
 
     def offer(self, group: rollout_pb2.TrajectoryGroup, version: int) -> str:
         """Take one scored group for the step producing ``version + 1``: "kept", "rejected" or "dropped"."""
-        problem = check_group(group, self.max_group_size)
+        problem = check_group(group, self.max_group_size, self.vocab_size)
         if problem is not None:
             self.rejected[problem[0]] += 1
-            self.last_rejection = problem[1]
+            self.last_rejection = problem
             return "rejected"
         lag = group_lag(group, version)
         if lag > self.k or lag < 0:  # too old, or from a version that does not exist yet

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from services.common.config import Section, ServiceConfig
+from services.weight_broker.config import WeightBrokerConfig
 
 
 class LearnerConfig(Section):
@@ -72,3 +73,4 @@ class LearnerServiceConfig(ServiceConfig):
     """Everything the learner reads: the shared sections and ``[learner]``."""
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions go

@@ -61,15 +61,10 @@ def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "train_batch_size": learner.micro_batch_size * world_size,
         "gradient_clipping": learner.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": learner.lr,
-                "betas": list(learner.betas),
-                "eps": 1e-8,
-                "weight_decay": learner.weight_decay,
-            },
-        },
+        # AdamW is torch's (passed to deepspeed.initialize): its update does not depend on where a tensor
+        # sits in memory, so a run resumed from a checkpoint is bit-exact on CPU; DeepSpeed's CPU FusedAdam
+        # differed by an ulp after a reload
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
         "bf16": {"enabled": resolve_precision(learner) == "bf16"},
         "steps_per_print": 2**31 - 1,
@@ -179,9 +174,15 @@ class Trainer:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
         module.train()
-        self.engine, *_ = deepspeed.initialize(
-            model=module, model_parameters=module.parameters(), config=ds_config
+        optimizer = torch.optim.AdamW(
+            module.parameters(),
+            lr=learner.lr,
+            betas=learner.betas,
+            eps=1e-8,
+            weight_decay=learner.weight_decay,
+            foreach=False,
         )
+        self.engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
         self.collectives = DistCollectives(self.world_size)
         self.version = 0  # the policy version the current weights are

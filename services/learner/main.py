@@ -1,0 +1,110 @@
+"""Run the learner without Ray: ``python -m services.learner --config run.toml [--max-steps N]``.
+
+The parent process spawns ``learner.num_ranks`` rank processes (one torch.distributed group on this machine)
+and waits for them. SIGTERM or SIGINT stops rank 0 gracefully (it checkpoints and tells the other ranks);
+if any rank dies, the others are stopped and the exit status is the failed rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from services.common.config import add_config_arguments, config_from_args, write_resolved
+from services.common.redis_server import free_port
+from services.learner.config import LearnerServiceConfig
+
+
+def _rank_main(
+    cfg_json: str, rank: int, world: int, port: int, max_steps: int, crash_after_step: int
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(message)s")
+    from services.learner.service import LearnerRank
+
+    cfg = LearnerServiceConfig.model_validate_json(cfg_json)
+    stop = threading.Event()
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    else:  # rank 0 decides when to stop and tells the others
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    learner = LearnerRank(cfg, stop)
+    try:
+        learner.start()
+        summary = learner.serve(max_steps, crash_after_step)
+        if rank == 0:
+            out = cfg.run.run_dir / "learner" / "summary.json"
+            out.write_text(json.dumps(summary, indent=2) + "\n")
+            logging.info("stopped at step %d, version %d", summary["step"], summary["version"])
+    finally:
+        learner.close()
+
+
+def run(cfg: LearnerServiceConfig, max_steps: int = 0, crash_after_step: int = 0) -> int:
+    """Run every rank to the end; the exit status (0, or the first failed rank's)."""
+    from services.learner.service import model_path
+
+    model_path(cfg.run)  # build the tiny model once, before the ranks load it
+    world = cfg.learner.num_ranks
+    port = cfg.learner.master_port or free_port()
+    ctx = mp.get_context("spawn")
+    args: list[tuple[Any, ...]] = [
+        (cfg.model_dump_json(), r, world, port, max_steps, crash_after_step) for r in range(world)
+    ]
+    procs = [ctx.Process(target=_rank_main, args=a, name=f"learner-rank{a[1]}") for a in args]
+    for p in procs:
+        p.start()
+
+    def forward(signum: int, _frame: Any) -> None:
+        if procs[0].pid is not None and procs[0].is_alive():
+            os.kill(procs[0].pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    while any(p.is_alive() for p in procs):
+        for p in procs:
+            p.join(timeout=0.5)
+            if p.exitcode not in (None, 0) and status == 0:
+                status = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
+                logging.error("%s exited with status %s; stopping the other ranks", p.name, p.exitcode)
+                for q in procs:
+                    if q.is_alive():
+                        q.kill()
+    for p in procs:
+        p.join()
+        if p.exitcode not in (0, None) and status == 0:
+            status = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
+    return status
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many steps in all; 0 = never"
+    )
+    parser.add_argument(
+        "--crash-after-step", type=int, default=0,
+        help="fault injection for tests: rank 0 exits right after this step, before its checkpoint",
+    )  # fmt: skip
+    add_config_arguments(parser, LearnerServiceConfig)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(LearnerServiceConfig, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s")
+    write_resolved(cfg, cfg.run.run_dir, "learner.config.json")
+    sys.exit(run(cfg, args.max_steps, args.crash_after_step))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""The learner service: every rank's loop from scored groups to published, checkpointed policy versions.
+
+    start (all ranks):  Trainer (ZeRO-3 engine) ─ load the latest checkpoint ─ publish the current version
+                        rank 0 also: ScoredFeed.resume, /metrics, gRPC Status + health
+    loop:
+      rank 0:     feed.poll(version) ─► ("step", groups) | ("idle",) | ("stop",)  ─┐ broadcast to all ranks
+      all ranks:  ◄──────────────────────────────────────────────────────────────┘
+                  step: place whole groups on ranks ─ train_step ─ publish v+1 (bucketed gathers)
+                  every M steps: checkpoint (weights, optimizer, feed state), then rank 0 acknowledges
+                  the entries the checkpoint covers
+    stop (SIGTERM, --max-steps): a last checkpoint, so nothing consumed is lost
+
+Rank 0 is the only Redis client; "idle" keeps the other ranks answering while the stream is empty, so no
+collective ever waits past ``read_block_ms``. The audit log ``<run_dir>/learner/steps.jsonl`` has one line
+per step (a step redone after a restart appears again; the last line for a step is the one that counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from services.common.config import RunConfig, StreamsConfig
+from services.common.observability import GrpcServer, Metrics, MetricsServer, grpc_server, serve_metrics
+from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
+from services.learner.batching import REJECT_REASONS, place_groups, to_tensors
+from services.learner.config import LearnerConfig, LearnerServiceConfig
+from services.learner.feed import FeedState, Offered, ScoredFeed
+from services.learner.publish import publish_version
+from services.learner.trainer import StepResult, Trainer
+from services.weight_broker.client import FilesystemTransport, GrpcTransport, RetryPolicy, WeightTransport
+from services.weight_broker.config import WeightBrokerConfig
+from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
+
+log = logging.getLogger(__name__)
+
+GAUGES = {  # step metric -> (gauge name, help)
+    "ess": ("vcpo_learner_ess", "Effective sample size of the last step's importance weights"),
+    "ess_ratio": (
+        "vcpo_learner_ess_ratio",
+        "ESS over the number of valid trajectories (rho) of the last step",
+    ),
+    "lr_scale": ("vcpo_learner_lr_scale", "Learning-rate scale s(rho) applied to the last step"),
+    "lr": ("vcpo_learner_lr", "Learning rate of the last step"),
+    "grad_norm": ("vcpo_learner_grad_norm", "Global gradient norm of the last step, before clipping"),
+    "loss": ("vcpo_learner_loss", "Policy loss of the last step"),
+    "baseline_shift_mean_abs": (
+        "vcpo_learner_opob_shift",
+        "Mean |OPOB baseline - group mean reward| of the last step",
+    ),
+    "frac_truncated": ("vcpo_learner_truncated_fraction", "Share of trajectories whose weight was truncated"),
+    "advantage_abs_mean": ("vcpo_learner_advantage_abs_mean", "Mean |advantage| of the last step"),
+}
+QUANTILES = {"log_weight_min": "0", "log_weight_p50": "0.5", "log_weight_p90": "0.9",
+             "log_weight_p99": "0.99", "log_weight_max": "1"}  # fmt: skip
+
+
+class LearnerMetrics:
+    """The learner's Prometheus metrics (rank 0 serves them)."""
+
+    def __init__(self, metrics: Metrics, k: int) -> None:
+        self.version = metrics.gauge("vcpo_learner_policy_version", "Policy version of the current weights")
+        self.steps = metrics.counter("vcpo_learner_steps_total", "Optimizer steps taken by this process")
+        self.skipped = metrics.counter("vcpo_learner_steps_skipped_total", "Steps skipped by the VCPO guard")
+        self.gauges = {key: metrics.gauge(name, doc) for key, (name, doc) in GAUGES.items()}
+        self.log_weight = metrics.gauge(
+            "vcpo_learner_log_weight",
+            "Quantiles of the last step's sequence log importance weights",
+            ["quantile"],
+        )
+        self.staleness = metrics.histogram(
+            "vcpo_learner_staleness_versions",
+            "Lag t - policy_version_start of every scored group consumed (trained or dropped)",
+            buckets=[float(b) for b in range(max(k, 1) + 2)] + [float(k + 4), float(k + 8)],
+        )
+        self.trained = metrics.counter("vcpo_learner_groups_trained_total", "Scored groups trained on")
+        self.dropped = metrics.counter(
+            "vcpo_learner_groups_dropped_total", "Scored groups never trained on, by cause", ["cause"]
+        )
+        for cause in ("lag", *REJECT_REASONS):
+            self.dropped.labels(cause)
+        self.phase = metrics.histogram(
+            "vcpo_learner_phase_seconds",
+            "Time of each phase of a step",
+            ["phase"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.tokens = metrics.counter("vcpo_learner_tokens_total", "Tokens (prompt + response) trained on")
+        self.tokens_per_second = metrics.gauge("vcpo_learner_tokens_per_second", "Tokens/s of the last step")
+
+    def offered(self, items: list[Offered]) -> None:
+        for o in items:
+            if o.outcome == "rejected":
+                self.dropped.labels(o.reason).inc()
+                continue
+            self.staleness.observe(o.lag)
+            if o.outcome == "dropped":
+                self.dropped.labels("lag").inc()
+            else:
+                self.trained.inc()
+
+    def step(self, result: StepResult, publish_s: float) -> None:
+        m = result.metrics
+        self.version.set(result.version)
+        self.steps.inc()
+        if m["step_skipped"]:
+            self.skipped.inc()
+        for key, gauge in self.gauges.items():
+            gauge.set(m[key])
+        for key, q in QUANTILES.items():
+            self.log_weight.labels(q).set(m[key])
+        for phase in ("gradient", "optimizer"):
+            self.phase.labels(phase).observe(result.timings[f"{phase}_s"])
+        self.phase.labels("publish").observe(publish_s)
+        self.tokens.inc(result.timings["tokens_all_ranks"])
+        self.tokens_per_second.set(result.timings["tokens_all_ranks"] / max(result.timings["step_s"], 1e-9))
+
+
+@dataclass
+class LearnerState:
+    """What the Status call reports."""
+
+    state: int = common_pb2.ServiceStatus.STARTING
+    detail: str = "starting"
+    version: int = 0
+    step: int = 0
+    figures: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+class StatusServicer(common_pb2_grpc.StatusServicer):
+    def __init__(self, status: LearnerState, run_id: str) -> None:
+        self.status, self.run_id = status, run_id
+
+    def GetStatus(
+        self, request: common_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        s = self.status
+        figures = {k: v for k, v in s.figures.items() if math.isfinite(v)}
+        figures["step"] = float(s.step)
+        return common_pb2.ServiceStatus(
+            service="learner",
+            replica_id="rank0",
+            run_id=self.run_id,
+            policy_version=s.version,
+            state=s.state,  # type: ignore[arg-type]
+            detail=s.detail,
+            uptime_seconds=time.monotonic() - s.started,
+            figures=figures,
+        )
+
+
+def make_transport(
+    wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool
+) -> WeightTransport:
+    """The weight transport of the run: the broker over gRPC, or the shared filesystem path."""
+    retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
+    if wb.transport == "filesystem":
+        announcer = None
+        if publisher and run.redis_url:
+            from services.weight_broker.servicer import Announcer
+
+            spec = stream_specs(run, streams)["weights"]
+            announcer = Announcer(StreamProducer(connect(run.redis_url), spec), "filesystem", wb.storage_dir)
+        root = wb.storage_dir or str(run.run_dir / "weights")
+        return FilesystemTransport(
+            root, wb.retain_versions, publisher, announcer, wb.chunk_bytes, run.run_id, retry
+        )
+    return GrpcTransport(f"{wb.advertise_host}:{wb.grpc_port}", retry, wb.chunk_bytes, run.run_id)
+
+
+def model_path(run: RunConfig) -> str:
+    """The policy to train: ``run.model``, or the tiny built-in model in the run directory (built once)."""
+    if run.model:
+        return run.model
+    from services.common.tiny_model import TinyModelSpec, build_tiny_model
+
+    return str(build_tiny_model(run.run_dir / "model", TinyModelSpec(seed=run.seed)))
+
+
+def checkpoint_dir(learner: LearnerConfig, run: RunConfig) -> Path:
+    return Path(learner.checkpoint_dir) if learner.checkpoint_dir else run.run_dir / "learner" / "checkpoints"
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class LearnerRank:
+    """One rank's service loop; rank 0 also owns the feed, the transport, metrics and the status server."""
+
+    def __init__(self, cfg: LearnerServiceConfig, stop: threading.Event | None = None) -> None:
+        self.cfg, self.learner, self.run = cfg, cfg.learner, cfg.run
+        self.stop = stop or threading.Event()
+        self.trainer = Trainer(self.learner, model_path(self.run), seed=self.run.seed)
+        self.rank, self.world = self.trainer.rank, self.trainer.world_size
+        self.ckpt_dir = checkpoint_dir(self.learner, self.run)
+        self.status = LearnerState()
+        self.feed: ScoredFeed | None = None
+        self.transport: WeightTransport | None = None
+        self.metrics: LearnerMetrics | None = None
+        self.http: MetricsServer | None = None
+        self.server: GrpcServer | None = None
+        self.last_checkpoint_step = 0
+        self.audit: Path = self.run.run_dir / "learner" / "steps.jsonl"
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        state = self.trainer.load_checkpoint(self.ckpt_dir)
+        self.last_checkpoint_step = self.trainer.step
+        if self.rank == 0:
+            self._start_rank0(FeedState.from_json(state["feed"]) if state else None)
+        if state:
+            log.info(
+                "rank %d resumed from step %d (version %d)",
+                self.rank,
+                self.trainer.step,
+                self.trainer.version,
+            )
+        self._publish()  # the current version: v0 at the start, the checkpoint's after a restart
+        self.status.state = common_pb2.ServiceStatus.READY
+        self.status.detail = "training"
+
+    def _start_rank0(self, feed_state: FeedState | None) -> None:
+        metrics = Metrics("learner")
+        self.metrics = LearnerMetrics(metrics, self.run.k)
+        self.metrics.version.set(self.trainer.version)
+        spec = stream_specs(self.run, self.cfg.streams)["scored"]
+        vocab = int(self.trainer.module.config.vocab_size)
+        self.feed = ScoredFeed(
+            connect(self.run.redis_url), spec, self.run.k, self.run.groups_per_step, self.learner.max_group_size,
+            vocab, StreamMetrics(metrics),
+        )  # fmt: skip
+        replay = self.feed.resume(feed_state)
+        if replay:
+            self.status.detail = f"replaying {replay} scored entries consumed after the last checkpoint"
+        self.transport = make_transport(self.cfg.weight_broker, self.run, self.cfg.streams, publisher=True)
+        self.http = serve_metrics(metrics, port=self.learner.metrics_port)
+        servicer = StatusServicer(self.status, self.run.run_id)
+
+        def add(server: grpc.Server) -> list[str]:
+            common_pb2_grpc.add_StatusServicer_to_server(servicer, server)
+            return ["vcpo.v1.Status"]
+
+        self.server = grpc_server(add, port=self.learner.grpc_port)
+        self.audit.parent.mkdir(parents=True, exist_ok=True)
+        log.info("learner rank 0: metrics on %s, status on gRPC port %d", self.http.url, self.server.port)
+
+    # ------------------------------------------------------------------ the loop
+    def serve(self, max_steps: int = 0, crash_after_step: int = 0) -> dict[str, Any]:
+        """Train until stopped or ``max_steps`` steps in all (counting those before a restart)."""
+        while True:
+            message: tuple[Any, ...] = ("idle",)
+            if self.rank == 0:
+                message = self._next_message(max_steps)
+            message = _broadcast(message)
+            if message[0] == "stop":
+                break
+            if message[0] == "idle":
+                continue
+            groups = [rollout_pb2.TrajectoryGroup.FromString(b) for b in message[1]]
+            self._step(groups)
+            if crash_after_step and self.trainer.step == crash_after_step:
+                log.error(
+                    "--crash-after-step %d: exiting without a checkpoint (fault injection)", crash_after_step
+                )
+                os._exit(17)
+            if self.trainer.step % self.learner.checkpoint_every == 0:
+                self.checkpoint()
+        if self.trainer.step > self.last_checkpoint_step:
+            self.checkpoint()
+        return self.summary()
+
+    def _next_message(self, max_steps: int) -> tuple[Any, ...]:
+        assert self.feed is not None and self.metrics is not None
+        if self.stop.is_set() or (max_steps and self.trainer.step >= max_steps):
+            return ("stop",)
+        groups, offered = self.feed.poll(self.trainer.version, self.learner.read_block_ms)
+        self.metrics.offered(offered)
+        if groups is None:
+            self.status.state = common_pb2.ServiceStatus.WAITING
+            self.status.detail = f"waiting for scored groups ({len(self.feed.assembler.groups)} of " \
+                f"{self.run.groups_per_step} for the step from version {self.trainer.version})"  # fmt: skip
+            return ("idle",)
+        return ("step", [g.SerializeToString() for g in groups])
+
+    def _step(self, groups: list[rollout_pb2.TrajectoryGroup]) -> None:
+        mine = [groups[i] for i in place_groups(groups, self.world)[self.rank]]
+        result = self.trainer.train_step(to_tensors(mine))
+        tokens = torch.tensor([result.timings["tokens"]], dtype=torch.float64)
+        torch.distributed.all_reduce(tokens)
+        result.timings["tokens_all_ranks"] = float(tokens.item())
+        publish_s = self._publish()
+        if self.rank != 0:
+            return
+        assert self.metrics is not None
+        self.metrics.step(result, publish_s)
+        self.status.state = common_pb2.ServiceStatus.READY
+        self.status.detail = "training"
+        self.status.version, self.status.step = result.version, result.step
+        self.status.figures = dict(result.metrics)
+        line = {"step": result.step, "version": result.version, "groups": [g.group_id for g in groups],
+                "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s)}  # fmt: skip
+        with self.audit.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        m = result.metrics
+        log.info(
+            "step %d -> version %d: loss %.4f ess_ratio %.3f lr_scale %.3f grad_norm %.3f (%.2fs + publish %.2fs)",
+            result.step, result.version, m["loss"], m["ess_ratio"], m["lr_scale"], m["grad_norm"],
+            result.timings["step_s"], publish_s,
+        )  # fmt: skip
+
+    def _publish(self) -> float:
+        t0 = time.perf_counter()
+        publish_version(
+            self.trainer.module, self.transport, self.trainer.version, self.rank,
+            self.learner.publish_bucket_mb << 20,
+        )  # fmt: skip
+        return time.perf_counter() - t0
+
+    def checkpoint(self) -> None:
+        """Checkpoint weights, optimizer and the feed state (a collective), then acknowledge what it covers."""
+        feed_state = self.feed.checkpointed().to_json() if self.feed is not None else None
+        feed_state = _broadcast(feed_state)
+        self.trainer.save_checkpoint(self.ckpt_dir, {"feed": feed_state}, self.learner.keep_checkpoints)
+        self.last_checkpoint_step = self.trainer.step
+        if self.feed is not None:
+            acked = self.feed.acknowledge(FeedState.from_json(feed_state))
+            log.info("checkpoint at step %d; acknowledged %d scored entries", self.trainer.step, acked)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "step": self.trainer.step, "version": self.trainer.version}
+        if self.feed is not None:
+            out["feed"] = self.feed.checkpointed().to_json()
+        return out
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=1)
+        if self.http is not None:
+            self.http.close()

@@ -1,0 +1,170 @@
+"""The learner service end to end on real Redis and 2 DeepSpeed ZeRO-3 ranks: lag bound, bad input, and a
+crash between a step and its checkpoint that changes nothing (bit-exact weights, every group once)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from services.common.config import RunConfig, StreamsConfig
+from services.common.streams import StreamProducer, stream_specs
+from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from tests.learner_ranks import scored_groups
+from vcpo.v1 import rollout_pb2
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("learner") / "model", TinyModelSpec())
+
+
+def _config(tmp: Path, run_id: str, redis_url: str, model: Path, **learner: Any) -> Path:
+    cfg = {
+        "run": {"run_id": run_id, "k": 1, "groups_per_step": 2, "model": str(model), "redis_url": redis_url,
+                "run_dir": str(tmp / run_id), "seed": 0},
+        "learner": {"num_ranks": 2, "micro_batch_size": 2, "lr": 1e-3, "weight_decay": 0.01, "max_group_size": 4,
+                    "checkpoint_every": 2, "metrics_port": 0, "grpc_port": 0, "read_block_ms": 200, **learner},
+        "weight_broker": {"transport": "filesystem", "storage_dir": str(tmp / run_id / "weights"),
+                          "retain_versions": 10},
+    }  # fmt: skip
+    path = tmp / f"{run_id}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _learner(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.learner", "--config", str(config), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _fill(client: redis.Redis, run_id: str, entries: list[tuple[rollout_pb2.TrajectoryGroup, int]]) -> None:
+    spec = stream_specs(RunConfig(run_id=run_id), StreamsConfig())["scored"]
+    StreamProducer(client, spec).put_many(entries)
+
+
+def _stream(model_dir: Path) -> tuple[list[tuple[rollout_pb2.TrajectoryGroup, int]], dict[str, list[str]]]:
+    """Scored entries for 4 steps at k = 1, with a NaN reward, an oversized group and a too-old group."""
+    good = iter(scored_groups(model_dir, [2, 3, 2, 3, 2, 2, 3, 2, 3, 2], seed=7))
+    bad_reward, too_big, too_old = scored_groups(model_dir, [2, 5, 2], seed=8)
+    bad_reward.trajectories[1].reward.value = math.nan
+    order: list[tuple[str, int]] = [  # (what, policy_version_start); the learner is at version t in step t+1
+        ("good", 0),
+        ("nan", 0),
+        ("good", 0),  # step 1 from version 0
+        ("good", 0),
+        ("good", 1),  # step 2 from version 1: lag 1 and 0
+        ("old", 0),
+        ("good", 1),
+        ("good", 2),  # step 3 from version 2: lag 2 > k is dropped
+        ("good", 3),
+        ("big", 3),
+        ("good", 2),  # step 4 from version 3
+    ]
+    entries, names = [], {"good": [], "dropped": [], "rejected": []}
+    for what, version in order:
+        group = {"nan": bad_reward, "big": too_big, "old": too_old}.get(what) or next(good)
+        group = rollout_pb2.TrajectoryGroup.FromString(group.SerializeToString())
+        group.group_id = f"{what}-{len(entries)}"
+        group.policy_version_start = version
+        for t in group.trajectories:
+            t.policy_version_start = t.policy_version_end = version
+        entries.append((group, version))
+        names["good" if what == "good" else "dropped" if what == "old" else "rejected"].append(group.group_id)
+    return entries, names
+
+
+def _steps(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The audit log, last line per step (a step redone after a restart is logged again)."""
+    lines = [json.loads(line) for line in (run_dir / "learner" / "steps.jsonl").read_text().splitlines()]
+    return {line["step"]: line for line in lines}
+
+
+def test_crash_between_step_and_checkpoint_changes_nothing(
+    tmp_path: Path, model_dir: Path, redis_client: redis.Redis, redis_url: str
+) -> None:
+    entries, names = _stream(model_dir)
+    for run_id in ("straight", "crashed"):
+        _fill(redis_client, run_id, entries)
+    straight = _config(tmp_path, "straight", redis_url, model_dir)
+    crashed = _config(tmp_path, "crashed", redis_url, model_dir)
+
+    done = _learner(straight, "--max-steps", "4")
+    assert done.returncode == 0, done.stderr[-4000:]
+    # steps 1-2 are checkpointed, step 3 is trained and published, then the learner dies before step 4
+    died = _learner(crashed, "--max-steps", "4", "--crash-after-step", "3")
+    assert died.returncode == 17, died.stderr[-4000:]
+    assert "fault injection" in died.stderr
+    resumed = _learner(crashed, "--max-steps", "4")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step 2" in resumed.stderr
+    assert "replay" in resumed.stderr
+
+    # the same steps from the same groups: every good group exactly once, the bad ones never
+    a, b = _steps(tmp_path / "straight"), _steps(tmp_path / "crashed")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [a[s]["groups"] for s in a] == [b[s]["groups"] for s in a]
+    trained = [g for s in sorted(a) for g in a[s]["groups"]]
+    assert sorted(trained) == sorted(names["good"])
+    for s in a:
+        assert a[s]["version"] == s
+        for key in ("loss", "grad_norm", "ess_ratio"):
+            assert a[s]["metrics"][key] == b[s]["metrics"][key], (s, key)
+
+    # bit-exact weights of every version, published through the filesystem transport
+    for v in range(5):
+        wa = tmp_path / "straight" / "weights" / f"v{v:010d}" / "model.safetensors"
+        wb = tmp_path / "crashed" / "weights" / f"v{v:010d}" / "model.safetensors"
+        assert wa.read_bytes() == wb.read_bytes(), f"version {v} differs"
+    v0 = (tmp_path / "straight" / "weights" / f"v{0:010d}" / "model.safetensors").read_bytes()
+    assert v0 != (tmp_path / "straight" / "weights" / f"v{4:010d}" / "model.safetensors").read_bytes()
+
+    # counted, and every consumed entry acknowledged and deleted after the final checkpoint
+    for run_id in ("straight", "crashed"):
+        summary = json.loads((tmp_path / run_id / "learner" / "summary.json").read_text())
+        assert summary["version"] == summary["step"] == 4
+        feed = summary["feed"]
+        assert feed["rejected"] == {"nonfinite_reward": 1, "group_too_large": 1}
+        assert feed["dropped_by_lag"] == {"2": 1}
+        assert feed["trained_groups"] == 8 and feed["consumed"] == len(entries)
+        spec = stream_specs(RunConfig(run_id=run_id), StreamsConfig())["scored"]
+        assert redis_client.xlen(spec.key) == 0
+        assert redis_client.xpending(spec.key, spec.group)["pending"] == 0
+
+
+def test_k0_trains_only_on_the_current_version(
+    tmp_path: Path, model_dir: Path, redis_client: redis.Redis, redis_url: str
+) -> None:
+    groups = scored_groups(model_dir, [2] * 6, seed=3)
+    versions = [0, 0, 0, 1, 1, 1]  # k = 0: step 1 (from version 0) takes two v0 groups ...
+    entries = []
+    for i, (g, v) in enumerate(zip(groups, versions, strict=True)):
+        g.group_id, g.policy_version_start = f"g{i}-v{v}", v
+        for t in g.trajectories:
+            t.policy_version_start = t.policy_version_end = v
+        entries.append((g, v))
+    _fill(redis_client, "k0", entries)
+    config = _config(tmp_path, "k0", redis_url, model_dir, num_ranks=1, checkpoint_every=10)
+    cfg = json.loads(config.read_text())
+    cfg["run"]["k"] = 0
+    cfg["run"]["groups_per_step"] = 2
+    config.write_text(json.dumps(cfg))
+    # ... and step 2 (from version 1) drops the late v0 group and takes two v1 groups
+    done = _learner(config, "--max-steps", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = _steps(tmp_path / "k0")
+    assert steps[1]["groups"] == ["g0-v0", "g1-v0"]
+    assert steps[2]["groups"] == ["g3-v1", "g4-v1"]
+    summary = json.loads((tmp_path / "k0" / "learner" / "summary.json").read_text())
+    assert summary["feed"]["dropped_by_lag"] == {"1": 1}
+    assert summary["feed"]["consumed"] == 5  # the sixth group is left for the next step
