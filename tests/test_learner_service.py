@@ -168,3 +168,75 @@ def test_k0_trains_only_on_the_current_version(
     summary = json.loads((tmp_path / "k0" / "learner" / "summary.json").read_text())
     assert summary["feed"]["dropped_by_lag"] == {"1": 1}
     assert summary["feed"]["consumed"] == 5  # the sixth group is left for the next step
+
+
+def test_status_metrics_and_graceful_stop(
+    tmp_path: Path, model_dir: Path, redis_client: redis.Redis, redis_url: str
+) -> None:
+    import signal
+    import time
+    import urllib.request
+
+    import grpc
+
+    from vcpo.v1 import common_pb2, common_pb2_grpc
+
+    groups = scored_groups(model_dir, [2, 3, 2, 2, 2], seed=5)
+    groups[1].trajectories[0].reward.value = math.nan  # rejected, counted
+    _fill(redis_client, "live", [(g, 0) for g in groups])  # steps from versions 0 and 1 (lag 1 = k)
+    config = _config(tmp_path, "live", redis_url, model_dir, checkpoint_every=10)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.learner", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        endpoints = tmp_path / "live" / "learner" / "endpoints.json"
+        deadline = time.monotonic() + 180
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if endpoints.exists():
+                port = json.loads(endpoints.read_text())["grpc_port"]
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    status = common_pb2_grpc.StatusStub(channel).GetStatus(
+                        common_pb2.StatusRequest(), timeout=5
+                    )
+                if status.policy_version == 2 and status.state == common_pb2.ServiceStatus.WAITING:
+                    break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert status is not None and status.policy_version == 2, status
+        assert status.service == "learner" and status.run_id == "live"
+        assert "waiting for scored groups" in status.detail
+        assert status.figures["step"] == 2 and 0 < status.figures["ess_ratio"] <= 1
+
+        url = json.loads(endpoints.read_text())["metrics_url"]
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert values["vcpo_learner_policy_version"] == 2
+        assert values["vcpo_learner_steps_total"] == 2
+        assert values['vcpo_learner_groups_dropped_total{cause="nonfinite_reward"}'] == 1
+        assert values['vcpo_learner_groups_dropped_total{cause="lag"}'] == 0
+        assert values["vcpo_learner_groups_trained_total"] == 4
+        assert values["vcpo_learner_staleness_versions_count"] == 4
+        assert values['vcpo_learner_staleness_versions_bucket{le="0.0"}'] == 2  # step 1: lag 0; step 2: lag 1
+        assert values['vcpo_learner_phase_seconds_count{phase="publish"}'] == 2
+        assert 0 < values["vcpo_learner_ess_ratio"] <= 1 and values["vcpo_learner_grad_norm"] > 0
+        assert values["vcpo_learner_tokens_per_second"] > 0
+        assert 'vcpo_learner_log_weight{quantile="0.5"}' in values
+
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((tmp_path / "live" / "learner" / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["feed"]["consumed"] == 5
+    # the stop took a checkpoint (none was due before step 10), so every consumed entry is acknowledged
+    assert (tmp_path / "live" / "learner" / "checkpoints" / "step000000002").is_dir()
+    spec = stream_specs(RunConfig(run_id="live"), StreamsConfig())["scored"]
+    assert redis_client.xlen(spec.key) == 0
