@@ -50,3 +50,11 @@ def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("weight_sync.py")  # exits non-zero if any fetcher got different bytes
     assert "all fetchers' digests equal the publisher's" in lines
     assert figures["broker_over_socket"] > 0 and figures["peak_rss_over_model"] > 0
+
+
+def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("learner_step.py")
+    assert any(line.startswith("publish") for line in lines)  # the table
+    assert figures["ranks"] == 2
+    for key in ("vcpo_over_grpo", "publish_over_step", "grpo_step_s", "vcpo_step_s", "publish_s"):
+        assert figures[key] > 0

@@ -65,7 +65,14 @@ def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
         # sits in memory, so a run resumed from a checkpoint is bit-exact on CPU; DeepSpeed's CPU FusedAdam
         # differed by an ulp after a reload
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_gather_16bit_weights_on_model_save": False,
+            # ZeRO-3's replacement of F.linear is an autograd Function that always forms the weight
+            # gradient, even in the norm pass's backward to layer outputs, where it is thrown away (it
+            # made that pass as costly as a full backward); torch's linear skips what is not needed
+            "memory_efficient_linear": False,
+        },
         "bf16": {"enabled": resolve_precision(learner) == "bf16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

@@ -1,0 +1,136 @@
+"""Learner step time on 2 DeepSpeed ZeRO-3 ranks (gloo, CPU): VCPO against plain GRPO, and publishing.
+
+On a Qwen2 model of about 10M parameters (built by code), one step's batch of 2 scored groups of 8
+trajectories (64 prompt + 192 response tokens), one whole group per rank, timed side by side in one run
+(the order alternates every round). Each rank's 8 trajectories are one micro-batch (--micro-batch), so GRPO
+is exactly one forward and one backward; with several micro-batches the learner's GRPO path first scores
+all rows without a graph (for whole-step statistics) and VCPO's relative cost falls.
+
+  grpo      Trainer.train_step with objective "grpo": forward + backward per micro-batch, AdamW step
+  vcpo      Trainer.train_step with objective "vcpo": norm pass per micro-batch, global ESS, coefficients,
+            one backward handing every parameter its weighted gradient, AdamW step
+  publish   publish_version of the new weights to a weight-broker process over gRPC, ZeRO-3 parameters
+            gathered bucket by bucket (after every step)
+
+Reported: median seconds over --rounds rounds, and the ratios. The last line is one JSON object with the
+headline figures: vcpo_over_grpo (target <= 1.5) and publish_over_step (publish over a VCPO step).
+
+    python benchmarks/learner_step.py [--quick] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.vcpo_step import SPEC_10M, SPEC_QUICK
+from benchmarks.weight_sync import start_broker
+from services.common.tiny_model import build_tiny_model, count_parameters
+from tests.learner_ranks import run_ranks, scored_groups
+
+TARGET_VCPO_OVER_GRPO = 1.5
+
+
+def _rank(
+    rank: int, model_dir: str, groups: list[Any], broker: str, rounds: int, micro: int
+) -> dict[str, Any]:
+    from services.learner.batching import place_groups, to_tensors
+    from services.learner.config import LearnerConfig
+    from services.learner.publish import publish_version
+    from services.learner.step import objective_config
+    from services.learner.trainer import Trainer
+    from services.weight_broker.client import GrpcTransport
+
+    torch.set_num_threads(1)  # two ranks share this machine's cores
+    configs = {
+        name: LearnerConfig(objective=name, micro_batch_size=micro, lr=1e-5) for name in ("grpo", "vcpo")
+    }
+    trainer = Trainer(configs["vcpo"], model_dir)
+    batch = to_tensors([groups[i] for i in place_groups(groups, trainer.world_size)[rank]])
+    transport = GrpcTransport(broker) if rank == 0 else None
+    times: dict[str, list[float]] = {"grpo": [], "vcpo": [], "publish": []}
+    for r in range(rounds + 1):  # round 0 warms up (allocations, first gathers) and is not counted
+        order = ("grpo", "vcpo") if r % 2 else ("vcpo", "grpo")
+        for name in order:
+            trainer.objective = objective_config(configs[name])
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step(batch)
+            torch.distributed.barrier()
+            t1 = time.perf_counter()
+            publish_version(trainer.module, transport, trainer.version, rank)
+            torch.distributed.barrier()
+            t2 = time.perf_counter()
+            if r:
+                times[name].append(t1 - t0)
+                times["publish"].append(t2 - t1)
+    return {"times": times, "tokens": float(batch.attention_mask.sum()), "rows": len(batch)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a small model and short sequences (for tests)")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timed rounds (one step of each objective each)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, default=8, help="trajectories per micro-batch on each rank"
+    )
+    args = parser.parse_args()
+    spec = SPEC_QUICK if args.quick else SPEC_10M
+    prompt, response = (16, 48) if args.quick else (64, 192)
+    rounds = 2 if args.quick else args.rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", spec)
+        params = count_parameters(model_dir)
+        groups = scored_groups(model_dir, [8, 8], (response, response), prompt, noise=0.05)
+        broker, address = start_broker(Path(tmp))
+        try:
+            results = run_ranks(
+                _rank, 2, str(model_dir), groups, address, rounds, args.micro_batch, timeout_s=1800
+            )
+        finally:
+            broker.stop()
+    times = results[0]["times"]
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    tokens = sum(r["tokens"] for r in results)
+    rows = sum(r["rows"] for r in results)
+    print(
+        f"model: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB fp32); 2 ZeRO-3 ranks (gloo); "
+        f"{rows} trajectories of {prompt}+{response} tokens, micro-batch {args.micro_batch}; {rounds} rounds"
+    )
+    print(f"{'phase':<10}{'median s':>10}{'min s':>10}{'tokens/s':>10}")
+    for name in ("grpo", "vcpo", "publish"):
+        rate = f"{tokens / med[name]:>10.0f}" if name != "publish" else f"{'':>10}"
+        print(f"{name:<10}{med[name]:>10.3f}{min(times[name]):>10.3f}{rate}")
+    ratio = med["vcpo"] / med["grpo"]
+    figures = {
+        "vcpo_over_grpo": round(ratio, 3),
+        "publish_over_step": round(med["publish"] / med["vcpo"], 3),
+        "grpo_step_s": round(med["grpo"], 4),
+        "vcpo_step_s": round(med["vcpo"], 4),
+        "publish_s": round(med["publish"], 4),
+        "parameters": params,
+        "ranks": 2,
+        "micro_batch": args.micro_batch,
+        "rounds": rounds,
+        "target_vcpo_over_grpo": TARGET_VCPO_OVER_GRPO,
+        "meets_vcpo_over_grpo": ratio <= TARGET_VCPO_OVER_GRPO,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
