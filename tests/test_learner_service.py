@@ -240,3 +240,43 @@ def test_status_metrics_and_graceful_stop(
     assert (tmp_path / "live" / "learner" / "checkpoints" / "step000000002").is_dir()
     spec = stream_specs(RunConfig(run_id="live"), StreamsConfig())["scored"]
     assert redis_client.xlen(spec.key) == 0
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Any:
+    """One local Ray for the test session (4 logical CPUs: the learner's bundles need one each)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_actor_group_trains_like_the_plain_entry_point(
+    tmp_path: Path, model_dir: Path, redis_client: redis.Redis, redis_url: str, ray_local: Any
+) -> None:
+    from services.common.config import load_config
+    from services.learner.config import LearnerServiceConfig
+    from services.learner.ray_group import LearnerGroup
+
+    groups = scored_groups(model_dir, [2, 3, 2, 2], seed=11)
+    for run_id in ("plain", "ray"):
+        _fill(redis_client, run_id, [(g, 0) for g in groups])
+    plain = _learner(_config(tmp_path, "plain", redis_url, model_dir), "--max-steps", "2")
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    cfg = load_config(LearnerServiceConfig, [_config(tmp_path, "ray", redis_url, model_dir)])
+    group = LearnerGroup(cfg)
+    try:
+        group.start(max_steps=2)
+        summaries = group.wait(timeout_s=240)
+    finally:
+        group.shutdown()
+    assert [s["rank"] for s in summaries] == [0, 1]
+    assert all(s["version"] == 2 for s in summaries)
+    assert summaries[0]["feed"]["trained_groups"] == 4
+    a, b = _steps(tmp_path / "plain"), _steps(tmp_path / "ray")
+    assert [a[s]["groups"] for s in (1, 2)] == [b[s]["groups"] for s in (1, 2)]
+    final = f"v{2:010d}/model.safetensors"
+    assert (tmp_path / "plain" / "weights" / final).read_bytes() == (
+        tmp_path / "ray" / "weights" / final
+    ).read_bytes()

@@ -1,0 +1,106 @@
+"""The learner as a Ray actor group: one actor per rank, all in one placement group.
+
+    placement group: learner.num_ranks bundles of {CPU: 1, GPU: learner.gpus_per_rank}, packed
+    rank 0's actor picks the rendezvous address (its node's IP, a free port) → every actor sets
+    MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and runs LearnerRank (service.py) in a thread
+    stop(): rank 0 stops at the next poll, checkpoints and tells the other ranks; run() returns summaries
+
+Ray only places and restarts the processes; the ranks talk through torch.distributed, Redis and gRPC as in
+the plain entry point (``python -m services.learner``), so both run the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from services.learner.config import LearnerServiceConfig
+
+
+@ray.remote(max_concurrency=2)  # run() holds one thread; stop() and address() use the other
+class LearnerRankActor:
+    def __init__(self, cfg_json: str, rank: int) -> None:
+        self.cfg = LearnerServiceConfig.model_validate_json(cfg_json)
+        self.rank = rank
+        self.stop_event = threading.Event()
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (asked of rank 0 for the rendezvous)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), self.cfg.learner.master_port or port
+
+    def run(self, master: tuple[str, int], world: int, max_steps: int = 0) -> dict[str, Any]:
+        import logging
+
+        from services.learner.service import LearnerRank
+
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s learner[{self.rank}] %(levelname)s %(message)s"
+        )
+        local = (
+            "0" if self.cfg.learner.gpus_per_rank > 0 else str(self.rank)
+        )  # Ray shows each actor its GPU only
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=local)  # fmt: skip
+        learner = LearnerRank(self.cfg, self.stop_event)
+        try:
+            learner.start()
+            return learner.serve(max_steps)
+        finally:
+            learner.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+class LearnerGroup:
+    """The learner's ranks as Ray actors in one placement group; :meth:`run` blocks until they finish."""
+
+    def __init__(self, cfg: LearnerServiceConfig) -> None:
+        from services.learner.service import model_path
+
+        model_path(cfg.run)  # build the tiny model once, before the ranks load it
+        self.cfg = cfg
+        n = cfg.learner.num_ranks
+        bundle: dict[str, float] = {"CPU": 1}
+        if cfg.learner.gpus_per_rank > 0:
+            bundle["GPU"] = cfg.learner.gpus_per_rank
+        self.pg: PlacementGroup = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=600)
+        payload = cfg.model_dump_json()
+        self.actors = [
+            LearnerRankActor.options(  # type: ignore[attr-defined]
+                num_cpus=1,
+                num_gpus=cfg.learner.gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                name=f"vcpo-learner-{cfg.run.run_id}-rank{i}",
+            ).remote(payload, i)
+            for i in range(n)
+        ]
+        self._runs: list[Any] = []
+
+    def start(self, max_steps: int = 0) -> None:
+        master = ray.get(self.actors[0].address.remote())
+        world = len(self.actors)
+        self._runs = [a.run.remote(master, world, max_steps) for a in self.actors]
+
+    def wait(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Every rank's summary, once all have finished (an error in any rank is raised here)."""
+        return list(ray.get(self._runs, timeout=timeout_s))
+
+    def stop(self) -> None:
+        """Ask rank 0 to stop; the ranks checkpoint and finish (collect their summaries with :meth:`wait`)."""
+        ray.get(self.actors[0].stop.remote())
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)
