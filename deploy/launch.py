@@ -8,7 +8,9 @@ Today this starts what exists of the system and says plainly what does not yet:
       └─► the run's streams and consumer groups: tasks, rollouts, scored (queues), weights (log)
     policy model (run.model, or the tiny Qwen2 model built into <run_dir>/model)
     weight broker process (python -m services.weight_broker), up once its gRPC health says SERVING
-    learner, sampler, reward, and the Ray launcher that places them
+    learner (python -m services.learner: learner.num_ranks ZeRO-3 ranks), up once rank 0's status is SERVING;
+      it publishes version 0 and waits for scored groups
+    sampler, reward, and the Ray launcher that places them
       └─► each is started once its implementation exists; until then it is listed as missing
 
     python -m deploy.launch --config deploy/presets/local.toml [--run.k 8 ...]
@@ -37,7 +39,6 @@ log = logging.getLogger("vcpo.launch")
 
 # component -> (module that runs it, the issue that builds it)
 PENDING = {
-    "learner": ("services.learner.main", 5),
     "sampler": ("services.sampler.main", 6),
     "reward": ("services.reward.main", 7),
     "ray launcher": ("deploy.ray_launcher", 8),
@@ -102,10 +103,17 @@ class ServiceProcess:
 
 def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
     """The config every process reads: the Redis actually used and concrete ports instead of 0."""
-    wb = cfg.weight_broker
+    wb, lr = cfg.weight_broker, cfg.learner
     return cfg.model_copy(
         update={
             "run": cfg.run.model_copy(update={"redis_url": redis_url}),
+            "learner": lr.model_copy(
+                update={
+                    "grpc_port": lr.grpc_port or free_port(),
+                    "metrics_port": lr.metrics_port or free_port(),
+                    "master_port": lr.master_port or free_port(),
+                }
+            ),
             "weight_broker": wb.model_copy(
                 update={
                     "grpc_port": wb.grpc_port or free_port(),
@@ -159,6 +167,19 @@ def launch(cfg: SystemConfig) -> int:
             t0,
         )
 
+        learner = ServiceProcess(
+            "learner", "services.learner", ["--config", str(config_file)], run_dir / "logs" / "learner.log"
+        )
+        services.append(learner)
+        status = f"127.0.0.1:{cfg.learner.grpc_port}"
+        learner.wait_healthy(status, "vcpo.v1.Status", timeout_s=300)
+        _step(
+            "learner",
+            f"{cfg.learner.num_ranks} ZeRO-3 rank(s), status {status}, metrics :{cfg.learner.metrics_port} "
+            f"(pid {learner.process.pid}), version 0 published",
+            t0,
+        )
+
         missing = [name for name, (module, _) in PENDING.items() if importlib.util.find_spec(module) is None]
         for name in missing:
             module, issue = PENDING[name]
@@ -166,8 +187,8 @@ def launch(cfg: SystemConfig) -> int:
         if missing:
             print(
                 f"\n{len(missing)} components are not built yet, so there is nothing to train. Up and checked: "
-                "the resolved config, Redis with the run's streams and consumer groups, the policy model and "
-                "the weight broker. Stopping them."
+                "the resolved config, Redis with the run's streams and consumer groups, the policy model, "
+                "the weight broker and the learner. Stopping them."
             )
             return 0
         raise NotImplementedError("every service exists: the Ray launcher (issue 8) starts them")

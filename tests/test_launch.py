@@ -28,6 +28,7 @@ def test_launch_brings_up_the_foundation_and_names_missing_services(tmp_path: Pa
         "[ok]      streams",
         "[ok]      model",
         "[ok]      weight_broker",
+        "[ok]      learner",
     ):
         assert piece in out.stdout
     assert "vcpo:local:rollouts (queue, cap 64)" in out.stdout
@@ -37,6 +38,8 @@ def test_launch_brings_up_the_foundation_and_names_missing_services(tmp_path: Pa
     assert resolved["run"]["redis_url"].startswith("redis://127.0.0.1:")  # what the services were handed
     assert resolved["weight_broker"]["grpc_port"] > 0
     assert "serving on gRPC port" in (run_dir / "logs" / "weight_broker.log").read_text()
+    broker = f"127.0.0.1:{resolved['weight_broker']['grpc_port']}"
+    assert f"version 0 published to {broker}" in (run_dir / "logs" / "learner.log").read_text()
     assert (run_dir / "model" / "config.json").exists()
     assert (run_dir / "redis" / "appendonlydir").is_dir()  # the local Redis persisted into the run dir
 

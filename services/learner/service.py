@@ -229,7 +229,12 @@ class LearnerRank:
                 self.trainer.step,
                 self.trainer.version,
             )
-        self._publish()  # the current version: v0 at the start, the checkpoint's after a restart
+        seconds = self._publish()  # the current version: v0 at the start, the checkpoint's after a restart
+        if self.rank == 0:
+            assert self.transport is not None
+            log.info(
+                "version %d published to %s in %.2fs", self.trainer.version, self.transport.where, seconds
+            )
         self.status.state = common_pb2.ServiceStatus.READY
         self.status.detail = "training"
 
