@@ -45,8 +45,15 @@ def _rank_main(
             out = cfg.run.run_dir / "learner" / "summary.json"
             out.write_text(json.dumps(summary, indent=2) + "\n")
             logging.info("stopped at step %d, version %d", summary["step"], summary["version"])
+        learner.leave()
     finally:
         learner.close()
+    # done and durable: skip interpreter teardown, where DeepSpeed's and gloo's native threads have aborted
+    # a finished rank ("terminate called without an active exception")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(cfg: LearnerServiceConfig, max_steps: int = 0, crash_after_step: int = 0) -> int:

@@ -53,7 +53,9 @@ class LearnerRankActor:
         learner = LearnerRank(self.cfg, self.stop_event)
         try:
             learner.start()
-            return learner.serve(max_steps)
+            summary = learner.serve(max_steps)
+            learner.leave()
+            return summary
         finally:
             learner.close()
 

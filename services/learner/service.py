@@ -355,6 +355,13 @@ class LearnerRank:
             out["feed"] = self.feed.checkpointed().to_json()
         return out
 
+    def leave(self) -> None:
+        """After a normal finish: leave the process group together (a gloo group torn down by interpreter
+        exit can abort the process)."""
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     def close(self) -> None:
         if self.server is not None:
             self.server.stop(grace=1)
