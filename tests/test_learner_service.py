@@ -181,9 +181,15 @@ def test_status_metrics_and_graceful_stop(
 
     from vcpo.v1 import common_pb2, common_pb2_grpc
 
-    groups = scored_groups(model_dir, [2, 3, 2, 2, 2], seed=5)
-    groups[1].trajectories[0].reward.value = math.nan  # rejected, counted
+    groups = scored_groups(model_dir, [2, 3, 2, 2, 2, 2, 2], seed=5)
+    groups[1].trajectories[0].reward.value = math.nan  # bad input: rejected and counted, never trained on
+    del groups[3].trajectories[1].behaviour_logprobs[:]  # missing log-probs
+    groups[4].trajectories[0].loss_mask.append(True)  # a mask longer than the response
     _fill(redis_client, "live", [(g, 0) for g in groups])  # steps from versions 0 and 1 (lag 1 = k)
+    spec = stream_specs(RunConfig(run_id="live"), StreamsConfig())["scored"]
+    redis_client.xadd(
+        spec.key, {b"policy_version": b"0", b"type": b"vcpo.v1.TrajectoryGroup", b"payload": b"\xff"}
+    )
     config = _config(tmp_path, "live", redis_url, model_dir, checkpoint_every=10)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.learner", "--config", str(config)],
@@ -219,6 +225,9 @@ def test_status_metrics_and_graceful_stop(
         assert values["vcpo_learner_policy_version"] == 2
         assert values["vcpo_learner_steps_total"] == 2
         assert values['vcpo_learner_groups_dropped_total{cause="nonfinite_reward"}'] == 1
+        assert values['vcpo_learner_groups_dropped_total{cause="missing_logprobs"}'] == 1
+        assert values['vcpo_learner_groups_dropped_total{cause="length_mismatch"}'] == 1
+        assert values['vcpo_stream_malformed_total{kind="bad_payload",stream="scored"}'] == 1
         assert values['vcpo_learner_groups_dropped_total{cause="lag"}'] == 0
         assert values["vcpo_learner_groups_trained_total"] == 4
         assert values["vcpo_learner_staleness_versions_count"] == 4
@@ -235,10 +244,10 @@ def test_status_metrics_and_graceful_stop(
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((tmp_path / "live" / "learner" / "summary.json").read_text())
-    assert summary["step"] == 2 and summary["feed"]["consumed"] == 5
+    assert summary["step"] == 2 and summary["feed"]["consumed"] == 7  # the garbage entry went to dead letters
+    assert redis_client.xlen(spec.dead_letter_key) == 1
     # the stop took a checkpoint (none was due before step 10), so every consumed entry is acknowledged
     assert (tmp_path / "live" / "learner" / "checkpoints" / "step000000002").is_dir()
-    spec = stream_specs(RunConfig(run_id="live"), StreamsConfig())["scored"]
     assert redis_client.xlen(spec.key) == 0
 
 

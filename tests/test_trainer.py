@@ -93,3 +93,18 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
             moved = max(moved, float((a - start[name].detach()).abs().max()))
         assert total / count < 1e-8
         assert moved > 1e-4  # the steps really changed the weights
+
+
+def _gpu_step(rank: int, model_dir: str, groups: list[Any]) -> dict[str, float]:
+    from services.learner.batching import to_tensors
+    from services.learner.trainer import Trainer
+
+    trainer = Trainer(LearnerConfig(gpus_per_rank=1, micro_batch_size=2), model_dir)
+    assert (trainer.backend, trainer.precision) == ("nccl", "bf16")
+    return trainer.train_step(to_tensors(groups)).metrics
+
+
+@pytest.mark.gpu
+def test_one_rank_trains_in_bf16_over_nccl_on_a_gpu(model_dir: Path) -> None:
+    metrics = run_ranks(_gpu_step, 1, str(model_dir), scored_groups(model_dir, [3, 2]))[0]
+    assert metrics["step_skipped"] == 0 and math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0

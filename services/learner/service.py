@@ -308,7 +308,7 @@ class LearnerRank:
     def _step(self, groups: list[rollout_pb2.TrajectoryGroup]) -> None:
         mine = [groups[i] for i in place_groups(groups, self.world)[self.rank]]
         result = self.trainer.train_step(to_tensors(mine))
-        tokens = torch.tensor([result.timings["tokens"]], dtype=torch.float64)
+        tokens = torch.tensor([result.timings["tokens"]], dtype=torch.float64, device=self.trainer.device)
         torch.distributed.all_reduce(tokens)
         result.timings["tokens_all_ranks"] = float(tokens.item())
         publish_s = self._publish()

@@ -171,9 +171,7 @@ def vcpo_backward(
             scale = collectives.loss_scale(metrics, config.loss_aggregation)
             coefficients = coefficients * scale
             metrics["loss"] *= scale
-        per_pass = [
-            coefficients[a:b] if b > a else torch.zeros(1, dtype=coefficients.dtype) for a, b in spans
-        ]
+        per_pass = [coefficients[a:b] if b > a else coefficients.new_zeros(1) for a, b in spans]
         accumulate_weighted_gradients(passes, per_pass, backward)
     finally:
         for p in passes:
@@ -270,7 +268,7 @@ def _padding_row(batch: TrajectoryTensors) -> TrajectoryTensors:
         ids,
         torch.ones_like(ids),
         zeros,
-        torch.zeros(ids.shape, dtype=batch.behaviour_logprobs.dtype),
+        torch.zeros(ids.shape, dtype=batch.behaviour_logprobs.dtype, device=ids.device),
         batch.rewards[:1].clone(),
         batch.group_ids[:1].clone(),
     )

@@ -82,13 +82,14 @@ def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
 class DistCollectives:
     """:class:`services.learner.step.StepCollectives` over the default process group."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, device: torch.device | str = "cpu") -> None:
         self.world_size = world_size
+        self.device = torch.device(device)  # NCCL communicates CUDA tensors only
         self.ess = math.nan  # the global ESS of the last step, set by ess_ratio
         self.log_weights: list[float] = []  # this rank's valid log weights of the last step
 
     def num_micro_batches(self, local: int) -> int:
-        t = torch.tensor([local], dtype=torch.int64)
+        t = torch.tensor([local], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
@@ -102,7 +103,7 @@ class DistCollectives:
         # a rank with nothing valid skips locally and harmlessly; one that skipped with valid trajectories
         # (an overflowing coefficient) skips the whole step, so no rank's gradient is dropped unseen
         overflow = float(metrics["step_skipped"] > 0 and metrics["num_valid"] > 0)
-        t = torch.tensor([local, overflow], dtype=torch.float64)
+        t = torch.tensor([local, overflow], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
         total, overflows = float(t[0]), float(t[1])
         if overflows > 0 or total == 0:
@@ -191,7 +192,7 @@ class Trainer:
         )
         self.engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
-        self.collectives = DistCollectives(self.world_size)
+        self.collectives = DistCollectives(self.world_size, self.device)
         self.version = 0  # the policy version the current weights are
         self.step = 0  # optimizer steps taken
 
