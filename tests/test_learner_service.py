@@ -233,6 +233,8 @@ def test_status_metrics_and_graceful_stop(
         assert values["vcpo_learner_staleness_versions_count"] == 4
         assert values['vcpo_learner_staleness_versions_bucket{le="0.0"}'] == 2  # step 1: lag 0; step 2: lag 1
         assert values['vcpo_learner_phase_seconds_count{phase="publish"}'] == 2
+        assert values['vcpo_learner_phase_seconds_count{phase="gradient"}'] == 2
+        assert values['vcpo_learner_phase_seconds_count{phase="wait"}'] >= 3  # two steps' reads, then idle
         assert 0 < values["vcpo_learner_ess_ratio"] <= 1 and values["vcpo_learner_grad_norm"] > 0
         assert values["vcpo_learner_tokens_per_second"] > 0
         assert 'vcpo_learner_log_weight{quantile="0.5"}' in values

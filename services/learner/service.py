@@ -91,7 +91,8 @@ class LearnerMetrics:
             self.dropped.labels(cause)
         self.phase = metrics.histogram(
             "vcpo_learner_phase_seconds",
-            "Time of each phase of a step",
+            "Time of each phase of the learner's loop: wait (reading scored groups), gradient, optimizer, "
+            "publish, checkpoint",
             ["phase"],
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
@@ -296,7 +297,11 @@ class LearnerRank:
         assert self.feed is not None and self.metrics is not None
         if self.stop.is_set() or (max_steps and self.trainer.step >= max_steps):
             return ("stop",)
+        t0 = time.perf_counter()
         groups, offered = self.feed.poll(self.trainer.version, self.learner.read_block_ms)
+        self.metrics.phase.labels("wait").observe(
+            time.perf_counter() - t0
+        )  # reading (and waiting for) groups
         self.metrics.offered(offered)
         if groups is None:
             self.status.state = common_pb2.ServiceStatus.WAITING
@@ -341,10 +346,13 @@ class LearnerRank:
 
     def checkpoint(self) -> None:
         """Checkpoint weights, optimizer and the feed state (a collective), then acknowledge what it covers."""
+        t0 = time.perf_counter()
         feed_state = self.feed.checkpointed().to_json() if self.feed is not None else None
         feed_state = _broadcast(feed_state)
         self.trainer.save_checkpoint(self.ckpt_dir, {"feed": feed_state}, self.learner.keep_checkpoints)
         self.last_checkpoint_step = self.trainer.step
+        if self.metrics is not None:
+            self.metrics.phase.labels("checkpoint").observe(time.perf_counter() - t0)
         if self.feed is not None:
             acked = self.feed.acknowledge(FeedState.from_json(feed_state))
             log.info("checkpoint at step %d; acknowledged %d scored entries", self.trainer.step, acked)
