@@ -96,7 +96,7 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp) / "model", spec)
         params = count_parameters(model_dir)
         groups = scored_groups(model_dir, [8, 8], (response, response), prompt, noise=0.05)
-        broker, address = start_broker(Path(tmp))
+        broker, address, _ = start_broker(Path(tmp))
         try:
             results = run_ranks(
                 _rank, 2, str(model_dir), groups, address, rounds, args.micro_batch, timeout_s=1800

@@ -117,6 +117,7 @@ def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
             "weight_broker": wb.model_copy(
                 update={
                     "grpc_port": wb.grpc_port or free_port(),
+                    "data_port": wb.data_port or free_port(),
                     "metrics_port": wb.metrics_port or free_port(),
                 }
             ),

@@ -38,7 +38,13 @@ from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
 from services.learner.publish import publish_version
 from services.learner.trainer import StepResult, Trainer
-from services.weight_broker.client import FilesystemTransport, GrpcTransport, RetryPolicy, WeightTransport
+from services.weight_broker.client import (
+    FilesystemTransport,
+    GrpcTransport,
+    RetryPolicy,
+    TcpTransport,
+    WeightTransport,
+)
 from services.weight_broker.config import WeightBrokerConfig
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
@@ -177,7 +183,10 @@ def make_transport(
         return FilesystemTransport(
             root, wb.retain_versions, publisher, announcer, wb.chunk_bytes, run.run_id, retry
         )
-    return GrpcTransport(f"{wb.advertise_host}:{wb.grpc_port}", retry, wb.chunk_bytes, run.run_id)
+    address = f"{wb.advertise_host}:{wb.grpc_port}"
+    if wb.transport == "tcp":
+        return TcpTransport(address, f"{wb.advertise_host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
+    return GrpcTransport(address, retry, wb.chunk_bytes, run.run_id)
 
 
 def model_path(run: RunConfig) -> str:

@@ -12,8 +12,10 @@ from services.common.config import Section, ServiceConfig
 class WeightBrokerConfig(Section):
     """Transport, retention and memory bounds of versioned weight distribution."""
 
-    transport: Literal["grpc", "filesystem"] = Field(
-        "grpc", description="gRPC streaming through the broker, or safetensors files on a shared path."
+    transport: Literal["tcp", "grpc", "filesystem"] = Field(
+        "tcp",
+        description="Through the broker with weight bytes on its TCP data plane (tcp), all on gRPC streams "
+        "(grpc), or safetensors files on a shared path (filesystem).",
     )
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
@@ -23,6 +25,9 @@ class WeightBrokerConfig(Section):
     chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
     rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
     grpc_port: int = Field(50052, ge=0, le=65535, description="Broker gRPC port; 0 = a free port.")
+    data_port: int = Field(
+        50053, ge=0, le=65535, description="Broker TCP data-plane port (weight bytes); 0 = a free port."
+    )
     advertise_host: str = Field(
         "127.0.0.1",
         min_length=1,

@@ -11,6 +11,7 @@ from services.common.config import add_config_arguments, config_from_args, write
 from services.common.observability import Metrics, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
 from services.weight_broker.config import WeightBrokerServiceConfig
+from services.weight_broker.dataplane import DataPlaneServer
 from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import make_store
 
@@ -32,13 +33,16 @@ def main(argv: list[str] | None = None) -> None:
         servicer.announcer = Announcer(producer, "grpc", f"{wb.advertise_host}:{server.port}")
     else:
         logging.warning("run.redis_url is empty: versions will not be announced on the weights stream")
+    plane = DataPlaneServer(servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
     http = serve_metrics(metrics, port=wb.metrics_port)
-    logging.info("serving on gRPC port %d, metrics on %s (storage: %s)", server.port, http.url, wb.storage)
+    logging.info("serving on gRPC port %d, data plane on TCP port %d, metrics on %s (storage: %s)",
+                 server.port, plane.port, http.url, wb.storage)  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=5)
+    plane.stop()
     http.close()
 
 

@@ -26,7 +26,7 @@ from services.weight_broker.tensors import (
     tensor_from_bytes,
     version_checksum,
 )
-from services.weight_broker.wire import decode_chunk, encode_chunk
+from services.weight_broker.wire import Message, decode_chunk, encode_chunk_parts
 from vcpo.v1 import weights_pb2
 
 Sink = Callable[[str, torch.Tensor], None]
@@ -47,13 +47,25 @@ def publish_requests(
     chunk_bytes: int = 4 << 20,
     run_id: str = "",
 ) -> Iterator[bytes]:
-    """The publish stream, serialized PublishRequests: manifest, each tensor's chunks (checksum on its last),
-    commit. Chunks are encoded by :mod:`wire` straight from the tensor's bytes (one copy).
+    """The publish stream as serialized PublishRequests (see :func:`publish_parts`)."""
+    for parts in publish_parts(version, specs, tensors, chunk_bytes, run_id):
+        yield parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[misc]
+
+
+def publish_parts(
+    version: int,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    chunk_bytes: int = 4 << 20,
+    run_id: str = "",
+) -> Iterator[tuple[bytes | memoryview, ...]]:
+    """The publish stream, each message as its parts (the chunks' payloads are views of the tensors' bytes, for
+    gather writes; join them for one message): manifest, each tensor's chunks (checksum on its last), commit.
 
     ``tensors`` is consumed lazily, one tensor at a time, in the order of ``specs`` (a ZeRO-3 learner gathers
     each bucket inside that iterator, so the whole model never sits in one extra buffer).
     """
-    yield weights_pb2.PublishRequest(manifest=manifest_of(specs, version, run_id)).SerializeToString()
+    yield (weights_pb2.PublishRequest(manifest=manifest_of(specs, version, run_id)).SerializeToString(),)
     digests: list[tuple[str, str]] = []
     expected = iter(specs)
     for name, tensor in tensors:
@@ -74,7 +86,7 @@ def publish_requests(
         while True:
             piece = data[offset : offset + chunk_bytes]
             last = offset + len(piece) >= len(data)
-            yield encode_chunk(version, name, offset, piece, last, digest if last else "")
+            yield encode_chunk_parts(version, name, offset, piece, last, digest if last else "")
             offset += len(piece)
             if last:
                 break
@@ -83,17 +95,17 @@ def publish_requests(
     if missing:
         raise ValueError(f"the tensors ended before {missing[:3]}{'...' if len(missing) > 3 else ''}")
     commit = weights_pb2.PublishRequest.Commit(checksum=version_checksum(digests))
-    yield weights_pb2.PublishRequest(commit=commit).SerializeToString()
+    yield (weights_pb2.PublishRequest(commit=commit).SerializeToString(),)
 
 
-def _parse_request(raw: bytes) -> weights_pb2.PublishRequest:
+def _parse_request(raw: Message) -> weights_pb2.PublishRequest:
     try:
-        return weights_pb2.PublishRequest.FromString(raw)
+        return weights_pb2.PublishRequest.FromString(bytes(raw))  # a manifest or commit: small
     except DecodeError as exc:
         raise PublishRejected("invalid", f"undecodable publish message: {exc}") from None
 
 
-def apply_publish(store: VersionStore, requests: Iterator[bytes]) -> StoredVersion:
+def apply_publish(store: VersionStore, requests: Iterator[Message]) -> StoredVersion:
     """Run a publish stream (serialized PublishRequests) into ``store``; the version is visible only if the
     stream ends with a valid commit. Anything else (a stream that breaks off, raises, or ends without commit)
     leaves nothing behind.
@@ -128,7 +140,7 @@ def fetch_responses(
     start_tensor: str = "",
     chunk_bytes: int = 4 << 20,
     on_bytes: Callable[[int], None] | None = None,
-) -> Iterator[bytes]:
+) -> Iterator[Message]:
     """The fetch stream, serialized FetchResponses: the manifest, then the chunks from ``start_tensor`` on,
     read from the stored copy and encoded by :mod:`wire`.
 
@@ -143,7 +155,7 @@ def fetch_responses(
 
 
 def receive_fetch(
-    responses: Iterable[bytes],
+    responses: Iterable[Message],
     sink: Sink,
     start_tensor: str = "",
     expected_version: int | None = None,
@@ -157,7 +169,7 @@ def receive_fetch(
     stream = iter(responses)
     raw = next(stream, None)
     try:
-        head = None if raw is None else weights_pb2.FetchResponse.FromString(raw)
+        head = None if raw is None else weights_pb2.FetchResponse.FromString(bytes(raw))
     except DecodeError as exc:
         raise BrokenStream(f"undecodable fetch message: {exc}") from None
     if head is None or head.WhichOneof("item") != "manifest":

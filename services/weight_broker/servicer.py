@@ -17,6 +17,7 @@ from services.common.observability import Metrics
 from services.common.streams import StreamProducer
 from services.weight_broker.protocol import apply_publish, fetch_responses
 from services.weight_broker.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
+from services.weight_broker.wire import Message
 from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,22 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
     def Publish(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> weights_pb2.PublishResponse:
-        t0 = time.monotonic()
-
         try:
-            stored = apply_publish(self.store, request_iterator)
+            return self.publish_messages(request_iterator)
+        except PublishRejected as exc:
+            context.abort(REJECT_CODES[exc.reason], str(exc))
+            raise  # abort raises; this keeps type checkers informed
+
+    def publish_messages(self, messages: Iterator[Message]) -> weights_pb2.PublishResponse:
+        """Commit one publish stream (serialized PublishRequests, from gRPC or the data plane); raises
+        PublishRejected (counted) when it is refused."""
+        t0 = time.monotonic()
+        try:
+            stored = apply_publish(self.store, messages)
         except PublishRejected as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.warning("publish refused (%s): %s", exc.reason, exc)
-            context.abort(REJECT_CODES[exc.reason], str(exc))
+            raise
         seconds = time.monotonic() - t0
         self._published(stored, seconds)
         return weights_pb2.PublishResponse(
@@ -127,15 +136,30 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
 
     def Fetch(self, request: weights_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         version = request.policy_version if request.HasField("policy_version") else None
-        chunk_bytes = request.max_chunk_bytes or self.chunk_bytes
+        try:
+            messages = self.fetch_messages(version, request.start_tensor, request.max_chunk_bytes)
+        except VersionNotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise
+        for m in messages:  # messages kept from the data plane are read-only views; gRPC sends bytes
+            yield m if isinstance(m, bytes) else bytes(m)
+
+    def fetch_messages(
+        self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0
+    ) -> Iterator[Message]:
+        """The serialized FetchResponses of one fetch (gRPC or the data plane), counted; raises
+        VersionNotFound (counted) at once when the version is not retained."""
         try:
             responses = fetch_responses(
-                self.store, version, request.start_tensor, chunk_bytes, self.metrics.sent.inc
+                self.store, version, start_tensor, chunk_bytes or self.chunk_bytes, self.metrics.sent.inc
             )
             head = next(responses)
-        except VersionNotFound as exc:
+        except VersionNotFound:
             self.metrics.fetches.labels("not_found").inc()
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise
+        return self._counted(head, responses)
+
+    def _counted(self, head: Message, responses: Iterator[Message]) -> Iterator[Message]:
         self.metrics.active_fetches.inc()
         outcome = "cancelled"
         try:

@@ -63,7 +63,7 @@ class StoredVersion(ABC):
 
     def encoded_chunks(
         self, start_tensor: str = "", chunk_bytes: int = 4 << 20
-    ) -> Iterator[tuple[bytes, int]]:
+    ) -> Iterator[tuple[bytes | memoryview, int]]:
         """Each chunk, from tensor ``start_tensor`` (a resumed fetch) on, as a serialized FetchResponse with
         its payload size."""
         names = [t.name for t in self.manifest.tensors]
@@ -72,7 +72,7 @@ class StoredVersion(ABC):
         for index in range(names.index(start_tensor) if start_tensor else 0, len(names)):
             yield from self._encoded_tensor(index, chunk_bytes)
 
-    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
         meta, v, offset = self.manifest.tensors[index], self.manifest.policy_version, 0
         while True:
             size = min(chunk_bytes, meta.nbytes - offset)
@@ -176,7 +176,7 @@ class VersionWriter(ABC):
             self.store._aborted(self.version)
 
     @abstractmethod
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
         """Store ``data`` (``message``: the serialized chunk message it came in, if known)."""
 
     @abstractmethod
@@ -299,7 +299,7 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
 # ---------------------------------------------------------------------------------------------- memory
 
 
-_Stored = tuple[int, memoryview, bytes | None]  # (offset, data, the message it arrived in)
+_Stored = tuple[int, memoryview, bytes | memoryview | None]  # (offset, data, the message it arrived in)
 
 
 class _MemoryVersion(StoredVersion):
@@ -323,7 +323,7 @@ class _MemoryVersion(StoredVersion):
             parts.append(data[max(offset - start, 0) : min(end, stop) - start])
         return b"".join(parts)
 
-    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
         stored = self._chunks[index]
         same = all(len(d) == chunk_bytes for _, d, _ in stored[:-1]) and len(stored[-1][1]) <= chunk_bytes
         if same and all(m is not None for _, _, m in stored):
@@ -339,7 +339,7 @@ class _MemoryWriter(VersionWriter):
         super().__init__(store, manifest)
         self._chunks: list[list[_Stored]] = []
 
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
         if index == len(self._chunks):
             self._chunks.append([])
         self._chunks[index].append((offset, data, message))
@@ -395,7 +395,7 @@ class _DiskWriter(VersionWriter):
         self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
         self._file.write(prefix)
 
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | None) -> None:
+    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
         self._file.write(data)  # chunks arrive in order, so the file is written front to back
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from vcpo.v1 import weights_pb2
 
 CHUNK_FIELD = 2  # `chunk` in both PublishRequest and FetchResponse
+Message = bytes | memoryview  # a serialized message; a memoryview one is read-only and owned by no one else
 _DATA_TAG = bytes([(4 << 3) | 2])
 _OUTER_TAG = bytes([(CHUNK_FIELD << 3) | 2])
 
@@ -64,17 +65,25 @@ class Chunk:
     data: memoryview
     last: bool
     checksum: str
-    message: bytes | None = None  # the whole serialized message it was decoded from, when that was bytes
+    # the whole serialized message it was decoded from, when that is immutable: bytes, or a read-only
+    # memoryview of a buffer nobody else holds (the data plane's received frames)
+    message: bytes | memoryview | None = None
 
 
 def encode_chunk(policy_version: int, tensor_name: str, offset: int, data: bytes | memoryview, last: bool,
                  checksum: str = "") -> bytes:  # fmt: skip
     """A PublishRequest or FetchResponse (same bytes) whose ``chunk`` holds these fields; one copy of ``data``."""
+    return b"".join(encode_chunk_parts(policy_version, tensor_name, offset, data, last, checksum))
+
+
+def encode_chunk_parts(policy_version: int, tensor_name: str, offset: int, data: bytes | memoryview, last: bool,
+                       checksum: str = "") -> tuple[bytes, bytes | memoryview]:  # fmt: skip
+    """The same message as ``(everything before the payload, the payload)``, for a gather write (no copy)."""
     head = weights_pb2.WeightChunk(
         policy_version=policy_version, tensor_name=tensor_name, offset=offset, last=last, checksum=checksum
     ).SerializeToString()
     inner_len = len(head) + 1 + len(_varint(len(data))) + len(data)
-    return b"".join((_OUTER_TAG, _varint(inner_len), head, _DATA_TAG, _varint(len(data)), data))
+    return b"".join((_OUTER_TAG, _varint(inner_len), head, _DATA_TAG, _varint(len(data)))), data
 
 
 def decode_chunk(message: bytes | memoryview) -> Chunk | None:
@@ -98,7 +107,7 @@ def decode_chunk(message: bytes | memoryview) -> Chunk | None:
     if found is None:
         return None
     chunk = _decode_fields(found)
-    if isinstance(message, bytes):
+    if isinstance(message, bytes) or (isinstance(message, memoryview) and message.readonly):
         chunk.message = message
     return chunk
 

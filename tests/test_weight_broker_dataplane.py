@@ -1,0 +1,142 @@
+"""The broker's TCP data plane: the same messages and guarantees as the gRPC path, over a plain socket."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.weight_broker import dataplane
+from services.weight_broker.client import StalePublish, TcpTransport, VersionExists
+from services.weight_broker.dataplane import DataPlaneServer
+from services.weight_broker.protocol import publish_requests
+from services.weight_broker.store import MemoryStore, VersionNotFound
+from tests.test_weight_broker import FAST, Broker, assert_bit_exact, fetch_all, source, specs_of, state_dict
+
+__all__ = ["state_dict"]  # the fixture, shared with test_weight_broker
+
+
+class DataBroker(Broker):
+    def __init__(self) -> None:
+        super().__init__(MemoryStore(retain=3))
+        self.plane = DataPlaneServer(self.servicer, port=0, host="127.0.0.1", timeout_s=10)
+        self.data_address = f"127.0.0.1:{self.plane.port}"
+
+    def client(self, **kwargs: object) -> TcpTransport:  # type: ignore[override]
+        return TcpTransport(self.address, self.data_address, retry=FAST, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self.plane.stop()
+        super().stop()
+
+
+@pytest.fixture
+def broker() -> Iterator[DataBroker]:
+    b = DataBroker()
+    yield b
+    b.stop()
+
+
+def test_round_trip_resume_and_rechunking_are_bit_exact(
+    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    client = broker.client(chunk_bytes=64 << 10)
+    result = client.publish(1, specs_of(state_dict), source(state_dict))
+    assert result.policy_version == 1 and result.total_bytes == sum(t.nbytes for t in state_dict.values())
+    assert client.latest() == 1  # control calls stay on gRPC
+    assert_bit_exact(fetch_all(client), state_dict)
+    assert_bit_exact(fetch_all(broker.client(chunk_bytes=10_000), 1), state_dict)  # cut and encoded anew
+    names = list(state_dict)
+    got: dict[str, torch.Tensor] = {}
+    client.fetch(lambda n, t: got.__setitem__(n, t.clone()), start_tensor=names[5])
+    assert_bit_exact(got, {n: state_dict[n] for n in names[5:]})
+    # the gRPC path serves what the data plane received, and the other way round
+    assert_bit_exact(fetch_all(Broker.client(broker)), state_dict)
+    Broker.client(broker).publish(2, specs_of(state_dict), source(state_dict))
+    assert_bit_exact(fetch_all(client, 2), state_dict)
+    assert broker.metrics.published._value.get() == 2
+
+
+def test_versions_only_move_forward(broker: DataBroker, state_dict: dict[str, torch.Tensor]) -> None:
+    client = broker.client()
+    client.publish(2, specs_of(state_dict), source(state_dict))
+    with pytest.raises(VersionExists, match="already"):
+        client.publish_once(2, specs_of(state_dict), source(state_dict)())
+    with pytest.raises(StalePublish):
+        client.publish_once(1, specs_of(state_dict), source(state_dict)())
+    with pytest.raises(VersionNotFound):
+        fetch_all(client, 1)
+
+
+def test_a_connection_that_breaks_off_leaves_no_version(
+    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    messages = list(publish_requests(1, specs_of(state_dict), source(state_dict)(), 64 << 10))
+    with dataplane.connect(broker.data_address, 10) as sock:
+        dataplane.send_json(sock, {"op": "publish"})
+        for m in messages[: len(messages) // 2]:
+            dataplane.send_frame(sock, m)
+    # and one without its commit, ended cleanly
+    for _ in range(100):  # until the server has seen the broken connection ("in progress" till then)
+        status = dataplane.publish(broker.data_address, [(m,) for m in messages[:-1]], 10)
+        if status.get("reason") != "in_progress":
+            break
+        time.sleep(0.05)
+    assert status["ok"] is False and status["reason"] == "invalid" and "without a commit" in status["message"]
+    client = broker.client()
+    assert client.latest() is None and client.versions() == []
+    # nothing is left behind (were the server still reading the broken one, "in progress" is retried)
+    client.publish(1, specs_of(state_dict), source(state_dict))
+    assert_bit_exact(fetch_all(client), state_dict)
+
+
+def test_a_corrupted_chunk_is_refused(broker: DataBroker, state_dict: dict[str, torch.Tensor]) -> None:
+    messages = [
+        bytearray(m) for m in publish_requests(1, specs_of(state_dict), source(state_dict)(), 64 << 10)
+    ]
+    messages[3][-5] ^= 0xFF  # one flipped byte of tensor data in transit
+    status = dataplane.publish(broker.data_address, [(bytes(m),) for m in messages], 10)
+    assert status["ok"] is False and status["reason"] == "integrity" and "checksum" in status["message"]
+    assert broker.client().latest() is None
+    assert broker.metrics.rejected.labels("integrity")._value.get() == 1
+
+
+def test_four_concurrent_fetchers_get_identical_bytes(
+    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    broker.client().publish(1, specs_of(state_dict), source(state_dict))
+    results: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def fetch(i: int) -> None:
+        try:
+            results[i] = fetch_all(broker.client())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for r in results:
+        assert_bit_exact(r, state_dict)
+
+
+def test_garbage_on_the_port_is_dropped_and_serving_goes_on(
+    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", struct.pack("!I", 5) + b"nojsn", struct.pack("!I", 2**31)):
+        with socket.create_connection(("127.0.0.1", broker.plane.port), timeout=5) as sock:
+            sock.sendall(junk)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1024)  # the server answers or closes; it does not hang or die
+    client = broker.client()
+    client.publish(1, specs_of(state_dict), source(state_dict))
+    assert_bit_exact(fetch_all(client), state_dict)
