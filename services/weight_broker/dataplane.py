@@ -70,7 +70,7 @@ def send_end(sock: socket.socket) -> None:
 def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)  # usually the whole rest in one call
         if n == 0:
             raise BrokenStream(f"the connection closed inside {what} ({got} of {len(view)} bytes)")
         got += n
