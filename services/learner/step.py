@@ -27,13 +27,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from services.learner.config import LearnerConfig
 from services.learner.grad_norms import (
+    NormPassResult,
     accumulate_weighted_gradients,
     micro_batches,
     norm_pass,
@@ -111,6 +112,7 @@ class StepCollectives(Protocol):
 
 
 Backward = Callable[[Tensor], None]
+T = TypeVar("T")
 
 
 def backward(
@@ -128,10 +130,10 @@ def backward(
     norms = None
     if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
         spans = step_spans(len(batch), micro_batch_size, collectives)
-        passes = [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
+        passes = _norm_passes(model, batch, spans)
         for p in passes:
             p.release()
-        norms = torch.cat([p.sq_grad_norms for p, (a, b) in zip(passes, spans, strict=True) if b > a])
+        norms = torch.cat([p.sq_grad_norms for p in _unpadded(passes, spans)])
     return policy_gradient_backward(
         model, batch, config, micro_batch_size, ess_ratio, norms, backward, collectives
     )
@@ -156,9 +158,9 @@ def vcpo_backward(
             "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
         )
     spans = step_spans(len(batch), micro_batch_size, collectives)
-    passes = [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
+    passes = _norm_passes(model, batch, spans)
     try:
-        real = [p for p, (a, b) in zip(passes, spans, strict=True) if b > a]
+        real = _unpadded(passes, spans)
         policy = _policy(
             batch,
             torch.cat([p.token_logprobs for p in real]),
@@ -167,10 +169,7 @@ def vcpo_backward(
         if collectives is not None:
             ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
         coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
-        if collectives is not None:
-            scale = collectives.loss_scale(metrics, config.loss_aggregation)
-            coefficients = coefficients * scale
-            metrics["loss"] *= scale
+        coefficients = coefficients * _scale(collectives, metrics, config)
         per_pass = [coefficients[a:b] if b > a else coefficients.new_zeros(1) for a, b in spans]
         accumulate_weighted_gradients(passes, per_pass, backward)
     finally:
@@ -215,7 +214,7 @@ def policy_gradient_backward(
         return metrics
     with torch.no_grad():
         scored = [token_logprobs(model, *_ids(rows)) for rows in _span_rows(batch, spans)]
-    detached = torch.cat([lp for lp, (a, b) in zip(scored, spans, strict=True) if b > a])
+    detached = torch.cat(_unpadded(scored, spans))
     _, metrics = objective(detached, ess_ratio)
     scale = _scale(collectives, metrics, config)
     rho = metrics["ess_ratio"] if ess_ratio is None else ess_ratio
@@ -231,7 +230,19 @@ def policy_gradient_backward(
     return metrics
 
 
+def _norm_passes(
+    model: nn.Module, batch: TrajectoryTensors, spans: list[tuple[int, int]]
+) -> list[NormPassResult]:
+    return [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
+
+
+def _unpadded(items: list[T], spans: list[tuple[int, int]]) -> list[T]:
+    """The per-span results of the spans that hold rows (padding micro-batches dropped)."""
+    return [item for item, (a, b) in zip(items, spans, strict=True) if b > a]
+
+
 def _scale(collectives: StepCollectives | None, metrics: dict[str, float], config: ObjectiveConfig) -> float:
+    """This rank's loss factor (1 when not distributed); the metrics' loss is rescaled to match."""
     if collectives is None:
         return 1.0
     scale = collectives.loss_scale(metrics, config.loss_aggregation)
