@@ -51,12 +51,10 @@ def _step(name: str, detail: str, t0: float) -> None:
 
 def prepare_model(cfg: SystemConfig) -> str:
     """Describe the policy: run.model as given, or the tiny model built (once) into the run directory."""
-    if cfg.run.model:
-        return cfg.run.model
-    from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
+    from services.common.tiny_model import count_parameters, run_model
 
-    path = build_tiny_model(cfg.run.run_dir / "model", TinyModelSpec(seed=cfg.run.seed))
-    return f"{path} (tiny Qwen2, {count_parameters(path):,} parameters)"
+    path = run_model(cfg.run)
+    return path if cfg.run.model else f"{path} (tiny Qwen2, {count_parameters(path):,} parameters)"
 
 
 class ServiceProcess:

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+    from services.common.config import RunConfig
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -362,6 +364,14 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def run_model(run: RunConfig) -> str:
+    """The run's policy: ``run.model`` (a hub id or a directory) as given, or, when it is empty, the tiny model
+    built (once) into ``<run_dir>/model`` with the run's seed."""
+    if run.model:
+        return run.model
+    return str(build_tiny_model(run.run_dir / "model", TinyModelSpec(seed=run.seed)))
 
 
 def count_parameters(model_dir: str | os.PathLike[str]) -> int:

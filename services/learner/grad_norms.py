@@ -126,7 +126,7 @@ def _full_shaped(params: Sequence[nn.Parameter]) -> Iterator[None]:
     swapped: list[tuple[nn.Parameter, Tensor]] = []
     try:
         for p in params:
-            shape = _full_shape(p)
+            shape = full_shape(p)
             if tuple(p.shape) != shape:
                 swapped.append((p, p.data))
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
@@ -156,7 +156,7 @@ def _rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
     return h.to(x.dtype)
 
 
-def _full_shape(param: nn.Parameter) -> tuple[int, ...]:
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
     """The parameter's real shape, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
     return tuple(getattr(param, "ds_shape", param.shape))
 
@@ -165,7 +165,7 @@ def _weighted_grad_fn(
     param: nn.Parameter, uses: list[tuple[tuple[_Capture, str], Tensor]]
 ) -> Callable[[], Tensor]:
     def make() -> Tensor:
-        grad = torch.zeros(_full_shape(param), dtype=param.dtype, device=param.device)
+        grad = torch.zeros(full_shape(param), dtype=param.dtype, device=param.device)
         for (cap, role), coefficients in uses:
             assert cap.x is not None and cap.delta is not None
             d = cap.delta * coefficients.to(cap.delta.dtype)[:, None, None]

@@ -58,9 +58,9 @@ def _rank_main(
 
 def run(cfg: LearnerServiceConfig, max_steps: int = 0, crash_after_step: int = 0) -> int:
     """Run every rank to the end; the exit status (0, or the first failed rank's)."""
-    from services.learner.service import model_path
+    from services.common.tiny_model import run_model
 
-    model_path(cfg.run)  # build the tiny model once, before the ranks load it
+    run_model(cfg.run)  # build the tiny model once, before the ranks load it
     world = cfg.learner.num_ranks
     port = cfg.learner.master_port or free_port()
     ctx = mp.get_context("spawn")
@@ -77,21 +77,23 @@ def run(cfg: LearnerServiceConfig, max_steps: int = 0, crash_after_step: int = 0
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    status = 0
-    while any(p.is_alive() for p in procs):
+    failed = None
+    while failed is None and any(p.is_alive() for p in procs):
         for p in procs:
             p.join(timeout=0.5)
-            if p.exitcode not in (None, 0) and status == 0:
-                status = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
+            if p.exitcode not in (None, 0):
+                failed = p
                 logging.error("%s exited with status %s; stopping the other ranks", p.name, p.exitcode)
                 for q in procs:
                     if q.is_alive():
                         q.kill()
+                break
     for p in procs:
         p.join()
-        if p.exitcode not in (0, None) and status == 0:
-            status = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
-    return status
+    failed = failed or next((p for p in procs if p.exitcode != 0), None)  # all ended between two checks
+    if failed is None or failed.exitcode is None:
+        return 0
+    return failed.exitcode if failed.exitcode > 0 else 128 - failed.exitcode  # a signal N reads as 128 + N
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,19 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.learner.grad_norms import full_shape
 from services.weight_broker.client import PublishResult, VersionExists, WeightTransport
 from services.weight_broker.tensors import TensorSpec, dtype_name
 
 log = logging.getLogger(__name__)
 
 
-def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(p, "ds_shape", p.shape))
-
-
 def tensor_specs(module: nn.Module) -> list[TensorSpec]:
     """The manifest of a (possibly ZeRO-3 partitioned) module: names, dtypes and full shapes, no gathering."""
-    return [TensorSpec(name, dtype_name(p.dtype), _full_shape(p)) for name, p in module.named_parameters()]
+    return [TensorSpec(name, dtype_name(p.dtype), full_shape(p)) for name, p in module.named_parameters()]
 
 
 @dataclass
@@ -71,7 +68,7 @@ def gathered_tensors(
                 yield name, p.data
 
     for name, p in params:
-        nbytes = p.element_size() * int(torch.Size(_full_shape(p)).numel())
+        nbytes = p.element_size() * int(torch.Size(full_shape(p)).numel())
         if bucket and size + nbytes > bucket_bytes:
             yield from flush()
             bucket, size = [], 0

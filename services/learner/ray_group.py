@@ -67,9 +67,9 @@ class LearnerGroup:
     """The learner's ranks as Ray actors in one placement group; :meth:`run` blocks until they finish."""
 
     def __init__(self, cfg: LearnerServiceConfig) -> None:
-        from services.learner.service import model_path
+        from services.common.tiny_model import run_model
 
-        model_path(cfg.run)  # build the tiny model once, before the ranks load it
+        run_model(cfg.run)  # build the tiny model once, before the ranks load it
         self.cfg = cfg
         n = cfg.learner.num_ranks
         bundle: dict[str, float] = {"CPU": 1}

@@ -30,22 +30,16 @@ from typing import Any
 import grpc
 import torch
 
-from services.common.config import RunConfig, StreamsConfig
+from services.common.config import RunConfig
 from services.common.observability import GrpcServer, Metrics, MetricsServer, grpc_server, serve_metrics
-from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
+from services.common.streams import StreamMetrics, connect, stream_specs
+from services.common.tiny_model import run_model
 from services.learner.batching import REJECT_REASONS, place_groups, to_tensors
 from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
 from services.learner.publish import publish_version
 from services.learner.trainer import StepResult, Trainer
-from services.weight_broker.client import (
-    FilesystemTransport,
-    GrpcTransport,
-    RetryPolicy,
-    TcpTransport,
-    WeightTransport,
-)
-from services.weight_broker.config import WeightBrokerConfig
+from services.weight_broker.client import WeightTransport, transport_from_config
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -167,37 +161,6 @@ class StatusServicer(common_pb2_grpc.StatusServicer):
         )
 
 
-def make_transport(
-    wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool
-) -> WeightTransport:
-    """The weight transport of the run: the broker over gRPC, or the shared filesystem path."""
-    retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
-    if wb.transport == "filesystem":
-        announcer = None
-        if publisher and run.redis_url:
-            from services.weight_broker.servicer import Announcer
-
-            spec = stream_specs(run, streams)["weights"]
-            announcer = Announcer(StreamProducer(connect(run.redis_url), spec), "filesystem", wb.storage_dir)
-        root = wb.storage_dir or str(run.run_dir / "weights")
-        return FilesystemTransport(
-            root, wb.retain_versions, publisher, announcer, wb.chunk_bytes, run.run_id, retry
-        )
-    address = f"{wb.advertise_host}:{wb.grpc_port}"
-    if wb.transport == "tcp":
-        return TcpTransport(address, f"{wb.advertise_host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
-    return GrpcTransport(address, retry, wb.chunk_bytes, run.run_id)
-
-
-def model_path(run: RunConfig) -> str:
-    """The policy to train: ``run.model``, or the tiny built-in model in the run directory (built once)."""
-    if run.model:
-        return run.model
-    from services.common.tiny_model import TinyModelSpec, build_tiny_model
-
-    return str(build_tiny_model(run.run_dir / "model", TinyModelSpec(seed=run.seed)))
-
-
 def checkpoint_dir(learner: LearnerConfig, run: RunConfig) -> Path:
     return Path(learner.checkpoint_dir) if learner.checkpoint_dir else run.run_dir / "learner" / "checkpoints"
 
@@ -214,7 +177,7 @@ class LearnerRank:
     def __init__(self, cfg: LearnerServiceConfig, stop: threading.Event | None = None) -> None:
         self.cfg, self.learner, self.run = cfg, cfg.learner, cfg.run
         self.stop = stop or threading.Event()
-        self.trainer = Trainer(self.learner, model_path(self.run), seed=self.run.seed)
+        self.trainer = Trainer(self.learner, run_model(self.run), seed=self.run.seed)
         self.rank, self.world = self.trainer.rank, self.trainer.world_size
         self.ckpt_dir = checkpoint_dir(self.learner, self.run)
         self.status = LearnerState()
@@ -261,7 +224,9 @@ class LearnerRank:
         replay = self.feed.resume(feed_state)
         if replay:
             self.status.detail = f"replaying {replay} scored entries consumed after the last checkpoint"
-        self.transport = make_transport(self.cfg.weight_broker, self.run, self.cfg.streams, publisher=True)
+        self.transport = transport_from_config(
+            self.cfg.weight_broker, self.run, self.cfg.streams, publisher=True
+        )
         self.http = serve_metrics(metrics, port=self.learner.metrics_port)
         servicer = StatusServicer(self.status, self.run.run_id)
 
@@ -322,9 +287,6 @@ class LearnerRank:
     def _step(self, groups: list[rollout_pb2.TrajectoryGroup]) -> None:
         mine = [groups[i] for i in place_groups(groups, self.world)[self.rank]]
         result = self.trainer.train_step(to_tensors(mine))
-        tokens = torch.tensor([result.timings["tokens"]], dtype=torch.float64, device=self.trainer.device)
-        torch.distributed.all_reduce(tokens)
-        result.timings["tokens_all_ranks"] = float(tokens.item())
         publish_s = self._publish()
         if self.rank != 0:
             return

@@ -214,9 +214,11 @@ class Trainer:
             collectives=self.collectives,
         )
         t1 = time.perf_counter()
+        tokens = float(batch.attention_mask.sum())
         gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, (metrics, self.collectives.log_weights))
-        merged = merge_metrics(gathered, self.collectives.ess, metrics["ess_ratio"], self.config)
+        torch.distributed.all_gather_object(gathered, (metrics, self.collectives.log_weights, tokens))
+        per_rank = [(m, lw) for m, lw, _ in gathered]
+        merged = merge_metrics(per_rank, self.collectives.ess, metrics["ess_ratio"], self.config)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.config.lr * merged["lr_scale"]
         self.engine.step()
@@ -226,8 +228,8 @@ class Trainer:
         t2 = time.perf_counter()
         self.step += 1
         self.version += 1
-        tokens = float(batch.attention_mask.sum())
-        timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens}
+        timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens,
+                   "tokens_all_ranks": sum(t for *_, t in gathered)}  # fmt: skip
         return StepResult(self.version, self.step, merged, timings)
 
     def _backward(self, loss: Tensor) -> None:

@@ -29,6 +29,8 @@ from typing import TypeVar
 import grpc
 import torch
 
+from services.common.config import RunConfig, StreamsConfig
+from services.weight_broker.config import WeightBrokerConfig
 from services.weight_broker.protocol import (
     BrokenStream,
     IntegrityError,
@@ -401,3 +403,27 @@ class FilesystemTransport(WeightTransport):
     def path_of(self, version: int) -> Path:
         """The version's directory: what vLLM's ``reload_weights(weights_path=...)`` reads."""
         return version_dir(self.root, version)
+
+
+def transport_from_config(
+    wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool = False
+) -> WeightTransport:
+    """The run's transport from its ``[weight_broker]`` section: ``tcp`` or ``grpc`` through the broker at
+    ``advertise_host``, or ``filesystem`` on the shared path (a publisher announces each version on the
+    run's ``weights`` stream itself, as the broker would)."""
+    retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
+    if wb.transport == "filesystem":
+        root = wb.storage_dir or str(run.run_dir / "weights")
+        announcer = None
+        if publisher and run.redis_url:
+            from services.common.streams import StreamProducer, connect, stream_specs
+
+            spec = stream_specs(run, streams)["weights"]
+            announcer = Announcer(StreamProducer(connect(run.redis_url), spec), "filesystem", root)
+        return FilesystemTransport(
+            root, wb.retain_versions, publisher, announcer, wb.chunk_bytes, run.run_id, retry
+        )
+    address = f"{wb.advertise_host}:{wb.grpc_port}"
+    if wb.transport == "tcp":
+        return TcpTransport(address, f"{wb.advertise_host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
+    return GrpcTransport(address, retry, wb.chunk_bytes, run.run_id)
