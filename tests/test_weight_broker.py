@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -84,6 +84,26 @@ def fetch_all(
     got: dict[str, torch.Tensor] = {}
     transport.fetch(lambda name, t: got.__setitem__(name, t.clone()), version)
     return got
+
+
+def fetch_concurrently(make_client: Callable[[], GrpcTransport], n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` fetches of the latest version at once, each with its own client; any error fails the test."""
+    results: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def fetch(i: int) -> None:
+        try:
+            results[i] = fetch_all(make_client())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    return results
 
 
 def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -186,22 +206,7 @@ def test_four_concurrent_fetchers_get_identical_bytes(
     broker: Broker, state_dict: dict[str, torch.Tensor]
 ) -> None:
     broker.client().publish(1, specs_of(state_dict), source(state_dict))
-    results: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
-    errors: list[BaseException] = []
-
-    def fetch(i: int) -> None:
-        try:
-            results[i] = fetch_all(broker.client())
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for r in results:
+    for r in fetch_concurrently(broker.client, 4):
         assert_bit_exact(r, state_dict)
     # the server counts a fetch when its stream closes, just after the client has the last chunk
     complete = broker.metrics.fetches.labels("complete")._value

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,16 @@ from services.weight_broker.client import StalePublish, TcpTransport, VersionExi
 from services.weight_broker.dataplane import DataPlaneServer
 from services.weight_broker.protocol import publish_requests
 from services.weight_broker.store import MemoryStore, VersionNotFound
-from tests.test_weight_broker import FAST, Broker, assert_bit_exact, fetch_all, source, specs_of, state_dict
+from tests.test_weight_broker import (
+    FAST,
+    Broker,
+    assert_bit_exact,
+    fetch_all,
+    fetch_concurrently,
+    source,
+    specs_of,
+    state_dict,
+)
 
 __all__ = ["state_dict"]  # the fixture, shared with test_weight_broker
 
@@ -110,22 +118,7 @@ def test_four_concurrent_fetchers_get_identical_bytes(
     broker: DataBroker, state_dict: dict[str, torch.Tensor]
 ) -> None:
     broker.client().publish(1, specs_of(state_dict), source(state_dict))
-    results: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
-    errors: list[BaseException] = []
-
-    def fetch(i: int) -> None:
-        try:
-            results[i] = fetch_all(broker.client())
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for r in results:
+    for r in fetch_concurrently(broker.client, 4):
         assert_bit_exact(r, state_dict)
 
 
