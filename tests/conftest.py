@@ -54,3 +54,36 @@ def _no_vcpo_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("VCPO_") and "__" in name:
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The default tiny Qwen2 model (seed 0), built once per session."""
+    from services.common.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
+    """The session's one vLLM engine (CPU build, in this process) over the tiny model, float32.
+
+    Tests that change its weights apply the version they need first; version numbers only grow, so each test
+    asks ``next_version(vllm_engine)`` for a fresh one.
+    """
+    pytest.importorskip("vllm")
+    from services.sampler.engine import VllmEngine, VllmSettings
+
+    # vLLM writes os.environ (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...): keep that out of later tests
+    environ_before = dict(os.environ)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        engine = VllmEngine(
+            VllmSettings(model=str(tiny_model_dir), dtype="float32", max_model_len=256,
+                         kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
+        )  # fmt: skip
+    finally:
+        os.environ.clear()
+        os.environ.update(environ_before)
+    yield engine
+    engine.close()

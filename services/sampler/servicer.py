@@ -1,0 +1,95 @@
+"""The sampler's gRPC services: Status (with health), and task submission through the environment registry.
+
+``SubmitTasks`` checks every task the way the sampler will (environment, prompt, context length) and puts the
+good ones on the run's `tasks` stream, where any replica picks them up; the reply counts both and names each
+rejected task with its reason. Registering tool-use environments is not served by this version: those calls
+answer UNIMPLEMENTED, saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from services.common.streams import StreamProducer
+from services.sampler.sampler import SamplerState
+from services.sampler.tasks import TaskError
+from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
+
+
+class StatusServicer(common_pb2_grpc.StatusServicer):
+    def __init__(self, status: SamplerState, run_id: str, replica_id: str) -> None:
+        self.status, self.run_id, self.replica_id = status, run_id, replica_id
+
+    def GetStatus(
+        self, request: common_pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        s = self.status
+        return common_pb2.ServiceStatus(
+            service="sampler",
+            replica_id=self.replica_id,
+            run_id=self.run_id,
+            policy_version=s.policy_version,
+            state=s.state,  # type: ignore[arg-type]
+            detail=s.detail,
+            uptime_seconds=time.monotonic() - s.started,
+            figures={k: v for k, v in s.figures.items() if math.isfinite(v)},
+        )
+
+
+class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
+    def __init__(
+        self,
+        validate: Callable[[rollout_pb2.Task], object],
+        tasks: StreamProducer[rollout_pb2.Task],
+        on_error: Callable[[TaskError], None] | None = None,
+    ) -> None:
+        self.validate, self.tasks, self.on_error = validate, tasks, on_error
+
+    def SubmitTasks(
+        self, request_iterator: Iterator[registry_pb2.SubmitTasksRequest], context: grpc.ServicerContext
+    ) -> registry_pb2.SubmitTasksResponse:
+        good: list[tuple[rollout_pb2.Task, int]] = []
+        errors: list[str] = []
+        for i, request in enumerate(request_iterator):
+            task = rollout_pb2.Task()
+            task.CopyFrom(request.task)
+            if request.environment and not task.environment:
+                task.environment = request.environment
+            if not task.split:
+                task.split = "train"
+            try:
+                self.validate(task)
+            except TaskError as exc:
+                errors.append(f"task #{i}: {exc} [{exc.reason}]")
+                if self.on_error is not None:
+                    self.on_error(exc)
+                continue
+            good.append((task, 0))
+        if good:
+            self.tasks.put_many(good)
+        return registry_pb2.SubmitTasksResponse(accepted=len(good), rejected=len(errors), errors=errors)
+
+    def ListEnvironments(
+        self, request: registry_pb2.ListEnvironmentsRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.ListEnvironmentsResponse:
+        return registry_pb2.ListEnvironmentsResponse()  # none registered: single-turn tasks only
+
+    def RegisterEnvironment(
+        self, request: registry_pb2.RegisterEnvironmentRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.RegisterEnvironmentResponse:
+        context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "tool-use environments are not served by this sampler yet; submit single-turn tasks "
+            '(environment "") with SubmitTasks',
+        )
+        raise AssertionError("unreachable")
+
+    def EnvironmentStatus(
+        self, request: registry_pb2.EnvironmentStatusRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.EnvironmentStatusResponse:
+        context.abort(grpc.StatusCode.NOT_FOUND, f"no environment named {request.name!r} is registered")
+        raise AssertionError("unreachable")

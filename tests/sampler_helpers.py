@@ -1,0 +1,109 @@
+"""Helpers for the sampler tests: versions of the tiny model, publishing them, and reference log-probs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from services.weight_broker.client import WeightTransport
+from services.weight_broker.tensors import TensorSpec
+
+versions = itertools.count(1_000_000)  # versions loaded straight into the session's engine (they only grow)
+
+
+def load_into(engine: Any, weights: dict[str, torch.Tensor]) -> int:
+    """Stage and apply ``weights`` on ``engine`` as a fresh version; returns the version."""
+    version = next(versions)
+    sink = engine.stage(version)
+    for name, tensor in weights.items():
+        sink(name, tensor)
+    engine.apply(version)
+    return version
+
+
+def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def version_weights(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
+    """A distinct, deterministic set of weights per version (version 0 is the model as built)."""
+    base = base_weights(model_dir)
+    if version == 0:
+        return base
+    gen = torch.Generator().manual_seed(1000 + version)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in base.items()}
+
+
+def publish(transport: WeightTransport, version: int, weights: dict[str, torch.Tensor]) -> None:
+    specs = [TensorSpec.of(n, t) for n, t in weights.items()]
+    transport.publish(version, specs, lambda: iter(weights.items()))
+
+
+def hf_model(model_dir: Path, weights: dict[str, torch.Tensor]) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def hf_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of ``response`` after ``prompt`` under ``model`` (float32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def max_abs_diff(a: list[float], b: torch.Tensor) -> float:
+    return max((abs(x - float(y)) for x, y in zip(a, b, strict=True)), default=0.0) if a else math.inf
+
+
+class LearnerStandIn:
+    """What the learner does to the sampler, minus training: take ``groups_per_step`` groups per step in arrival
+    order from `rollouts`, drop (and release) any with lag > k, publish the next version."""
+
+    def __init__(self, client: Any, run: Any, transport: WeightTransport, model_dir: Path) -> None:
+        from services.common.admission import AdmissionCounter
+        from services.common.config import StreamsConfig
+        from services.common.streams import StreamConsumer, stream_specs
+
+        spec = stream_specs(run, StreamsConfig())["rollouts"]
+        self.consumer = StreamConsumer(client, spec, "stand-in", group="learner-stand-in")
+        self.admission = AdmissionCounter(client, run.run_id, run.k, run.groups_per_step)
+        self.run, self.transport, self.model_dir = run, transport, model_dir
+        self.version = 0
+        self.consumed: list[tuple[int, Any]] = []  # (step, group)
+        self.dropped: list[tuple[int, Any]] = []
+
+    def publish(self, version: int) -> None:
+        publish(self.transport, version, version_weights(self.model_dir, version))
+        self.version = version
+
+    def step(self, timeout_s: float = 120.0) -> list[Any]:
+        """Consume one step's groups (training version ``self.version``), then publish the next version."""
+        import time
+
+        t, groups = self.version, []
+        deadline = time.monotonic() + timeout_s
+        while len(groups) < self.run.groups_per_step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"step {t}: {len(groups)} of {self.run.groups_per_step} groups in {timeout_s}s"
+                )
+            for entry in self.consumer.read(count=self.run.groups_per_step - len(groups), block_ms=200):
+                group = entry.message
+                if t - group.policy_version_start > self.run.k:
+                    self.dropped.append((t, group))
+                    self.admission.release(1)
+                else:
+                    groups.append(group)
+                    self.consumed.append((t, group))
+                self.consumer.ack([entry.id])
+        self.publish(t + 1)
+        return groups

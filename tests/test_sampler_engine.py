@@ -1,0 +1,147 @@
+"""The vLLM generation engine (CPU build, real engine): behaviour log-probs and whole-version weight swaps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch
+from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights, versions
+
+pytestmark = pytest.mark.slow
+
+
+def generate(
+    engine: GenerationEngine, prompts: list[list[int]], sampling: Sampling, n: int = 1
+) -> dict[str, tuple[list[int], list[int], list[float], str]]:
+    """request id -> (prompt, tokens, log-probs, finish reason), stepping the engine until all are done."""
+    out: dict[str, tuple[list[int], list[int], list[float], str]] = {}
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            engine.add(f"t{i}/{j}", prompt, sampling)
+            out[f"t{i}/{j}"] = (prompt, [], [], "")
+    while engine.has_unfinished():
+        for delta in engine.step():
+            prompt, tokens, logprobs, _ = out[delta.request_id]
+            out[delta.request_id] = (prompt, tokens + delta.token_ids, logprobs + delta.logprobs,
+                                     delta.finish_reason or "")  # fmt: skip
+    return out
+
+
+def prompts_of(engine: GenerationEngine) -> list[list[int]]:
+    tok = engine.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    return [tok.encode("12+7="), chat, tok.encode("The cat")]
+
+
+def assert_matches(
+    model_dir: Path, weights: dict[str, torch.Tensor], results: Iterable, temperature: float = 1.0
+) -> None:
+    model = hf_model(model_dir, weights)
+    for prompt, tokens, logprobs, reason in results:
+        assert tokens and reason in ("stop", "length")
+        expected = hf_logprobs(model, prompt, tokens, temperature)
+        assert max_abs_diff(logprobs, expected) <= 1e-3
+
+
+def test_behaviour_logprobs_equal_hugging_face(vllm_engine: GenerationEngine, tiny_model_dir: Path) -> None:
+    weights = version_weights(tiny_model_dir, 1)
+    load_into(vllm_engine, weights)
+    prompts = prompts_of(vllm_engine)
+    results = generate(vllm_engine, prompts, Sampling(temperature=1.0, max_tokens=24, seed=None), n=4)
+    assert len(results) == 12
+    assert_matches(tiny_model_dir, weights, results.values())
+    # the n responses of a prompt are sampled independently
+    assert len({tuple(results[f"t0/{j}"][1]) for j in range(4)}) > 1
+
+
+def test_logprobs_are_those_of_the_tempered_distribution(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path
+) -> None:
+    weights = version_weights(tiny_model_dir, 2)
+    load_into(vllm_engine, weights)
+    results = generate(vllm_engine, prompts_of(vllm_engine), Sampling(temperature=0.7, max_tokens=16), n=2)
+    assert_matches(tiny_model_dir, weights, results.values(), temperature=0.7)
+
+
+def test_a_new_version_serves_the_new_weights(vllm_engine: GenerationEngine, tiny_model_dir: Path) -> None:
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    prompts = prompts_of(vllm_engine)
+    old, new = version_weights(tiny_model_dir, 3), version_weights(tiny_model_dir, 4)
+    load_into(vllm_engine, old)
+    before = generate(vllm_engine, prompts, greedy)
+    version = load_into(vllm_engine, new)
+    assert vllm_engine.loaded_version == version
+    after = generate(vllm_engine, prompts, greedy)
+    assert_matches(tiny_model_dir, new, after.values())
+    assert [r[1] for r in after.values()] != [r[1] for r in before.values()]
+    # greedy tokens are the new model's argmax
+    model = hf_model(tiny_model_dir, new)
+    for prompt, tokens, _, _ in after.values():
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        assert logits.argmax(-1).tolist() == tokens
+
+
+def test_a_version_cut_off_while_staging_is_never_applied(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path
+) -> None:
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    old = version_weights(tiny_model_dir, 5)
+    serving = load_into(vllm_engine, old)
+    new = version_weights(tiny_model_dir, 6)
+    version = next(versions)
+    sink = vllm_engine.stage(version)
+    for name, tensor in list(new.items())[: len(new) // 2]:  # the fetch dies half-way
+        sink(name, tensor)
+    with pytest.raises(WeightMismatch, match=f"version {version} lacks"):
+        vllm_engine.apply(version)
+    assert vllm_engine.loaded_version == serving
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
+
+
+def test_a_load_failing_part_way_restores_the_previous_version(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    old = version_weights(tiny_model_dir, 7)
+    serving = load_into(vllm_engine, old)
+    real_load = vllm_engine._load
+    calls = []
+
+    def dies_half_way(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        calls.append(1)
+        if len(calls) > 1:  # the rollback
+            return real_load(tensors)
+        items = list(tensors)
+
+        def then_fail() -> Iterable[tuple[str, torch.Tensor]]:
+            yield from items[: len(items) // 2]  # half of the new version really goes into the engine
+            raise ConnectionResetError("killed during the load")
+
+        return real_load(then_fail())
+
+    monkeypatch.setattr(vllm_engine, "_load", dies_half_way)
+    with pytest.raises(ConnectionResetError):
+        load_into(vllm_engine, version_weights(tiny_model_dir, 8))
+    assert len(calls) == 2 and vllm_engine.loaded_version == serving
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
+
+
+def test_versions_that_do_not_match_the_model_are_refused(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path
+) -> None:
+    weights = version_weights(tiny_model_dir, 9)
+    sink = vllm_engine.stage(next(versions))
+    with pytest.raises(WeightMismatch, match=r"'model\.bogus\.weight' is not a parameter"):
+        sink("model.bogus.weight", torch.zeros(2))
+    version = next(versions)
+    sink = vllm_engine.stage(version)
+    for name, tensor in weights.items():
+        sink(name, tensor[..., :1] if name == "lm_head.weight" else tensor)
+    with pytest.raises(WeightMismatch, match=r"'lm_head\.weight' has shape"):
+        vllm_engine.apply(version)

@@ -1,0 +1,195 @@
+"""The sampler service with the real vLLM engine, Redis, weight broker and gRPC: what it writes and when."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+
+from services.common.config import RunConfig, StreamsConfig
+from services.common.streams import StreamProducer, stream_specs
+from services.sampler.config import SamplerServiceConfig
+from services.sampler.engine import GenerationEngine
+from services.sampler.service import SamplerService
+from services.weight_broker.servicer import Announcer
+from services.weight_broker.store import MemoryStore
+from tests.sampler_helpers import LearnerStandIn, hf_logprobs, hf_model, max_abs_diff, version_weights
+from tests.test_weight_broker import Broker
+from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class Stack:
+    """Redis + broker (announcing on the weights stream) + one sampler service on the session's engine."""
+
+    def __init__(self, client: redis.Redis, url: str, model_dir: Path, run_dir: Path, engine: GenerationEngine,
+                 k: int, groups_per_step: int, **sampler: Any) -> None:  # fmt: skip
+        self.run = RunConfig(run_id="t", k=k, groups_per_step=groups_per_step, model=str(model_dir),
+                             redis_url=url, run_dir=run_dir)  # fmt: skip
+        specs = stream_specs(self.run, StreamsConfig())
+        self.broker = Broker(
+            MemoryStore(retain=4), Announcer(StreamProducer(client, specs["weights"]), "grpc", "")
+        )
+        settings = {"n": 4, "max_tokens": 16, "max_model_len": 256, "dataset": "builtin:arith",
+                    "grpc_port": 0, "metrics_port": 0, "max_groups_in_flight": 4, **sampler}  # fmt: skip
+        self.cfg = SamplerServiceConfig.model_validate(
+            {"run": self.run.model_dump(), "sampler": settings,
+             "weight_broker": {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": self.broker.server.port}}
+        )  # fmt: skip
+        engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
+        self.service = SamplerService(self.cfg, 0, engine)
+        self.learner = LearnerStandIn(client, self.run, self.broker.client(), model_dir)
+        self.client, self.model_dir, self.specs = client, model_dir, specs
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,), daemon=True)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.service.server.port}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def status(self) -> common_pb2.ServiceStatus:
+        return common_pb2_grpc.StatusStub(self.channel).GetStatus(common_pb2.StatusRequest(), timeout=5)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+        self.channel.close()
+        self.service.close()  # leaves the session's engine running
+        self.broker.stop()
+
+
+@pytest.fixture
+def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path,
+               vllm_engine: GenerationEngine) -> Iterator[Callable[..., Stack]]:  # fmt: skip
+    stacks: list[Stack] = []
+
+    def make(k: int = 1, groups_per_step: int = 2, **sampler: Any) -> Stack:
+        stack = Stack(
+            redis_client, redis_url, tiny_model_dir, tmp_path, vllm_engine, k, groups_per_step, **sampler
+        )
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.close()
+
+
+def check_group(group: rollout_pb2.TrajectoryGroup, model: Any, version: int, n: int) -> None:
+    assert group.policy_version_start == group.policy_version_end == version
+    assert len(group.trajectories) == n and group.prompt_tokens
+    assert group.task.task_id and group.task.reference and group.sampling.n == n
+    for traj in group.trajectories:
+        tokens = list(traj.response_tokens)
+        assert 0 < len(tokens) <= 16 and traj.finish_reason in ("stop", "length")
+        assert len(traj.behaviour_logprobs) == len(tokens) == len(traj.loss_mask) and all(traj.loss_mask)
+        assert traj.policy_version_start == traj.policy_version_end == version
+        assert [(s.start_token, s.policy_version) for s in traj.version_segments] == [(0, version)]
+        expected = hf_logprobs(model, list(group.prompt_tokens), tokens)
+        assert max_abs_diff(list(traj.behaviour_logprobs), expected) <= 1e-3
+
+
+def test_groups_are_exact_and_the_lag_bound_holds_the_sampler_until_new_weights(
+    make_stack: Callable[..., Stack],
+) -> None:
+    stack = make_stack(k=1, groups_per_step=2)
+    stack.learner.publish(0)
+    stack.start()
+    rollouts = stack.specs["rollouts"].key
+    # k = 1, 2 groups per step, version 0: (0 + 1 + 1) * 2 = 4 groups may start, no more
+    wait_until(lambda: stack.client.xlen(rollouts) >= 4, what="4 groups")
+    status = wait_until(
+        lambda: (s := stack.status()).state == common_pb2.ServiceStatus.WAITING and s, what="WAITING"
+    )
+    assert "lag bound reached: 4 groups started, at most 4" in status.detail
+    assert "serving version 0" in status.detail and "has not published a newer version" in status.detail
+    time.sleep(0.5)
+    assert stack.client.xlen(rollouts) == 4
+    model0 = hf_model(stack.model_dir, version_weights(stack.model_dir, 0))
+    for _, group in [(0, g) for g in stack.learner.step()] + [(1, g) for g in stack.learner.step()]:
+        check_group(group, model0, 0, 4)
+    # the stand-in published versions 1 and 2: the sampler loads the newest and goes on with it
+    groups = stack.learner.step()  # step 2 may train on version-1 or -2 groups only (lag <= 1)
+    assert all(2 - g.policy_version_start <= 1 for g in groups)
+    model2 = hf_model(stack.model_dir, version_weights(stack.model_dir, 2))
+    for group in stack.learner.step():  # step 3: groups started after the sampler loaded version 2
+        check_group(group, model2, 2, 4)
+    assert not stack.learner.dropped
+    assert stack.status().policy_version >= 2
+    metrics = stack.service.registry.exposition().decode()
+    assert 'vcpo_sampler_policy_version{replica="sampler-0"}' in metrics
+    assert (
+        "vcpo_sampler_admission_blocked_seconds_total" in metrics
+        and "vcpo_sampler_weight_load_seconds" in metrics
+    )
+
+
+def test_bad_tasks_get_clear_errors_are_counted_and_the_sampler_keeps_going(
+    make_stack: Callable[..., Stack],
+) -> None:
+    stack = make_stack(k=4, groups_per_step=2, dataset="builtin:arith", max_model_len=128)
+    stack.learner.publish(0)
+    long_prompt = "12+7= " * 200
+    tasks = [
+        rollout_pb2.Task(task_id="long", prompt=long_prompt, reference="1"),
+        rollout_pb2.Task(task_id="empty", prompt="   ", reference="1"),
+        rollout_pb2.Task(task_id="no-such-row", reference="1"),
+        rollout_pb2.Task(task_id="env", prompt="hi", environment="calculator"),
+        rollout_pb2.Task(task_id="good", prompt="What is 2+2?", reference="4"),
+        rollout_pb2.Task(task_id="arith:5"),  # a dataset row by id
+    ]
+    stub = registry_pb2_grpc.EnvironmentRegistryStub(stack.channel)
+    reply = stub.SubmitTasks(iter(registry_pb2.SubmitTasksRequest(task=t) for t in tasks), timeout=10)
+    assert (reply.accepted, reply.rejected) == (2, 4), reply.errors
+    assert (
+        reply.errors[0].startswith("task #0: task 'long': the prompt is")
+        and "max_model_len=128" in reply.errors[0]
+    )
+    assert reply.errors[0].endswith("[prompt_too_long]")
+    assert reply.errors[1].startswith("task #1: task 'empty'") and reply.errors[1].endswith("[empty_prompt]")
+    assert "no prompt given and the id is not in the dataset [unknown_task]" in reply.errors[2]
+    assert (
+        "environment 'calculator' is not registered" in reply.errors[3]
+        and "[unknown_environment]" in reply.errors[3]
+    )
+    # the same bad tasks straight onto the stream (not through the API): the sampler rejects them itself
+    StreamProducer(stack.client, stack.specs["tasks"]).put_many([(t, 0) for t in tasks[:4]])
+    stack.start()
+    produced = wait_until(lambda: stack.client.xlen(stack.specs["rollouts"].key) >= 4, what="groups")
+    assert produced
+    entries = stack.client.xrange(stack.specs["rollouts"].key)
+    task_ids = {rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]).task.task_id for _, f in entries}
+    assert {"good", "arith:5"} <= task_ids and not task_ids & {"long", "empty", "no-such-row", "env"}
+    arith5 = next(rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]) for _, f in entries
+                  if rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]).task.task_id == "arith:5")  # fmt: skip
+    assert arith5.task.prompt and arith5.task.reference  # filled in from the dataset
+    dead = stack.client.xrange(stack.specs["tasks"].dead_letter_key)
+    assert sorted(f[b"dead_kind"].decode() for _, f in dead) == [
+        "empty_prompt", "prompt_too_long", "unknown_environment", "unknown_task",
+    ]  # fmt: skip
+    metrics = stack.service.registry.exposition().decode()
+    for reason in ("prompt_too_long", "empty_prompt", "unknown_task", "unknown_environment"):
+        # once at submission, once on the stream
+        assert f'vcpo_sampler_task_errors_total{{reason="{reason}",replica="sampler-0"}} 2.0' in metrics
+    assert (
+        stack.client.xlen(stack.specs["tasks"].key) == 0
+    )  # good tasks acknowledged once their group was written
+    assert stack.status().figures["task_errors"] == 4

@@ -1,0 +1,384 @@
+"""Sampler tasks: dataset files and builtins become Tasks, the shuffled epoch order, prompt encoding."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.tiny_model import build_tokenizer
+from services.sampler.tasks import (
+    ARITH_TEST_SIZE,
+    ARITH_TRAIN_SIZE,
+    BUILTIN_DATASETS,
+    DatasetTasks,
+    PromptEncoder,
+    TaskError,
+    load_dataset,
+)
+from vcpo.v1 import common_pb2, rollout_pb2
+
+ROWS: list[dict[str, Any]] = [
+    {"prompt": "What is 1+2?", "answer": 3, "difficulty": "easy", "weight": 0.5},
+    {"prompt": "What is 5-7?", "answer": -2, "difficulty": None, "tags": ["a", "b"]},
+    {"prompt": "Say hi.", "source": "manual", "flag": True},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _task(task_id: str = "t:0", prompt: str = "What is 1+2?", **kwargs: Any) -> rollout_pb2.Task:
+    return rollout_pb2.Task(task_id=task_id, prompt=prompt, **kwargs)
+
+
+def _check_rows(tasks: list[rollout_pb2.Task], stem: str, split: str = "train") -> None:
+    assert [t.task_id for t in tasks] == [f"{stem}:0", f"{stem}:1", f"{stem}:2"]
+    assert [t.prompt for t in tasks] == ["What is 1+2?", "What is 5-7?", "Say hi."]
+    assert [t.reference for t in tasks] == ["3", "-2", ""]
+    assert {t.split for t in tasks} == {split}
+    assert dict(tasks[0].metadata) == {"difficulty": "easy", "weight": "0.5"}
+    assert dict(tasks[1].metadata) == {"tags": '["a", "b"]'}  # None left out, lists as JSON
+    assert dict(tasks[2].metadata) == {"source": "manual", "flag": "True"}
+    assert not any(t.messages for t in tasks)
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def test_jsonl_round_trip(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "data.jsonl", ROWS)
+    path.write_text(path.read_text() + "\n   \n")  # blank lines are skipped
+    _check_rows(load_dataset(str(path), split="eval:mine"), "data", split="eval:mine")
+
+
+def test_parquet_round_trip(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "data.parquet"
+    columns = {key: [row.get(key) for row in ROWS] for row in ROWS for key in row}
+    pq.write_table(pa.Table.from_pydict(columns), path)  # from_pylist takes the columns of row 0 only
+    _check_rows(load_dataset(str(path)), "data")
+
+
+def test_parquet_messages_and_ids(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "chat.parquet"
+    rows = [{"id": 7, "q": [{"role": "user", "content": "hi"}], "a": "hello"}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    (task,) = load_dataset(str(path), prompt_field="q", answer_field="a")
+    assert task.task_id == "7"
+    assert [(m.role, m.content) for m in task.messages] == [("user", "hi")]
+    assert task.reference == "hello"
+
+
+def test_messages_list_prompt_fills_messages(tmp_path: Path) -> None:
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"question": conversation, "solution": {"x": 4}}])
+    (task,) = load_dataset(str(path), prompt_field="question", answer_field="solution")
+    assert task.prompt == ""
+    assert list(task.messages) == [common_pb2.ChatMessage(**m) for m in conversation]
+    assert json.loads(task.reference) == {"x": 4}
+    assert not task.metadata
+
+
+def test_id_columns_give_the_task_id(tmp_path: Path) -> None:
+    rows = [
+        {"id": 17, "prompt": "a"},
+        {"task_id": "q-2", "id": "ignored", "prompt": "b"},
+        {"id": None, "prompt": "c"},
+        {"id": "", "prompt": "d"},
+    ]
+    tasks = load_dataset(str(_write_jsonl(tmp_path / "ids.jsonl", rows)))
+    assert [t.task_id for t in tasks] == ["17", "q-2", "ids:2", "ids:3"]
+    assert all(not t.metadata for t in tasks)  # id columns are not metadata
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"dataset file .*nope\.jsonl.* does not exist"):
+        load_dataset(str(tmp_path / "nope.jsonl"))
+
+
+def test_unknown_extension(tmp_path: Path) -> None:
+    path = tmp_path / "data.csv"
+    path.write_text("prompt\nhi\n")
+    with pytest.raises(ValueError, match=r"data\.csv.*unknown extension '\.csv'.*\.jsonl or \.parquet"):
+        load_dataset(str(path))
+
+
+def test_unknown_builtin_lists_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown builtin dataset 'nope'.*known: arith"):
+        load_dataset("builtin:nope")
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n\n{"prompt": oops}\n')
+    with pytest.raises(TaskError, match=r"bad\.jsonl line 3: malformed JSON") as info:
+        load_dataset(str(path))
+    assert (info.value.reason, info.value.task_id) == ("bad_row", "bad:1")
+
+
+def test_non_object_json_line(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "list.jsonl", [["What is 1+1?"]])
+    with pytest.raises(ValueError, match=r"list\.jsonl line 1: expected a JSON object, got list"):
+        load_dataset(str(path))
+
+
+def test_missing_prompt_field_names_row_and_field(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": "a"}, {"question": "b", "answer": "c"}])
+    with pytest.raises(
+        TaskError, match=r"data\.jsonl line 2: no 'prompt' field \(fields: question, answer\)"
+    ) as info:
+        load_dataset(str(path))
+    assert info.value.reason == "bad_row"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        (42, r"field 'prompt' must be a string or a list of \{role, content\} messages, got int"),
+        ([{"role": "user"}], r"field 'prompt' message 0 must be a \{role, content\} object of strings"),
+        (["hi"], r"field 'prompt' message 0 must be .*, got 'hi'"),
+    ],
+)
+def test_bad_prompt_values(tmp_path: Path, prompt: Any, match: str) -> None:
+    path = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": prompt}])
+    with pytest.raises(TaskError, match=r"data\.jsonl line 1: " + match):
+        load_dataset(str(path))
+
+
+def test_unreadable_parquet(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"broken\.parquet: cannot read it as parquet"):
+        load_dataset(str(path))
+
+
+def test_parquet_without_a_reader_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("pyarrow", "pyarrow.parquet", "pandas"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"data\.parquet: reading parquet needs pyarrow; install pyarrow"):
+        load_dataset(str(path))
+
+
+# ------------------------------------------------------------------------------------------ builtins
+
+
+def test_builtin_arith_train_and_test_are_disjoint() -> None:
+    assert "arith" in BUILTIN_DATASETS
+    train = load_dataset("builtin:arith")
+    test = load_dataset("builtin:arith", split="test")
+    assert len(train) == ARITH_TRAIN_SIZE == 2000
+    assert len(test) == ARITH_TEST_SIZE == 200
+    assert len({t.prompt for t in train}) == len(train)
+    assert len({t.prompt for t in test}) == len(test)
+    assert not {t.prompt for t in train} & {t.prompt for t in test}
+    assert not {t.task_id for t in train} & {t.task_id for t in test}
+    assert train[0].task_id == "arith:0" and {t.split for t in train} == {"train"}
+    assert {t.split for t in test} == {"test"}
+    # the held-out rows are the same whichever held-out name asks for them
+    assert [t.prompt for t in load_dataset("builtin:arith", split="eval:arith")] == [t.prompt for t in test]
+
+
+def test_builtin_arith_answers_are_right() -> None:
+    tasks = load_dataset("builtin:arith", seed=3)
+    ops: Counter[str] = Counter()
+    for task in tasks:
+        question = task.prompt.removeprefix("What is ").removesuffix("?")
+        op = "+" if "+" in question else "-"
+        a, b = (int(x) for x in question.split(op))
+        assert 0 <= a <= 99 and 0 <= b <= 99
+        assert task.reference == str(a + b if op == "+" else a - b)
+        ops[op] += 1
+    assert ops["+"] > 500 and ops["-"] > 500
+
+
+def test_builtin_arith_is_deterministic_from_the_seed() -> None:
+    assert load_dataset("builtin:arith", seed=1) == load_dataset("builtin:arith", seed=1)
+    assert load_dataset("builtin:arith", split="test", seed=1) == load_dataset(
+        "builtin:arith", split="test", seed=1
+    )
+    assert [t.prompt for t in load_dataset("builtin:arith", seed=1)] != [
+        t.prompt for t in load_dataset("builtin:arith", seed=2)
+    ]
+
+
+def test_builtin_unknown_split() -> None:
+    with pytest.raises(ValueError, match=r"unknown split 'validation'.*'train'.*'test', 'eval'"):
+        load_dataset("builtin:arith", split="validation")
+
+
+# ---------------------------------------------------------------------------------------- task order
+
+
+def test_each_epoch_covers_every_task_once_and_reshuffles() -> None:
+    tasks = [_task(f"t:{i}") for i in range(50)]
+    order = DatasetTasks(tasks, seed=5)
+    assert len(order) == 50 and order.epoch == 0
+    epochs = []
+    for epoch in range(3):
+        ids = [order.next().task_id for _ in range(50)]
+        assert order.epoch == epoch
+        assert sorted(ids) == sorted(t.task_id for t in tasks)
+        epochs.append(ids)
+    assert epochs[0] != epochs[1] != epochs[2]
+    next(order)
+    assert order.epoch == 3
+    # the same seed gives the same sequence
+    again = DatasetTasks(tasks, seed=5)
+    assert [again.next().task_id for _ in range(100)] == epochs[0] + epochs[1]
+    assert [t.task_id for t in _take(DatasetTasks(tasks, seed=6), 50)] != epochs[0]
+
+
+def _take(order: DatasetTasks, n: int) -> list[rollout_pb2.Task]:
+    return [order.next() for _ in range(n)]
+
+
+def test_get_by_id_and_returned_tasks_are_copies() -> None:
+    order = DatasetTasks([_task("a", "first"), _task("b", "second")])
+    found = order.get("b")
+    assert found is not None and found.prompt == "second"
+    assert order.get("c") is None
+    found.prompt = "changed"
+    order.next().prompt = "changed too"
+    assert {order.get("a").prompt, order.get("b").prompt} == {"first", "second"}  # type: ignore[union-attr]
+
+
+def test_duplicate_ids_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"duplicate task_id 'x' \(at indices 0 and 2\)"):
+        DatasetTasks([_task("x"), _task("y"), _task("x")])
+
+
+def test_empty_dataset_and_empty_ids_are_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one task"):
+        DatasetTasks([])
+    with pytest.raises(ValueError, match="task at index 1 has an empty task_id"):
+        DatasetTasks([_task("a"), _task("")])
+
+
+def test_dataset_tasks_over_a_loaded_builtin() -> None:
+    order = DatasetTasks(load_dataset("builtin:arith", split="test"), seed=0)
+    assert len({t.task_id for t in _take(order, ARITH_TEST_SIZE)}) == ARITH_TEST_SIZE
+
+
+# ------------------------------------------------------------------------------------------- encoding
+
+
+def test_encode_equals_the_chat_template(tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer, max_model_len=256, max_tokens=32)
+    tokens = encoder.encode(_task(prompt="What is 12+30?"))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12+30?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    assert tokens == list(expected)
+    assert all(type(t) is int for t in tokens)
+    text = tokenizer.decode(tokens)
+    assert text == "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_encode_with_system_prompt_and_messages(tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer, max_model_len=256, max_tokens=32, system_prompt="Be brief.")
+    assert tokenizer.decode(encoder.encode(_task(prompt="hi"))) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    conversation = [common_pb2.ChatMessage(role="user", content="2+2?")]
+    task = _task(prompt="", messages=conversation)
+    # messages are used as they are: no system prompt added, an empty prompt is fine
+    assert tokenizer.decode(encoder.encode(task)) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n\t"])
+def test_empty_prompt(tokenizer, prompt: str) -> None:
+    encoder = PromptEncoder(tokenizer, max_model_len=256, max_tokens=32)
+    with pytest.raises(TaskError, match=r"task 'e:1': the prompt is empty") as info:
+        encoder.encode(_task("e:1", prompt))
+    assert (info.value.reason, info.value.task_id) == ("empty_prompt", "e:1")
+
+
+def test_too_long_prompt(tokenizer) -> None:
+    task = _task("long:0", "What is 1+2?")
+    prompt_len = len(PromptEncoder(tokenizer, max_model_len=1024, max_tokens=8).encode(task))
+    # exactly one token of room is enough ...
+    assert (
+        len(PromptEncoder(tokenizer, max_model_len=prompt_len + 1, max_tokens=8).encode(task)) == prompt_len
+    )
+    # ... none is not
+    encoder = PromptEncoder(tokenizer, max_model_len=prompt_len, max_tokens=8)
+    with pytest.raises(
+        TaskError,
+        match=rf"task 'long:0': the prompt is {prompt_len} tokens; max_model_len={prompt_len} leaves no room",
+    ) as info:
+        encoder.encode(task)
+    assert info.value.reason == "prompt_too_long"
+
+
+def test_response_budget(tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer, max_model_len=100, max_tokens=30)
+    assert encoder.response_budget(10) == 30
+    assert encoder.response_budget(70) == 30
+    assert encoder.response_budget(80) == 20
+    assert encoder.response_budget(99) == 1
+    assert encoder.response_budget(150) == 0
+
+
+def test_encoder_settings_are_checked(tokenizer) -> None:
+    with pytest.raises(ValueError, match=r"max_model_len must be >= 2 \(.*\), got 1"):
+        PromptEncoder(tokenizer, max_model_len=1, max_tokens=8)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        PromptEncoder(tokenizer, max_model_len=64, max_tokens=0)
+
+
+class _ListTokenizer:
+    """A fake returning the shapes other transformers versions return."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        assert kwargs == {"tokenize": True, "add_generation_prompt": True}
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "result", [[1, 2, 3], [[1, 2, 3]], {"input_ids": [1, 2, 3]}, {"input_ids": [[1, 2, 3]]}]
+)
+def test_token_ids_from_any_return_shape(result: Any) -> None:
+    assert PromptEncoder(_ListTokenizer(result), max_model_len=8, max_tokens=2).encode(_task()) == [1, 2, 3]
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+def test_task_error_fields_and_copies() -> None:
+    error = TaskError("unknown_environment", "t:9", "no environment named 'chess'")
+    assert isinstance(error, ValueError)
+    assert str(error) == "task 't:9': no environment named 'chess'"
+    clone = copy.copy(error)
+    assert (clone.reason, clone.task_id, str(clone)) == (error.reason, error.task_id, str(error))
