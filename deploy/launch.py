@@ -10,7 +10,9 @@ Today this starts what exists of the system and says plainly what does not yet:
     weight broker process (python -m services.weight_broker), up once its gRPC health says SERVING
     learner (python -m services.learner: learner.num_ranks ZeRO-3 ranks), up once rank 0's status is SERVING;
       it publishes version 0 and waits for scored groups
-    sampler, reward, and the Ray launcher that places them
+    sampler replicas (python -m services.sampler --replica i), up once each one's status is SERVING; they load
+      version 0 and write the first groups the lag bound allows to the rollouts stream
+    reward, and the Ray launcher that places them
       └─► each is started once its implementation exists; until then it is listed as missing
 
     python -m deploy.launch --config deploy/presets/local.toml [--run.k 8 ...]
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import signal
 import subprocess
@@ -27,6 +30,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from deploy.config import SystemConfig
 from services.common.config import ConfigError, add_config_arguments, config_from_args, write_resolved
@@ -39,7 +45,6 @@ log = logging.getLogger("vcpo.launch")
 
 # component -> (module that runs it, the issue that builds it)
 PENDING = {
-    "sampler": ("services.sampler.main", 6),
     "reward": ("services.reward.main", 7),
     "ray launcher": ("deploy.ray_launcher", 8),
 }
@@ -97,6 +102,41 @@ class ServiceProcess:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+def _endpoints(service: ServiceProcess, path: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """The ports a service bound, from the endpoints file it writes once it is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists():
+            found: dict[str, Any] = json.loads(path.read_text())
+            if found.get("pid") == service.pid:
+                return found
+        if service.process.poll() is not None:
+            raise RuntimeError(
+                f"{service.name} exited with {service.process.returncode}; see {service.log_path}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{service.name} wrote no {path.name} in {timeout_s:.0f}s; see {service.log_path}"
+            )
+        time.sleep(0.2)
+
+
+def _wait_for_entries(
+    client: redis.Redis, key: str, count: int, services: Sequence[ServiceProcess], timeout_s: float
+) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (have := int(client.xlen(key))) < count:
+        for service in services:
+            if service.process.poll() is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with {service.process.returncode}; see {service.log_path}"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{have} of {count} entries on {key} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+    return have
 
 
 def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
@@ -179,6 +219,21 @@ def launch(cfg: SystemConfig) -> int:
             t0,
         )
 
+        for replica in range(cfg.sampler.replicas):
+            sampler = ServiceProcess(
+                f"sampler-{replica}", "services.sampler", ["--config", str(config_file), "--replica", str(replica)],
+                run_dir / "logs" / f"sampler-{replica}.log",
+            )  # fmt: skip
+            services.append(sampler)
+            endpoints = _endpoints(sampler, run_dir / "sampler" / f"sampler-{replica}.endpoints.json")
+            sampler.wait_healthy(f"127.0.0.1:{endpoints['grpc_port']}", "vcpo.v1.Status", timeout_s=300)
+            _step(f"sampler-{replica}", f"status 127.0.0.1:{endpoints['grpc_port']}, metrics "
+                  f"{endpoints['metrics_url']} (pid {sampler.pid})", t0)  # fmt: skip
+        first = (cfg.run.k + 1) * cfg.run.groups_per_step  # what the lag bound admits at version 0
+        written = _wait_for_entries(client, specs["rollouts"].key, first, services, timeout_s=300)
+        _step("rollouts", f"{written} groups written at version 0 (the lag bound admits {first} before version 1)",
+              t0)  # fmt: skip
+
         missing = [name for name, (module, _) in PENDING.items() if importlib.util.find_spec(module) is None]
         for name in missing:
             module, issue = PENDING[name]
@@ -187,7 +242,7 @@ def launch(cfg: SystemConfig) -> int:
             print(
                 f"\n{len(missing)} components are not built yet, so there is nothing to train. Up and checked: "
                 "the resolved config, Redis with the run's streams and consumer groups, the policy model, "
-                "the weight broker and the learner. Stopping them."
+                "the weight broker, the learner and the sampler. Stopping them."
             )
             return 0
         raise NotImplementedError("every service exists: the Ray launcher (issue 8) starts them")

@@ -29,10 +29,15 @@ def test_launch_brings_up_the_foundation_and_names_missing_services(tmp_path: Pa
         "[ok]      model",
         "[ok]      weight_broker",
         "[ok]      learner",
+        "[ok]      sampler-0",
+        "[ok]      rollouts",
     ):
         assert piece in out.stdout
     assert "vcpo:local:rollouts (queue, cap 64)" in out.stdout
-    assert "[missing] sampler" in out.stdout and "issue 6" in out.stdout
+    assert "[missing] reward" in out.stdout and "issue 7" in out.stdout
+    assert "[missing] sampler" not in out.stdout
+    assert "serving version 0" in (run_dir / "logs" / "sampler-0.log").read_text()
+    assert "12 groups written at version 0 (the lag bound admits 12 before version 1)" in out.stdout
     resolved = json.loads((run_dir / "config.resolved.json").read_text())
     assert resolved["run"]["k"] == 2  # the flag won over the preset
     assert resolved["run"]["redis_url"].startswith("redis://127.0.0.1:")  # what the services were handed

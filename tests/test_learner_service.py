@@ -190,6 +190,7 @@ def test_status_metrics_and_graceful_stop(
     redis_client.xadd(
         spec.key, {b"policy_version": b"0", b"type": b"vcpo.v1.TrajectoryGroup", b"payload": b"\xff"}
     )
+    redis_client.set("vcpo:live:admission:started", 7)  # the samplers started the 7 groups
     config = _config(tmp_path, "live", redis_url, model_dir, checkpoint_every=10)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.learner", "--config", str(config)],
@@ -230,6 +231,8 @@ def test_status_metrics_and_graceful_stop(
         assert values['vcpo_stream_malformed_total{kind="bad_payload",stream="scored"}'] == 1
         assert values['vcpo_learner_groups_dropped_total{cause="lag"}'] == 0
         assert values["vcpo_learner_groups_trained_total"] == 4
+        # the 3 rejected groups gave their admission slots back, so samplers may start others in their place
+        assert int(redis_client.get("vcpo:live:admission:started")) == 4
         assert values["vcpo_learner_staleness_versions_count"] == 4
         assert values['vcpo_learner_staleness_versions_bucket{le="0.0"}'] == 2  # step 1: lag 0; step 2: lag 1
         assert values['vcpo_learner_phase_seconds_count{phase="publish"}'] == 2

@@ -193,3 +193,47 @@ def test_bad_tasks_get_clear_errors_are_counted_and_the_sampler_keeps_going(
         stack.client.xlen(stack.specs["tasks"].key) == 0
     )  # good tasks acknowledged once their group was written
     assert stack.status().figures["task_errors"] == 4
+
+
+def test_in_flight_weight_swap_records_the_version_of_every_token(make_stack: Callable[..., Stack]) -> None:
+    stack = make_stack(k=2, groups_per_step=2, weight_update="in_flight", n=2, max_tokens=96)
+    sampler = stack.service.sampler
+    stack.learner.publish(0)
+    sampler.sync.start()
+    try:  # drive the loop by hand, to swap at a known point
+        while not (sampler.groups and all(len(r.tokens) >= 4 for g in sampler.groups.values()
+                                          for r in g.responses.values())):  # fmt: skip
+            sampler.tick()
+        before = {rid: len(r.tokens) for g in sampler.groups.values() for rid, r in g.responses.items()}
+        stack.learner.publish(1)
+        sampler.sync.poll_now()
+        wait_until(
+            lambda: sampler.sync.ready() == 1, what="version 1 staged"
+        )  # fetched while generation waits
+        while sampler.emitted < 2:
+            sampler.tick()
+    finally:
+        sampler.shutdown()
+    assert sampler.engine.loaded_version == 1
+    model0 = hf_model(stack.model_dir, version_weights(stack.model_dir, 0))
+    swapped = 0
+    for _, fields in stack.client.xrange(stack.specs["rollouts"].key):
+        group = rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
+        starts = [t.policy_version_start for t in group.trajectories]
+        ends = [t.policy_version_end for t in group.trajectories]
+        assert (group.policy_version_start, group.policy_version_end) == (min(starts), max(ends))
+        for i, traj in enumerate(group.trajectories):
+            segments = [(s.start_token, s.policy_version) for s in traj.version_segments]
+            tokens = list(traj.response_tokens)
+            if segments == [(0, 0)]:
+                continue  # finished before the swap
+            rid = f"{group.group_id}/{i}"
+            assert len(segments) == 2 and segments[0] == (0, 0) and segments[1][1] == 1
+            assert (traj.policy_version_start, traj.policy_version_end) == (0, 1)
+            cut = segments[1][0]
+            assert before[rid] <= cut < len(tokens)
+            # the tokens before the swap were sampled by version 0: their log-probs are version 0's
+            expected = hf_logprobs(model0, list(group.prompt_tokens), tokens)[:cut]
+            assert max_abs_diff(list(traj.behaviour_logprobs)[:cut], expected) <= 1e-3
+            swapped += 1
+    assert swapped >= 2

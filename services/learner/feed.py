@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from services.common.admission import AdmissionCounter
 from services.common.streams import Entry, StreamConsumer, StreamMetrics, StreamSpec
 from services.learner.batching import StepAssembler
 from vcpo.v1 import rollout_pb2
@@ -93,8 +94,10 @@ class ScoredFeed:
         vocab_size: int | None = None,
         metrics: StreamMetrics | None = None,
         consumer: str = CONSUMER,
+        admission: AdmissionCounter | None = None,
     ) -> None:
         self.consumer = StreamConsumer(client, spec, consumer, metrics)
+        self.admission = admission  # a group that will not be trained on gives its admission slot back
         self.assembler = StepAssembler(k, groups_per_step, max_group_size, vocab_size)
         self.state = FeedState()
         self._replay: deque[Entry[rollout_pb2.TrajectoryGroup]] = deque()
@@ -136,7 +139,8 @@ class ScoredFeed:
         offered: list[Offered] = []
         while not self.assembler.ready:
             need = self.assembler.groups_per_step - len(self.assembler.groups)
-            if self._replay:
+            replayed = bool(self._replay)  # offered before the restart: its slot was given back then
+            if replayed:
                 entries = [self._replay.popleft() for _ in range(min(need, len(self._replay)))]
             else:
                 entries = self.consumer.read(count=need, block_ms=block_ms)
@@ -144,6 +148,8 @@ class ScoredFeed:
                     return None, offered
             for entry in entries:
                 offered.append(self._offer(entry, version))
+                if offered[-1].outcome != "kept" and self.admission is not None and not replayed:
+                    self.admission.release(1)
         groups = self.assembler.take()
         self.state.trained_groups += len(groups)
         return groups, offered

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import torch
 
+from services.common.admission import AdmissionCounter
 from services.common.config import RunConfig
 from services.common.observability import GrpcServer, Metrics, MetricsServer, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, connect, stream_specs
@@ -217,9 +218,11 @@ class LearnerRank:
         self.metrics.version.set(self.trainer.version)
         spec = stream_specs(self.run, self.cfg.streams)["scored"]
         vocab = int(self.trainer.module.config.vocab_size)
+        client = connect(self.run.redis_url)
+        admission = AdmissionCounter(client, self.run.run_id, self.run.k, self.run.groups_per_step)
         self.feed = ScoredFeed(
-            connect(self.run.redis_url), spec, self.run.k, self.run.groups_per_step, self.learner.max_group_size,
-            vocab, StreamMetrics(metrics),
+            client, spec, self.run.k, self.run.groups_per_step, self.learner.max_group_size,
+            vocab, StreamMetrics(metrics), admission=admission,
         )  # fmt: skip
         replay = self.feed.resume(feed_state)
         if replay:

@@ -75,6 +75,10 @@ class GenerationEngine(ABC):
 
     tokenizer: Any
     max_model_len: int
+    # Whether every token a step returns was produced after the previous step's weight swap. True when the
+    # engine runs in this process; an engine core in another process may have tokens in its output queue
+    # that the old weights produced, so in-flight swaps could mislabel them.
+    exact_in_flight: bool = True
 
     def __init__(self, expected: dict[str, tuple[int, ...]] | None = None) -> None:
         self.expected = expected  # tensor name -> shape of a complete version; None: not checked
@@ -256,6 +260,7 @@ class VllmEngine(GenerationEngine):
         self.max_model_len = settings.max_model_len
         self.loaded_version = None
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.exact_in_flight = self._in_process
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
 
     def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:

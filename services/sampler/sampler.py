@@ -71,6 +71,10 @@ class Sampler:
         self.sync, self.metrics = sync, metrics
         self.run_id, self.replica_id, self.n, self.sampling = run_id, replica_id, n, sampling
         self.max_groups_in_flight = max_groups_in_flight
+        if weight_update == "in_flight" and not engine.exact_in_flight:
+            log.warning("weight_update = 'in_flight' needs an engine that runs in this process to label each "
+                        "token's version exactly; pausing at a safe point instead")  # fmt: skip
+            weight_update = "pause"
         self.weight_update = weight_update
         self.k = admission.k
         self.status = SamplerState()
