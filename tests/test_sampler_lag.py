@@ -51,7 +51,7 @@ def test_two_replicas_never_feed_a_step_past_the_lag_bound(
                 "max_groups_in_flight": 2,
                 "grpc_port": 0,
                 "metrics_port": 0,
-            },  # fmt: skip
+            },
             "weight_broker": {
                 "transport": "grpc",
                 "advertise_host": "127.0.0.1",
