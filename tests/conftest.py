@@ -87,3 +87,13 @@ def vllm_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
         os.environ.update(environ_before)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def ray_local():  # type: ignore[no-untyped-def]
+    """One local Ray for the test session (4 logical CPUs: the learner's bundles need one each)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

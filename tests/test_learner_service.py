@@ -256,16 +256,6 @@ def test_status_metrics_and_graceful_stop(
     assert redis_client.xlen(spec.key) == 0
 
 
-@pytest.fixture(scope="session")
-def ray_local() -> Any:
-    """One local Ray for the test session (4 logical CPUs: the learner's bundles need one each)."""
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_actor_group_trains_like_the_plain_entry_point(
     tmp_path: Path, model_dir: Path, redis_client: redis.Redis, redis_url: str, ray_local: Any
 ) -> None:

@@ -101,3 +101,50 @@ def test_two_replicas_never_feed_a_step_past_the_lag_bound(
     assert started == len(learner.consumed) + queued
     # a sampler never started a group past the bound of the newest version it could have held
     assert started <= (learner.version + k + 1) * run.groups_per_step
+
+
+def test_ray_actor_replica_runs_the_same_service(
+    redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path, ray_local: object
+) -> None:
+    import ray
+
+    from services.sampler.ray_actor import start_samplers
+
+    run = RunConfig(run_id="ray", k=1, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
+                    run_dir=tmp_path)  # fmt: skip
+    specs = stream_specs(run, StreamsConfig())
+    broker = Broker(
+        MemoryStore(retain=2), Announcer(StreamProducer(redis_client, specs["weights"]), "grpc", "")
+    )
+    try:
+        LearnerStandIn(redis_client, run, broker.client(), tiny_model_dir).publish(0)
+        cfg = SamplerServiceConfig.model_validate(
+            {
+                "run": run.model_dump(),
+                "sampler": {
+                    "n": 2,
+                    "max_tokens": 8,
+                    "max_model_len": 128,
+                    "dataset": "builtin:arith",
+                    "dtype": "float32",
+                    "kv_cache_memory_bytes": 16 << 20,
+                    "enforce_eager": True,
+                    "grpc_port": 0,
+                    "metrics_port": 0,
+                },
+                "weight_broker": {
+                    "transport": "grpc",
+                    "advertise_host": "127.0.0.1",
+                    "grpc_port": broker.server.port,
+                },
+            }
+        )
+        actors, runs = start_samplers(cfg, max_groups=4)  # k = 1: exactly the 4 groups version 0 may start
+        (summary,) = ray.get(runs, timeout=240)
+        status = ray.get(actors[0].status.remote())
+    finally:
+        broker.stop()
+    assert summary["groups_emitted"] == 4 and summary["policy_version"] == 0
+    assert status["policy_version"] == 0 and status["figures"]["groups_emitted"] == 4
+    entries = redis_client.xrange(specs["rollouts"].key)
+    assert len(entries) == 4 and all(f[b"policy_version"] == b"0" for _, f in entries)

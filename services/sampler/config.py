@@ -22,6 +22,11 @@ class SamplerConfig(Section):
     max_tokens: int = Field(512, ge=1, description="Longest response (per turn in multi-turn episodes).")
     max_model_len: int = Field(4096, ge=16, description="Longest prompt + response the engine accepts.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per sampler replica (vLLM tensor parallel).")
+    gpus_per_replica: float = Field(
+        0,
+        ge=0,
+        description="GPUs each replica asks Ray for: tensor_parallel_size on a GPU cluster, 0 on CPU.",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of accelerator memory (of RAM on the CPU build) vLLM reserves."
     )

@@ -1,0 +1,66 @@
+"""The sampler as Ray actors: one per replica, each owning its engine (and, on GPUs, its tensor-parallel GPUs).
+
+Ray only places and restarts the processes; the replicas talk through Redis, gRPC and the weight broker as
+the plain entry point (``python -m services.sampler``) does, so both run the same :class:`SamplerService`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from services.sampler.config import SamplerServiceConfig
+
+
+@ray.remote(max_concurrency=2)  # run() holds one thread; status() and stop() use the other
+class SamplerActor:
+    def __init__(self, cfg_json: str, replica: int) -> None:
+        self.cfg = SamplerServiceConfig.model_validate_json(cfg_json)
+        self.replica = replica
+        self.stop_event = threading.Event()
+        self.service: Any = None
+
+    def run(self, max_groups: int = 0) -> dict[str, Any]:
+        """Serve until :meth:`stop` (or ``max_groups`` groups); returns the replica's summary."""
+        from services.sampler.service import SamplerService
+
+        logging.basicConfig(level=logging.INFO,
+                            format=f"%(asctime)s sampler-{self.replica} %(levelname)s %(message)s")  # fmt: skip
+        self.service = SamplerService(self.cfg, self.replica)
+        try:
+            return self.service.serve(self.stop_event, max_groups)
+        finally:
+            self.service.close()
+
+    def status(self) -> dict[str, Any]:
+        """The replica's live status (what its gRPC Status reports)."""
+        if self.service is None:
+            return {"state": "STARTING", "detail": "building the engine", "policy_version": 0, "figures": {}}
+        s = self.service.sampler.status
+        from vcpo.v1 import common_pb2
+
+        return {"state": common_pb2.ServiceStatus.State.Name(s.state), "detail": s.detail,
+                "policy_version": s.policy_version, "figures": dict(s.figures)}  # fmt: skip
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+def start_samplers(cfg: SamplerServiceConfig, max_groups: int = 0) -> tuple[list[Any], list[Any]]:
+    """``sampler.replicas`` actors, each asking Ray for ``sampler.gpus_per_replica`` GPUs; returns the actors
+    and their ``run`` refs."""
+    from services.common.tiny_model import run_model
+
+    run_model(cfg.run)  # build the tiny model once, before the replicas load it
+    s = cfg.sampler
+    payload = cfg.model_dump_json()
+    actors = [
+        SamplerActor.options(  # type: ignore[attr-defined]
+            num_cpus=1, num_gpus=s.gpus_per_replica, name=f"vcpo-sampler-{cfg.run.run_id}-{i}"
+        ).remote(payload, i)
+        for i in range(s.replicas)
+    ]
+    return actors, [a.run.remote(max_groups) for a in actors]
