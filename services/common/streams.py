@@ -382,6 +382,11 @@ class StreamConsumer(Generic[M]):
             self.metrics.acked.labels(self.spec.name).inc(acked)
         return int(acked)
 
+    def touch(self, ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this consumer is still working on, so nobody reclaims them."""
+        if ids:
+            self.client.xclaim(self.spec.key, self.group, self.consumer, 0, list(ids), justid=True)
+
     def reject(self, entry: Entry[M], kind: str, reason: str) -> None:
         """Move an entry that decoded but cannot be processed (a bad task) to the dead-letter stream, with why."""
         fields: dict[bytes, bytes] = {

@@ -51,16 +51,22 @@ class TaskFeed:
         self._retry: deque[PreparedTask] = deque()
         self._buffer: deque[Entry[rollout_pb2.Task]] = deque()
         self._reclaim_every_s, self._last_reclaim = reclaim_every_s, 0.0
+        self._outstanding: set[str] = set()  # stream entries handed out and not done yet
+        self._last_touch = time.monotonic()
 
     def next(self) -> PreparedTask | None:
         """The next valid task, or None when there is none right now (bad tasks are counted and skipped)."""
+        self.keep_alive()
         if self._retry:
             return self._retry.popleft()
         while (entry := self._next_entry()) is not None:
             try:
-                return PreparedTask(entry.message, self._encode(entry.message), entry.id)
+                prepared = PreparedTask(entry.message, self._encode(entry.message), entry.id)
             except TaskError as exc:
                 self._reject(exc, entry)
+                continue
+            self._outstanding.add(entry.id)
+            return prepared
         if self.dataset is None:
             return None
         for _ in range(len(self.dataset)):
@@ -81,10 +87,21 @@ class TaskFeed:
         """Its group is on the `rollouts` stream: the task is finished."""
         if prepared.entry_id is not None and self.stream is not None:
             self.stream.ack([prepared.entry_id])
+            self._outstanding.discard(prepared.entry_id)
 
     def retry(self, prepared: PreparedTask) -> None:
         """Generate this task again (its group was given up)."""
         self._retry.append(prepared)
+
+    def keep_alive(self) -> None:
+        """Tasks being generated (or held back by admission) stay this replica's: a long generation must not
+        look like a stopped consumer's entry to the others."""
+        if self.stream is None or not self._outstanding:
+            return
+        now = time.monotonic()
+        if now - self._last_touch >= self.stream.reclaim_idle_ms / 3000:
+            self._last_touch = now
+            self.stream.touch(sorted(self._outstanding))
 
     def _next_entry(self) -> Entry[rollout_pb2.Task] | None:
         if self.stream is None:

@@ -99,6 +99,7 @@ class Sampler:
             self.shutdown()
 
     def tick(self) -> None:
+        self.feed.keep_alive()
         self._update_weights()
         self._admit()
         if self.engine.has_unfinished():
