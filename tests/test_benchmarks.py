@@ -58,3 +58,19 @@ def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
     assert figures["ranks"] == 2
     for key in ("vcpo_over_grpo", "publish_over_step", "grpo_step_s", "vcpo_step_s", "publish_s"):
         assert figures[key] > 0
+
+
+@pytest.mark.slow
+def test_sampler_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("sampler.py")
+    assert any(line.startswith("service") for line in lines)  # the table
+    assert (figures["groups"], figures["n"], figures["max_tokens"]) == (8, 4, 16)
+    for key in (
+        "service_over_engine",
+        "service_over_engine_raw",
+        "engine_tokens_per_s",
+        "service_tokens_per_s",
+    ):
+        assert figures[key] > 0
+    for key in ("engine_tokens", "service_tokens"):
+        assert 0 < figures[key] <= 8 * 4 * 16

@@ -145,3 +145,21 @@ def test_versions_that_do_not_match_the_model_are_refused(
         sink(name, tensor[..., :1] if name == "lm_head.weight" else tensor)
     with pytest.raises(WeightMismatch, match=r"'lm_head\.weight' has shape"):
         vllm_engine.apply(version)
+
+
+def test_text_decoded_at_the_end_equals_vllms_incremental_text(vllm_engine: GenerationEngine) -> None:
+    from services.sampler.groups import Response
+
+    prompts = prompts_of(vllm_engine)
+    texts = {}
+    for stop in ((), ("never appears \x00",)):  # a stop string makes vLLM detokenize as it goes
+        responses: dict[str, Response] = {}
+        for i, prompt in enumerate(prompts):
+            vllm_engine.add(f"d{len(stop)}/{i}", prompt, Sampling(temperature=0.0, max_tokens=24, stop=stop))
+            responses[f"d{len(stop)}/{i}"] = Response(0)
+        while vllm_engine.has_unfinished():
+            for delta in vllm_engine.step():
+                responses[delta.request_id].extend(delta, 0)
+        assert all(r.detokenized == bool(stop) for r in responses.values())
+        texts[bool(stop)] = [r.to_proto(vllm_engine.decode).text for r in responses.values()]
+    assert texts[True] == texts[False] and any(texts[True])

@@ -9,6 +9,7 @@ version of its last token. A finished group becomes one ``TrajectoryGroup`` for 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ class Response:
     text: list[str] = field(default_factory=list)
     segments: list[tuple[int, int]] = field(default_factory=list)  # (start_token, policy_version)
     finish_reason: str | None = None
+    detokenized: bool = True  # False: the engine gave no text; decode the tokens when the response is done
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -48,15 +50,16 @@ class Response:
         self.tokens += delta.token_ids
         self.logprobs += delta.logprobs
         self.text.append(delta.text)
+        self.detokenized &= delta.detokenized
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 
-    def to_proto(self) -> rollout_pb2.Trajectory:
+    def to_proto(self, decode: Callable[[list[int]], str]) -> rollout_pb2.Trajectory:
         return rollout_pb2.Trajectory(
             response_tokens=self.tokens,
             behaviour_logprobs=self.logprobs,
             loss_mask=[True] * len(self.tokens),
-            text="".join(self.text),
+            text="".join(self.text) if self.detokenized else decode(self.tokens),
             finish_reason=self.finish_reason or "",
             policy_version_start=self.segments[0][1],
             policy_version_end=self.version_end,
@@ -97,8 +100,10 @@ class Group:
     def tokens(self) -> int:
         return sum(len(r.tokens) for r in self.responses.values())
 
-    def to_proto(self, run_id: str, sampler_id: str) -> rollout_pb2.TrajectoryGroup:
-        trajectories = [r.to_proto() for r in self.responses.values()]
+    def to_proto(
+        self, run_id: str, sampler_id: str, decode: Callable[[list[int]], str]
+    ) -> rollout_pb2.TrajectoryGroup:
+        trajectories = [r.to_proto(decode) for r in self.responses.values()]
         s = self.sampling
         return rollout_pb2.TrajectoryGroup(
             group_id=self.group_id,

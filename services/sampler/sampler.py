@@ -85,12 +85,14 @@ class Sampler:
         self._draining = False
         self._blocked_since: float | None = None
         self.emitted = 0
+        self.max_groups = 0  # stop admitting once this many are written or in flight (0: no limit)
         self.aborted: dict[str, int] = {}
         self.lags: list[int] = []  # newest known version - policy_version_start of each emitted group
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event, max_groups: int = 0) -> None:
         """Tick until ``stop`` is set (or ``max_groups`` groups are written); then give back what is in flight."""
+        self.max_groups = max_groups
         self.sync.start()
         try:
             while not stop.is_set() and not (max_groups and self.emitted >= max_groups):
@@ -144,6 +146,8 @@ class Sampler:
         if version is None or self._draining:
             return
         while len(self.groups) < self.max_groups_in_flight:
+            if self.max_groups and self.emitted + len(self.groups) >= self.max_groups:
+                return
             prepared = self._held.popleft() if self._held else self.feed.next()
             if prepared is None:
                 return
@@ -192,7 +196,7 @@ class Sampler:
                 continue
             group.responses[delta.request_id].extend(delta, version)
             tokens += len(delta.token_ids)
-            if group.finished:
+            if delta.finish_reason is not None and group.finished:
                 self._emit(group)
         self.metrics.add_tokens(tokens)
 
@@ -205,7 +209,7 @@ class Sampler:
             self.admission.release(1)
             self.feed.retry(group.source)
             return
-        message = group.to_proto(self.run_id, self.replica_id)
+        message = group.to_proto(self.run_id, self.replica_id, self.engine.decode)
         self.rollouts.put(message, int(message.policy_version_start))
         self.feed.done(group.source)
         self.emitted += 1
