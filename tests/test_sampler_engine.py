@@ -163,3 +163,22 @@ def test_text_decoded_at_the_end_equals_vllms_incremental_text(vllm_engine: Gene
         assert all(r.detokenized == bool(stop) for r in responses.values())
         texts[bool(stop)] = [r.to_proto(vllm_engine.decode).text for r in responses.values()]
     assert texts[True] == texts[False] and any(texts[True])
+
+
+def test_an_engine_core_in_another_process_loads_versions_from_the_staging_file(tiny_model_dir: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["exact_in_flight"] is False  # the sampler pauses for swaps with such an engine
+    model = hf_model(tiny_model_dir, version_weights(tiny_model_dir, 11))
+    expected = hf_logprobs(model, result["prompt"], result["tokens"])
+    assert len(result["tokens"]) == 8 and max_abs_diff(result["logprobs"], expected) <= 1e-3
