@@ -182,3 +182,13 @@ def test_an_engine_core_in_another_process_loads_versions_from_the_staging_file(
     model = hf_model(tiny_model_dir, version_weights(tiny_model_dir, 11))
     expected = hf_logprobs(model, result["prompt"], result["tokens"])
     assert len(result["tokens"]) == 8 and max_abs_diff(result["logprobs"], expected) <= 1e-3
+
+
+def test_applying_a_version_that_is_not_staged_is_refused(vllm_engine: GenerationEngine) -> None:
+    serving = vllm_engine.loaded_version
+    version = next(versions)
+    vllm_engine.stage(version)
+    with pytest.raises(RuntimeError, match=rf"version {version + 1} is not staged \(staged: {version}\)"):
+        vllm_engine.apply(version + 1)
+    vllm_engine.discard(version)
+    assert vllm_engine.loaded_version == serving

@@ -140,7 +140,8 @@ class GenerationEngine(ABC):
         with self._lock:
             staged = self._staged
             if staged is None or staged.version != version:
-                raise RuntimeError(f"version {version} is not staged (staged: {self.staged_version()})")
+                have = None if staged is None else staged.version
+                raise RuntimeError(f"version {version} is not staged (staged: {have})")
             self._staged = None
         self._check_complete(staged)
         t0 = time.monotonic()
