@@ -51,3 +51,16 @@ def test_a_stopped_replicas_tasks_are_reclaimed(redis_client: redis.Redis, encod
     assert taken is not None and taken.task.task_id == "orphan"
     alive.done(taken)
     assert redis_client.xlen(spec.key) == 0 and alive.next() is None
+
+
+def test_token_rate_counts_only_the_window() -> None:
+    from services.sampler.metrics import TokenRate
+
+    rate = TokenRate(window_s=10)
+    assert rate.rate(now=0.0) == 0.0
+    for t in range(20):  # 100 tokens a second for 20 s
+        rate.add(100, now=float(t))
+    assert rate.rate(now=19.0) == pytest.approx(1100 / 10)  # the 11 events at 9..19 s, over 10 s
+    assert rate.rate(now=100.0) == 0.0  # all aged out
+    rate.add(50, now=100.0)
+    assert rate.rate(now=100.0) == 50 / 1e-3

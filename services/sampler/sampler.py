@@ -115,7 +115,8 @@ class Sampler:
         """Abort in-flight groups and release their admission slots (their stream tasks stay pending)."""
         self.sync.stop()
         for group in list(self.groups.values()):
-            self._abort(group, "shutdown", retry=False)
+            self.engine.abort(group.request_ids)
+            self._give_up(group, "shutdown", retry=False)
         self._unblock()
 
     # ------------------------------------------------------------------ 1. weights
@@ -201,14 +202,11 @@ class Sampler:
         self.metrics.add_tokens(tokens)
 
     def _emit(self, group: Group) -> None:
-        self._forget(group)
-        newest = self.sync.newest_known
-        lag = 0 if newest is None else max(0, newest - group.version)
+        lag = self._lag(group)
         if lag > self.k:  # the learner has moved on while this group finished: it cannot be used
-            self._count_abort(group, "lag")
-            self.admission.release(1)
-            self.feed.retry(group.source)
+            self._give_up(group, "lag", retry=True)
             return
+        self._forget(group)
         message = group.to_proto(self.run_id, self.replica_id, self.engine.decode)
         self.rollouts.put(message, int(message.policy_version_start))
         self.feed.done(group.source)
@@ -218,27 +216,27 @@ class Sampler:
         self.metrics.lag.labels(self.replica_id).observe(lag)
 
     # ------------------------------------------------------------------ 5. give up stale groups
-    def _give_up_stale(self) -> None:
+    def _lag(self, group: Group) -> int:
+        """The least lag any learner step could still consume the group with: newest published - its version."""
         newest = self.sync.newest_known
-        if newest is None:
-            return
-        for group in list(self.groups.values()):
-            if newest - group.version > self.k:
-                self._abort(group, "lag", retry=True)
+        return 0 if newest is None else max(0, newest - group.version)
 
-    def _abort(self, group: Group, reason: str, retry: bool) -> None:
-        self.engine.abort(group.request_ids)
+    def _give_up_stale(self) -> None:
+        for group in list(self.groups.values()):
+            if self._lag(group) > self.k:
+                self.engine.abort(group.request_ids)
+                self._give_up(group, "lag", retry=True)
+
+    def _give_up(self, group: Group, reason: str, retry: bool) -> None:
+        """Drop a group that will not be written: its admission slot goes back, its task is retried or not."""
         self._forget(group)
         self.admission.release(1)
-        self._count_abort(group, reason)
-        if retry:
-            self.feed.retry(group.source)
-
-    def _count_abort(self, group: Group, reason: str) -> None:
         self.aborted[reason] = self.aborted.get(reason, 0) + 1
         self.metrics.aborted.labels(self.replica_id, reason).inc()
         log.info("gave up group %s (version %d, task %s): %s", group.group_id, group.version,
                  group.task.task_id, reason)  # fmt: skip
+        if retry:
+            self.feed.retry(group.source)
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)

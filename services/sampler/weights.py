@@ -59,7 +59,6 @@ class WeightSync:
         self.loader = _StagingLoader(engine)
         self.follower = WeightFollower(transport, self.loader, announcements)
         self.error = ""  # why the last fetch or apply failed ("" after a success)
-        self.fetches = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,7 +81,6 @@ class WeightSync:
         while not self._stop.is_set():
             try:
                 if self.follower.poll():
-                    self.fetches += 1
                     self.error = ""
                 elif self.follower.last_error:
                     self.error = self.follower.last_error
