@@ -28,9 +28,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -42,6 +42,7 @@ from services.common.redis_server import LocalRedis, free_port
 from services.common.streams import StreamConsumer, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
+T = TypeVar("T")
 
 # component -> (module that runs it, the issue that builds it)
 PENDING = {
@@ -85,13 +86,8 @@ class ServiceProcess:
         return self.process.pid
 
     def wait_healthy(self, target: str, service: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not check_health(target, service, timeout_s=1.0):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s; see {self.log_path}")
-            time.sleep(0.2)
+        _wait(lambda: check_health(target, service, timeout_s=1.0), [self], timeout_s,
+              lambda: f"{self.name} not healthy after {timeout_s:.0f}s; see {self.log_path}")  # fmt: skip
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process.poll() is None:
@@ -104,39 +100,48 @@ class ServiceProcess:
         self._log.close()
 
 
-def _endpoints(service: ServiceProcess, path: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """The ports a service bound, from the endpoints file it writes once it is up."""
+def _wait(
+    check: Callable[[], T | None],
+    services: Sequence[ServiceProcess],
+    timeout_s: float,
+    timed_out: Callable[[], str],
+) -> T:
+    """Poll ``check`` until it returns something truthy; raise if one of ``services`` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        if path.exists():
-            found: dict[str, Any] = json.loads(path.read_text())
-            if found.get("pid") == service.pid:
-                return found
-        if service.process.poll() is not None:
-            raise RuntimeError(
-                f"{service.name} exited with {service.process.returncode}; see {service.log_path}"
-            )
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{service.name} wrote no {path.name} in {timeout_s:.0f}s; see {service.log_path}"
-            )
-        time.sleep(0.2)
-
-
-def _wait_for_entries(
-    client: redis.Redis, key: str, count: int, services: Sequence[ServiceProcess], timeout_s: float
-) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (have := int(client.xlen(key))) < count:
+    while not (found := check()):
         for service in services:
             if service.process.poll() is not None:
                 raise RuntimeError(
                     f"{service.name} exited with {service.process.returncode}; see {service.log_path}"
                 )
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{have} of {count} entries on {key} after {timeout_s:.0f}s")
+            raise TimeoutError(timed_out())
         time.sleep(0.2)
-    return have
+    return found
+
+
+def _endpoints(service: ServiceProcess, path: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """The ports a service bound, from the endpoints file it writes once it is up."""
+
+    def written() -> dict[str, Any] | None:
+        found: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        return found if found.get("pid") == service.pid else None
+
+    return _wait(written, [service], timeout_s,
+                 lambda: f"{service.name} wrote no {path.name} in {timeout_s:.0f}s; see {service.log_path}")  # fmt: skip
+
+
+def _wait_for_entries(
+    client: redis.Redis, key: str, count: int, services: Sequence[ServiceProcess], timeout_s: float
+) -> int:
+    """Wait until the stream ``key`` holds at least ``count`` (>= 1) entries; returns how many it holds."""
+
+    def enough() -> int | None:
+        have = int(client.xlen(key))
+        return have if have >= count else None
+
+    return _wait(enough, services, timeout_s,
+                 lambda: f"{client.xlen(key)} of {count} entries on {key} after {timeout_s:.0f}s")  # fmt: skip
 
 
 def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
