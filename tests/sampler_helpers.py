@@ -39,6 +39,31 @@ def version_weights(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
     return {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in base.items()}
 
 
+def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
+    """An in-process weight broker (gRPC) that announces each version on the run's `weights` stream."""
+    from services.common.config import StreamsConfig
+    from services.common.streams import StreamProducer, stream_specs
+    from services.weight_broker.servicer import Announcer
+    from services.weight_broker.store import MemoryStore
+    from tests.test_weight_broker import Broker
+
+    weights = stream_specs(run, StreamsConfig())["weights"]
+    return Broker(MemoryStore(retain=retain), Announcer(StreamProducer(client, weights), "grpc", ""))
+
+
+def sampler_config(run: Any, broker: Any, **sampler: Any) -> Any:
+    """A sampler of ``run`` fetching from ``broker`` over gRPC: the tiny model on CPU, free ports, ``sampler``
+    on top."""
+    from services.sampler.config import SamplerServiceConfig
+
+    settings = {"max_model_len": 256, "dataset": "builtin:arith", "dtype": "float32", "enforce_eager": True,
+                "grpc_port": 0, "metrics_port": 0, **sampler}  # fmt: skip
+    wb = {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": broker.server.port}
+    return SamplerServiceConfig.model_validate(
+        {"run": run.model_dump(), "sampler": settings, "weight_broker": wb}
+    )
+
+
 def publish(transport: WeightTransport, version: int, weights: dict[str, torch.Tensor]) -> None:
     specs = [TensorSpec.of(n, t) for n, t in weights.items()]
     transport.publish(version, specs, lambda: iter(weights.items()))

@@ -17,12 +17,8 @@ import pytest
 import redis
 
 from services.common.config import RunConfig, StreamsConfig, write_resolved
-from services.common.streams import StreamProducer, stream_specs
-from services.sampler.config import SamplerServiceConfig
-from services.weight_broker.servicer import Announcer
-from services.weight_broker.store import MemoryStore
-from tests.sampler_helpers import LearnerStandIn
-from tests.test_weight_broker import Broker
+from services.common.streams import stream_specs
+from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -35,29 +31,9 @@ def test_two_replicas_never_feed_a_step_past_the_lag_bound(
 ) -> None:
     run = RunConfig(run_id=f"lag{k}", k=k, groups_per_step=4, model=str(tiny_model_dir), redis_url=redis_url,
                     run_dir=tmp_path)  # fmt: skip
-    weights = stream_specs(run, StreamsConfig())["weights"]
-    broker = Broker(MemoryStore(retain=4), Announcer(StreamProducer(redis_client, weights), "grpc", ""))
-    cfg = SamplerServiceConfig.model_validate(
-        {
-            "run": run.model_dump(),
-            "sampler": {
-                "n": 2,
-                "max_tokens": 24,
-                "max_model_len": 256,
-                "dataset": "builtin:arith",
-                "dtype": "float32",
-                "kv_cache_memory_bytes": 32 << 20,
-                "enforce_eager": True,
-                "max_groups_in_flight": 2,
-                "grpc_port": 0,
-                "metrics_port": 0,
-            },
-            "weight_broker": {
-                "transport": "grpc",
-                "advertise_host": "127.0.0.1",
-                "grpc_port": broker.server.port,
-            },
-        }
+    broker = announcing_broker(redis_client, run)
+    cfg = sampler_config(
+        run, broker, n=2, max_tokens=24, kv_cache_memory_bytes=32 << 20, max_groups_in_flight=2
     )
     config = write_resolved(cfg, tmp_path, "sampler.json")
     learner = LearnerStandIn(redis_client, run, broker.client(), tiny_model_dir)
@@ -113,31 +89,11 @@ def test_ray_actor_replica_runs_the_same_service(
     run = RunConfig(run_id="ray", k=1, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
                     run_dir=tmp_path)  # fmt: skip
     specs = stream_specs(run, StreamsConfig())
-    broker = Broker(
-        MemoryStore(retain=2), Announcer(StreamProducer(redis_client, specs["weights"]), "grpc", "")
-    )
+    broker = announcing_broker(redis_client, run, retain=2)
     try:
         LearnerStandIn(redis_client, run, broker.client(), tiny_model_dir).publish(0)
-        cfg = SamplerServiceConfig.model_validate(
-            {
-                "run": run.model_dump(),
-                "sampler": {
-                    "n": 2,
-                    "max_tokens": 8,
-                    "max_model_len": 128,
-                    "dataset": "builtin:arith",
-                    "dtype": "float32",
-                    "kv_cache_memory_bytes": 16 << 20,
-                    "enforce_eager": True,
-                    "grpc_port": 0,
-                    "metrics_port": 0,
-                },
-                "weight_broker": {
-                    "transport": "grpc",
-                    "advertise_host": "127.0.0.1",
-                    "grpc_port": broker.server.port,
-                },
-            }
+        cfg = sampler_config(
+            run, broker, n=2, max_tokens=8, max_model_len=128, kv_cache_memory_bytes=16 << 20
         )
         actors, runs = start_samplers(cfg, max_groups=4)  # k = 1: exactly the 4 groups version 0 may start
         (summary,) = ray.get(runs, timeout=240)

@@ -14,13 +14,17 @@ import redis
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.streams import StreamProducer, stream_specs
-from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.service import SamplerService
-from services.weight_broker.servicer import Announcer
-from services.weight_broker.store import MemoryStore
-from tests.sampler_helpers import LearnerStandIn, hf_logprobs, hf_model, max_abs_diff, version_weights
-from tests.test_weight_broker import Broker
+from tests.sampler_helpers import (
+    LearnerStandIn,
+    announcing_broker,
+    hf_logprobs,
+    hf_model,
+    max_abs_diff,
+    sampler_config,
+    version_weights,
+)
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
 
 pytestmark = pytest.mark.slow
@@ -44,15 +48,9 @@ class Stack:
         self.run = RunConfig(run_id="t", k=k, groups_per_step=groups_per_step, model=str(model_dir),
                              redis_url=url, run_dir=run_dir)  # fmt: skip
         specs = stream_specs(self.run, StreamsConfig())
-        self.broker = Broker(
-            MemoryStore(retain=4), Announcer(StreamProducer(client, specs["weights"]), "grpc", "")
-        )
-        settings = {"n": 4, "max_tokens": 16, "max_model_len": 256, "dataset": "builtin:arith",
-                    "grpc_port": 0, "metrics_port": 0, "max_groups_in_flight": 4, **sampler}  # fmt: skip
-        self.cfg = SamplerServiceConfig.model_validate(
-            {"run": self.run.model_dump(), "sampler": settings,
-             "weight_broker": {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": self.broker.server.port}}
-        )  # fmt: skip
+        self.broker = announcing_broker(client, self.run)
+        self.cfg = sampler_config(self.run, self.broker, **{"n": 4, "max_tokens": 16, "max_model_len": 256,
+                                                            "max_groups_in_flight": 4, **sampler})  # fmt: skip
         engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
         self.service = SamplerService(self.cfg, 0, engine)
         self.learner = LearnerStandIn(client, self.run, self.broker.client(), model_dir)
