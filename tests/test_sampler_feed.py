@@ -54,9 +54,9 @@ def test_a_stopped_replicas_tasks_are_reclaimed(redis_client: redis.Redis, encod
 
 
 def test_token_rate_counts_only_the_window() -> None:
-    from services.sampler.metrics import TokenRate
+    from services.common.observability import WindowRate
 
-    rate = TokenRate(window_s=10)
+    rate = WindowRate(window_s=10)
     assert rate.rate(now=0.0) == 0.0
     for t in range(20):  # 100 tokens a second for 20 s
         rate.add(100, now=float(t))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -139,6 +141,28 @@ def serve_metrics(
     thread.start()
     bound_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     return MetricsServer(bound_host, server.server_address[1], server, thread)
+
+
+class WindowRate:
+    """Events (tokens, groups, ...) per second over a sliding window."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0  # events in the window: asked for often (every engine step), so kept, not summed
+
+    def add(self, count: int, now: float | None = None) -> None:
+        self._events.append((time.monotonic() if now is None else now, count))
+        self._total += count
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._total -= self._events.popleft()[1]
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return self._total / span
 
 
 # gRPC messages carry whole rollout groups and weight chunks: raise the 4 MiB default.

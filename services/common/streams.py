@@ -231,6 +231,20 @@ return ids
 """
 
 
+# KEYS[1] stream; ARGV: group, consumer, ids. Resets the idle time of the ids still pending with `consumer`.
+_TOUCH_LUA = """
+local touched = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    touched[#touched + 1] = ARGV[i]
+  end
+end
+return touched
+"""
+
+
 class StreamProducer(Generic[M]):
     """Writes protobuf messages to one stream, waiting while a queue is at its cap (back-pressure)."""
 
@@ -323,6 +337,7 @@ class StreamConsumer(Generic[M]):
         self.group = group or spec.group
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_deliveries = max_deliveries
+        self._touch = client.register_script(_TOUCH_LUA)
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -382,10 +397,16 @@ class StreamConsumer(Generic[M]):
             self.metrics.acked.labels(self.spec.name).inc(acked)
         return int(acked)
 
-    def touch(self, ids: Sequence[str]) -> None:
-        """Reset the idle time of entries this consumer is still working on, so nobody reclaims them."""
-        if ids:
-            self.client.xclaim(self.spec.key, self.group, self.consumer, 0, list(ids), justid=True)
+    def touch(self, ids: Sequence[str]) -> list[str]:
+        """Reset the idle time of entries this consumer is still working on, so nobody reclaims them.
+
+        Only entries still pending with this consumer are touched (a plain XCLAIM would take back an entry
+        another consumer has reclaimed meanwhile); returns the ids that were.
+        """
+        if not ids:
+            return []
+        touched = self._touch(keys=[self.spec.key], args=[self.group, self.consumer, *ids])
+        return [_s(i) for i in touched]
 
     def reject(self, entry: Entry[M], kind: str, reason: str) -> None:
         """Move an entry that decoded but cannot be processed (a bad task) to the dead-letter stream, with why."""

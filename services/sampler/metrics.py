@@ -2,34 +2,9 @@
 
 from __future__ import annotations
 
-import time
-from collections import deque
-
-from services.common.observability import Metrics
+from services.common.observability import Metrics, WindowRate
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-class TokenRate:
-    """Tokens per second over a sliding window."""
-
-    def __init__(self, window_s: float = 30.0) -> None:
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-        self._total = 0  # tokens in the window: asked for every engine step, so kept, not summed
-
-    def add(self, tokens: int, now: float | None = None) -> None:
-        self._events.append((time.monotonic() if now is None else now, tokens))
-        self._total += tokens
-
-    def rate(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._total -= self._events.popleft()[1]
-        if not self._events:
-            return 0.0
-        span = max(now - self._events[0][0], 1e-3)
-        return self._total / span
 
 
 class SamplerMetrics:
@@ -75,7 +50,7 @@ class SamplerMetrics:
             "Tasks rejected before generation, by reason",
             ["replica", "reason"],
         )
-        self.rate = TokenRate()
+        self.rate = WindowRate()
 
     def add_tokens(self, n: int) -> None:
         if n:
