@@ -59,7 +59,7 @@ def forward(
         raise ValueError(f"policy_version must be >= 0, got {policy_version}")
     script = consumer.client.register_script(_FORWARD_LUA)  # cheap: a SHA, loaded into Redis once
     cap = producer.spec.maxlen if producer.spec.mode == "queue" else 0
-    args = [
+    args: list[str | int | bytes] = [
         consumer.group, consumer.consumer, entry_id, cap, producer.spec.message_type.DESCRIPTOR.full_name,
         policy_version, message.SerializeToString(),
     ]  # fmt: skip
