@@ -1,0 +1,96 @@
+"""A reward replica, wired: scoring pool, `rollouts` consumer, `scored` producer, metrics, gRPC.
+
+Used by the plain entry point (``python -m services.reward``) and by the Ray Serve deployment alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common.observability import Metrics, grpc_server, serve_metrics
+from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, connect, stream_specs
+from services.reward.config import RewardServiceConfig
+from services.reward.loop import RewardLoop
+from services.reward.metrics import RewardMetrics
+from services.reward.pool import ScoringPool
+from services.reward.sandbox import SandboxLimits, isolation
+from services.reward.servicer import RewardServicer
+from vcpo.v1 import reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RewardService:
+    """One reward replica. ``name`` is its consumer name on `rollouts` (unique among live replicas; a
+    replica restarted under the same name first redoes the groups it had left pending)."""
+
+    def __init__(self, cfg: RewardServiceConfig, name: str = "reward-0", port_offset: int = 0) -> None:
+        r, run = cfg.reward, cfg.run
+        if not run.redis_url:
+            raise ValueError("run.redis_url is empty: the reward service needs the run's Redis")
+        self.cfg, self.name = cfg, name
+        self.registry = Metrics("reward")
+        self.metrics = RewardMetrics(self.registry, name)
+        stream_metrics = StreamMetrics(self.registry)
+        client = connect(run.redis_url)
+        specs = stream_specs(run, cfg.streams)
+        sandbox = SandboxLimits(**r.sandbox.model_dump())
+        self.pool = ScoringPool(r.workers, r.timeout_for, r.fallback_reward, r.plugins, sandbox)
+        try:
+            consumer = StreamConsumer(
+                client, specs["rollouts"], name, stream_metrics, cfg.streams.reclaim_idle_ms,
+                cfg.streams.max_deliveries,
+            )  # fmt: skip
+            producer = StreamProducer(
+                client, specs["scored"], stream_metrics, cfg.streams.producer_wait_timeout_s
+            )
+            self.loop = RewardLoop(
+                consumer, producer, self.pool, self.metrics, r.default_scorer, block_ms=cfg.streams.block_ms,
+                batch_groups=max(1, r.workers // 2),
+            )  # fmt: skip
+            servicer = RewardServicer(self.pool, r.default_scorer, self.metrics.record_outcome)
+
+            def add(server: grpc.Server) -> list[str]:
+                reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, server)
+                return ["vcpo.v1.RewardService"]
+
+            self.server = grpc_server(add, port=r.grpc_port + port_offset if r.grpc_port else 0)
+            self.http = serve_metrics(
+                self.registry, port=r.metrics_port + port_offset if r.metrics_port else 0
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        self.endpoints = self._write_endpoints(run.run_dir / "reward")
+        log.info("%s: sandbox isolation %s", name, isolation())
+
+    def _write_endpoints(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.name}.endpoints.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"grpc_port": self.server.port, "metrics_url": self.http.url, "pid": os.getpid()})
+        )
+        tmp.replace(path)
+        return path
+
+    def serve(self, stop: threading.Event, max_groups: int = 0) -> dict[str, Any]:
+        """Score groups from `rollouts` until ``stop`` (or ``max_groups``); the gRPC API serves meanwhile."""
+        log.info("%s: gRPC on port %d, metrics on %s", self.name, self.server.port, self.http.url)
+        self.loop.run(stop, max_groups)
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        return {"replica": self.name, **self.loop.summary(), "workers_replaced": self.pool.replaced}
+
+    def close(self) -> None:
+        self.server.stop(grace=1)
+        self.http.close()
+        self.pool.close()
