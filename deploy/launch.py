@@ -10,10 +10,13 @@ Today this starts what exists of the system and says plainly what does not yet:
     weight broker process (python -m services.weight_broker), up once its gRPC health says SERVING
     learner (python -m services.learner: learner.num_ranks ZeRO-3 ranks), up once rank 0's status is SERVING;
       it publishes version 0 and waits for scored groups
+    reward replicas (python -m services.reward --replica i, reward.min_replicas of them), up once each one's
+      gRPC health says SERVING; they score rollouts into the scored stream
     sampler replicas (python -m services.sampler --replica i), up once each one's status is SERVING; they load
       version 0 and write the first groups the lag bound allows to the rollouts stream
-    reward, and the Ray launcher that places them
-      └─► each is started once its implementation exists; until then it is listed as missing
+    first training step: the learner consumes scored groups and publishes version 1
+    the Ray launcher that places and restarts all of these (issue 8)
+      └─► listed as missing until it exists; then this script stops what it started
 
     python -m deploy.launch --config deploy/presets/local.toml [--run.k 8 ...]
 """
@@ -46,7 +49,6 @@ T = TypeVar("T")
 
 # component -> (module that runs it, the issue that builds it)
 PENDING = {
-    "reward": ("services.reward.main", 7),
     "ray launcher": ("deploy.ray_launcher", 8),
 }
 
@@ -131,17 +133,37 @@ def _endpoints(service: ServiceProcess, path: Path, timeout_s: float = 300.0) ->
                  lambda: f"{service.name} wrote no {path.name} in {timeout_s:.0f}s; see {service.log_path}")  # fmt: skip
 
 
-def _wait_for_entries(
+def _wait_for_written(
     client: redis.Redis, key: str, count: int, services: Sequence[ServiceProcess], timeout_s: float
 ) -> int:
-    """Wait until the stream ``key`` holds at least ``count`` (>= 1) entries; returns how many it holds."""
+    """Wait until at least ``count`` (>= 1) entries have been added to the stream ``key`` over its life
+    (consumers may have acknowledged and deleted some already); returns how many were."""
+
+    def added() -> int:
+        info: Any = client.xinfo_stream(key)
+        return int(info["entries-added"])
 
     def enough() -> int | None:
-        have = int(client.xlen(key))
+        have = added()
         return have if have >= count else None
 
     return _wait(enough, services, timeout_s,
-                 lambda: f"{client.xlen(key)} of {count} entries on {key} after {timeout_s:.0f}s")  # fmt: skip
+                 lambda: f"{added()} of {count} entries added to {key} after {timeout_s:.0f}s")  # fmt: skip
+
+
+def _wait_for_version(
+    client: redis.Redis, key: str, version: int, services: Sequence[ServiceProcess], timeout_s: float
+) -> int:
+    """Wait until the `weights` log announces ``version`` or a later one; returns the newest announced."""
+
+    def newest() -> int | None:
+        last: Any = client.xrevrange(key, count=1)
+        found = int(last[0][1][b"policy_version"]) if last else -1
+        return found if found >= version else None
+
+    return _wait(
+        newest, services, timeout_s, lambda: f"no version {version} announced on {key} in {timeout_s:.0f}s"
+    )
 
 
 def _with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
@@ -224,6 +246,17 @@ def launch(cfg: SystemConfig) -> int:
             t0,
         )
 
+        for replica in range(cfg.reward.min_replicas):
+            reward = ServiceProcess(
+                f"reward-{replica}", "services.reward", ["--config", str(config_file), "--replica", str(replica)],
+                run_dir / "logs" / f"reward-{replica}.log",
+            )  # fmt: skip
+            services.append(reward)
+            endpoints = _endpoints(reward, run_dir / "reward" / f"reward-{replica}.endpoints.json")
+            reward.wait_healthy(f"127.0.0.1:{endpoints['grpc_port']}", "vcpo.v1.RewardService")
+            _step(f"reward-{replica}", f"scoring 127.0.0.1:{endpoints['grpc_port']} (default scorer "
+                  f"{cfg.reward.default_scorer!r}), metrics {endpoints['metrics_url']} (pid {reward.pid})", t0)  # fmt: skip
+
         for replica in range(cfg.sampler.replicas):
             sampler = ServiceProcess(
                 f"sampler-{replica}", "services.sampler", ["--config", str(config_file), "--replica", str(replica)],
@@ -235,9 +268,12 @@ def launch(cfg: SystemConfig) -> int:
             _step(f"sampler-{replica}", f"status 127.0.0.1:{endpoints['grpc_port']}, metrics "
                   f"{endpoints['metrics_url']} (pid {sampler.pid})", t0)  # fmt: skip
         first = (cfg.run.k + 1) * cfg.run.groups_per_step  # what the lag bound admits at version 0
-        written = _wait_for_entries(client, specs["rollouts"].key, first, services, timeout_s=300)
-        _step("rollouts", f"{written} groups written at version 0 (the lag bound admits {first} before version 1)",
+        written = _wait_for_written(client, specs["rollouts"].key, first, services, timeout_s=300)
+        _step("rollouts", f"{written} groups written so far (the lag bound admits {first} before version 1)",
               t0)  # fmt: skip
+
+        version = _wait_for_version(client, specs["weights"].key, 1, services, timeout_s=300)
+        _step("first step", f"the learner trained on scored groups and published version {version}", t0)
 
         missing = [name for name, (module, _) in PENDING.items() if importlib.util.find_spec(module) is None]
         for name in missing:
@@ -245,9 +281,10 @@ def launch(cfg: SystemConfig) -> int:
             print(f"  [missing] {name:<14} not built yet (issue {issue}: {module})")
         if missing:
             print(
-                f"\n{len(missing)} components are not built yet, so there is nothing to train. Up and checked: "
+                f"\n{len(missing)} component(s) not built yet, so the run stops here. Up and checked: "
                 "the resolved config, Redis with the run's streams and consumer groups, the policy model, "
-                "the weight broker, the learner and the sampler. Stopping them."
+                "the weight broker, the learner, the reward service and the sampler, through one training "
+                "step. Stopping them."
             )
             return 0
         raise NotImplementedError("every service exists: the Ray launcher (issue 8) starts them")

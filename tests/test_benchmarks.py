@@ -74,3 +74,12 @@ def test_sampler_benchmark_quick_mode_prints_its_figures() -> None:
         assert figures[key] > 0
     for key in ("engine_tokens", "service_tokens"):
         assert 0 < figures[key] <= 8 * 4 * 16
+
+
+def test_reward_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("reward.py")  # exits non-zero if a group was lost, doubled or mis-scored
+    assert any(line.startswith("countdown_2") for line in lines)  # the table
+    for case in ("math_1", "math_2", "countdown_1", "countdown_2"):
+        assert figures["groups_per_s"][case] > 0
+    assert set(figures["scaling_2_over_1"]) == {"math", "countdown"}
+    assert all(ratio > 0 for ratio in figures["scaling_2_over_1"].values())

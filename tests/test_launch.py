@@ -1,8 +1,9 @@
-"""`make run`'s entry point: brings up what exists (config, Redis, streams, model) and names what is missing."""
+"""`make run`'s entry point: brings up every service through one training step and names what is missing."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +30,21 @@ def test_launch_brings_up_the_foundation_and_names_missing_services(tmp_path: Pa
         "[ok]      model",
         "[ok]      weight_broker",
         "[ok]      learner",
+        "[ok]      reward-0",
         "[ok]      sampler-0",
         "[ok]      rollouts",
+        "[ok]      first step",
     ):
         assert piece in out.stdout
     assert "vcpo:local:rollouts (queue, cap 64)" in out.stdout
-    assert "[missing] reward" in out.stdout and "issue 7" in out.stdout
-    assert "[missing] sampler" not in out.stdout
+    assert "[missing] ray launcher" in out.stdout and "issue 8" in out.stdout
+    assert "[missing] reward" not in out.stdout and "[missing] sampler" not in out.stdout
+    assert "published version 1" in out.stdout  # scored groups reached the learner, which trained on them
     assert "serving version 0" in (run_dir / "logs" / "sampler-0.log").read_text()
-    assert "12 groups written at version 0 (the lag bound admits 12 before version 1)" in out.stdout
+    written = re.search(
+        r"(\d+) groups written so far \(the lag bound admits 12 before version 1\)", out.stdout
+    )
+    assert written and int(written.group(1)) >= 12
     resolved = json.loads((run_dir / "config.resolved.json").read_text())
     assert resolved["run"]["k"] == 2  # the flag won over the preset
     assert resolved["run"]["redis_url"].startswith("redis://127.0.0.1:")  # what the services were handed
