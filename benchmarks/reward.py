@@ -71,7 +71,9 @@ def countdown_group(i: int, rng: random.Random) -> rollout_pb2.TrajectoryGroup:
     )
     group = rollout_pb2.TrajectoryGroup(group_id=f"cd-{i}", task=task)
     for j in range(N):
-        eq = f"({nums[0]}+{nums[1]})*{nums[2]}-{nums[3]}" if j % 2 == 0 else f"{nums[0]}*{nums[1]}+{nums[2]}"
+        eq = f"({nums[0]}+{nums[1]})*{nums[2]}-{nums[3]}"
+        if j % 2:  # wrong: uses 100, which is not among the numbers (1..20)
+            eq += "+100"
         text = f"Let me try combinations. <answer>{eq}</answer>"
         group.trajectories.add(text=text, response_tokens=list(range(48)), behaviour_logprobs=[-0.5] * 48)
     return group
