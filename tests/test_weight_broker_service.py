@@ -65,3 +65,44 @@ def test_broker_process_serves_announces_and_stops_cleanly(
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
+
+
+def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, ray_local: object
+) -> None:
+    import ray
+
+    from services.weight_broker.config import WeightBrokerServiceConfig
+    from services.weight_broker.ray_actor import start_broker
+
+    cfg = WeightBrokerServiceConfig.model_validate(
+        {
+            "run": {"run_id": "ray-broker", "redis_url": redis_url, "run_dir": str(tmp_path)},
+            "weight_broker": {
+                "grpc_port": 0,
+                "data_port": 0,
+                "metrics_port": 0,
+                "advertise_host": "127.0.0.1",
+            },
+        }
+    )
+    actor, endpoints = start_broker(cfg)
+    try:
+        assert endpoints["grpc_port"] > 0 and endpoints["data_port"] > 0
+        port = endpoints["grpc_port"]
+        assert check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=5)
+        tensors = {"w": torch.randn(5, 3)}
+        client = GrpcTransport(f"127.0.0.1:{port}")
+        client.publish(2, [TensorSpec.of("w", tensors["w"])], lambda: iter(tensors.items()))
+        got: dict[str, torch.Tensor] = {}
+        client.fetch(lambda n, t: got.__setitem__(n, t.clone()))
+        assert got["w"].equal(tensors["w"])
+        [entry] = StreamTail(
+            redis_client, stream_specs(RunConfig(run_id="ray-broker"), StreamsConfig())["weights"]
+        ).read()
+        assert entry.policy_version == 2 and entry.message.location == f"127.0.0.1:{port}"
+        client.close()
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+    assert not check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=1)

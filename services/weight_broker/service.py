@@ -1,0 +1,52 @@
+"""The weight broker, wired: version store, gRPC service, TCP data plane, `weights` announcements, metrics.
+
+Used by the plain entry point (``python -m services.weight_broker``) and the Ray actor alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from services.common.observability import Metrics, grpc_server, serve_metrics
+from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
+from services.weight_broker.config import WeightBrokerServiceConfig
+from services.weight_broker.dataplane import DataPlaneServer
+from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.store import make_store
+
+log = logging.getLogger(__name__)
+
+
+class BrokerService:
+    """A running broker; ``close()`` stops it. Ports of 0 in the config are bound to free ones (see
+    :meth:`endpoints`)."""
+
+    def __init__(self, cfg: WeightBrokerServiceConfig) -> None:
+        wb, run = cfg.weight_broker, cfg.run
+        self.metrics = Metrics("weight_broker")
+        store = make_store(wb.storage, wb.retain_versions, wb.storage_dir or run.run_dir / "weights")
+        self.servicer = WeightBrokerServicer(
+            store, BrokerMetrics(self.metrics), None, wb.chunk_bytes, run.run_id
+        )
+        self.server = grpc_server(lambda s: add_to_server(self.servicer, s), port=wb.grpc_port)
+        if (
+            run.redis_url
+        ):  # announce each version on the run's `weights` stream, with the address actually bound
+            weights = stream_specs(run, cfg.streams)["weights"]
+            producer = StreamProducer(connect(run.redis_url), weights, StreamMetrics(self.metrics))
+            self.servicer.announcer = Announcer(producer, "grpc", f"{wb.advertise_host}:{self.server.port}")
+        else:
+            log.warning("run.redis_url is empty: versions will not be announced on the weights stream")
+        self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
+        self.http = serve_metrics(self.metrics, port=wb.metrics_port)
+        log.info("serving on gRPC port %d, data plane on TCP port %d, metrics on %s (storage: %s)",
+                 self.server.port, self.plane.port, self.http.url, wb.storage)  # fmt: skip
+
+    def endpoints(self) -> dict[str, Any]:
+        return {"grpc_port": self.server.port, "data_port": self.plane.port, "metrics_url": self.http.url}
+
+    def close(self) -> None:
+        self.server.stop(grace=5)
+        self.plane.stop()
+        self.http.close()
