@@ -284,3 +284,27 @@ def test_a_replica_killed_mid_group_is_covered_by_another_exactly_once(
     assert redis_client.xpending(specs["rollouts"].key, "reward")["pending"] == 0
     assert not any(math.isnan(t.reward.value) for t in scored[0][1].trajectories)
     assert os.path.exists(tmp_path / "reward" / "reward-1.summary.json")
+
+
+def test_a_replica_restarted_under_its_name_first_redoes_what_it_left_pending(
+    redis_client: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = reward_config(redis_url, tmp_path, workers=1)
+    cfg = cfg.model_copy(update={"streams": cfg.streams.model_copy(update={"reclaim_idle_ms": 600_000})})
+    specs = specs_for(cfg)
+    task = rollout_pb2.Task(task_id="t:1", scorer="test_length")
+    StreamProducer(redis_client, specs["rollouts"]).put_many(
+        [(make_group(f"g{i}", task, ["x" * i]), i) for i in range(3)]
+    )
+    crashed = StreamConsumer(redis_client, specs["rollouts"], "reward-0")
+    assert len(crashed.read(count=3)) == 3  # taken, then "crashed" before scoring any
+
+    _service, summary = run_service(cfg, max_groups=3)  # the idle time (600 s) rules out a reclaim
+
+    assert summary["groups_scored"] == 3
+    assert sorted((v, g.group_id) for v, g in scored_groups(redis_client, cfg)) == [
+        (0, "g0"),
+        (1, "g1"),
+        (2, "g2"),
+    ]
+    assert redis_client.xpending(specs["rollouts"].key, "reward")["pending"] == 0

@@ -89,7 +89,8 @@ class RewardLoop:
         self.scored = 0  # groups this replica forwarded
         self.reclaimed_elsewhere = 0  # groups scored here but taken over (and forwarded) by another replica
         self.failures = 0  # responses that got the fallback reward
-        self._last_reclaim = 0.0
+        self._last_reclaim = -float("inf")
+        self._own_pending_done = False
         self._in_flight: list[str] = []
         self._lock = threading.Lock()
 
@@ -119,15 +120,18 @@ class RewardLoop:
         return forwarded
 
     def _take(self, limit: int) -> list[Entry[Group]]:
-        now = time.monotonic()
-        if now - self._last_reclaim >= self.reclaim_every_s or not self._last_reclaim:
-            first = not self._last_reclaim
-            self._last_reclaim = now
-            # after a restart under the same name, this replica's own pending entries come first
-            entries = self.consumer.pending(count=limit) if first else []
-            entries += self.consumer.reclaim(count=limit - len(entries)) if len(entries) < limit else []
+        if not self._own_pending_done:  # after a restart under the same name: what this replica left pending
+            entries = self.consumer.pending(count=limit)
             if entries:
-                log.info("taking over %d pending group(s)", len(entries))
+                log.info("redoing %d group(s) this replica left pending", len(entries))
+                return entries
+            self._own_pending_done = True
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.reclaim_every_s:
+            self._last_reclaim = now
+            entries = self.consumer.reclaim(count=limit)
+            if entries:
+                log.info("taking over %d group(s) a stopped replica left pending", len(entries))
                 return entries
         return self.consumer.read(count=limit, block_ms=self.block_ms)
 
