@@ -17,12 +17,11 @@ input still pending, so the next stage sees each entry once.
 
 from __future__ import annotations
 
-import time
 from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from services.common.streams import StreamConsumer, StreamFullError, StreamProducer
+from services.common.streams import StreamConsumer, StreamProducer
 
 M = TypeVar("M", bound=Message)
 N = TypeVar("N", bound=Message)
@@ -63,26 +62,14 @@ def forward(
         consumer.group, consumer.consumer, entry_id, cap, producer.spec.message_type.DESCRIPTOR.full_name,
         policy_version, message.SerializeToString(),
     ]  # fmt: skip
-    waited_since: float | None = None
-    delay = 0.001
+    wait = producer.full_wait()
     while True:
         reply = script(keys=[consumer.spec.key, producer.spec.key], args=args)
         status = int(reply[0])
-        if status != 1:
+        if status != 1:  # 1: the output queue is full
             break
-        now = time.monotonic()
-        if waited_since is None:
-            waited_since, producer.waiting = now, True
-        elif producer.wait_timeout_s and now - waited_since > producer.wait_timeout_s:
-            producer._stop_waiting(waited_since)
-            raise StreamFullError(
-                f"stream {producer.spec.key!r} stayed full ({cap} unacknowledged entries) for "
-                f"{producer.wait_timeout_s:.1f}s; entry {entry_id} of {consumer.spec.key!r} not forwarded"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    if waited_since is not None:
-        producer._stop_waiting(waited_since)
+        wait.full(f"entry {entry_id} of {consumer.spec.key!r} not forwarded")
+    wait.done()
     if status == 0:
         return None
     if producer.metrics:

@@ -282,8 +282,7 @@ class StreamProducer(Generic[M]):
             args += [version, message.SerializeToString()]
         ids: list[str] = []
         pending = args
-        waited_since: float | None = None
-        delay = 0.001
+        wait = self.full_wait()
         while pending:
             batch = pending[: 2 * self.max_batch]
             added = self._put(keys=[self.spec.key], args=[self._cap, self._trim, self._type, *batch])
@@ -292,30 +291,59 @@ class StreamProducer(Generic[M]):
             if not pending:
                 break
             if len(added) == 0:  # full: wait for consumers to acknowledge
-                now = time.monotonic()
-                if waited_since is None:
-                    waited_since, self.waiting = now, True
-                    log.debug("stream %s full (%d entries): producer waiting", self.spec.key, self._cap)
-                elif self.wait_timeout_s and now - waited_since > self.wait_timeout_s:
-                    self._stop_waiting(waited_since)
-                    raise StreamFullError(
-                        f"stream {self.spec.key!r} stayed full ({self._cap} unacknowledged entries) for "
-                        f"{self.wait_timeout_s:.1f}s; {len(ids)} of {len(items)} entries written"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                wait.full(f"{len(ids)} of {len(items)} entries written")
             else:
-                delay = 0.001
-        if waited_since is not None:
-            self._stop_waiting(waited_since)
+                wait.progress()
+        wait.done()
         if self.metrics:
             self.metrics.written.labels(self.spec.name).inc(len(ids))
         return ids
+
+    def full_wait(self) -> FullWait:
+        """The waiting of one write on this (full) queue: backoff, ``waiting`` flag, wait metric, timeout."""
+        return FullWait(self)
 
     def _stop_waiting(self, since: float) -> None:
         self.waiting = False
         if self.metrics:
             self.metrics.wait.labels(self.spec.name).inc(time.monotonic() - since)
+
+
+class FullWait:
+    """One write waiting for room on a full queue: exponential backoff (1 ms to 50 ms), the producer's
+    ``waiting`` flag and wait-time metric, and its ``wait_timeout_s`` (then StreamFullError)."""
+
+    def __init__(self, producer: StreamProducer[Any]) -> None:
+        self.producer = producer
+        self.since: float | None = None
+        self.delay = 0.001
+
+    def full(self, progress: str) -> None:
+        """The queue was full: sleep before the next try; raise once the producer's timeout has passed
+        (``progress`` says how far the write got, for the error)."""
+        p = self.producer
+        now = time.monotonic()
+        if self.since is None:
+            self.since, p.waiting = now, True
+            log.debug("stream %s full (%d entries): producer waiting", p.spec.key, p.spec.maxlen)
+        elif p.wait_timeout_s and now - self.since > p.wait_timeout_s:
+            self.done()
+            raise StreamFullError(
+                f"stream {p.spec.key!r} stayed full ({p.spec.maxlen} unacknowledged entries) for "
+                f"{p.wait_timeout_s:.1f}s; {progress}"
+            )
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.05)
+
+    def progress(self) -> None:
+        """Some entries went in: retry quickly again."""
+        self.delay = 0.001
+
+    def done(self) -> None:
+        """Stop waiting (written, or given up): clear the flag and count the time spent waiting."""
+        if self.since is not None:
+            self.producer._stop_waiting(self.since)
+            self.since = None
 
 
 class StreamConsumer(Generic[M]):
