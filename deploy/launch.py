@@ -75,6 +75,7 @@ class ServiceProcess:
     ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.name, self.log_path = name, log_path
+        self.address, self.metrics_url = "", ""  # a replica's gRPC address and /metrics URL, once known
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -131,6 +132,29 @@ def _endpoints(service: ServiceProcess, path: Path, timeout_s: float = 300.0) ->
 
     return _wait(written, [service], timeout_s,
                  lambda: f"{service.name} wrote no {path.name} in {timeout_s:.0f}s; see {service.log_path}")  # fmt: skip
+
+
+def _start_replica(
+    service: str,
+    replica: int,
+    config_file: Path,
+    run_dir: Path,
+    health: str,
+    services: list[ServiceProcess],
+    health_timeout_s: float = 120.0,
+) -> ServiceProcess:
+    """Start ``python -m services.<service> --replica i`` and wait until it has written its endpoints file and
+    its gRPC ``health`` service says SERVING; the process is added to ``services`` (stopped at the end)."""
+    name = f"{service}-{replica}"
+    process = ServiceProcess(
+        name, f"services.{service}", ["--config", str(config_file), "--replica", str(replica)],
+        run_dir / "logs" / f"{name}.log",
+    )  # fmt: skip
+    services.append(process)
+    endpoints = _endpoints(process, run_dir / service / f"{name}.endpoints.json")
+    process.address, process.metrics_url = f"127.0.0.1:{endpoints['grpc_port']}", endpoints["metrics_url"]
+    process.wait_healthy(process.address, health, timeout_s=health_timeout_s)
+    return process
 
 
 def _wait_for_written(
@@ -247,26 +271,20 @@ def launch(cfg: SystemConfig) -> int:
         )
 
         for replica in range(cfg.reward.min_replicas):
-            reward = ServiceProcess(
-                f"reward-{replica}", "services.reward", ["--config", str(config_file), "--replica", str(replica)],
-                run_dir / "logs" / f"reward-{replica}.log",
-            )  # fmt: skip
-            services.append(reward)
-            endpoints = _endpoints(reward, run_dir / "reward" / f"reward-{replica}.endpoints.json")
-            reward.wait_healthy(f"127.0.0.1:{endpoints['grpc_port']}", "vcpo.v1.RewardService")
-            _step(f"reward-{replica}", f"scoring 127.0.0.1:{endpoints['grpc_port']} (default scorer "
-                  f"{cfg.reward.default_scorer!r}), metrics {endpoints['metrics_url']} (pid {reward.pid})", t0)  # fmt: skip
-
+            reward = _start_replica(
+                "reward", replica, config_file, run_dir, "vcpo.v1.RewardService", services
+            )
+            _step(reward.name, f"scoring {reward.address} (default scorer {cfg.reward.default_scorer!r}), "
+                  f"metrics {reward.metrics_url} (pid {reward.pid})", t0)  # fmt: skip
         for replica in range(cfg.sampler.replicas):
-            sampler = ServiceProcess(
-                f"sampler-{replica}", "services.sampler", ["--config", str(config_file), "--replica", str(replica)],
-                run_dir / "logs" / f"sampler-{replica}.log",
-            )  # fmt: skip
-            services.append(sampler)
-            endpoints = _endpoints(sampler, run_dir / "sampler" / f"sampler-{replica}.endpoints.json")
-            sampler.wait_healthy(f"127.0.0.1:{endpoints['grpc_port']}", "vcpo.v1.Status", timeout_s=300)
-            _step(f"sampler-{replica}", f"status 127.0.0.1:{endpoints['grpc_port']}, metrics "
-                  f"{endpoints['metrics_url']} (pid {sampler.pid})", t0)  # fmt: skip
+            sampler = _start_replica(
+                "sampler", replica, config_file, run_dir, "vcpo.v1.Status", services, health_timeout_s=300
+            )
+            _step(
+                sampler.name,
+                f"status {sampler.address}, metrics {sampler.metrics_url} (pid {sampler.pid})",
+                t0,
+            )
         first = (cfg.run.k + 1) * cfg.run.groups_per_step  # what the lag bound admits at version 0
         written = _wait_for_written(client, specs["rollouts"].key, first, services, timeout_s=300)
         _step("rollouts", f"{written} groups written so far (the lag bound admits {first} before version 1)",
