@@ -12,7 +12,9 @@ service and binds a port (0 = a free one).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import threading
 import time
@@ -21,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -163,6 +166,18 @@ class WindowRate:
             return 0.0
         span = max(now - self._events[0][0], 1e-3)
         return self._total / span
+
+
+def write_endpoints(directory: Path, name: str, grpc_port: int, metrics_url: str) -> Path:
+    """Say where a started replica listens: ``<directory>/<name>.endpoints.json`` with its gRPC port, metrics
+    URL and PID (launchers wait for this file; the PID tells a fresh file from a dead replica's). Written
+    atomically, so a reader never sees half of it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.endpoints.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_url": metrics_url, "pid": os.getpid()}))
+    tmp.replace(path)
+    return path
 
 
 # gRPC messages carry whole rollout groups and weight chunks: raise the 4 MiB default.

@@ -27,7 +27,6 @@ APP_NAME = "vcpo-reward"
 class RewardDeployment:
     def __init__(self, cfg_json: str) -> None:
         from services.reward.service import RewardService
-        from services.reward.servicer import RewardServicer
 
         cfg = RewardServiceConfig.model_validate_json(cfg_json)
         # replicas share nodes: fixed ports would collide, so each takes free ones (see its endpoints file)
@@ -37,9 +36,6 @@ class RewardDeployment:
         name = f"reward-serve-{serve.get_replica_context().replica_id.unique_id}"
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
         self.service = RewardService(cfg, name)
-        self.servicer = RewardServicer(
-            self.service.pool, cfg.reward.default_scorer, self.service.metrics.record_outcome
-        )
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="reward-loop", daemon=True)
@@ -55,7 +51,7 @@ class RewardDeployment:
     def score_batch(self, request: bytes) -> bytes:
         """A serialized ScoreBatchRequest in, a serialized ScoreBatchResponse out (ValueError: bad request)."""
         batch = reward_pb2.ScoreBatchRequest.FromString(request)
-        return self.servicer.score_batch(batch).SerializeToString()
+        return self.service.servicer.score_batch(batch).SerializeToString()
 
     def summary(self) -> dict[str, Any]:
         return self.service.summary()

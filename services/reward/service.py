@@ -5,16 +5,13 @@ Used by the plain entry point (``python -m services.reward``) and by the Ray Ser
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common.observability import Metrics, grpc_server, serve_metrics
+from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
 from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, connect, stream_specs
 from services.reward.config import RewardServiceConfig
 from services.reward.loop import RewardLoop
@@ -55,10 +52,10 @@ class RewardService:
                 consumer, producer, self.pool, self.metrics, r.default_scorer, block_ms=cfg.streams.block_ms,
                 batch_groups=max(1, r.workers // 2),
             )  # fmt: skip
-            servicer = RewardServicer(self.pool, r.default_scorer, self.metrics.record_outcome)
+            self.servicer = RewardServicer(self.pool, r.default_scorer, self.metrics.record_outcome)
 
             def add(server: grpc.Server) -> list[str]:
-                reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, server)
+                reward_pb2_grpc.add_RewardServiceServicer_to_server(self.servicer, server)
                 return ["vcpo.v1.RewardService"]
 
             self.server = grpc_server(add, port=r.grpc_port + port_offset if r.grpc_port else 0)
@@ -68,18 +65,8 @@ class RewardService:
         except BaseException:
             self.pool.close()
             raise
-        self.endpoints = self._write_endpoints(run.run_dir / "reward")
+        self.endpoints = write_endpoints(run.run_dir / "reward", self.name, self.server.port, self.http.url)
         log.info("%s: sandbox isolation %s", name, isolation())
-
-    def _write_endpoints(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{self.name}.endpoints.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"grpc_port": self.server.port, "metrics_url": self.http.url, "pid": os.getpid()})
-        )
-        tmp.replace(path)
-        return path
 
     def serve(self, stop: threading.Event, max_groups: int = 0) -> dict[str, Any]:
         """Score groups from `rollouts` until ``stop`` (or ``max_groups``); the gRPC API serves meanwhile."""

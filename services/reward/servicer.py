@@ -14,7 +14,7 @@ import grpc
 
 from services.reward.loop import reward_of
 from services.reward.pool import Outcome, ScoringPool
-from services.reward.scorers import ScoreInput, scorer_names
+from services.reward.scorers import ScoreInput, UnknownScorerError, get_scorer, scorer_names
 from vcpo.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 MAX_BATCH = 4096
@@ -34,8 +34,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def _job(self, request: reward_pb2.ScoreRequest, where: str) -> tuple[str, ScoreInput]:
         name = request.scorer or request.task.scorer or self.default_scorer
-        if name not in scorer_names():
-            raise ValueError(f"{where}unknown scorer {name!r}; registered: {', '.join(scorer_names())}")
+        try:
+            get_scorer(name)
+        except UnknownScorerError as exc:
+            raise ValueError(f"{where}{exc}") from None
         task: rollout_pb2.Task = request.task
         env = request.environment_reward if request.HasField("environment_reward") else None
         item = ScoreInput(

@@ -6,17 +6,14 @@ engine can be handed in (tests of the loop's logic use a scripted one), otherwis
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from services.common.admission import AdmissionCounter
-from services.common.observability import Metrics, grpc_server, serve_metrics
+from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
 from services.common.streams import (
     StreamConsumer,
     StreamMetrics,
@@ -105,20 +102,12 @@ class SamplerService:
         port = s.grpc_port + replica if s.grpc_port else 0
         self.server = grpc_server(add, port=port)
         self.http = serve_metrics(self.registry, port=s.metrics_port + replica if s.metrics_port else 0)
-        self.endpoints = self._write_endpoints(run.run_dir / "sampler")
+        self.endpoints = write_endpoints(
+            run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url
+        )
 
     def _task_error(self, exc: TaskError) -> None:
         self.metrics.task_errors.labels(self.replica_id, exc.reason).inc()
-
-    def _write_endpoints(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{self.replica_id}.endpoints.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"grpc_port": self.server.port, "metrics_url": self.http.url, "pid": os.getpid()})
-        )
-        tmp.replace(path)
-        return path
 
     def serve(self, stop: threading.Event, max_groups: int = 0) -> dict[str, Any]:
         log.info("%s: gRPC on port %d, metrics on %s", self.replica_id, self.server.port, self.http.url)
