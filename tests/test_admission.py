@@ -90,6 +90,25 @@ def test_batch_admission_is_all_or_nothing_and_release_gives_slots_back(redis_cl
     assert counter.release(100) == 0  # never below zero
 
 
+def test_slots_a_dead_holder_held_are_reclaimed_once(redis_client: redis.Redis) -> None:
+    counter = AdmissionCounter(redis_client, "holders", 0, 4)  # bound at v=0: 4, k = 0 (a lost slot stalls)
+    for _ in range(3):
+        assert counter.try_admit(0, holder="sampler-0").admitted
+    assert counter.try_admit(0, holder="sampler-1").admitted
+    counter.settle("sampler-0")  # one group of sampler-0 written: it keeps its slot
+    assert counter.release(1, holder="sampler-0") == 3  # one given up
+    assert counter.held() == {"sampler-0": 1, "sampler-1": 1} and counter.started() == 3
+    # sampler-0 is killed with one group in flight; its restart gives that slot back, and only that one
+    assert counter.reclaim("sampler-0") == 1
+    assert counter.started() == 2 and counter.held() == {"sampler-1": 1}
+    assert counter.reclaim("sampler-0") == 0  # nothing twice
+    assert counter.try_admit(0, n=2, holder="sampler-0").admitted  # the step can be completed again
+    # a launcher starting a run over a previous one's Redis gives back whatever every holder still held
+    assert counter.reclaim() == 3 and counter.held() == {} and counter.started() == 1
+    counter.settle("sampler-9")  # settling what was never held changes nothing
+    assert counter.started() == 1 and counter.held() == {}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"k": -1, "groups_per_step": 1}, "k must be >= 0, got -1"), ({"k": 0, "groups_per_step": 0}, "got 0")],
