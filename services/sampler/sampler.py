@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,17 +83,24 @@ class Sampler:
         self._by_request: dict[str, Group] = {}
         self._held: deque[PreparedTask] = deque()
         self._counter = 0
+        # group ids stay unique across restarts of this replica (the ledger counts them one by one)
+        self.incarnation = uuid.uuid4().hex[:8]
         self._draining = False
         self._blocked_since: float | None = None
         self.emitted = 0
         self.max_groups = 0  # stop admitting once this many are written or in flight (0: no limit)
         self.aborted: dict[str, int] = {}
+        self.busy_s = 0.0  # in engine steps: generating, not waiting for admission or weights
         self.lags: list[int] = []  # newest known version - policy_version_start of each emitted group
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event, max_groups: int = 0) -> None:
         """Tick until ``stop`` is set (or ``max_groups`` groups are written); then give back what is in flight."""
         self.max_groups = max_groups
+        reclaimed = self.admission.reclaim(self.replica_id)  # what a dead predecessor under this name held
+        if reclaimed:
+            log.warning("%s: gave back %d admission slot(s) a previous run of this replica still held",
+                        self.replica_id, reclaimed)  # fmt: skip
         self.sync.start()
         try:
             while not stop.is_set() and not (max_groups and self.emitted >= max_groups):
@@ -105,7 +113,10 @@ class Sampler:
         self._update_weights()
         self._admit()
         if self.engine.has_unfinished():
-            self._absorb(self.engine.step())
+            t0 = time.perf_counter()
+            deltas = self.engine.step()
+            self.busy_s += time.perf_counter() - t0
+            self._absorb(deltas)
         else:
             self._idle_wait()
         self._give_up_stale()
@@ -152,7 +163,7 @@ class Sampler:
             prepared = self._held.popleft() if self._held else self.feed.next()
             if prepared is None:
                 return
-            decision = self.admission.try_admit(version)
+            decision = self.admission.try_admit(version, holder=self.replica_id)
             if not decision.admitted:
                 self._held.appendleft(prepared)
                 self._refused(decision)
@@ -162,7 +173,7 @@ class Sampler:
 
     def _start(self, prepared: PreparedTask, version: int) -> None:
         self._counter += 1
-        group_id = f"{self.replica_id}-{self._counter}"
+        group_id = f"{self.replica_id}.{self.incarnation}-{self._counter}"
         budget = self.feed.encoder.response_budget(len(prepared.prompt_tokens))
         sampling = self.sampling
         if budget < sampling.max_tokens:
@@ -209,6 +220,7 @@ class Sampler:
         self._forget(group)
         message = group.to_proto(self.run_id, self.replica_id, self.engine.decode)
         self.rollouts.put(message, int(message.policy_version_start))
+        self.admission.settle(self.replica_id)  # after the write: a crash between gives back, never loses
         self.feed.done(group.source)
         self.emitted += 1
         self.lags.append(lag)
@@ -230,7 +242,7 @@ class Sampler:
     def _give_up(self, group: Group, reason: str, retry: bool) -> None:
         """Drop a group that will not be written: its admission slot goes back, its task is retried or not."""
         self._forget(group)
-        self.admission.release(1)
+        self.admission.release(1, holder=self.replica_id)
         self.aborted[reason] = self.aborted.get(reason, 0) + 1
         self.metrics.aborted.labels(self.replica_id, reason).inc()
         log.info("gave up group %s (version %d, task %s): %s", group.group_id, group.version,
@@ -269,6 +281,7 @@ class Sampler:
             "tokens_per_second": rate,
             "task_errors": float(sum(self.feed.errors.values())),
             "groups_aborted": float(sum(self.aborted.values())),
+            "busy_seconds": self.busy_s,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -279,4 +292,5 @@ class Sampler:
             "groups_aborted": dict(self.aborted),
             "task_errors": dict(self.feed.errors),
             "max_lag": max(self.lags, default=0),
+            "busy_seconds": self.busy_s,
         }
