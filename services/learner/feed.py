@@ -5,6 +5,9 @@
         every offered entry id is "consumed" by the step being assembled, in stream order
     after a checkpoint that includes them: XACK + XDEL of the consumed ids
 
+    a checkpoint records the feed as it stood when the last step was formed: entries offered since (kept for
+    the next step, or dropped/rejected while assembling it) stay pending and are offered again after a restart,
+    so a stop between two steps never acknowledges a group that no step trained on
     restart: the checkpoint's FeedState says the last consumed id L and the counters up to it
         own pending entries ≤ L  → acknowledged now (the crash came between checkpoint and ack)
         own pending entries > L  → offered again, in order, before any new entry
@@ -100,12 +103,14 @@ class ScoredFeed:
         self.admission = admission  # a group that will not be trained on gives its admission slot back
         self.assembler = StepAssembler(k, groups_per_step, max_group_size, vocab_size)
         self.state = FeedState()
+        self._at_step = FeedState()  # the state as of the last step formed: what a checkpoint records
         self._replay: deque[Entry[rollout_pb2.TrajectoryGroup]] = deque()
         self._unacked: list[str] = []
 
     def resume(self, state: FeedState | None) -> int:
         """Start from a checkpoint's state (None: from scratch); returns how many entries will be replayed."""
         self.state = state or FeedState()
+        self._at_step = FeedState.from_json(self.state.to_json())
         self.assembler.rejected = Counter(self.state.rejected)
         self.assembler.dropped_by_lag = Counter(self.state.dropped_by_lag)
         done = _id_key(self.state.last_entry_id)
@@ -152,6 +157,9 @@ class ScoredFeed:
                     self.admission.release(1)
         groups = self.assembler.take()
         self.state.trained_groups += len(groups)
+        self.state.rejected = dict(self.assembler.rejected)
+        self.state.dropped_by_lag = dict(self.assembler.dropped_by_lag)
+        self._at_step = FeedState.from_json(self.state.to_json())
         return groups, offered
 
     def _offer(self, entry: Entry[rollout_pb2.TrajectoryGroup], version: int) -> Offered:
@@ -168,10 +176,9 @@ class ScoredFeed:
         return Offered(entry.id, group.group_id, outcome, lag, "lag" if outcome == "dropped" else "")
 
     def checkpointed(self) -> FeedState:
-        """The state to put in a checkpoint now (call :meth:`acknowledge` once it is durable)."""
-        self.state.rejected = dict(self.assembler.rejected)
-        self.state.dropped_by_lag = dict(self.assembler.dropped_by_lag)
-        return FeedState.from_json(self.state.to_json())
+        """The state to put in a checkpoint now: as of the last step formed (call :meth:`acknowledge` once it
+        is durable). Entries offered since are not in it; they are offered again after a restart."""
+        return FeedState.from_json(self._at_step.to_json())
 
     def acknowledge(self, state: FeedState) -> int:
         """Acknowledge (and delete) every consumed entry up to ``state.last_entry_id``: a checkpoint has them."""
