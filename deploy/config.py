@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
-from services.learner.config import LearnerConfig
+from services.learner.config import LearnerConfig, check_scored_capacity
 from services.reward.config import RewardConfig
 from services.sampler.config import SamplerConfig
 from services.weight_broker.config import WeightBrokerConfig
@@ -25,6 +25,19 @@ class LauncherConfig(Section):
     max_steps: int = Field(0, ge=0, description="Stop after this many learner steps; 0 = run until stopped.")
     max_minutes: float = Field(0.0, ge=0, description="Stop after this much wall time; 0 = no limit.")
     progress_interval_s: float = Field(5.0, gt=0, description="Seconds between live progress lines.")
+    max_restarts: int = Field(
+        10, ge=0, description="Times Ray restarts a sampler replica that died before the run fails."
+    )
+    stop_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest wait for each service to stop (samplers, reward, the learner's checkpoint).",
+    )
+    warm_start_steps: int = Field(
+        0, ge=0, description="Supervised warm-start steps on sampler.dataset before RL (0 = none)."
+    )
+    warm_start_lr: float = Field(1e-3, gt=0, description="Learning rate of the supervised warm start.")
+    warm_start_batch_size: int = Field(32, ge=1, description="Examples per warm-start step.")
 
 
 class SystemConfig(ServiceConfig):
@@ -50,4 +63,5 @@ class SystemConfig(ServiceConfig):
                 f"run.groups_per_step = {self.run.groups_per_step} is less than learner.num_ranks = "
                 f"{self.learner.num_ranks}: every rank trains on whole groups, so each step needs one per rank"
             )
+        check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
 from services.weight_broker.config import WeightBrokerConfig
@@ -69,8 +69,27 @@ class LearnerConfig(Section):
         return v
 
 
+def check_scored_capacity(scored_maxlen: int, learner: LearnerConfig, groups_per_step: int) -> None:
+    """The learner keeps every group it consumed on `scored` until the checkpoint that covers it (that is
+    what makes a restart exact), so the stream must hold a checkpoint interval of steps plus the step being
+    formed; with less, the reward service waits on a full stream the learner cannot drain: a stalled run."""
+    held = (learner.checkpoint_every + 1) * groups_per_step
+    if scored_maxlen < held:
+        raise ValueError(
+            f"streams.scored_maxlen = {scored_maxlen} is less than (learner.checkpoint_every + 1) * "
+            f"run.groups_per_step = {held}: the learner acknowledges scored groups only at a checkpoint, so "
+            "the stream would fill up before the next one and the run would stall; raise streams.scored_maxlen "
+            "or lower learner.checkpoint_every"
+        )
+
+
 class LearnerServiceConfig(ServiceConfig):
     """Everything the learner reads: the shared sections and ``[learner]``."""
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions go
+
+    @model_validator(mode="after")
+    def _scored_holds_a_checkpoint_interval(self) -> LearnerServiceConfig:
+        check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
+        return self
