@@ -12,7 +12,10 @@
 
 Rank 0 is the only Redis client; "idle" keeps the other ranks answering while the stream is empty, so no
 collective ever waits past ``read_block_ms``. The audit log ``<run_dir>/learner/steps.jsonl`` has one line
-per step (a step redone after a restart appears again; the last line for a step is the one that counts).
+per step (a step redone after a restart appears again; the last line for a step is the one that counts): its
+version, the group ids trained and each one's lag, the mean reward, the groups consumed but not trained on
+since the previous step (dropped by lag or rejected, with why), the step's metrics and phase times. The
+launcher's progress line, run report and ledger are built from it.
 """
 
 from __future__ import annotations
@@ -189,6 +192,7 @@ class LearnerRank:
         self.server: GrpcServer | None = None
         self.last_checkpoint_step = 0
         self.audit: Path = self.run.run_dir / "learner" / "steps.jsonl"
+        self._offered: list[Offered] = []  # consumed by rank 0 since the last step's audit line
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -280,6 +284,7 @@ class LearnerRank:
             time.perf_counter() - t0
         )  # reading (and waiting for) groups
         self.metrics.offered(offered)
+        self._offered.extend(offered)
         if groups is None:
             self.status.state = common_pb2.ServiceStatus.WAITING
             self.status.detail = f"waiting for scored groups ({len(self.feed.assembler.groups)} of " \
@@ -299,8 +304,18 @@ class LearnerRank:
         self.status.detail = "training"
         self.status.version, self.status.step = result.version, result.step
         self.status.figures = dict(result.metrics)
-        line = {"step": result.step, "version": result.version, "groups": [g.group_id for g in groups],
-                "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s)}  # fmt: skip
+        lags = {o.group_id: o.lag for o in self._offered if o.outcome == "kept"}
+        rewards = [t.reward.value for g in groups for t in g.trajectories]
+        line = {
+            "step": result.step, "version": result.version, "time": time.time(),
+            "groups": [g.group_id for g in groups],
+            "lags": [lags.get(g.group_id, result.version - 1 - int(g.policy_version_start)) for g in groups],
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "dropped": [{"group_id": o.group_id, "lag": o.lag, "reason": o.reason}
+                        for o in self._offered if o.outcome != "kept"],
+            "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s),
+        }  # fmt: skip
+        self._offered = []
         with self.audit.open("a") as f:
             f.write(json.dumps(line) + "\n")
         m = result.metrics
