@@ -60,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import xxhash
 
-from deploy.launch import ServiceProcess
 from services.common.memory import ALLOCATOR_ENV
 from services.common.redis_server import free_port
+from services.common.service_process import ServiceProcess
 from services.weight_broker.client import GrpcTransport, TcpTransport, WeightTransport
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
 

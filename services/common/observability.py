@@ -252,3 +252,17 @@ def check_health(target: str, service: str = "", timeout_s: float = 5.0) -> bool
         except grpc.RpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def actor_logging(name: str, run_dir: Path) -> Path:
+    """Logging for a service inside a Ray actor: INFO and up, prefixed with ``name``, to Ray's worker log and
+    to ``<run_dir>/logs/<name>.log`` (appended across restarts), where a user of the launcher looks first."""
+    path = run_dir / "logs" / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (logging.StreamHandler(), logging.FileHandler(path)):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    return path

@@ -38,13 +38,10 @@ class LearnerRankActor:
         return ray.util.get_node_ip_address(), self.cfg.learner.master_port or port
 
     def run(self, master: tuple[str, int], world: int, max_steps: int = 0) -> dict[str, Any]:
-        import logging
-
+        from services.common.observability import actor_logging
         from services.learner.service import LearnerRank
 
-        logging.basicConfig(
-            level=logging.INFO, format=f"%(asctime)s learner[{self.rank}] %(levelname)s %(message)s"
-        )
+        actor_logging(f"learner-rank{self.rank}", self.cfg.run.run_dir)
         local = (
             "0" if self.cfg.learner.gpus_per_rank > 0 else str(self.rank)
         )  # Ray shows each actor its GPU only
@@ -93,6 +90,11 @@ class LearnerGroup:
         master = ray.get(self.actors[0].address.remote())
         world = len(self.actors)
         self._runs = [a.run.remote(master, world, max_steps) for a in self.actors]
+
+    @property
+    def runs(self) -> list[Any]:
+        """The ranks' ``run`` refs (ready once a rank has finished or failed)."""
+        return self._runs
 
     def wait(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Every rank's summary, once all have finished (an error in any rank is raised here)."""

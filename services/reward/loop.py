@@ -93,6 +93,7 @@ class RewardLoop:
         self._own_pending_done = False
         self._in_flight: list[str] = []
         self._lock = threading.Lock()
+        self.busy_s = 0.0
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self, stop: threading.Event, max_groups: int = 0) -> None:
@@ -137,6 +138,7 @@ class RewardLoop:
 
     def process(self, entries: Sequence[Entry[Group]]) -> int:
         """Score every response of ``entries`` (in parallel over the pool) and forward each group."""
+        t0 = time.perf_counter()
         with self._lock:
             self._in_flight = [e.id for e in entries]
         self.metrics.in_flight.labels(self.metrics.replica).set(len(entries))
@@ -170,6 +172,7 @@ class RewardLoop:
         with self._lock:
             self._in_flight = []
         self.metrics.in_flight.labels(self.metrics.replica).set(0)
+        self.busy_s += time.perf_counter() - t0
         return forwarded
 
     def _keep_alive(self, stop: threading.Event) -> None:
@@ -187,4 +190,5 @@ class RewardLoop:
             "groups_reclaimed_elsewhere": self.reclaimed_elsewhere,
             "fallback_rewards": self.failures,
             "queue_depth": self.consumer.backlog(),
+            "busy_seconds": self.busy_s,  # scoring and forwarding, not waiting for rollouts
         }

@@ -9,13 +9,13 @@ the deployment's ``score_batch`` through a Serve handle, or any replica's gRPC p
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
+from services.common.observability import actor_logging
 from services.reward.autoscaling import QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from services.reward.config import RewardServiceConfig
 from vcpo.v1 import reward_pb2
@@ -34,7 +34,7 @@ class RewardDeployment:
             update={"reward": cfg.reward.model_copy(update={"grpc_port": 0, "metrics_port": 0})}
         )
         name = f"reward-serve-{serve.get_replica_context().replica_id.unique_id}"
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+        actor_logging(name, cfg.run.run_dir)
         self.service = RewardService(cfg, name)
         self._stop = threading.Event()
         self._error: BaseException | None = None

@@ -6,12 +6,13 @@ the plain entry point (``python -m services.sampler``) does, so both run the sam
 
 from __future__ import annotations
 
-import logging
+import os
 import threading
 from typing import Any
 
 import ray
 
+from services.common.observability import actor_logging
 from services.sampler.config import SamplerServiceConfig
 
 
@@ -27,8 +28,7 @@ class SamplerActor:
         """Serve until :meth:`stop` (or ``max_groups`` groups); returns the replica's summary."""
         from services.sampler.service import SamplerService
 
-        logging.basicConfig(level=logging.INFO,
-                            format=f"%(asctime)s sampler-{self.replica} %(levelname)s %(message)s")  # fmt: skip
+        actor_logging(f"sampler-{self.replica}", self.cfg.run.run_dir)
         self.service = SamplerService(self.cfg, self.replica)
         try:
             return self.service.serve(self.stop_event, max_groups)
@@ -48,10 +48,18 @@ class SamplerActor:
     def stop(self) -> None:
         self.stop_event.set()
 
+    def pid(self) -> int:
+        """The replica's process id (fault-injection tests kill it)."""
+        return os.getpid()
 
-def start_samplers(cfg: SamplerServiceConfig, max_groups: int = 0) -> tuple[list[Any], list[Any]]:
+
+def start_samplers(
+    cfg: SamplerServiceConfig, max_groups: int = 0, max_restarts: int = 0
+) -> tuple[list[Any], list[Any]]:
     """``sampler.replicas`` actors, each asking Ray for ``sampler.gpus_per_replica`` GPUs; returns the actors
-    and their ``run`` refs."""
+    and their ``run`` refs. With ``max_restarts``, Ray restarts a replica whose process dies (up to that many
+    times) and runs ``run`` again on it: the new process gives back the admission slots the dead one held,
+    takes back its pending tasks and carries on under the same replica id."""
     from services.common.tiny_model import run_model
 
     run_model(cfg.run)  # build the tiny model once, before the replicas load it
@@ -59,7 +67,11 @@ def start_samplers(cfg: SamplerServiceConfig, max_groups: int = 0) -> tuple[list
     payload = cfg.model_dump_json()
     actors = [
         SamplerActor.options(  # type: ignore[attr-defined]
-            num_cpus=1, num_gpus=s.gpus_per_replica, name=f"vcpo-sampler-{cfg.run.run_id}-{i}"
+            num_cpus=1,
+            num_gpus=s.gpus_per_replica,
+            name=f"vcpo-sampler-{cfg.run.run_id}-{i}",
+            max_restarts=max_restarts,
+            max_task_retries=max_restarts,
         ).remote(payload, i)
         for i in range(s.replicas)
     ]

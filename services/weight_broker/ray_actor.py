@@ -4,11 +4,11 @@ Ray object refs."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import ray
 
+from services.common.observability import actor_logging
 from services.weight_broker.config import WeightBrokerServiceConfig
 
 
@@ -17,8 +17,9 @@ class WeightBrokerActor:
     def __init__(self, cfg_json: str) -> None:
         from services.weight_broker.service import BrokerService
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s weight_broker %(levelname)s %(message)s")
-        self.broker = BrokerService(WeightBrokerServiceConfig.model_validate_json(cfg_json))
+        cfg = WeightBrokerServiceConfig.model_validate_json(cfg_json)
+        actor_logging("weight_broker", cfg.run.run_dir)
+        self.broker = BrokerService(cfg)
 
     def endpoints(self) -> dict[str, Any]:
         """The bound ports (free ones when the config asked for 0) and this node's address."""

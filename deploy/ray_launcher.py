@@ -1,0 +1,439 @@
+"""The whole system on Ray, from one config: up, training with a live progress line, down cleanly, a report.
+
+    up     Ray (run.launcher.ray_address, or a local one sized to the run)
+           Redis (run.redis_url, or a local redis-server on a free port, append-only file in <run_dir>/redis)
+             └─ the run's streams and consumer groups; admission slots a dead sampler still held are given back
+           policy model (run.model, or the tiny model built into <run_dir>/model, + an optional supervised warm
+             start into <run_dir>/model-warm) ─► <run_dir>/config.resolved.json, what every actor reads
+           weight broker actor ─► learner: num_ranks actors in one placement group (resumes from its latest
+             checkpoint, publishes the current version) ─► reward: a Ray Serve app (replicas restarted and scaled
+             by Serve) ─► sampler actors (restarted by Ray up to launcher.max_restarts times)
+    run    every launcher.progress_interval_s: a progress line + progress.jsonl (deploy/progress.py); stops at
+           launcher.max_steps, launcher.max_minutes, Ctrl-C / SIGTERM, or when a service fails for good
+    down   samplers (their in-flight groups give their slots back) ─► reward (groups in hand are forwarded)
+           ─► learner (stops at the next poll and checkpoints: weights, optimizer and the stream positions)
+           ─► ledger.json (deploy/ledger.py) ─► broker, Serve, Ray, Redis ─► report/ (deploy/report.py)
+
+Nothing in the data path goes through Ray: the services talk over Redis streams and gRPC as their plain entry
+points do. Ray places the processes and restarts the ones that die. Running the same command on the same run
+directory resumes: Redis reloads its append-only file, the learner its checkpoint and the stream positions
+in it, so the run neither loses nor double-counts a group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from deploy.config import SystemConfig
+from deploy.ledger import take_ledger
+from deploy.progress import Progress, progress_line
+from services.common.admission import AdmissionCounter
+from services.common.config import write_resolved
+from services.common.memory import ALLOCATOR_ENV
+from services.common.redis_server import LocalRedis, free_port
+from services.common.streams import StreamConsumer, connect, stream_specs
+
+log = logging.getLogger("vcpo.launch")
+S = TypeVar("S", bound=BaseModel)
+
+
+def section(cfg: SystemConfig, model: type[S]) -> S:
+    """The part of the whole-run config a service reads (its own section and the shared ones)."""
+    return model.model_validate(cfg.model_dump(include=set(model.model_fields)))
+
+
+def needed_cpus(cfg: SystemConfig) -> int:
+    """Logical CPUs the run asks Ray for: a bundle per learner rank, one per sampler and reward replica, and
+    one for the broker and Serve's controller."""
+    return cfg.learner.num_ranks + cfg.sampler.replicas + cfg.reward.max_replicas + 1
+
+
+def with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
+    """Concrete ports instead of 0 for the services that run once (the replicas take free ones themselves),
+    and the Redis actually used."""
+    wb, lr = cfg.weight_broker, cfg.learner
+    return cfg.model_copy(
+        update={
+            "run": cfg.run.model_copy(update={"redis_url": redis_url}),
+            "learner": lr.model_copy(
+                update={
+                    p: getattr(lr, p) or free_port() for p in ("grpc_port", "metrics_port", "master_port")
+                }
+            ),
+            "weight_broker": wb.model_copy(
+                update={p: getattr(wb, p) or free_port() for p in ("grpc_port", "data_port", "metrics_port")}
+            ),
+        }
+    )
+
+
+def prepare_model(cfg: SystemConfig) -> tuple[SystemConfig, str]:
+    """The policy every service loads: ``run.model`` (hub id or path), or the tiny model built into the run
+    directory; then, with ``launcher.warm_start_steps``, a supervised warm start on the sampler's dataset
+    (built once; a resumed run reuses it). Returns the config pointing at it and a description."""
+    from services.common.tiny_model import count_parameters, run_model
+
+    base = run_model(cfg.run)
+    what = base if cfg.run.model else f"{base} (tiny Qwen2, {count_parameters(base):,} parameters)"
+    la = cfg.launcher
+    if la.warm_start_steps:
+        from services.learner.warm_start import warm_start
+
+        s = cfg.sampler
+        out = warm_start(
+            base, cfg.run.run_dir / "model-warm", s.dataset, steps=la.warm_start_steps, lr=la.warm_start_lr,
+            batch_size=la.warm_start_batch_size, seed=cfg.run.seed, system_prompt=s.system_prompt,
+            max_model_len=s.max_model_len, prompt_field=s.prompt_field, answer_field=s.answer_field,
+        )  # fmt: skip
+        what += f", warm-started {la.warm_start_steps} steps on {s.dataset} -> {out}"
+        base = str(out)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"model": base})}), what
+
+
+class Stopping:
+    """SIGINT/SIGTERM ask the run to stop (once: a second Ctrl-C while stopping is ignored, with a note,
+    because cutting the learner's checkpoint short would lose what it consumed)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            print("  (already stopping: waiting for the learner's checkpoint)", flush=True)
+            return
+        self.stop(signal.Signals(signum).name)
+
+    def stop(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
+
+
+class RayLauncher:
+    """One run: :meth:`run` brings it up, trains until a stop condition, brings it down and reports."""
+
+    def __init__(self, cfg: SystemConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.run.run_dir
+        self.stopping = Stopping()
+        self.t0 = time.monotonic()
+        self.local_redis: LocalRedis | None = None
+        self.started_ray = False
+        self.broker: Any = None
+        self.learner: Any = None
+        self.reward_up = False
+        self.samplers: list[Any] = []
+        self.sampler_runs: list[Any] = []
+        self.summary: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _say(self, name: str, detail: str) -> None:
+        print(f"  [ok] {name:<14} {detail}  ({time.monotonic() - self.t0:.1f}s)", flush=True)
+
+    def _ray(self) -> str:
+        import ray
+
+        env = {k: v for k, v in ALLOCATOR_ENV.items() if k not in os.environ}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+        address = self.cfg.launcher.ray_address
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+            return f"connected to {address}"
+        cpus = max(os.cpu_count() or 1, needed_cpus(self.cfg))
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        self.started_ray = True
+        return f"local Ray, {cpus} logical CPUs (the run needs {needed_cpus(self.cfg)})"
+
+    # ------------------------------------------------------------------ up
+    def up(self) -> None:
+
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resuming = (self.run_dir / "learner" / "checkpoints").is_dir()
+        print(f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, "
+              f"run_dir={self.run_dir}" + (" (resuming from its last checkpoint)" if resuming else ""), flush=True)  # fmt: skip
+        if cfg.run.redis_url:
+            url, where = cfg.run.redis_url, cfg.run.redis_url
+        else:
+            self.local_redis = LocalRedis(data_dir=self.run_dir / "redis", persistent=True)
+            url = self.local_redis.url
+            where = f"{url} (local redis-server, pid {self.local_redis.process.pid})"
+        self.client = connect(url)
+        self._say("redis", where)
+        self._say("ray", self._ray())
+        self.stopping.install()  # again: ray.init puts its own SIGTERM handler in place of ours
+
+        cfg, what = prepare_model(with_ports_and_redis(cfg, url))
+        self.cfg = cfg
+        self._say("model", what)
+        self._say("config", str(write_resolved(cfg, self.run_dir)))
+
+        self.specs = stream_specs(cfg.run, cfg.streams)
+        for spec in self.specs.values():
+            if spec.mode == "queue":
+                StreamConsumer(self.client, spec, "launcher")  # creates the stream and its consumer group
+        admission = AdmissionCounter(self.client, cfg.run.run_id, cfg.run.k, cfg.run.groups_per_step)
+        returned = admission.reclaim()  # no sampler runs yet: whatever is still held was held by dead ones
+        self._say("streams", ", ".join(s.key for s in self.specs.values())
+                  + (f"; {returned} admission slot(s) of stopped samplers given back" if returned else ""))  # fmt: skip
+
+        from services.learner.config import LearnerServiceConfig
+        from services.learner.ray_group import LearnerGroup
+        from services.reward.config import RewardServiceConfig
+        from services.reward.serve_app import deploy_reward
+        from services.sampler.config import SamplerServiceConfig
+        from services.sampler.ray_actor import start_samplers
+        from services.weight_broker.config import WeightBrokerServiceConfig
+        from services.weight_broker.ray_actor import start_broker
+
+        self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig))
+        self._say(
+            "weight_broker",
+            f"gRPC {ends.get('host')}:{ends.get('grpc_port')} ({cfg.weight_broker.transport})",
+        )
+
+        self.learner = LearnerGroup(section(cfg, LearnerServiceConfig))
+        self.learner.start(self.cfg.launcher.max_steps)
+        version = self._wait_for_version()
+        self._say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
+
+        deploy_reward(section(cfg, RewardServiceConfig))
+        self.reward_up = True
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
+        self._say("reward", f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
+                  f"default scorer {cfg.reward.default_scorer!r}")  # fmt: skip
+
+        self.samplers, self.sampler_runs = start_samplers(
+            section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
+        )
+        self._wait_samplers()
+        self._say(
+            "samplers",
+            f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
+        )
+
+    def _wait_samplers(self, timeout_s: float = 600.0) -> None:
+        """Until every sampler replica has its engine and weights (its status is past STARTING)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = ray.wait(self.sampler_runs, timeout=0)
+            if done:
+                ray.get(done)
+                raise RuntimeError("a sampler finished before it generated")
+            statuses = ray.get([a.status.remote() for a in self.samplers], timeout=60)
+            if all(s["state"] != "STARTING" for s in statuses):
+                return
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+        )
+
+    def _wait_for_version(self, timeout_s: float = 600.0) -> int:
+        """The version the learner published at start (0, or its checkpoint's after a restart)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        key = self.specs["weights"].key
+        checkpoint_version = self._checkpoint_version()
+        while time.monotonic() < deadline:
+            done, _ = ray.wait(self.learner.runs, timeout=0)
+            if done:
+                ray.get(done)  # a rank that failed at start raises here
+                raise RuntimeError("the learner finished before it published a version")
+            last: Any = self.client.xrevrange(key, count=1)
+            if last and int(last[0][1][b"policy_version"]) >= checkpoint_version:
+                return int(last[0][1][b"policy_version"])
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+        )
+
+    def _checkpoint_version(self) -> int:
+        steps = self.run_dir / "learner" / "checkpoints"
+        found = sorted(steps.glob("step*")) if steps.is_dir() else []
+        return int(found[-1].name.removeprefix("step")) if found else 0
+
+    # ------------------------------------------------------------------ run
+    def train(self) -> None:
+        """Print progress until a stop condition; raises if the learner or a sampler fails for good."""
+        import ray
+
+        la = self.cfg.launcher
+        keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
+        self.progress = Progress(self.run_dir, self.client, keys, self.cfg.run.k)
+        deadline = self.t0 + la.max_minutes * 60 if la.max_minutes else None
+        while not self.stopping.event.wait(la.progress_interval_s):
+            record = self.progress.sample(*self._sampler_figures())
+            print(progress_line(record), flush=True)
+            done, _ = ray.wait(self.learner.runs, timeout=0)
+            if done:
+                ray.get(done)  # raises what failed
+                self.stopping.stop(f"max_steps ({la.max_steps})" if la.max_steps else "learner finished")
+            done, _ = ray.wait(self.sampler_runs, timeout=0)
+            if done:
+                ray.get(done)  # a sampler out of restarts raises here
+                self.stopping.stop("the samplers finished")
+            if deadline and time.monotonic() > deadline:
+                self.stopping.stop(f"max_minutes ({la.max_minutes:g})")
+
+    def _sampler_figures(self) -> tuple[float | None, float | None]:
+        """The replicas' tokens/s and busy seconds so far (None while one is being restarted)."""
+        import ray
+
+        try:
+            statuses = ray.get([a.status.remote() for a in self.samplers], timeout=5)
+        except Exception:
+            return None, None
+        figures = [s["figures"] for s in statuses]
+        return (float(sum(f.get("tokens_per_second", 0.0) for f in figures)),
+                float(sum(f.get("busy_seconds", 0.0) for f in figures)))  # fmt: skip
+
+    # ------------------------------------------------------------------ down
+    def down(self) -> None:
+        """Stop every service in order; a stage that fails is logged and the later ones still run, so Ray and
+        Redis never outlive the launcher."""
+        stages = [("samplers", self._stop_samplers), ("reward", self._stop_reward),
+                  ("learner", self._stop_learner), ("ledger", self._ledger), ("broker", self._stop_broker),
+                  ("ray", self._stop_ray), ("redis", self._stop_redis)]  # fmt: skip
+        for name, stage in stages:
+            try:
+                stage()
+            except Exception:
+                log.exception("stopping %s failed; going on with the rest", name)
+                self.summary.setdefault("stop_errors", []).append(name)
+
+    def _stop_samplers(self) -> None:
+        if self.samplers:
+            for a in self.samplers:
+                a.stop.remote()
+            self.summary["samplers"] = _get(self.sampler_runs, self.cfg.launcher.stop_timeout_s, "samplers")
+            self._say("samplers", "stopped; in-flight groups gave their admission slots back")
+
+    def _stop_reward(self) -> None:
+        if not self.reward_up:
+            return
+        from ray import serve
+
+        from services.reward.serve_app import APP_NAME
+
+        try:  # one replica's figures (the local run has one); the ledger does not depend on them
+            handle = serve.get_app_handle(APP_NAME)
+            self.summary["reward"] = handle.summary.remote().result(timeout_s=30)
+        except Exception:
+            log.warning("no summary from the reward app", exc_info=True)
+        serve.delete(APP_NAME)
+        self._say("reward", "stopped; groups in hand forwarded")
+
+    def _stop_learner(self) -> None:
+        if self.learner is None:
+            return
+        self.learner.stop()
+        summaries = _get(self.learner.runs, self.cfg.launcher.stop_timeout_s, "learner") or []
+        rank0 = next((s for s in summaries if s.get("rank") == 0), None)
+        self.summary["learner"] = rank0
+        self.learner.shutdown()
+        if rank0:
+            self._say("learner", f"checkpoint at step {rank0['step']} (version {rank0['version']})")
+
+    def _stop_broker(self) -> None:
+        import ray
+
+        if self.broker is not None:
+            ray.get(self.broker.stop.remote(), timeout=30)
+            ray.kill(self.broker)
+
+    def _stop_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # a local Ray stops; a cluster is only disconnected from
+
+    def _stop_redis(self) -> None:
+        if self.local_redis is not None:
+            self.local_redis.stop()
+
+    def _ledger(self) -> None:
+        if self.learner is None or not hasattr(self, "specs"):
+            return
+        if not hasattr(self, "progress"):  # stopped before training began: nothing to account for yet
+            keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
+            self.progress = Progress(self.run_dir, self.client, keys, self.cfg.run.k)
+        self.progress.log.poll()
+        feed = (self.summary.get("learner") or {}).get("feed")
+        keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
+        dead = {n: self.specs[n].dead_letter_key for n in ("rollouts", "scored")}
+        ledger = take_ledger(self.client, keys, dead, feed, self.progress.log.steps, self.cfg.run.k)
+        self.summary["ledger"] = ledger
+        (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
+        verdict = "balanced" if ledger["balanced"] else "NOT balanced: " + "; ".join(ledger["problems"])
+        self._say("ledger", f"{ledger['rollouts_added']} groups sampled, {ledger.get('trained', 0)} trained, "
+                  f"max lag {ledger['max_trained_lag']} (k={self.cfg.run.k}): {verdict}")  # fmt: skip
+
+    # ------------------------------------------------------------------ all of it
+    def run(self) -> int:
+        self.stopping.install()
+        failed: BaseException | None = None
+        try:
+            self.up()
+            self.train()
+        except KeyboardInterrupt:
+            self.stopping.stop("interrupted during start-up")
+        except BaseException as exc:  # stop everything and still report, then fail
+            failed = exc
+            self.stopping.stop(f"failed: {exc}")
+            log.exception("the run failed; stopping every service")
+        print(f"stopping ({self.stopping.reason or 'done'}) ...", flush=True)
+        try:
+            self.down()
+        finally:
+            self.stopping.restore()
+        self._report()
+        if failed is not None:
+            raise failed
+        ledger = self.summary.get("ledger")
+        return 0 if ledger is None or ledger["balanced"] else 3
+
+    def _report(self) -> None:
+        from deploy.report import write_report
+
+        self.summary.update(run_id=self.cfg.run.run_id, k=self.cfg.run.k, groups_per_step=self.cfg.run.groups_per_step,
+                            wall_s=time.monotonic() - self.t0, stopped_by=self.stopping.reason)  # fmt: skip
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
+        written = write_report(self.run_dir, self.summary)
+        print(f"report: {written.markdown} (plots and report.json beside it)", flush=True)
+
+
+def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:
+    """Results of ``refs``; a failure is logged (the run is stopping anyway), not raised."""
+    import ray
+
+    try:
+        return list(ray.get(refs, timeout=timeout_s))
+    except Exception:
+        log.exception("%s did not stop cleanly in %.0fs", what, timeout_s)
+        return None

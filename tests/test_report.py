@@ -1,0 +1,265 @@
+"""The run report: plots, report.md and report.json from synthetic (and damaged) run directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.report import PLOT_NAMES, ReportPaths, write_report
+
+ROOT = Path(__file__).parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def step_line(step: int, reward: float, lags: list[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "step": step,
+        "version": step,
+        "time": 1000.0 + 3 * step,
+        "groups": [f"g{step}-{i}" for i in range(len(lags))],
+        "lags": lags,
+        "reward_mean": reward,
+        "dropped": [],
+        "metrics": {"ess_ratio": 0.8, "lr_scale": 0.5, "grad_norm": float(step), "loss": 0.1, "ess": 10.0},
+        "timings": {"step_s": 1.0, "publish_s": 0.1, "tokens_all_ranks": 512.0},
+    } | extra
+
+
+def write_lines(path: Path, rows: list[Any], tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def progress_lines(n: int = 10) -> list[dict[str, Any]]:
+    return [
+        {
+            "time": 1000.0 + 5 * i,
+            "elapsed_s": 5.0 * i,
+            "step": i,
+            "version": i,
+            "reward_mean": None,
+            "ess_ratio": None,
+            "lag_mean": None,
+            "throughput": {
+                "sampler_tokens_per_s": 1000.0 + 100 * i,
+                "reward_groups_per_s": 2.0,
+                "learner_tokens_per_s": None if i < 2 else 500.0,  # not reported yet at first
+            },
+            "ledger": {"rollouts_added": 4 * i, "scored_added": 4 * i, "groups_trained": 4 * i},
+        }
+        for i in range(n)
+    ]
+
+
+def make_run(run_dir: Path) -> Path:
+    """20 steps with reward step/20, lags s % 3 and 0 (within k = 2), one group dropped at lag 5."""
+    rows = [step_line(s, s / 20, [s % 3, 0]) for s in range(1, 21)]
+    rows[9]["dropped"] = [{"group_id": "old", "lag": 5, "reason": "stale"}]
+    write_lines(run_dir / "learner" / "steps.jsonl", rows)
+    write_lines(run_dir / "progress.jsonl", progress_lines())
+    return run_dir
+
+
+def report(run_dir: Path, **summary: Any) -> tuple[str, dict[str, Any]]:
+    paths = write_report(run_dir, summary or None)
+    return paths.markdown.read_text(), json.loads(paths.json.read_text())
+
+
+LEDGER = {"balanced": True, "rollouts_added": 120, "scored_added": 120, "groups_trained": 116}
+Full = tuple[ReportPaths, str, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Full:
+    """One report of the synthetic run with a full summary, shared by the tests that only read it."""
+    run_dir = make_run(tmp_path_factory.mktemp("run"))
+    summary = {"run_id": "synthetic", "k": 2, "wall_s": 61.5, "stopped_by": "max_steps", "ledger": LEDGER}
+    paths = write_report(run_dir, summary)
+    return paths, paths.markdown.read_text(), json.loads(paths.json.read_text())
+
+
+def test_writes_every_plot_as_a_png_and_embeds_it(full: Full) -> None:
+    from matplotlib.image import imread
+
+    paths, md, _ = full
+    assert paths.directory.name == "report"
+    assert set(paths.plots) == set(PLOT_NAMES) and paths.skipped == {}
+    for name, path in paths.plots.items():
+        assert path == paths.directory / f"{name}.png"
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1024, path
+        assert imread(path).ndim == 3  # matplotlib reads it back as an image
+        assert f"![{name}]({name}.png)" in md
+    assert set(paths.written()) == {*paths.plots.values(), paths.markdown, paths.json}
+
+
+def test_headline_figures_are_computed_from_the_steps(full: Full) -> None:
+    _, md, figures = full
+    # 20 steps -> first and last 2: (0.05 + 0.10) / 2 and (0.95 + 1.00) / 2
+    assert figures["reward"] == {
+        "start": pytest.approx(0.075),
+        "end": pytest.approx(0.975),
+        "change": pytest.approx(0.9),
+        "window_steps": 2,
+        "steps_with_reward": 20,
+    }
+    assert "| reward at the start (mean of the first 2 steps) | 0.0750 |" in md
+    assert "| reward at the end (mean of the last 2 steps) | 0.9750 |" in md
+    assert "| reward change | +0.9000 |" in md
+    assert figures["grad_norm"] == {"mean": pytest.approx(10.5), "max": 20.0}
+    assert "| grad norm mean / max | 10.5000 / 20.0000 |" in md
+    assert "| ESS ratio mean / min | 0.8000 / 0.8000 |" in md and "| LR scale mean | 0.5000 |" in md
+    assert figures["steps"]["count"] == 20 and figures["steps"]["last_version"] == 20
+    assert "| run id | synthetic |" in md and "| stopped by | max_steps |" in md
+    assert "| wall time | 61.5 s (1.0 min) |" in md
+    # sampler: mean of 1000..1900; learner: only the 8 samples where it had reported
+    assert figures["throughput"]["sampler_tokens_per_s"] == pytest.approx(1450.0)
+    assert figures["throughput"]["learner_tokens_per_s"] == pytest.approx(500.0)
+    assert "| sampler | 1,450.0 tokens/s |" in md and "| reward | 2.0 groups/s |" in md
+
+
+def test_a_dropped_group_past_k_does_not_break_the_bound(full: Full) -> None:
+    _, md, figures = full
+    stal = figures["staleness"]
+    # JSON keys are strings; lags s % 3 and 0 over steps 1..20
+    assert stal["trained"] == {"0": 26, "1": 7, "2": 7} and stal["dropped"] == {"5": 1}
+    assert stal["bound_held"] is True and stal["trained_over_k"] == 0 and stal["max_lag"] == 5
+    assert "| 5 | 0 | 1 |" in md
+    assert (
+        "Max lag seen: 5 (trained groups: 2) vs k = 2: the bound held for every trained group (40 groups)."
+        in md
+    )
+    assert "1 dropped groups had lag > k" in md and "stale: 1" in md
+
+
+def test_ledger_from_the_summary_is_a_table_with_its_balance(full: Full) -> None:
+    _, md, figures = full
+    assert figures["ledger"] == LEDGER and figures["ledger_source"] == "the summary"
+    assert "| rollouts_added | 120 |" in md and "| groups_trained | 116 |" in md and "Balanced: yes." in md
+
+
+def test_a_trained_group_past_k_violates_the_bound(tmp_path: Path) -> None:
+    write_lines(tmp_path / "learner" / "steps.jsonl", [step_line(1, 0.1, [0, 1]), step_line(2, 0.2, [3, 1])])
+    md, figures = report(tmp_path, k=2)
+    assert figures["staleness"]["bound_held"] is False and figures["staleness"]["trained_over_k"] == 1
+    assert "the bound was violated: 1 of 4 trained groups had lag > k." in md
+    assert "bound held" not in md
+
+
+def test_the_last_line_for_a_redone_step_counts(tmp_path: Path) -> None:
+    rows = [step_line(s, 0.0, [0]) for s in range(1, 11)]
+    rows.insert(5, step_line(3, 99.0, [0]))  # step 3 redone after a restart: the later line counts
+    rows.append(step_line(10, 1.0, [0]))  # and step 10
+    write_lines(tmp_path / "learner" / "steps.jsonl", rows)
+    md, figures = report(tmp_path, k=1)
+    assert figures["steps"]["count"] == 10 and figures["steps"]["redone_lines"] == 2
+    assert figures["reward"]["start"] == 0.0 and figures["reward"]["end"] == 1.0  # 10 steps: 1-step windows
+    assert figures["grad_norm"]["max"] == 10.0
+    assert "`learner/steps.jsonl`: 12 lines read, 2 superseded by a later line for the same step" in md
+
+
+def test_a_truncated_last_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    rows = [step_line(s, 0.5, [0]) for s in range(1, 4)]
+    write_lines(tmp_path / "learner" / "steps.jsonl", rows, tail='{"step": 4, "version": 4, "metr')
+    write_lines(tmp_path / "progress.jsonl", progress_lines(3), tail="[1, 2]\n")
+    md, figures = report(tmp_path, k=2)
+    assert figures["steps"]["count"] == 3 and figures["steps"]["unparseable_lines"] == 1
+    assert figures["progress"] == {"samples": 3, "unparseable_lines": 1}
+    assert "`learner/steps.jsonl`: 3 lines read, 1 unparseable lines skipped" in md
+    assert "`progress.jsonl`: 3 lines read, 1 unparseable lines skipped" in md
+
+
+def test_no_steps_still_writes_a_report_saying_so(tmp_path: Path) -> None:
+    paths = write_report(tmp_path, {"run_id": "empty", "k": 4})
+    md = paths.markdown.read_text()
+    assert "No learner steps were recorded" in md
+    assert "`learner/steps.jsonl`: missing" in md and "`progress.jsonl`: missing" in md
+    assert paths.plots == {} and set(paths.skipped) == set(PLOT_NAMES)
+    for name in PLOT_NAMES:
+        assert f"- `{name}.png`: " in md
+        assert not (tmp_path / "report" / f"{name}.png").exists()
+    figures = json.loads(paths.json.read_text())
+    assert figures["steps"]["count"] == 0 and figures["reward"]["start"] is None
+    # an empty file is named as empty; progress alone still gives the throughput plot and the ledger
+    write_lines(tmp_path / "learner" / "steps.jsonl", [])
+    write_lines(tmp_path / "progress.jsonl", progress_lines())
+    paths = write_report(tmp_path, {"k": 4})
+    md = paths.markdown.read_text()
+    assert "`learner/steps.jsonl`: empty" in md and set(paths.plots) == {"throughput"}
+    figures = json.loads(paths.json.read_text())
+    assert figures["ledger"] == {"rollouts_added": 36, "scored_added": 36, "groups_trained": 36}
+    assert figures["ledger_source"] == "progress.jsonl (last sample)" and "Balanced: not checked." in md
+    assert figures["wall_s"] == 45.0  # no wall_s in the summary: the last progress sample's elapsed_s
+
+
+def test_k_and_run_id_come_from_the_resolved_config_when_not_given(tmp_path: Path) -> None:
+    write_lines(tmp_path / "learner" / "steps.jsonl", [step_line(1, 0.1, [0, 2])])
+    (tmp_path / "config.resolved.json").write_text(json.dumps({"run": {"k": 1, "run_id": "from-config"}}))
+    md, figures = report(tmp_path)
+    assert figures["k"] == 1 and figures["run_id"] == "from-config"
+    assert figures["staleness"]["bound_held"] is False  # lag 2 > 1
+    (tmp_path / "config.resolved.json").unlink()
+    md, figures = report(tmp_path)
+    assert figures["k"] is None and figures["run_id"] == tmp_path.name
+    assert "k is unknown, so the bound was not checked" in md
+
+
+def test_nan_none_and_missing_values_do_not_crash(tmp_path: Path) -> None:
+    nan = float("nan")
+    rows = [
+        step_line(1, nan, [0], metrics={"ess_ratio": nan, "lr_scale": None, "grad_norm": float("inf")}),
+        step_line(2, 0.5, [None, 1], metrics=None, dropped=[{"group_id": "x", "lag": nan}, "junk"]),
+        {"step": 3},  # an older line with nothing else
+        {"step": 4, "reward_mean": "high", "lags": "no", "dropped": 7, "groups": None},
+        {"version": 9},  # no step at all: skipped and counted
+    ]
+    write_lines(tmp_path / "learner" / "steps.jsonl", rows)
+    write_lines(tmp_path / "progress.jsonl", [{"time": nan, "throughput": None, "ledger": "x"}, {}])
+    paths = write_report(tmp_path, {"k": 2, "wall_s": nan, "ledger": {"balanced": False, "lost": nan}})
+    md = paths.markdown.read_text()
+    figures = json.loads(paths.json.read_text())  # strict JSON: no NaN in it
+    assert figures["reward"]["start"] == figures["reward"]["end"] == 0.5
+    assert figures["ess_ratio"] == {"mean": None, "min": None}
+    assert figures["ledger"] == {"balanced": False, "lost": None} and "Balanced: NO." in md
+    assert figures["staleness"]["trained_without_lag"] == 1  # step 2's None lag
+    assert figures["staleness"]["dropped_reasons"] == {"unknown": 1}
+    assert figures["steps"]["unparseable_lines"] == 1 and figures["wall_s"] is None
+    assert set(paths.plots) == {"reward", "staleness"}
+    assert set(paths.skipped) == {"ess_ratio", "lr_scale", "grad_norm", "throughput"}
+
+
+def test_cli_prints_the_paths_and_refuses_a_missing_run_dir(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "deploy.report", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    run_dir = tmp_path / "run"
+    write_lines(run_dir / "learner" / "steps.jsonl", [step_line(1, 0.1, [0]), step_line(2, 0.2, [1])])
+    (run_dir / "summary.json").write_text(json.dumps({"run_id": "launched", "k": 3}))  # the launcher's
+    out = cli(str(run_dir), "--k", "2")
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout.split()
+    assert (
+        str(run_dir / "report" / "report.md") in printed and str(run_dir / "report" / "reward.png") in printed
+    )
+    assert "skipped throughput.png: no progress samples" in out.stderr
+    figures = json.loads((run_dir / "report" / "report.json").read_text())
+    assert figures["k"] == 2 and figures["run_id"] == "launched"  # --k over the summary's k
+    out = cli(str(tmp_path / "nope"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_importing_the_module_does_not_import_matplotlib() -> None:
+    code = "import sys, deploy.report; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
