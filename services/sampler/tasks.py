@@ -1,6 +1,6 @@
 """Where the sampler's prompts come from: dataset loading, the endless shuffled task order, prompt encoding.
 
-    load_dataset("data.jsonl" | "data.parquet" | "builtin:arith") ─► list[Task]
+    load_dataset("data.jsonl" | "data.parquet" | "builtin:<name>") ─► list[Task]
         └─► DatasetTasks(tasks, seed).next() ─► Task  (every task once per epoch, each epoch reshuffled)
                 └─► PromptEncoder.encode(task) ─► prompt token ids (chat template) ── or TaskError(reason)
 
@@ -18,6 +18,11 @@ What it decides:
   fewer than ``max_tokens`` is sampled with :meth:`PromptEncoder.response_budget` tokens.
 - ``builtin:arith`` is generated from the seed: 2000 distinct ``a+b`` / ``a-b`` problems for ``train`` and
   200 more for the held-out split (``test``, ``eval`` or ``eval:<name>``), disjoint from the train ones.
+- ``builtin:digit_add`` is single-digit addition (``What is 3+4?`` -> ``7``): the 100 problems in a seeded
+  order, the first 80 ``train``, the last 20 held out. It exists for the tiny built-in model, which after a
+  short supervised warm start answers it in the right format with modest accuracy and then learns it with RL
+  in minutes on a CPU; on ``builtin:arith`` a randomly initialised model earns reward 0 everywhere, so RL has
+  nothing to learn from.
 
 Parquet is read with pyarrow (pandas as a fallback), imported only when a parquet file is loaded.
 """
@@ -47,6 +52,8 @@ ARITH_TRAIN_SIZE = 2000
 ARITH_TEST_SIZE = 200
 _ARITH_MAX_OPERAND = 99
 _ARITH_OPS = "+-"
+DIGIT_ADD_TEST_SIZE = 20
+"""Held-out problems of ``builtin:digit_add``; the other 80 of the 100 are the train split."""
 
 
 class TaskError(ValueError):
@@ -100,7 +107,23 @@ def arith_rows(split: str, seed: int) -> Iterator[dict[str, Any]]:
         yield {"id": f"{prefix}:{i}", "prompt": f"What is {a}{op}{b}?", "answer": str(result)}
 
 
-BUILTIN_DATASETS: dict[str, RowGenerator] = {"arith": arith_rows}
+def digit_add_rows(split: str, seed: int) -> Iterator[dict[str, Any]]:
+    """Single-digit addition ``a+b`` (``a, b`` in 0..9, answers 0..18), deterministic from ``seed``.
+
+    The 100 problems in one seeded order are cut in two: the last ``DIGIT_ADD_TEST_SIZE`` are the held-out
+    split, the rest ``train``, so the two never share a problem.
+    """
+    held_out = _is_held_out(split)
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(problems)
+    cut = len(problems) - DIGIT_ADD_TEST_SIZE
+    chosen = problems[cut:] if held_out else problems[:cut]
+    prefix = "digit_add:test" if held_out else "digit_add"
+    for i, (a, b) in enumerate(chosen):
+        yield {"id": f"{prefix}:{i}", "prompt": f"What is {a}+{b}?", "answer": str(a + b)}
+
+
+BUILTIN_DATASETS: dict[str, RowGenerator] = {"arith": arith_rows, "digit_add": digit_add_rows}
 
 
 # --------------------------------------------------------------------------------------------- loading
