@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,20 @@ def test_reward_benchmark_quick_mode_prints_its_figures() -> None:
         assert figures["groups_per_s"][case] > 0
     assert set(figures["scaling_2_over_1"]) == {"math", "countdown"}
     assert all(ratio > 0 for ratio in figures["scaling_2_over_1"].values())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(660)  # run_quick gives the script 600 s
+def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("async_speedup.py")  # two whole launcher runs (k = 0, k = 4): minutes
+    assert any(line.startswith("async ") for line in lines)  # the table
+    assert (figures["steps"], figures["k_async"]) == (8, 4)
+    for key in (
+        "async_over_sync_speedup",
+        "fraction_of_ideal",
+        "ideal_speedup",
+        "sync_step_s",
+        "async_step_s",
+    ):
+        assert math.isfinite(figures[key]) and figures[key] > 0, (key, figures[key])
