@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -168,7 +169,7 @@ class RayLauncher:
 
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        resuming = (self.run_dir / "learner" / "checkpoints").is_dir()
+        resuming = self._checkpoint_version() > 0
         print(f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, "
               f"run_dir={self.run_dir}" + (" (resuming from its last checkpoint)" if resuming else ""), flush=True)  # fmt: skip
         if cfg.run.redis_url:
@@ -273,8 +274,13 @@ class RayLauncher:
             f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
         )
 
+    def _checkpoints(self) -> Path:
+        lr = self.cfg.learner
+        return Path(lr.checkpoint_dir) if lr.checkpoint_dir else self.run_dir / "learner" / "checkpoints"
+
     def _checkpoint_version(self) -> int:
-        steps = self.run_dir / "learner" / "checkpoints"
+        """The newest checkpoint's step (= the version the learner resumes with), 0 without one."""
+        steps = self._checkpoints()
         found = sorted(steps.glob("step*")) if steps.is_dir() else []
         return int(found[-1].name.removeprefix("step")) if found else 0
 
