@@ -30,7 +30,9 @@ def test_chart_lints() -> None:
 def test_rendered_run_config_is_a_valid_run_file(tmp_path: Path) -> None:
     out = helm(
         "template", "r", str(CHART), "--set", "run.k=16", "--set", "run.groupsPerStep=32",
-        "--set-string", "extraConfig=[sampler]\nn = 4\n",
+        # 32 groups per step: checkpoints every 25 steps keep (25 + 1) * 32 = 832 scored groups <= the 1024
+        # the stream holds (the default 50 would be refused: the learner acknowledges only at checkpoints)
+        "--set-string", "extraConfig=[sampler]\nn = 4\n[learner]\ncheckpoint_every = 25\n",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -40,7 +42,12 @@ def test_rendered_run_config_is_a_valid_run_file(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text(run_toml)
     cfg = load_config(SystemConfig, [path], env={})
-    assert (cfg.run.k, cfg.run.groups_per_step, cfg.sampler.n) == (16, 32, 4)
+    assert (cfg.run.k, cfg.run.groups_per_step, cfg.sampler.n, cfg.learner.checkpoint_every) == (
+        16,
+        32,
+        4,
+        25,
+    )
 
     import kubernetes_validate
 
