@@ -80,7 +80,6 @@ class Progress:
     run_dir: Path
     client: redis.Redis
     stream_keys: dict[str, str]  # "rollouts", "scored" -> Redis key
-    k: int
     started: float = field(default_factory=time.time)
     log: StepLog = field(init=False)
     _last: dict[str, float] = field(default_factory=dict)

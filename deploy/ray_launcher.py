@@ -138,7 +138,6 @@ class RayLauncher:
         self.stopping = Stopping()
         self.t0 = time.monotonic()
         self.local_redis: LocalRedis | None = None
-        self.started_ray = False
         self.broker: Any = None
         self.learner: Any = None
         self.reward_up = False
@@ -161,7 +160,6 @@ class RayLauncher:
             return f"connected to {address}"
         cpus = max(os.cpu_count() or 1, needed_cpus(self.cfg))
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-        self.started_ray = True
         return f"local Ray, {cpus} logical CPUs (the run needs {needed_cpus(self.cfg)})"
 
     # ------------------------------------------------------------------ up
@@ -274,6 +272,10 @@ class RayLauncher:
             f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
         )
 
+    def _queue_keys(self) -> dict[str, str]:
+        """The Redis keys of the two queues the progress line and the ledger count."""
+        return {n: self.specs[n].key for n in ("rollouts", "scored")}
+
     def _checkpoints(self) -> Path:
         lr = self.cfg.learner
         return Path(lr.checkpoint_dir) if lr.checkpoint_dir else self.run_dir / "learner" / "checkpoints"
@@ -290,8 +292,7 @@ class RayLauncher:
         import ray
 
         la = self.cfg.launcher
-        keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
-        self.progress = Progress(self.run_dir, self.client, keys, self.cfg.run.k)
+        self.progress = Progress(self.run_dir, self.client, self._queue_keys())
         deadline = self.t0 + la.max_minutes * 60 if la.max_minutes else None
         while not self.stopping.event.wait(la.progress_interval_s):
             record = self.progress.sample(*self._sampler_figures())
@@ -387,13 +388,13 @@ class RayLauncher:
         if self.learner is None or not hasattr(self, "specs"):
             return
         if not hasattr(self, "progress"):  # stopped before training began: nothing to account for yet
-            keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
-            self.progress = Progress(self.run_dir, self.client, keys, self.cfg.run.k)
+            self.progress = Progress(self.run_dir, self.client, self._queue_keys())
         self.progress.log.poll()
         feed = (self.summary.get("learner") or {}).get("feed")
-        keys = {n: self.specs[n].key for n in ("rollouts", "scored")}
         dead = {n: self.specs[n].dead_letter_key for n in ("rollouts", "scored")}
-        ledger = take_ledger(self.client, keys, dead, feed, self.progress.log.steps, self.cfg.run.k)
+        ledger = take_ledger(
+            self.client, self._queue_keys(), dead, feed, self.progress.log.steps, self.cfg.run.k
+        )
         self.summary["ledger"] = ledger
         (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
         verdict = "balanced" if ledger["balanced"] else "NOT balanced: " + "; ".join(ledger["problems"])
