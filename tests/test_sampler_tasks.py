@@ -16,6 +16,7 @@ from services.sampler.tasks import (
     ARITH_TEST_SIZE,
     ARITH_TRAIN_SIZE,
     BUILTIN_DATASETS,
+    DIGIT_ADD_TEST_SIZE,
     DatasetTasks,
     PromptEncoder,
     TaskError,
@@ -223,6 +224,32 @@ def test_builtin_arith_is_deterministic_from_the_seed() -> None:
     assert [t.prompt for t in load_dataset("builtin:arith", seed=1)] != [
         t.prompt for t in load_dataset("builtin:arith", seed=2)
     ]
+
+
+def test_builtin_digit_add_splits_cover_all_100_problems_once() -> None:
+    assert "digit_add" in BUILTIN_DATASETS
+    train = load_dataset("builtin:digit_add")
+    test = load_dataset("builtin:digit_add", split="test")
+    assert (len(train), len(test)) == (100 - DIGIT_ADD_TEST_SIZE, DIGIT_ADD_TEST_SIZE) == (80, 20)
+    everything = {t.prompt for t in train} | {t.prompt for t in test}
+    assert everything == {f"What is {a}+{b}?" for a in range(10) for b in range(10)}  # disjoint, complete
+    assert train[0].task_id == "digit_add:0" and test[0].task_id == "digit_add:test:0"
+    assert {t.split for t in train} == {"train"} and {t.split for t in test} == {"test"}
+    assert [t.prompt for t in load_dataset("builtin:digit_add", split="eval:x")] == [t.prompt for t in test]
+
+
+def test_builtin_digit_add_answers_are_right() -> None:
+    for task in load_dataset("builtin:digit_add", seed=3) + load_dataset(
+        "builtin:digit_add", split="test", seed=3
+    ):
+        a, b = (int(x) for x in task.prompt.removeprefix("What is ").removesuffix("?").split("+"))
+        assert 0 <= a <= 9 and 0 <= b <= 9 and task.reference == str(a + b)
+
+
+def test_builtin_digit_add_is_deterministic_from_the_seed() -> None:
+    assert load_dataset("builtin:digit_add", seed=1) == load_dataset("builtin:digit_add", seed=1)
+    one, two = load_dataset("builtin:digit_add", seed=1), load_dataset("builtin:digit_add", seed=2)
+    assert [t.prompt for t in one] != [t.prompt for t in two]  # another order and another held-out cut
 
 
 def test_builtin_unknown_split() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,16 @@ from services.learner.warm_start import (
 from services.sampler.tasks import PromptEncoder, load_dataset
 
 DATASET = "builtin:digit_add"
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """One intra-op thread (warm_start is passed threads=1 too): the tiny model gains little from more, and
+    spinning threads on a busy shared machine make these tests many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -72,7 +83,7 @@ def test_loss_decreases(tiny_model_dir: Path) -> None:
 
 
 def test_warm_start_is_deterministic_atomic_and_idempotent(tiny_model_dir: Path, tmp_path: Path) -> None:
-    kwargs = {"steps": 5, "lr": 3e-3, "batch_size": 8, "seed": 0}
+    kwargs = {"steps": 5, "lr": 3e-3, "batch_size": 8, "seed": 0, "threads": 1}
     out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, **kwargs)  # type: ignore[arg-type]
     assert out == (tmp_path / "ws").absolute()
     assert [p.name for p in tmp_path.iterdir()] == ["ws"]  # no temporary directory left behind
@@ -88,23 +99,24 @@ def test_warm_start_is_deterministic_atomic_and_idempotent(tiny_model_dir: Path,
     assert warm_start(tiny_model_dir, out, DATASET, **kwargs) == out  # type: ignore[arg-type]
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # returned, not rebuilt
 
-    again = warm_start(tiny_model_dir, tmp_path / "again", DATASET, **kwargs)  # type: ignore[arg-type]
-    assert all(torch.equal(v, _weights(again)[k]) for k, v in trained.items())
+    again = _weights(warm_start(tiny_model_dir, tmp_path / "again", DATASET, **kwargs))  # type: ignore[arg-type]
+    assert all(torch.equal(v, again[k]) for k, v in trained.items())  # same seed, same weights
 
 
 def test_a_different_warm_start_is_refused_not_overwritten(tiny_model_dir: Path, tmp_path: Path) -> None:
-    out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, steps=1, lr=1e-3, batch_size=4)
+    out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, steps=1, lr=1e-3, batch_size=4, threads=1)
     with pytest.raises(ValueError, match=r"different warm start \(lr: existing=0.001 requested=0.002; "
                                          r"steps: existing=1 requested=2\)"):  # fmt: skip
-        warm_start(tiny_model_dir, out, DATASET, steps=2, lr=2e-3, batch_size=4)
+        warm_start(tiny_model_dir, out, DATASET, steps=2, lr=2e-3, batch_size=4, threads=1)
+    assert json.loads((out / MARKER_FILENAME).read_text())["steps"] == 1  # left as it was
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a warm-start directory; refusing to overwrite it"):
-        warm_start(tiny_model_dir, tmp_path / "other", DATASET, steps=1, lr=1e-3, batch_size=4)
+        warm_start(tiny_model_dir, tmp_path / "other", DATASET, steps=1, lr=1e-3, batch_size=4, threads=1)
 
 
 def test_zero_steps_saves_the_base_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, steps=0, lr=1e-3, batch_size=4)
+    out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, steps=0, lr=1e-3, batch_size=4, threads=1)
     base = _weights(tiny_model_dir)
     assert all(torch.equal(v, base[k]) for k, v in _weights(out).items())
 
@@ -129,7 +141,7 @@ def test_an_empty_dataset_is_an_error(tiny_model_dir: Path, tmp_path: Path) -> N
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match=r"dataset '.*empty.jsonl' has no train rows"):
-        warm_start(tiny_model_dir, tmp_path / "ws", str(empty), steps=1, lr=1e-3, batch_size=4)
+        warm_start(tiny_model_dir, tmp_path / "ws", str(empty), steps=1, lr=1e-3, batch_size=4, threads=1)
 
 
 def test_sampled_responses_stop_at_the_stop_token(tiny_model_dir: Path) -> None:
@@ -154,7 +166,8 @@ def test_sampled_responses_stop_at_the_stop_token(tiny_model_dir: Path) -> None:
 def test_sampled_reward_and_the_cli(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    main([str(tiny_model_dir), str(tmp_path / "ws"), "--dataset", DATASET, "--steps", "60", "--lr", "3e-3"])
+    flags = f"--dataset {DATASET} --steps 100 --lr 1e-3 --threads 1".split()
+    main([str(tiny_model_dir), str(tmp_path / "ws"), *flags])
     assert str(tmp_path / "ws") in capsys.readouterr().out
     trained = sampled_reward(tmp_path / "ws", DATASET, n_prompts=20, n_samples=4)
     base = sampled_reward(tiny_model_dir, DATASET, n_prompts=20, n_samples=4, max_tokens=4)
