@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -97,3 +99,23 @@ def ray_local():  # type: ignore[no-untyped-def]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path,
+               vllm_engine: Any) -> Iterator[Callable[..., Any]]:  # fmt: skip
+    """Sampler stacks (tests/sampler_stack.py) on the session's engine, closed at the end of the test."""
+    from tests.sampler_stack import Stack
+
+    stacks: list[Stack] = []
+
+    def make(k: int = 1, groups_per_step: int = 2, **sampler: Any) -> Stack:
+        stack = Stack(
+            redis_client, redis_url, tiny_model_dir, tmp_path, vllm_engine, k, groups_per_step, **sampler
+        )
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.close()

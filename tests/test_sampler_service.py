@@ -2,93 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
-import redis
 
-from services.common.config import RunConfig, StreamsConfig
-from services.common.streams import StreamProducer, stream_specs
-from services.sampler.engine import GenerationEngine
-from services.sampler.service import SamplerService
-from tests.sampler_helpers import (
-    LearnerStandIn,
-    announcing_broker,
-    hf_logprobs,
-    hf_model,
-    max_abs_diff,
-    sampler_config,
-    version_weights,
-)
-from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
+from services.common.streams import StreamProducer
+from tests.sampler_helpers import hf_logprobs, hf_model, max_abs_diff, version_weights
+from tests.sampler_stack import Stack, wait_until
+from vcpo.v1 import common_pb2, registry_pb2, rollout_pb2
 
 pytestmark = pytest.mark.slow
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-class Stack:
-    """Redis + broker (announcing on the weights stream) + one sampler service on the session's engine."""
-
-    def __init__(self, client: redis.Redis, url: str, model_dir: Path, run_dir: Path, engine: GenerationEngine,
-                 k: int, groups_per_step: int, **sampler: Any) -> None:  # fmt: skip
-        self.run = RunConfig(run_id="t", k=k, groups_per_step=groups_per_step, model=str(model_dir),
-                             redis_url=url, run_dir=run_dir)  # fmt: skip
-        specs = stream_specs(self.run, StreamsConfig())
-        self.broker = announcing_broker(client, self.run)
-        self.cfg = sampler_config(self.run, self.broker, **{"n": 4, "max_tokens": 16, "max_model_len": 256,
-                                                            "max_groups_in_flight": 4, **sampler})  # fmt: skip
-        engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
-        self.service = SamplerService(self.cfg, 0, engine)
-        self.learner = LearnerStandIn(client, self.run, self.broker.client(), model_dir)
-        self.client, self.model_dir, self.specs = client, model_dir, specs
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,), daemon=True)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.service.server.port}")
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def status(self) -> common_pb2.ServiceStatus:
-        return common_pb2_grpc.StatusStub(self.channel).GetStatus(common_pb2.StatusRequest(), timeout=5)
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=30)
-        self.channel.close()
-        self.service.close()  # leaves the session's engine running
-        self.broker.stop()
-
-
-@pytest.fixture
-def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path,
-               vllm_engine: GenerationEngine) -> Iterator[Callable[..., Stack]]:  # fmt: skip
-    stacks: list[Stack] = []
-
-    def make(k: int = 1, groups_per_step: int = 2, **sampler: Any) -> Stack:
-        stack = Stack(
-            redis_client, redis_url, tiny_model_dir, tmp_path, vllm_engine, k, groups_per_step, **sampler
-        )
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        stack.close()
 
 
 def check_group(group: rollout_pb2.TrajectoryGroup, model: Any, version: int, n: int) -> None:
@@ -154,8 +79,8 @@ def test_bad_tasks_get_clear_errors_are_counted_and_the_sampler_keeps_going(
         rollout_pb2.Task(task_id="good", prompt="What is 2+2?", reference="4"),
         rollout_pb2.Task(task_id="arith:5"),  # a dataset row by id
     ]
-    stub = registry_pb2_grpc.EnvironmentRegistryStub(stack.channel)
-    reply = stub.SubmitTasks(iter(registry_pb2.SubmitTasksRequest(task=t) for t in tasks), timeout=10)
+    requests = iter(registry_pb2.SubmitTasksRequest(task=t) for t in tasks)
+    reply = stack.registry().SubmitTasks(requests, timeout=10, metadata=stack.auth)
     assert (reply.accepted, reply.rejected) == (2, 4), reply.errors
     assert (
         reply.errors[0].startswith("task #0: task 'long': the prompt is")

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.common.config import Section, ServiceConfig
 from services.weight_broker.config import WeightBrokerConfig
+
+
+class EnvironmentConfig(Section):
+    """A tool-use environment registered when the sampler starts (the same fields as RegisterEnvironment's
+    EnvironmentSpec; zeros take the registry's defaults)."""
+
+    name: str = Field(description="The name tasks refer to (Task.environment).")
+    endpoint: str = Field("", description="host:port of a vcpo.v1.Environment server (or give builtin).")
+    builtin: str = Field("", description="A built-in environment type, e.g. 'python' (or give endpoint).")
+    max_concurrency: int = Field(0, ge=0, description="Episodes open at once per sampler replica; 0: 4 x n.")
+    reset_timeout_seconds: float = Field(0, ge=0, description="Deadline of Reset; 0: 30 s.")
+    step_timeout_seconds: float = Field(0, ge=0, description="Deadline of Step; 0: 60 s.")
+    scorer: str = Field("", description="Default scorer of its tasks; 'environment': its own reward.")
+    weight: float = Field(0, ge=0, description="Share of sampling across environments; 0: 1.")
+    max_turns: int = Field(0, ge=0, description="Model turns per episode; 0: 8.")
+    max_episode_tokens: int = Field(0, ge=0, description="Tokens per episode; 0: what max_model_len allows.")
+    tool_parser: str = Field("", description="'fenced_code' (default), 'json' or 'turn'.")
 
 
 class SamplerConfig(Section):
@@ -57,8 +74,41 @@ class SamplerConfig(Section):
         description="Training prompts: a .jsonl or .parquet path, or 'builtin:<name>'. Empty: only the "
         "`tasks` stream (gRPC submissions).",
     )
+    dataset_environment: str = Field(
+        "", description="Run every dataset task as a multi-turn episode of this registered environment."
+    )
+    environments: list[EnvironmentConfig] = Field(
+        default_factory=list,
+        description="Environments registered at start-up (clients may register more over gRPC).",
+    )
     prompt_field: str = Field("prompt", description="Dataset column holding the prompt.")
     answer_field: str = Field("answer", description="Dataset column holding the reference answer.")
+    api_token: SecretStr = Field(
+        SecretStr(""),
+        description="Bearer token every client-facing call (EnvironmentRegistry) must carry. Set it from the "
+        "environment (VCPO_SAMPLER__API_TOKEN, e.g. from a Kubernetes Secret), not in a file. Empty: "
+        "api_token_file, else <run_dir>/api_token (created with a random token).",
+    )
+    api_token_file: str = Field(
+        "", description="A file holding the API token (used when api_token is empty)."
+    )
+    max_request_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="Largest gRPC message a client may send (and an environment may answer).",
+    )
+    env_threads: int = Field(
+        64, ge=1, description="Threads calling environments (a hanging call holds one until its deadline)."
+    )
+    env_failures_to_open: int = Field(
+        3, ge=1, description="Groups an environment fails in a row before its circuit breaker pauses it."
+    )
+    env_cooldown_s: float = Field(
+        30.0, gt=0, description="First pause of a failing environment; doubles while it keeps failing."
+    )
+    env_max_attempts: int = Field(
+        3, ge=1, description="Times a task is tried in its environment before it is dead-lettered."
+    )
     grpc_port: int = Field(50051, ge=0, le=65535, description="Client-facing gRPC API port; 0 = a free port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
 

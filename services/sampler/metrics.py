@@ -50,6 +50,28 @@ class SamplerMetrics:
             "Tasks rejected before generation, by reason",
             ["replica", "reason"],
         )
+        self.unauthenticated = metrics.counter(
+            "vcpo_sampler_unauthenticated_total", "Client calls refused for a missing or wrong API token", r
+        )
+        e = ["replica", "environment"]
+        self.env_episodes = metrics.counter(
+            "vcpo_sampler_env_episodes_total", "Multi-turn episodes completed, by environment", e
+        )
+        self.env_turns = metrics.histogram(
+            "vcpo_sampler_env_episode_turns", "Model turns per completed episode", e,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+        )  # fmt: skip
+        self.env_failures = metrics.counter(
+            "vcpo_sampler_env_failed_groups_total", "Groups an environment failed, by environment and reason",
+            ["replica", "environment", "reason"],
+        )  # fmt: skip
+        self.env_call = metrics.histogram(
+            "vcpo_sampler_env_call_seconds", "Environment call latency (reset, step)",
+            ["replica", "environment", "call"],
+        )  # fmt: skip
+        self.env_paused = metrics.gauge(
+            "vcpo_sampler_env_paused", "1 while an environment's circuit breaker holds its tasks back", e
+        )
         self.rate = WindowRate()
 
     def add_tokens(self, n: int) -> None:

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import ray
+from pydantic import SecretStr
 
 from services.common.observability import actor_logging
 from services.sampler.config import SamplerServiceConfig
@@ -18,8 +19,11 @@ from services.sampler.config import SamplerServiceConfig
 
 @ray.remote(max_concurrency=2)  # run() holds one thread; status() and stop() use the other
 class SamplerActor:
-    def __init__(self, cfg_json: str, replica: int) -> None:
-        self.cfg = SamplerServiceConfig.model_validate_json(cfg_json)
+    def __init__(self, cfg_json: str, replica: int, api_token: str = "") -> None:
+        cfg = SamplerServiceConfig.model_validate_json(cfg_json)
+        # the JSON has the secret masked ("**********"): it travels beside it
+        sampler = cfg.sampler.model_copy(update={"api_token": SecretStr(api_token)})
+        self.cfg = cfg.model_copy(update={"sampler": sampler})
         self.replica = replica
         self.stop_event = threading.Event()
         self.service: Any = None
@@ -72,7 +76,7 @@ def start_samplers(
             name=f"vcpo-sampler-{cfg.run.run_id}-{i}",
             max_restarts=max_restarts,
             max_task_retries=max_restarts,
-        ).remote(payload, i)
+        ).remote(payload, i, s.api_token.get_secret_value())
         for i in range(s.replicas)
     ]
     return actors, [a.run.remote(max_groups) for a in actors]

@@ -11,8 +11,14 @@
       5. give up   an in-flight group that no learner step may still use (newest published version minus its
                    start version > k) is aborted, its admission slot released, its task retried
 
+A task of a tool-use environment is admitted only when its environment can take a group (sessions free,
+circuit breaker closed); its group's responses are multi-turn episodes run by the agent loop (agent.py),
+whose environment calls are collected every tick; a group the environment failed is given up like a stale
+one (its task retried, up to the feed's limit).
+
 What blocks what: a full `rollouts` stream blocks step 4 and so the whole loop (back-pressure); the lag bound
-blocks step 2 until newer weights are applied; fetching weights never blocks the loop (a background thread).
+blocks step 2 until newer weights are applied; fetching weights never blocks the loop (a background thread),
+and neither do environment calls (a pool of threads).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, Literal
 
 from services.common.admission import Admission, AdmissionCounter
 from services.common.streams import StreamProducer
+from services.sampler.agent import AgentLoop
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.feed import PreparedTask, TaskFeed
 from services.sampler.groups import Group
@@ -67,6 +74,7 @@ class Sampler:
         sampling: Sampling,
         max_groups_in_flight: int = 16,
         weight_update: Literal["pause", "in_flight"] = "pause",
+        agent: AgentLoop | None = None,
     ) -> None:
         self.engine, self.feed, self.admission, self.rollouts = engine, feed, admission, rollouts
         self.sync, self.metrics = sync, metrics
@@ -78,6 +86,7 @@ class Sampler:
             weight_update = "pause"
         self.weight_update = weight_update
         self.k = admission.k
+        self.agent = agent
         self.status = SamplerState()
         self.groups: dict[str, Group] = {}
         self._by_request: dict[str, Group] = {}
@@ -91,6 +100,7 @@ class Sampler:
         self.max_groups = 0  # stop admitting once this many are written or in flight (0: no limit)
         self.aborted: dict[str, int] = {}
         self.busy_s = 0.0  # in engine steps: generating, not waiting for admission or weights
+        self._published = 0.0
         self.lags: list[int] = []  # newest known version - policy_version_start of each emitted group
 
     # ------------------------------------------------------------------ the loop
@@ -119,6 +129,7 @@ class Sampler:
             self._absorb(deltas)
         else:
             self._idle_wait()
+        self._poll_environments()
         self._give_up_stale()
         self._report()
 
@@ -126,9 +137,11 @@ class Sampler:
         """Abort in-flight groups and release their admission slots (their stream tasks stay pending)."""
         self.sync.stop()
         for group in list(self.groups.values()):
-            self.engine.abort(group.request_ids)
+            self._stop(group)
             self._give_up(group, "shutdown", retry=False)
         self._unblock()
+        if self.agent is not None:
+            self.agent.close()
 
     # ------------------------------------------------------------------ 1. weights
     def _update_weights(self) -> None:
@@ -160,7 +173,7 @@ class Sampler:
         while len(self.groups) < self.max_groups_in_flight:
             if self.max_groups and self.emitted + len(self.groups) >= self.max_groups:
                 return
-            prepared = self._held.popleft() if self._held else self.feed.next()
+            prepared = self._held.popleft() if self._held else self.feed.next(self._can_start)
             if prepared is None:
                 return
             decision = self.admission.try_admit(version, holder=self.replica_id)
@@ -178,11 +191,26 @@ class Sampler:
         sampling = self.sampling
         if budget < sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=budget)
-        group = Group(group_id, prepared.task, prepared.prompt_tokens, version, sampling, self.n, prepared)
+        environment = prepared.task.environment
+        group = Group(group_id, prepared.task, prepared.prompt_tokens, version, sampling, self.n, prepared,
+                      multi_turn=bool(environment))  # fmt: skip
+        self.groups[group_id] = group
+        if environment:
+            handle = self.agent.registry.get(environment) if self.agent is not None else None
+            if handle is None or self.agent is None:
+                raise RuntimeError(f"group {group_id}: environment {environment!r} vanished after admission")
+            self.agent.start(group, handle)
+            return
         for request_id in group.request_ids:
             self.engine.add(request_id, prepared.prompt_tokens, sampling)
             self._by_request[request_id] = group
-        self.groups[group_id] = group
+
+    def _can_start(self, task: rollout_pb2.Task) -> bool:
+        """Whether a task's environment can take a group now (single-turn tasks always can)."""
+        if not task.environment:
+            return True
+        handle = self.agent.registry.get(task.environment) if self.agent is not None else None
+        return handle is not None and handle.can_start(self.n)
 
     def _refused(self, decision: Admission) -> None:
         if self._blocked_since is None:
@@ -203,6 +231,10 @@ class Sampler:
         assert version is not None
         tokens = 0
         for delta in deltas:
+            if self.agent is not None and self.agent.owns(delta.request_id):
+                self.agent.absorb(delta, version)
+                tokens += len(delta.token_ids)
+                continue
             group = self._by_request.get(delta.request_id)
             if group is None:  # a request of a group given up in this step
                 continue
@@ -236,10 +268,27 @@ class Sampler:
     def _give_up_stale(self) -> None:
         for group in list(self.groups.values()):
             if self._lag(group) > self.k:
-                self.engine.abort(group.request_ids)
+                self._stop(group)
                 self._give_up(group, "lag", retry=True)
 
-    def _give_up(self, group: Group, reason: str, retry: bool) -> None:
+    def _stop(self, group: Group) -> None:
+        """Stop generating a group (its environment sessions, if any, are closed)."""
+        if group.multi_turn and self.agent is not None:
+            self.agent.abort(group)
+        else:
+            self.engine.abort(group.request_ids)
+
+    def _poll_environments(self) -> None:
+        if self.agent is None:
+            return
+        finished, failed = self.agent.poll()
+        for group in finished:
+            self._emit(group)
+        for group, failure in failed:
+            log.warning("group %s failed in its environment: %s", group.group_id, failure)
+            self._give_up(group, "environment", retry=True, failure=failure)
+
+    def _give_up(self, group: Group, reason: str, retry: bool, failure: str | None = None) -> None:
         """Drop a group that will not be written: its admission slot goes back, its task is retried or not."""
         self._forget(group)
         self.admission.release(1, holder=self.replica_id)
@@ -248,7 +297,7 @@ class Sampler:
         log.info("gave up group %s (version %d, task %s): %s", group.group_id, group.version,
                  group.task.task_id, reason)  # fmt: skip
         if retry:
-            self.feed.retry(group.source)
+            self.feed.retry(group.source, failure)
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)
@@ -259,7 +308,22 @@ class Sampler:
     def _idle_wait(self) -> None:
         time.sleep(0.01 if self.engine.loaded_version is not None else 0.05)
 
+    def _report_environments(self) -> None:
+        """Every 2 s: each environment's queued tasks and breaker here, for EnvironmentStatus and metrics."""
+        now = time.monotonic()
+        if self.agent is None or now - self._published < 2.0:
+            return
+        self._published = now
+        registry = self.agent.registry
+        registry.refresh()
+        for name, handle in registry.handles.items():
+            handle.queued = self.feed.waiting_count(name)
+            paused = handle.breaker.state != "closed"
+            self.metrics.env_paused.labels(self.replica_id, name).set(1.0 if paused else 0.0)
+        registry.publish_live()
+
     def _report(self) -> None:
+        self._report_environments()
         rate = self.metrics.refresh()
         self.metrics.in_flight.labels(self.replica_id).set(len(self.groups))
         newest = self.sync.newest_known
@@ -293,4 +357,7 @@ class Sampler:
             "task_errors": dict(self.feed.errors),
             "max_lag": max(self.lags, default=0),
             "busy_seconds": self.busy_s,
+            **(
+                {"environment_calls": dict(self.agent.calls), "turns": self.agent.turns} if self.agent else {}
+            ),
         }

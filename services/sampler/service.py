@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from services.common.admission import AdmissionCounter
+from services.common.auth import TokenAuthInterceptor, resolve_api_token
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
 from services.common.streams import (
     StreamConsumer,
@@ -23,8 +24,10 @@ from services.common.streams import (
     stream_specs,
 )
 from services.common.tiny_model import run_model
+from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
+from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
 from services.sampler.feed import TaskFeed
 from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
@@ -32,7 +35,7 @@ from services.sampler.servicer import RegistryServicer, StatusServicer
 from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError, load_dataset
 from services.sampler.weights import WeightSync
 from services.weight_broker.client import transport_from_config
-from vcpo.v1 import common_pb2_grpc, registry_pb2_grpc
+from vcpo.v1 import common_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +70,32 @@ class SamplerService:
         self._owns_engine = engine is None
         self.engine = engine or make_engine(cfg, replica)
         encoder = PromptEncoder(self.engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
+        self.environments = EnvironmentRegistry(
+            client, run.run_id, self.replica_id, s.n, max_message_bytes=s.max_request_bytes,
+            breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
+        )  # fmt: skip
+        for env in s.environments:  # the run file's (idempotent: every replica registers the same)
+            self.environments.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
         dataset = None
         if s.dataset:
             tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed)
+            if s.dataset_environment:
+                handle = self.environments.get(s.dataset_environment)
+                if handle is None:
+                    raise ValueError(f"sampler.dataset_environment {s.dataset_environment!r} is not registered; "
+                                     "list it in [[sampler.environments]]")  # fmt: skip
+                for task in tasks:
+                    task.environment = s.dataset_environment
+                    task.scorer = task.scorer or handle.spec.scorer
             dataset = DatasetTasks(tasks, seed=run.seed * 1000 + replica)
         consumer = StreamConsumer(
             client, specs["tasks"], self.replica_id, stream_metrics, cfg.streams.reclaim_idle_ms,
             cfg.streams.max_deliveries,
         )  # fmt: skip
-        self.feed = TaskFeed(encoder, dataset, consumer, self._task_error)
+        self.feed = TaskFeed(
+            encoder, dataset, consumer, self._task_error, environment_known=self.environments.known,
+            weight=self._environment_weight, max_attempts=s.env_max_attempts,
+        )  # fmt: skip
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         sync = WeightSync(
             self.engine, self.transport, StreamTail(client, specs["weights"], metrics=stream_metrics),
@@ -87,20 +107,24 @@ class SamplerService:
             sync, self.metrics, run_id=run.run_id, replica_id=self.replica_id, n=s.n,
             sampling=Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop)),
             max_groups_in_flight=s.max_groups_in_flight, weight_update=s.weight_update,
+            agent=AgentLoop(self.engine, self.environments, encoder, self.metrics, threads=s.env_threads),
         )  # fmt: skip
         tasks_producer = StreamProducer(
             client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
         )
         status = StatusServicer(self.sampler.status, run.run_id, self.replica_id)
-        registry = RegistryServicer(self.feed.validate, tasks_producer, self._task_error)
+        registry = RegistryServicer(self.feed.validate, tasks_producer, self.environments, self._task_error)
 
         def add(server: grpc.Server) -> list[str]:
             common_pb2_grpc.add_StatusServicer_to_server(status, server)
             registry_pb2_grpc.add_EnvironmentRegistryServicer_to_server(registry, server)
             return ["vcpo.v1.Status", "vcpo.v1.EnvironmentRegistry"]
 
+        token, source = resolve_api_token(s.api_token.get_secret_value(), s.api_token_file, run.run_dir)
+        log.info("%s: client calls need the API token (from %s)", self.replica_id, source)
+        auth = TokenAuthInterceptor(token, {"vcpo.v1.EnvironmentRegistry"}, self._refused)
         port = s.grpc_port + replica if s.grpc_port else 0
-        self.server = grpc_server(add, port=port)
+        self.server = grpc_server(add, port=port, max_message_bytes=s.max_request_bytes, interceptors=[auth])
         self.http = serve_metrics(self.registry, port=s.metrics_port + replica if s.metrics_port else 0)
         self.endpoints = write_endpoints(
             run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url
@@ -109,6 +133,13 @@ class SamplerService:
     def _task_error(self, exc: TaskError) -> None:
         self.metrics.task_errors.labels(self.replica_id, exc.reason).inc()
 
+    def _refused(self, method: str) -> None:
+        self.metrics.unauthenticated.labels(self.replica_id).inc()
+
+    def _environment_weight(self, name: str) -> float:
+        handle = self.environments.handles.get(name)
+        return handle.spec.weight if handle is not None else 1.0
+
     def serve(self, stop: threading.Event, max_groups: int = 0) -> dict[str, Any]:
         log.info("%s: gRPC on port %d, metrics on %s", self.replica_id, self.server.port, self.http.url)
         self.sampler.run(stop, max_groups)
@@ -116,6 +147,7 @@ class SamplerService:
 
     def close(self) -> None:
         self.server.stop(grace=1)
+        self.environments.close()
         self.http.close()
         self.transport.close()
         if self._owns_engine:

@@ -1,9 +1,11 @@
-"""The sampler's gRPC services: Status (with health), and task submission through the environment registry.
+"""The sampler's gRPC services: Status (with health), and the environment registry clients talk to.
 
-``SubmitTasks`` checks every task the way the sampler will (environment, prompt, context length) and puts the
-good ones on the run's `tasks` stream, where any replica picks them up; the reply counts both and names each
-rejected task with its reason. Registering tool-use environments is not served by this version: those calls
-answer UNIMPLEMENTED, saying so.
+``RegisterEnvironment`` validates a spec (defaults filled in, a bad value named: INVALID_ARGUMENT; an endpoint
+that does not answer health checks: FAILED_PRECONDITION) and stores it for every replica. ``SubmitTasks``
+checks every task the way the sampler will (environment registered, payload JSON, prompt, context length),
+gives a task of an environment that environment's scorer when it names none, and puts the good ones on the
+run's `tasks` stream, where any replica picks them up; the reply counts both and names each rejected task
+with its reason. The registry's calls need the run's API token (services.common.auth).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from services.common.streams import StreamProducer
+from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable
 from services.sampler.sampler import SamplerState
 from services.sampler.tasks import TaskError
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
@@ -45,9 +48,10 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
         self,
         validate: Callable[[rollout_pb2.Task], object],
         tasks: StreamProducer[rollout_pb2.Task],
+        registry: EnvironmentRegistry,
         on_error: Callable[[TaskError], None] | None = None,
     ) -> None:
-        self.validate, self.tasks, self.on_error = validate, tasks, on_error
+        self.validate, self.tasks, self.registry, self.on_error = validate, tasks, registry, on_error
 
     def SubmitTasks(
         self, request_iterator: Iterator[registry_pb2.SubmitTasksRequest], context: grpc.ServicerContext
@@ -61,6 +65,10 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
                 task.environment = request.environment
             if not task.split:
                 task.split = "train"
+            if task.environment and not task.scorer:
+                handle = self.registry.get(task.environment)
+                if handle is not None:
+                    task.scorer = handle.spec.scorer
             try:
                 self.validate(task)
             except TaskError as exc:
@@ -76,20 +84,29 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
     def ListEnvironments(
         self, request: registry_pb2.ListEnvironmentsRequest, context: grpc.ServicerContext
     ) -> registry_pb2.ListEnvironmentsResponse:
-        return registry_pb2.ListEnvironmentsResponse()  # none registered: single-turn tasks only
+        return registry_pb2.ListEnvironmentsResponse(environments=self.registry.specs())
 
     def RegisterEnvironment(
         self, request: registry_pb2.RegisterEnvironmentRequest, context: grpc.ServicerContext
     ) -> registry_pb2.RegisterEnvironmentResponse:
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "tool-use environments are not served by this sampler yet; submit single-turn tasks "
-            '(environment "") with SubmitTasks',
-        )
-        raise AssertionError("unreachable")
+        try:
+            spec, created = self.registry.register(request.spec)
+        except Unreachable as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SpecError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc
+        return registry_pb2.RegisterEnvironmentResponse(name=spec.name, created=created)
 
     def EnvironmentStatus(
         self, request: registry_pb2.EnvironmentStatusRequest, context: grpc.ServicerContext
     ) -> registry_pb2.EnvironmentStatusResponse:
-        context.abort(grpc.StatusCode.NOT_FOUND, f"no environment named {request.name!r} is registered")
-        raise AssertionError("unreachable")
+        status = self.registry.status(request.name)
+        if status is None:
+            known = [s.name for s in self.registry.specs()]
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no environment named {request.name!r} is registered (known: {known})",
+            )
+            raise AssertionError("unreachable")
+        return status

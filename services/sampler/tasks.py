@@ -38,7 +38,10 @@ from typing import Any, Protocol
 
 from vcpo.v1 import common_pb2, rollout_pb2
 
-TASK_ERROR_REASONS = ("empty_prompt", "prompt_too_long", "unknown_task", "unknown_environment", "bad_row")
+TASK_ERROR_REASONS = (
+    "empty_prompt", "prompt_too_long", "unknown_task", "unknown_environment", "bad_row", "bad_payload",
+    "environment_failed",
+)  # fmt: skip
 """The ``reason`` labels :class:`TaskError` is raised with (bounded, so they can label a metric)."""
 
 BUILTIN_PREFIX = "builtin:"
@@ -374,6 +377,8 @@ class ChatTokenizer(Protocol):
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
+    def encode(self, text: str, **kwargs: Any) -> Any: ...
+
 
 class PromptEncoder:
     """Turns a Task into prompt token ids with the tokenizer's chat template, within the engine's length."""
@@ -402,10 +407,13 @@ class PromptEncoder:
         out.append({"role": "user", "content": task.prompt})
         return out
 
-    def encode(self, task: rollout_pb2.Task) -> list[int]:
-        """Prompt token ids, with the generation prompt; TaskError if empty or too long for one response token."""
+    def encode(self, task: rollout_pb2.Task, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids, with the generation prompt; TaskError if empty or too long for one response token.
+        ``tools`` (JSON schemas of an environment's tools) go to the chat template, which describes them to
+        the model in its own format (a template without tool support leaves them out)."""
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         result = self.tokenizer.apply_chat_template(
-            self.messages(task), tokenize=True, add_generation_prompt=True
+            self.messages(task), tokenize=True, add_generation_prompt=True, **kwargs
         )
         tokens = _token_ids(result)
         if len(tokens) + 1 > self.max_model_len:

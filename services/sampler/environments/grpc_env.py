@@ -1,0 +1,96 @@
+"""A user's environment behind gRPC: the protocol's calls with deadlines, their failures named.
+
+DEADLINE_EXCEEDED is a ``timeout``, UNAVAILABLE (the server is down or unreachable) ``unavailable``, any other
+status ``error`` with the server's own details; a reply that cannot be used (a non-finite reward) is
+``bad_reply``. Health is the standard ``grpc.health.v1`` check, for ``vcpo.v1.Environment`` or, when the
+server does not name its services, the server as a whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.sampler.environments.base import Environment, EnvironmentFailure
+from vcpo.v1 import environment_pb2, environment_pb2_grpc, rollout_pb2
+
+SERVICE = "vcpo.v1.Environment"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6 address]:port`` as (host, port); ValueError naming the bad value."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{endpoint!r} is not host:port")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"{endpoint!r}: an IPv6 host goes in brackets, e.g. [::1]:50051")
+    elif ":" in host:
+        raise ValueError(f"{endpoint!r}: an IPv6 host goes in brackets, e.g. [::1]:50051")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{endpoint!r}: the port must be a number in 1..65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+class GrpcEnvironment(Environment):
+    def __init__(self, name: str, endpoint: str, max_message_bytes: int = 4 << 20) -> None:
+        parse_endpoint(endpoint)
+        self.name, self.endpoint = name, endpoint
+        self.channel = grpc.insecure_channel(
+            endpoint,
+            options=[("grpc.max_send_message_length", max_message_bytes),
+                     ("grpc.max_receive_message_length", max_message_bytes)],
+        )  # fmt: skip
+        self.stub = environment_pb2_grpc.EnvironmentStub(self.channel)
+
+    def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=max(timeout_s, 0.001))
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            reason = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+                      grpc.StatusCode.UNAVAILABLE: "unavailable"}.get(code, "error")  # fmt: skip
+            name = code.name if code is not None else "UNKNOWN"
+            raise EnvironmentFailure(
+                self.name, reason, f"{method} at {self.endpoint}: {name}: {details}"
+            ) from None
+
+    def reset(
+        self, session_id: str, task: rollout_pb2.Task, timeout_s: float
+    ) -> environment_pb2.ResetResponse:
+        request = environment_pb2.ResetRequest(session_id=session_id, task=task)
+        reply: environment_pb2.ResetResponse = self._call("Reset", request, timeout_s)
+        return reply
+
+    def step(
+        self, session_id: str, action: environment_pb2.Action, timeout_s: float
+    ) -> environment_pb2.StepResponse:
+        request = environment_pb2.StepRequest(session_id=session_id, action=action)
+        reply: environment_pb2.StepResponse = self._call("Step", request, timeout_s)
+        if not math.isfinite(reply.reward):
+            raise EnvironmentFailure(
+                self.name, "bad_reply", f"Step at {self.endpoint}: reward {reply.reward}"
+            )
+        return reply
+
+    def close(self, session_id: str, timeout_s: float) -> None:
+        self._call("Close", environment_pb2.CloseRequest(session_id=session_id), timeout_s)
+
+    def healthy(self, timeout_s: float) -> bool:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        for service in (SERVICE, ""):
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and service:
+                    continue  # the server does not name its services: ask about the server
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        return False
+
+    def shutdown(self) -> None:
+        self.channel.close()

@@ -1,0 +1,104 @@
+"""Serve any in-process :class:`Environment` over gRPC (with health), e.g. a built-in on its own.
+
+    python -m services.sampler.environments.server --builtin python [--port N] [--host H]
+
+An :class:`EnvironmentFailure` becomes the matching gRPC status (timeout: DEADLINE_EXCEEDED, unavailable:
+UNAVAILABLE, else INTERNAL) and any other exception INTERNAL with its text, so the client-side
+:class:`GrpcEnvironment` raises the same failure again. Each call's timeout is the client's deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.sampler.environments.base import Environment, EnvironmentFailure
+from vcpo.v1 import environment_pb2, environment_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 60.0
+_CODES = {"timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "unavailable": grpc.StatusCode.UNAVAILABLE}
+
+
+class EnvironmentServicer(environment_pb2_grpc.EnvironmentServicer):
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    def _run(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
+        remaining = context.time_remaining()
+        timeout = DEFAULT_TIMEOUT_S if remaining is None or remaining > 1e6 else remaining
+        try:
+            return fn(*args, timeout)
+        except EnvironmentFailure as exc:
+            context.abort(_CODES.get(exc.reason, grpc.StatusCode.INTERNAL), str(exc))
+        except Exception as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def Reset(self, request: Any, context: grpc.ServicerContext) -> environment_pb2.ResetResponse:
+        reply: environment_pb2.ResetResponse = self._run(
+            context, self.env.reset, request.session_id, request.task
+        )
+        return reply
+
+    def Step(self, request: Any, context: grpc.ServicerContext) -> environment_pb2.StepResponse:
+        reply: environment_pb2.StepResponse = self._run(
+            context, self.env.step, request.session_id, request.action
+        )
+        return reply
+
+    def Close(self, request: Any, context: grpc.ServicerContext) -> environment_pb2.CloseResponse:
+        self._run(context, self.env.close, request.session_id)
+        return environment_pb2.CloseResponse()
+
+
+def serve_environment(
+    env: Environment, port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
+    max_message_bytes: int = 4 << 20,
+) -> tuple[grpc.Server, int]:  # fmt: skip
+    """Start a gRPC server of ``env`` (plus health); returns it and its port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=[("grpc.max_send_message_length", max_message_bytes),
+                 ("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)],
+    )  # fmt: skip
+    environment_pb2_grpc.add_EnvironmentServicer_to_server(EnvironmentServicer(env), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the environment server to {host}:{port}")
+    server.start()
+    for service in ("", "vcpo.v1.Environment"):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def main(argv: list[str] | None = None) -> None:
+    from services.sampler.environments.builtin import BUILTINS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--builtin", required=True, choices=sorted(BUILTINS))
+    parser.add_argument("--name", default="", help="the environment's name (default: the builtin's)")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    env = BUILTINS[args.builtin](args.name or args.builtin)
+    server, port = serve_environment(env, args.port, args.host)
+    print(f"listening on {args.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    env.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Multi-turn episodes with the real vLLM engine against environments served from separate processes.
+
+The environment is ``tests/envs/scripted_env.py`` (a real gRPC server in its own process); the sampler is the
+real service on the session's engine (tests/sampler_stack.py), with Redis and a weight broker. Checked: the
+registry API (and its token), the episode's tokens, masks and behaviour log-probs against the Hugging Face
+forward pass, and that a hanging or crashing environment fails only its own groups.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common.auth import bearer
+from services.sampler.environments.parsers import make_parser
+from tests.sampler_helpers import hf_model, max_abs_diff, version_weights
+from tests.sampler_stack import Stack, wait_until
+from vcpo.v1 import registry_pb2, rollout_pb2
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class EnvProcess:
+    """tests/envs/scripted_env.py in a subprocess of ours (we kill only the PID we started)."""
+
+    def __init__(self, mode: str, log: Path, steps: int = 2) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "envs" / "scripted_env.py"), "--port", "0", "--mode", mode,
+             "--steps", str(steps), "--log", str(log)],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("listening on "), line
+        self.endpoint = line.split()[-1]
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def env_process(tmp_path: Path) -> Iterator[Callable[..., EnvProcess]]:
+    started: list[EnvProcess] = []
+
+    def start(mode: str = "normal", steps: int = 2) -> EnvProcess:
+        started.append(EnvProcess(mode, tmp_path / f"env-{len(started)}.jsonl", steps))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def register(stack: Stack, **fields: Any) -> registry_pb2.RegisterEnvironmentResponse:
+    spec = registry_pb2.EnvironmentSpec(**fields)
+    request = registry_pb2.RegisterEnvironmentRequest(spec=spec)
+    return stack.registry().RegisterEnvironment(request, timeout=15, metadata=stack.auth)
+
+
+def submit(stack: Stack, environment: str, count: int, prefix: str) -> registry_pb2.SubmitTasksResponse:
+    tasks = [rollout_pb2.Task(task_id=f"{prefix}{i}", prompt=f"Play round {i}.") for i in range(count)]
+    requests = iter(registry_pb2.SubmitTasksRequest(environment=environment, task=t) for t in tasks)
+    return stack.registry().SubmitTasks(requests, timeout=15, metadata=stack.auth)
+
+
+def rollouts(stack: Stack) -> list[rollout_pb2.TrajectoryGroup]:
+    return [
+        rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
+        for _, fields in stack.client.xrange(stack.specs["rollouts"].key)
+    ]
+
+
+def full_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
+    """Log-prob of every response token given everything before it, in one forward pass."""
+    import torch
+
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist()
+
+
+def test_multi_turn_episodes_line_up_token_for_token(
+    make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess]
+) -> None:
+    env = env_process("normal", steps=2)
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=12)
+    reply = register(stack, name="game", endpoint=env.endpoint, tool_parser="turn", max_turns=4,
+                     scorer="environment", step_timeout_seconds=10)  # fmt: skip
+    assert reply.name == "game" and reply.created
+    listed = stack.registry().ListEnvironments(registry_pb2.ListEnvironmentsRequest(), metadata=stack.auth)
+    assert [(e.name, e.max_concurrency, e.endpoint) for e in listed.environments] == [
+        ("game", 8, env.endpoint)
+    ]
+    accepted = submit(stack, "game", 2, "round")
+    assert (accepted.accepted, accepted.rejected) == (2, 0)
+    stack.learner.publish(0)
+    stack.start()
+    groups = wait_until(lambda: len(g := rollouts(stack)) >= 2 and g, what="2 multi-turn groups")
+
+    model = hf_model(stack.model_dir, version_weights(stack.model_dir, 0))
+    tokenizer = stack.service.engine.tokenizer
+    parser = make_parser("turn")
+    calls = env.calls()
+    for group in groups:
+        assert group.task.environment == "game" and group.task.scorer == "environment"
+        assert group.policy_version_start == 0 and len(group.trajectories) == 2
+        for i, traj in enumerate(group.trajectories):
+            session = f"{group.group_id}/{i}"
+            steps = [c for c in calls if c["session_id"] == session and c["method"] == "step"]
+            assert [c["method"] for c in calls if c["session_id"] == session] == [
+                "reset",
+                "step",
+                "step",
+                "close",
+            ]
+            assert traj.num_turns == 2 and traj.finish_reason == "stop"  # the env said done at its 2nd step
+            assert traj.reward.value == 1.0 and traj.reward.scorer == "environment"
+            tokens, mask = list(traj.response_tokens), list(traj.loss_mask)
+            assert len(tokens) == len(mask) == len(traj.behaviour_logprobs)
+            # generated turn, observation, generated turn: the observation is exactly what the env said,
+            # tokenized as the model was given it, and masked out of the loss
+            first = mask.index(False)
+            obs_end = mask.index(True, first)
+            assert all(mask[:first]) and not any(mask[first:obs_end]) and all(mask[obs_end:])
+            observation = parser.format_observation(steps[0]["observation"])
+            assert tokens[first:obs_end] == tokenizer.encode(observation, add_special_tokens=False)
+            assert all(lp == 0.0 for lp in traj.behaviour_logprobs[first:obs_end])
+            # the env saw each turn's text as the model wrote it
+            assert steps[0]["action"] == tokenizer.decode(tokens[:first], skip_special_tokens=True)
+            assert steps[1]["action"] == tokenizer.decode(tokens[obs_end:], skip_special_tokens=True)
+            # behaviour log-probs of every generated token, on the whole episode as one sequence
+            expected = full_logprobs(model, list(group.prompt_tokens), tokens)
+            generated = [j for j, m in enumerate(mask) if m]
+            assert max_abs_diff([traj.behaviour_logprobs[j] for j in generated],
+                                [expected[j] for j in generated]) <= 1e-3  # fmt: skip
+    status = stack.registry().EnvironmentStatus(registry_pb2.EnvironmentStatusRequest(name="game"),
+                                                metadata=stack.auth)  # fmt: skip
+    assert status.healthy and status.episodes_completed >= 4 and status.errors == 0
+    metrics = stack.service.registry.exposition().decode()
+    assert 'vcpo_sampler_env_episodes_total{environment="game",replica="sampler-0"}' in metrics
+
+
+def test_registry_calls_need_the_token_and_bad_registrations_are_named(
+    make_stack: Callable[..., Stack],
+) -> None:
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2)
+    stub = stack.registry()
+    for metadata in (None, bearer("not-the-token")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListEnvironments(registry_pb2.ListEnvironmentsRequest(), metadata=metadata, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SubmitTasks(
+            iter([registry_pb2.SubmitTasksRequest(task=rollout_pb2.Task(prompt="hi"))]), timeout=5
+        )
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert stack.client.xlen(stack.specs["tasks"].key) == 0  # nothing got in
+    metrics = stack.service.registry.exposition().decode()
+    assert 'vcpo_sampler_unauthenticated_total{replica="sampler-0"} 3.0' in metrics
+    with pytest.raises(grpc.RpcError) as info:
+        register(stack, name="far", endpoint="127.0.0.1:1")
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "nothing at endpoint '127.0.0.1:1' answered gRPC health checks" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        register(stack, name="small", builtin="python", max_concurrency=1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_concurrency 1 is below the group size n = 2" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.EnvironmentStatus(registry_pb2.EnvironmentStatusRequest(name="nope"), metadata=stack.auth)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_hanging_and_a_crashing_environment_fail_only_their_own_groups(
+    make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess]
+) -> None:
+    good, hang, crash = env_process("normal", steps=1), env_process("hang"), env_process("crash")
+    stack = make_stack(k=8, groups_per_step=2, dataset="", n=2, max_tokens=8, env_failures_to_open=2,
+                       env_cooldown_s=300, env_max_attempts=2)  # fmt: skip
+    for name, env in (("good", good), ("hang", hang), ("crash", crash)):
+        register(stack, name=name, endpoint=env.endpoint, tool_parser="turn", scorer="environment",
+                 step_timeout_seconds=1, max_concurrency=2)  # fmt: skip
+    for name in ("hang", "crash", "good"):
+        assert submit(stack, name, 3, name).accepted == 3
+    stack.learner.publish(0)
+    stack.start()
+    # the good environment's groups come through while the hanging one's calls wait for their deadline
+    wait_until(lambda: sum(g.task.environment == "good" for g in rollouts(stack)) >= 3, 90, "good groups")
+    status = wait_until(
+        lambda: not (s := stack.registry().EnvironmentStatus(
+            registry_pb2.EnvironmentStatusRequest(name="crash"), metadata=stack.auth)).healthy and s,
+        60, "the crashing environment paused",
+    )  # fmt: skip
+    assert status.errors >= 2 and "paused by the circuit breaker" in status.last_error
+    assert "RuntimeError" in status.last_error or "INTERNAL" in status.last_error
+    hung = wait_until(
+        lambda: (s := stack.registry().EnvironmentStatus(
+            registry_pb2.EnvironmentStatusRequest(name="hang"), metadata=stack.auth)).errors >= 2 and s,
+        60, "the hanging environment's timeouts",
+    )  # fmt: skip
+    assert "timeout" in hung.last_error
+    assert {g.task.environment for g in rollouts(stack)} == {"good"}  # nothing half-done was written
+    metrics = stack.service.registry.exposition().decode()
+    assert (
+        'vcpo_sampler_env_failed_groups_total{environment="hang",reason="timeout",replica="sampler-0"}'
+        in metrics
+    )
+    assert 'vcpo_sampler_env_paused{environment="crash",replica="sampler-0"} 1.0' in metrics
+    # a task failed env_max_attempts times is dead-lettered with why, not retried forever
+    dead = wait_until(lambda: stack.client.xrange(stack.specs["tasks"].dead_letter_key), 60, "dead letters")
+    kinds = {f[b"dead_kind"].decode() for _, f in dead}
+    assert kinds == {"environment_failed"}
