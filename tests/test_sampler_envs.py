@@ -174,6 +174,11 @@ def test_registry_calls_need_the_token_and_bad_registrations_are_named(
     assert stack.client.xlen(stack.specs["tasks"].key) == 0  # nothing got in
     metrics = stack.service.registry.exposition().decode()
     assert 'vcpo_sampler_unauthenticated_total{replica="sampler-0"} 3.0' in metrics
+    huge = rollout_pb2.Task(task_id="huge", prompt="x" * (5 << 20))  # past sampler.max_request_bytes (4 MiB)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SubmitTasks(iter([registry_pb2.SubmitTasksRequest(task=huge)]), timeout=10, metadata=stack.auth)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stack.client.xlen(stack.specs["tasks"].key) == 0
     with pytest.raises(grpc.RpcError) as info:
         register(stack, name="far", endpoint="127.0.0.1:1")
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
