@@ -47,6 +47,20 @@ def test_paper_preset_has_the_paper_hyperparameters() -> None:
     assert (cfg.learner.truncation, cfg.learner.rho_base, cfg.sampler.max_tokens) == (8.0, 1.0, 2048)
 
 
+def test_simpletir_preset_runs_its_dataset_in_the_builtin_python_environment() -> None:
+    from services.sampler.environments.registry import validate_spec
+    from vcpo.v1 import registry_pb2
+
+    cfg = load_config(SystemConfig, [p for p in PRESETS if p.stem == "qwen2.5-7b-simpletir"], env={})
+    # the paper's multi-turn setting
+    assert (cfg.run.k, cfg.learner.rho_base, cfg.learner.lr) == (2, 0.55, 1e-6)
+    (env,) = cfg.sampler.environments
+    assert cfg.sampler.dataset_environment == env.name == "python"
+    spec = validate_spec(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)), cfg.sampler.n)
+    assert (spec.builtin, spec.tool_parser, spec.scorer) == ("python", "fenced_code", "math")
+    assert spec.max_turns == 5
+
+
 def test_layers_defaults_then_files_then_env_then_cli(tmp_path: Path) -> None:
     a = tmp_path / "a.toml"
     b = tmp_path / "b.toml"
