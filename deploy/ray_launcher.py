@@ -229,6 +229,19 @@ class RayLauncher:
             "samplers",
             f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
         )
+        self._say("client api", self._client_api())
+
+    def _client_api(self) -> str:
+        """Where clients register environments and submit tasks, and which token they need."""
+        s = self.cfg.sampler
+        ports = []
+        for i in range(s.replicas):
+            path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
+            if path.exists():
+                ports.append(str(json.loads(path.read_text())["grpc_port"]))
+        token = ("sampler.api_token" if s.api_token.get_secret_value()
+                 else s.api_token_file or str(self.run_dir / "api_token"))  # fmt: skip
+        return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
 
     def _wait_samplers(self, timeout_s: float = 600.0) -> None:
         """Until every sampler replica has its engine and weights (its status is past STARTING)."""

@@ -42,6 +42,7 @@ def test_multi_turn_rollouts_reach_the_learner_and_train(tmp_path: Path) -> None
                         "--launcher.warm_start_steps", "0")  # fmt: skip
         launch.wait_for(f"step {STEPS}", _reached(run_dir, STEPS), 420)
         assert launch.finish(180) == 0, launch.output[-4000:]
+        assert f"bearer token: {run_dir / 'api_token'}" in launch.output  # where clients find the API
     finally:
         env.kill()
         env.wait(10)
