@@ -44,6 +44,10 @@ OPS: dict[type, Any] = {
 
 
 def evaluate(expression: str) -> float | int:
+    """The value of an arithmetic expression; ValueError (or ArithmeticError) for anything else."""
+    if len(expression) > 1000:
+        raise ValueError("expression too long")
+
     def walk(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
             return walk(node.body)
@@ -53,7 +57,10 @@ def evaluate(expression: str) -> float | int:
             left, right = walk(node.left), walk(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 100:
                 raise ValueError("exponent too large")
-            return OPS[type(node.op)](left, right)
+            value = OPS[type(node.op)](left, right)
+            if isinstance(value, int) and value.bit_length() > 4096:  # bounds the work of what follows
+                raise ValueError("number too large")
+            return value
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
             return OPS[type(node.op)](walk(node.operand))
         raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
@@ -83,7 +90,7 @@ class Calculator(environment_pb2_grpc.EnvironmentServicer):
             if action.tool_name != "calculator":
                 raise ValueError(f"unknown tool {action.tool_name!r}; the tool is 'calculator'")
             text = str(evaluate(str(json.loads(action.arguments_json)["expression"])))
-        except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError, OverflowError) as exc:
+        except (ValueError, KeyError, TypeError, SyntaxError, ArithmeticError, RecursionError) as exc:
             text = f"error: {exc}"  # the model's mistake: it reads why
         return environment_pb2.StepResponse(
             observation=environment_pb2.Observation(text=text), done=calls >= self.max_calls
@@ -109,7 +116,8 @@ def main() -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
-    health_servicer.set("vcpo.v1.Environment", health_pb2.HealthCheckResponse.SERVING)
+    for service in ("", "vcpo.v1.Environment"):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     print(f"listening on {args.host}:{port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

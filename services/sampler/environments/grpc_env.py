@@ -1,9 +1,12 @@
 """A user's environment behind gRPC: the protocol's calls with deadlines, their failures named.
 
 DEADLINE_EXCEEDED is a ``timeout``, UNAVAILABLE (the server is down or unreachable) ``unavailable``, any other
-status ``error`` with the server's own details; a reply that cannot be used (a non-finite reward) is
-``bad_reply``. Health is the standard ``grpc.health.v1`` check, for ``vcpo.v1.Environment`` or, when the
-server does not name its services, the server as a whole.
+status ``error`` with the server's own details; a reply that cannot be used (a non-finite reward, a tool
+without a name) is ``bad_reply``. Health is the standard ``grpc.health.v1`` check, for ``vcpo.v1.Environment``
+or, when the server does not name its services, the server as a whole.
+
+The stubs are made once, with the channel: grpcio (1.85) crashes the process (SIGSEGV) when a stub is made on
+a closed channel, so nothing here touches the channel after :meth:`GrpcEnvironment.shutdown`.
 """
 
 from __future__ import annotations
@@ -36,19 +39,35 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 class GrpcEnvironment(Environment):
+    """A client of one ``vcpo.v1.Environment`` server at ``endpoint``: one insecure channel, a deadline per call."""
+
     def __init__(self, name: str, endpoint: str, max_message_bytes: int = 4 << 20) -> None:
         parse_endpoint(endpoint)
         self.name, self.endpoint = name, endpoint
+        self._closed = False
         self.channel = grpc.insecure_channel(
             endpoint,
             options=[("grpc.max_send_message_length", max_message_bytes),
                      ("grpc.max_receive_message_length", max_message_bytes)],
         )  # fmt: skip
         self.stub = environment_pb2_grpc.EnvironmentStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _shut(self, method: str) -> EnvironmentFailure:
+        return EnvironmentFailure(
+            self.name, "unavailable", f"{method} at {self.endpoint}: the client was shut down"
+        )
 
     def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        if self._closed:
+            raise self._shut(method)
         try:
             return getattr(self.stub, method)(request, timeout=max(timeout_s, 0.001))
+        except ValueError:
+            if not self._closed:
+                raise
+            # shut down while this call was starting: grpc refuses a closed channel with a ValueError
+            raise self._shut(method) from None
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -64,6 +83,10 @@ class GrpcEnvironment(Environment):
     ) -> environment_pb2.ResetResponse:
         request = environment_pb2.ResetRequest(session_id=session_id, task=task)
         reply: environment_pb2.ResetResponse = self._call("Reset", request, timeout_s)
+        if any(not tool.name for tool in reply.tools):
+            raise EnvironmentFailure(
+                self.name, "bad_reply", f"Reset at {self.endpoint}: a tool without a name"
+            )
         return reply
 
     def step(
@@ -81,16 +104,21 @@ class GrpcEnvironment(Environment):
         self._call("Close", environment_pb2.CloseRequest(session_id=session_id), timeout_s)
 
     def healthy(self, timeout_s: float) -> bool:
-        stub = health_pb2_grpc.HealthStub(self.channel)
         for service in (SERVICE, ""):
+            if self._closed:
+                return False
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                reply = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and service:
                     continue  # the server does not name its services: ask about the server
+                return False
+            except ValueError:  # the channel was closed meanwhile
                 return False
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
         return False
 
     def shutdown(self) -> None:
-        self.channel.close()
+        if not self._closed:
+            self._closed = True
+            self.channel.close()

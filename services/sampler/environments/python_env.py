@@ -12,7 +12,9 @@ something to learn from, not an environment failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import threading
 
 from services.reward.sandbox import SandboxLimits, SandboxSetupError, run_python
@@ -30,6 +32,10 @@ MARGIN_S = 1.0  # the sandbox's wall limit stays this far inside the call's dead
 
 
 class PythonEnvironment(Environment):
+    """The ``python`` tool: each call runs ``code`` in a fresh sandboxed process (stateless), under at most
+    ``wall_seconds`` of wall clock (less when the call's deadline is nearer), ``memory_bytes`` of address space
+    and ``output_bytes`` of output."""
+
     def __init__(
         self,
         name: str = "python",
@@ -39,8 +45,9 @@ class PythonEnvironment(Environment):
         max_observation_chars: int = 2000,
     ) -> None:
         self.name = name
+        # the CPU limit sits past the wall limit, so a busy loop ends as a (clearer) ``timeout``
         self.limits = SandboxLimits(wall_seconds=wall_seconds, memory_bytes=memory_bytes,
-                                    output_bytes=output_bytes, cpu_seconds=max(1, int(wall_seconds)))  # fmt: skip
+                                    output_bytes=output_bytes, cpu_seconds=math.ceil(wall_seconds) + 1)  # fmt: skip
         self.max_observation_chars = max_observation_chars
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
@@ -64,7 +71,7 @@ class PythonEnvironment(Environment):
                     f"{action.tool_name!r} with arguments {action.arguments_json[:200]!r}")  # fmt: skip
             return environment_pb2.StepResponse(observation=environment_pb2.Observation(text=text))
         wall = min(self.limits.wall_seconds, max(0.5, timeout_s - MARGIN_S))
-        limits = SandboxLimits(**{**self.limits.__dict__, "wall_seconds": wall})
+        limits = dataclasses.replace(self.limits, wall_seconds=wall)
         try:
             result = run_python(code, limits=limits)
         except SandboxSetupError as exc:

@@ -26,6 +26,8 @@ _CODES = {"timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "unavailable": grpc.Stat
 
 
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServicer):
+    """The protocol's three calls, each delegated to ``env`` under the client's deadline."""
+
     def __init__(self, env: Environment) -> None:
         self.env = env
 
