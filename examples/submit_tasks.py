@@ -36,7 +36,12 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--watch-s", type=float, default=30, help="how long to follow its status")
     args = parser.parse_args()
-    auth = (("authorization", f"Bearer {args.token_file.read_text().strip()}"),)
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as exc:
+        print(f"cannot read the API token: {exc}", file=sys.stderr)
+        return 2
+    auth = (("authorization", f"Bearer {token}"),)
 
     with grpc.insecure_channel(args.sampler) as channel:
         registry = registry_pb2_grpc.EnvironmentRegistryStub(channel)

@@ -231,3 +231,40 @@ def test_a_hanging_and_a_crashing_environment_fail_only_their_own_groups(
     dead = wait_until(lambda: stack.client.xrange(stack.specs["tasks"].dead_letter_key), 60, "dead letters")
     kinds = {f[b"dead_kind"].decode() for _, f in dead}
     assert kinds == {"environment_failed"}
+
+
+def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
+    make_stack: Callable[..., Stack], tmp_path: Path
+) -> None:
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=8)
+    env = subprocess.Popen([sys.executable, "examples/calculator_env.py", "--port", "0"], cwd=ROOT,
+                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert env.stdout is not None
+        endpoint = env.stdout.readline().split()[-1]
+        client = subprocess.run(
+            [sys.executable, "examples/submit_tasks.py", "--sampler", f"127.0.0.1:{stack.service.server.port}",
+             "--token-file", str(tmp_path / "api_token"), "--env-endpoint", endpoint, "--tasks", "3",
+             "--watch-s", "1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stderr
+        assert "environment 'calculator' registered" in client.stdout
+        assert "submitted: 3 accepted, 0 rejected" in client.stdout and "healthy=True" in client.stdout
+        stack.learner.publish(0)
+        stack.start()
+        groups = wait_until(lambda: len(g := rollouts(stack)) >= 3 and g, what="the client's 3 tasks")
+        assert {g.task.task_id for g in groups} == {"calculator:0", "calculator:1", "calculator:2"}
+        assert all(g.task.scorer == "math" and g.task.reference for g in groups)  # the registration's scorer
+        (tmp_path / "wrong").write_text("not-the-token\n")
+        wrong = subprocess.run(
+            [sys.executable, "examples/submit_tasks.py", "--sampler", f"127.0.0.1:{stack.service.server.port}",
+             "--token-file", str(tmp_path / "wrong"), "--env-endpoint", endpoint],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert wrong.returncode == 1 and "registration refused: UNAUTHENTICATED" in wrong.stderr
+    finally:
+        env.kill()
+        env.wait(10)
+        if env.stdout is not None:
+            env.stdout.close()
