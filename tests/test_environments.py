@@ -115,6 +115,8 @@ def test_python_environment_runs_code_and_explains_bad_calls() -> None:
         "s", action(tool="python", arguments=json.dumps({"code": "print('a' * 3000 + 'END')"})), 10
     )
     assert long.observation.text == "[... 1003 characters cut]\n" + "a" * 1997 + "END"  # the end is kept
+    silent = env.step("s", action(tool="python", arguments=json.dumps({"code": "x = 2 + 3"})), 10)
+    assert silent.observation.text == "(no output: print what you want to see)"
     boom = env.step("s", action(tool="python", arguments=json.dumps({"code": "1 / 0"})), 10)
     assert "ZeroDivisionError" in boom.observation.text and "[error" in boom.observation.text
     t0 = time.monotonic()

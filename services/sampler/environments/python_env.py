@@ -28,6 +28,7 @@ TOOL = environment_pb2.ToolSchema(
         {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
     ),
 )
+NO_OUTPUT = "(no output: print what you want to see)"
 MARGIN_S = 1.0  # the sandbox's wall limit stays this far inside the call's deadline
 
 
@@ -81,7 +82,7 @@ class PythonEnvironment(Environment):
             parts.append(result.stderr[-1000:])
         if not result.ok:
             parts.append(f"[{result.status}{': ' + result.detail if result.detail else ''}]")
-        text = "\n".join(p.rstrip("\n") for p in parts if p)
+        text = "\n".join(p.rstrip("\n") for p in parts if p) or NO_OUTPUT  # never an empty output block
         if len(text) > self.max_observation_chars:
             cut = len(text) - self.max_observation_chars
             text = f"[... {cut} characters cut]\n" + text[-self.max_observation_chars :]
