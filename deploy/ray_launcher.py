@@ -13,6 +13,8 @@
     down   samplers (their in-flight groups give their slots back) ─► reward (groups in hand are forwarded)
            ─► learner (stops at the next poll and checkpoints: weights, optimizer and the stream positions)
            ─► ledger.json (deploy/ledger.py) ─► broker, Serve, Ray, Redis ─► report/ (deploy/report.py)
+    scrape <run_dir>/prometheus/targets.json, file_sd for deploy/prometheus/prometheus.yml: every live
+           replica's /metrics, rewritten when a replica comes back on another port, emptied at the end
 
 Nothing in the data path goes through Ray: the services talk over Redis streams and gRPC as their plain entry
 points do. Ray places the processes and restarts the ones that die. Running the same command on the same run
@@ -36,6 +38,7 @@ from pydantic import BaseModel
 from deploy.config import SystemConfig
 from deploy.ledger import take_ledger
 from deploy.progress import Progress, progress_line
+from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.admission import AdmissionCounter
 from services.common.config import write_resolved
 from services.common.memory import ALLOCATOR_ENV
@@ -144,6 +147,7 @@ class RayLauncher:
         self.samplers: list[Any] = []
         self.sampler_runs: list[Any] = []
         self.summary: dict[str, Any] = {}
+        self.broker_metrics_url = ""
 
     # ------------------------------------------------------------------ helpers
     def _say(self, name: str, detail: str) -> None:
@@ -205,6 +209,7 @@ class RayLauncher:
         from services.weight_broker.ray_actor import start_broker
 
         self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig))
+        self.broker_metrics_url = str(ends.get("metrics_url", ""))
         self._say(
             "weight_broker",
             f"gRPC {ends.get('host')}:{ends.get('grpc_port')} ({cfg.weight_broker.transport})",
@@ -230,6 +235,14 @@ class RayLauncher:
             f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
         )
         self._say("client api", self._client_api())
+        self._scrape_targets()
+        self._say("prometheus", f"scrape targets in {self.run_dir / 'prometheus' / 'targets.json'}")
+
+    def _scrape_targets(self, stopped: bool = False) -> None:
+        groups = (
+            [] if stopped else prometheus_targets(self.run_dir, self.cfg.run.run_id, self.broker_metrics_url)
+        )
+        write_prometheus_targets(self.run_dir, groups)
 
     def _client_api(self) -> str:
         """Where clients register environments and submit tasks, and which token they need."""
@@ -310,6 +323,7 @@ class RayLauncher:
         while not self.stopping.event.wait(la.progress_interval_s):
             record = self.progress.sample(*self._sampler_figures())
             print(progress_line(record), flush=True)
+            self._scrape_targets()  # a restarted replica serves /metrics on another port
             done, _ = ray.wait(self.learner.runs, timeout=0)
             if done:
                 ray.get(done)  # raises what failed
@@ -339,7 +353,8 @@ class RayLauncher:
         Redis never outlive the launcher."""
         stages = [("samplers", self._stop_samplers), ("reward", self._stop_reward),
                   ("learner", self._stop_learner), ("ledger", self._ledger), ("broker", self._stop_broker),
-                  ("ray", self._stop_ray), ("redis", self._stop_redis)]  # fmt: skip
+                  ("ray", self._stop_ray), ("redis", self._stop_redis),
+                  ("prometheus targets", lambda: self._scrape_targets(stopped=True))]  # fmt: skip
         for name, stage in stages:
             try:
                 stage()

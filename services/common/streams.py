@@ -29,13 +29,17 @@ sampler replicas.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 import redis
 from google.protobuf.message import DecodeError, Message
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -185,10 +189,79 @@ def decode_entry(spec: StreamSpec[M], entry_id: str, fields: dict[bytes, bytes] 
     return Entry(entry_id, int(raw_version), message)
 
 
+class StreamLengths(Collector):
+    """``vcpo_stream_length`` and ``vcpo_stream_capacity`` of every stream a service produces to or reads,
+    read from Redis when ``/metrics`` is scraped.
+
+    Why at scrape time rather than a gauge set on each put or ack: a queue's length moves with the other
+    services' writes and acks, so a gauge this service set on its own last put would stay high after it
+    stopped writing while its consumer drained the queue (and the learner acks only at checkpoints). One
+    pipelined ``XLEN`` per scrape is also cheaper than one per write. A scrape while Redis is unreachable
+    leaves the series out (absent, not stale) and logs why.
+    """
+
+    LENGTH = "vcpo_stream_length"
+    CAPACITY = "vcpo_stream_capacity"
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[redis.Redis, StreamSpec[Any]]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, client: redis.Redis, spec: StreamSpec[Any]) -> None:
+        with self._lock:
+            self._streams.setdefault(spec.name, (client, spec))
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        length = GaugeMetricFamily(
+            self.LENGTH,
+            "Entries in the stream now (a queue: unread or read but unacknowledged)",
+            labels=["stream"],
+        )
+        capacity = GaugeMetricFamily(
+            self.CAPACITY, "A queue's cap (producers wait at it); a log's trim length", labels=["stream"]
+        )
+        return length, capacity
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        length, capacity = self._families()
+        with self._lock:
+            watched = sorted(self._streams.values(), key=lambda cs: cs[1].name)
+        by_client: dict[int, list[tuple[redis.Redis, StreamSpec[Any]]]] = {}
+        for client, spec in watched:
+            by_client.setdefault(id(client), []).append((client, spec))
+        for streams in by_client.values():
+            pipe = streams[0][0].pipeline(transaction=False)
+            for _, spec in streams:
+                pipe.xlen(spec.key)
+            try:
+                lengths = pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("stream lengths left out of this scrape: %s", exc)
+                continue
+            for (_, spec), n in zip(streams, lengths, strict=True):
+                length.add_metric([spec.name], float(n))
+                capacity.add_metric([spec.name], float(spec.maxlen))
+        yield length
+        yield capacity
+
+
+_LENGTHS: weakref.WeakKeyDictionary[Metrics, StreamLengths] = weakref.WeakKeyDictionary()
+_LENGTHS_LOCK = threading.Lock()
+
+
 class StreamMetrics:
-    """The counters every producer and consumer of a service shares (labelled by stream name)."""
+    """The counters every producer and consumer of a service shares (labelled by stream name), and the
+    length of each stream they use (:class:`StreamLengths`, one per service registry)."""
 
     def __init__(self, metrics: Metrics) -> None:
+        with _LENGTHS_LOCK:
+            if metrics not in _LENGTHS:
+                _LENGTHS[metrics] = StreamLengths()
+                metrics.registry.register(_LENGTHS[metrics])
+            self.lengths = _LENGTHS[metrics]
         self.written = metrics.counter("vcpo_stream_entries_written_total", "Entries added", ["stream"])
         self.read = metrics.counter("vcpo_stream_entries_read_total", "Entries delivered", ["stream"])
         self.acked = metrics.counter("vcpo_stream_entries_acked_total", "Entries acknowledged", ["stream"])
@@ -206,6 +279,10 @@ class StreamMetrics:
             "Time producers spent waiting on a full stream",
             ["stream"],
         )
+
+    def watch(self, client: redis.Redis, spec: StreamSpec[Any]) -> None:
+        """Export the stream's length and cap from now on (producers, consumers and tails call this)."""
+        self.lengths.watch(client, spec)
 
 
 # KEYS[1] stream; ARGV: cap (0 = none), trim (0 = none), type, then (policy_version, payload) pairs.
@@ -264,6 +341,10 @@ class StreamProducer(Generic[M]):
         self._cap = spec.maxlen if spec.mode == "queue" else 0
         self._trim = spec.maxlen if spec.mode == "log" else 0
         self.waiting = False  # true while blocked on a full stream (services report it)
+        if metrics:
+            metrics.watch(client, spec)
+            for counter in (metrics.written, metrics.wait):  # exported at 0 until the first write or wait
+                counter.labels(spec.name)
 
     def put(self, message: M, policy_version: int) -> str:
         """Append one message; blocks while the queue is full. Returns the entry id."""
@@ -305,8 +386,11 @@ class StreamProducer(Generic[M]):
 
     def _stop_waiting(self, since: float) -> None:
         self.waiting = False
+        self._count_wait(time.monotonic() - since)
+
+    def _count_wait(self, seconds: float) -> None:
         if self.metrics:
-            self.metrics.wait.labels(self.spec.name).inc(time.monotonic() - since)
+            self.metrics.wait.labels(self.spec.name).inc(seconds)
 
 
 class FullWait:
@@ -316,6 +400,7 @@ class FullWait:
     def __init__(self, producer: StreamProducer[Any]) -> None:
         self.producer = producer
         self.since: float | None = None
+        self.counted = 0.0  # up to when the wait is in the metric
         self.delay = 0.001
 
     def full(self, progress: str) -> None:
@@ -324,9 +409,12 @@ class FullWait:
         p = self.producer
         now = time.monotonic()
         if self.since is None:
-            self.since, p.waiting = now, True
+            self.since, self.counted, p.waiting = now, now, True
             log.debug("stream %s full (%d entries): producer waiting", p.spec.key, p.spec.maxlen)
-        elif p.wait_timeout_s and now - self.since > p.wait_timeout_s:
+        else:  # counted as it goes, so a long wait shows in the metric while it lasts
+            p._count_wait(now - self.counted)
+            self.counted = now
+        if p.wait_timeout_s and now - self.since > p.wait_timeout_s:
             self.done()
             raise StreamFullError(
                 f"stream {p.spec.key!r} stayed full ({p.spec.maxlen} unacknowledged entries) for "
@@ -342,7 +430,7 @@ class FullWait:
     def done(self) -> None:
         """Stop waiting (written, or given up): clear the flag and count the time spent waiting."""
         if self.since is not None:
-            self.producer._stop_waiting(self.since)
+            self.producer._stop_waiting(self.counted)
             self.since = None
 
 
@@ -367,6 +455,10 @@ class StreamConsumer(Generic[M]):
         self.max_deliveries = max_deliveries
         self._touch = client.register_script(_TOUCH_LUA)
         self.ensure_group()
+        if metrics:
+            metrics.watch(client, spec)
+            for counter in (metrics.read, metrics.acked, metrics.reclaimed):
+                counter.labels(spec.name)
 
     def ensure_group(self) -> None:
         """Create the consumer group (and the stream) if they do not exist yet."""
@@ -501,6 +593,8 @@ class StreamTail(Generic[M]):
         metrics: StreamMetrics | None = None,
     ) -> None:
         self.client, self.spec, self.last_id, self.metrics = client, spec, start_id, metrics
+        if metrics:
+            metrics.watch(client, spec)
 
     def read(self, count: int = 100, block_ms: int | None = None) -> list[Entry[M]]:
         """Entries after the last one read; malformed ones are logged, counted and skipped."""

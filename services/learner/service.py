@@ -102,6 +102,9 @@ class LearnerMetrics:
         )
         self.tokens = metrics.counter("vcpo_learner_tokens_total", "Tokens (prompt + response) trained on")
         self.tokens_per_second = metrics.gauge("vcpo_learner_tokens_per_second", "Tokens/s of the last step")
+        self.reward_mean = metrics.gauge(
+            "vcpo_learner_reward_mean", "Mean reward of the trajectories the last step trained on"
+        )
 
     def offered(self, items: list[Offered]) -> None:
         for o in items:
@@ -316,6 +319,8 @@ class LearnerRank:
             "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s),
         }  # fmt: skip
         self._offered = []
+        if rewards:
+            self.metrics.reward_mean.set(sum(rewards) / len(rewards))
         with self.audit.open("a") as f:
             f.write(json.dumps(line) + "\n")
         m = result.metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.observability import Metrics, WindowRate
 
+ABORT_REASONS = ("lag", "environment", "shutdown")
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -29,6 +30,8 @@ class SamplerMetrics:
             "vcpo_sampler_groups_aborted_total", "Groups given up before they were written, by reason",
             ["replica", "reason"],
         )  # fmt: skip
+        for reason in ABORT_REASONS:  # present from the start, so a rate over them never lacks a series
+            self.aborted.labels(replica, reason)
         self.blocked = metrics.counter(
             "vcpo_sampler_admission_blocked_seconds_total",
             "Time the sampler had work but admission control refused it (lag bound reached)", r,

@@ -222,8 +222,15 @@ class Sampler:
 
     def _unblock(self) -> None:
         if self._blocked_since is not None:
-            self.metrics.blocked.labels(self.replica_id).inc(time.monotonic() - self._blocked_since)
+            self._count_blocked()
             self._blocked_since = None
+
+    def _count_blocked(self) -> None:
+        """Blocked time into the metric as it goes (an alert on a long block must see it grow)."""
+        if self._blocked_since is not None:
+            now = time.monotonic()
+            self.metrics.blocked.labels(self.replica_id).inc(now - self._blocked_since)
+            self._blocked_since = now
 
     # ------------------------------------------------------------------ 3./4. generate and emit
     def _absorb(self, deltas: list[TokenDelta]) -> None:
@@ -323,6 +330,7 @@ class Sampler:
         registry.publish_live()
 
     def _report(self) -> None:
+        self._count_blocked()
         self._report_environments()
         rate = self.metrics.refresh()
         self.metrics.in_flight.labels(self.replica_id).set(len(self.groups))
