@@ -186,3 +186,20 @@ def test_config_modules_import_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_placement_settings_default_to_the_single_machine_behaviour() -> None:
+    """The keys the Helm chart sets to pin each service to its pods (ray_resources) and to give every replica
+    the same ports (one per pod) keep the local run's behaviour when absent."""
+    cfg = load_config(SystemConfig, [], env={})
+    assert cfg.sampler.port_per_replica is True and cfg.reward.serve_ports == "free"
+    for section in (cfg.sampler, cfg.learner, cfg.reward, cfg.weight_broker):
+        assert section.ray_resources == {}
+    cfg = load_config(
+        SystemConfig,
+        [],
+        env={"VCPO_SAMPLER__RAY_RESOURCES": "{vcpo_sampler = 1}", "VCPO_REWARD__SERVE_PORTS": "configured"},
+    )
+    assert cfg.sampler.ray_resources == {"vcpo_sampler": 1.0} and cfg.reward.serve_ports == "configured"
+    with pytest.raises(ConfigError, match=r"learner\.ray_resources\.vcpo_learner = -1 .*greater than 0"):
+        load_config(SystemConfig, [], env={"VCPO_LEARNER__RAY_RESOURCES": "{vcpo_learner = -1}"})

@@ -1,20 +1,39 @@
-"""The Helm chart: lints, renders the run config every service reads, rejects bad values by schema."""
+"""The Helm chart (helm/vcpo-rl): lints and renders every ci/ scenario, every rendered object validates against
+the Kubernetes schemas (core objects, and the pod templates inside the RayJob) or its CRD (RayJob,
+ServiceMonitor, PrometheusRule), the run file it renders is a run file the launcher accepts and agrees with
+the pods it places, bad values fail at install with a message naming them."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
+import re
+import shlex
 import subprocess
-import tomllib
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
 from deploy.config import SystemConfig
-from services.common.config import load_config
+from services.common.config import add_config_arguments, config_from_args, load_config
 
 ROOT = Path(__file__).parent.parent
 HELM = ROOT / ".tools" / "bin" / "helm"
 CHART = ROOT / "helm" / "vcpo-rl"
+CRDS = ROOT.parent / "shared" / "crds"
+SCENARIOS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
+MONITORING_API = "monitoring.coreos.com/v1"
+K8S_VERSION = "1.31"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "run-health.json"
+ENTRYPOINT = "python -m deploy.launch --config /etc/vcpo/run.toml --launcher.ray_address auto"
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -22,43 +41,548 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, cwd=ROOT)
 
 
-def test_chart_lints() -> None:
-    out = helm("lint", str(CHART), "--strict")
-    assert out.returncode == 0, out.stdout + out.stderr
+def errors(out: subprocess.CompletedProcess[str]) -> str:
+    """stderr without helm's INFO lines about the files/ links it follows."""
+    return "\n".join(line for line in out.stderr.splitlines() if "level=INFO" not in line)
 
 
-def test_rendered_run_config_is_a_valid_run_file(tmp_path: Path) -> None:
-    out = helm(
-        "template", "r", str(CHART), "--set", "run.k=16", "--set", "run.groupsPerStep=32",
-        # 32 groups per step: checkpoints every 25 steps keep (25 + 1) * 32 = 832 scored groups <= the 1024
-        # the stream holds (the default 50 would be refused: the learner acknowledges only at checkpoints)
-        "--set-string", "extraConfig=[sampler]\nn = 4\n[learner]\ncheckpoint_every = 25\n",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
-    run_toml = config_map["data"]["run.toml"]
-    tomllib.loads(run_toml)
+@functools.cache
+def _render(args: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    out = helm("template", "r", str(CHART), "--namespace", "rl", *args)
+    assert out.returncode == 0, errors(out)
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    return copy.deepcopy(list(_render(args)))
+
+
+def scenario_args(name: str) -> tuple[str, ...]:
+    args = ("-f", str(CHART / "ci" / name))
+    return (*args, "--api-versions", MONITORING_API) if name == "monitoring-values.yaml" else args
+
+
+def scenario_values(name: str) -> dict[str, Any]:
+    """The chart's values with the scenario's on top (as Helm merges them: tables deep, the rest replaced)."""
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        for key, value in over.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                merge(base[key], value)
+            else:
+                base[key] = value
+        return base
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return merge(values, yaml.safe_load((CHART / "ci" / name).read_text()) or {})
+
+
+def one(docs: list[dict[str, Any]], kind: str, name_part: str = "") -> dict[str, Any]:
+    """The one object of ``kind`` named ``name_part`` (exactly, else containing it)."""
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name_part]
+    found = found or [d for d in docs if d["kind"] == kind and name_part in d["metadata"]["name"]]
+    assert len(found) == 1, f"{len(found)} {kind} objects named *{name_part}*"
+    return found[0]
+
+
+def cluster(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "RayJob")["spec"]["rayClusterSpec"]
+
+
+def group(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    spec = cluster(docs)
+    if name == "head":
+        return spec["headGroupSpec"]
+    return next(g for g in spec["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def container(g: dict[str, Any]) -> dict[str, Any]:
+    return g["template"]["spec"]["containers"][0]
+
+
+def run_config(docs: list[dict[str, Any]], tmp_path: Path) -> tuple[str, SystemConfig]:
+    text = one(docs, "ConfigMap", "run-config")["data"]["run.toml"]
     path = tmp_path / "run.toml"
-    path.write_text(run_toml)
-    cfg = load_config(SystemConfig, [path], env={})
+    path.write_text(text)
+    return text, load_config(SystemConfig, [path], env={})
+
+
+def walk(node: Any) -> Iterator[Any]:
+    yield node
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
+
+
+# ---------------------------------------------------------------------------------------------------- CRDs
+def _strict(schema: Any) -> Any:
+    """An openAPIV3Schema as a JSON schema that also refuses unknown fields (the API server would prune them
+    silently: a misspelt field would be lost without an error)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    group_name, version = api_version.split("/")
+    for path in sorted(CRDS.glob(f"{group_name}_*.yaml")):
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 25k lines
+        if crd["spec"]["names"]["kind"] != kind:
+            continue
+        for v in crd["spec"]["versions"]:
+            if v["name"] == version:
+                return jsonschema.Draft7Validator(_strict(v["schema"]["openAPIV3Schema"]))
+    raise AssertionError(f"no CRD for {api_version} {kind} in {CRDS}")
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """A rendered object against its schema: the Kubernetes API's (strict) or its CRD's."""
+    where = f"{doc['kind']} {doc['metadata']['name']}"
+    if "." in doc["apiVersion"].split("/")[0]:  # a custom resource (ray.io, monitoring.coreos.com)
+        if not CRDS.is_dir():
+            pytest.skip(f"the CRDs to validate {doc['kind']} against are not at {CRDS}")
+        problems = [
+            f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)
+        ]
+        assert not problems, f"{where} does not match its CRD:\n  " + "\n  ".join(problems)
+    else:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{where}: {exc.message} at {list(exc.path)}") from None
+    if doc["kind"] == "RayJob":  # the pod templates again, with the Kubernetes API's own (strict) schema
+        spec = doc["spec"]["rayClusterSpec"]
+        for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            pod = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "x"},
+                "template": g["template"],
+            }
+            try:
+                kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                name = g.get("groupName", "head")
+                raise AssertionError(f"{where}, group {name}: {exc.message} at {list(exc.path)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+def test_every_scenario_is_tested() -> None:
+    assert {
+        "default-values.yaml",
+        "external-redis-values.yaml",
+        "monitoring-values.yaml",
+        "multi-gpu-values.yaml",
+        "environments-values.yaml",
+    } <= set(SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario_lints(scenario: str) -> None:
+    # (lint has no --api-versions: the monitoring objects are linted away; rendering tests them)
+    out = helm("lint", str(CHART), "--strict", "-f", str(CHART / "ci" / scenario))
+    assert out.returncode == 0, out.stdout + errors(out)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_rendered_object_validates(scenario: str) -> None:
+    docs = render(*scenario_args(scenario))
+    kinds = {d["kind"] for d in docs}
+    assert {"RayJob", "ConfigMap", "Service", "Secret"} <= kinds
+    for doc in docs:
+        validate(doc)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_run_file_is_accepted_and_matches_the_pods(scenario: str, tmp_path: Path) -> None:
+    values = scenario_values(scenario)
+    docs = render(*scenario_args(scenario))
+    _, cfg = run_config(docs, tmp_path)
+    run = values["run"]
+    assert (cfg.run.k, cfg.run.groups_per_step, cfg.run.model) == (
+        run["k"],
+        run["groupsPerStep"],
+        run["model"],
+    )
+    assert cfg.sampler.n == values["sampler"]["groupSize"]
+    assert cfg.sampler.dataset == values["data"]["dataset"]
+    assert cfg.learner.checkpoint_every == values["learner"]["checkpointEvery"]
+    assert cfg.streams.scored_maxlen == values["streams"]["scoredMaxlen"]
+    assert str(cfg.run.run_dir).startswith(values["sharedStorage"]["mountPath"] + "/")
+    assert cfg.run.redis_url == "" and not cfg.sampler.api_token.get_secret_value()  # from the pods' env only
+
+    # the sizes and resources in the file are what the worker groups offer
+    sampler, learner, reward = group(docs, "sampler"), group(docs, "learner"), group(docs, "reward")
+    assert sampler["replicas"] == sampler["maxReplicas"] == cfg.sampler.replicas
+    assert {k: float(v) for k, v in sampler["resources"].items()} == cfg.sampler.ray_resources
+    learner_slots = learner["replicas"] * int(learner["resources"]["vcpo_learner"])
+    assert learner_slots == cfg.learner.num_ranks * cfg.learner.ray_resources["vcpo_learner"]
+    assert reward["maxReplicas"] == cfg.reward.max_replicas
+    assert set(reward["resources"]) == set(cfg.reward.ray_resources)
+    assert set(group(docs, "head")["resources"]) == set(cfg.weight_broker.ray_resources)
+    assert cfg.reward.serve_ports == "configured" and cfg.sampler.port_per_replica is False
+
+    # each service's ports in the file are ports its pods declare
+    def ports(name: str) -> set[int]:
+        return {p["containerPort"] for p in container(group(docs, name))["ports"]}
+
+    assert {cfg.sampler.grpc_port, cfg.sampler.metrics_port} <= ports("sampler")
+    assert {cfg.learner.grpc_port, cfg.learner.metrics_port} <= ports("learner")
+    assert {cfg.reward.grpc_port, cfg.reward.metrics_port} <= ports("reward")
+    wb = cfg.weight_broker
+    assert {wb.grpc_port, wb.data_port, wb.metrics_port} <= ports("head")
+
+
+def test_group_resources_and_gpus() -> None:
+    docs = render()
+    values = scenario_values("default-values.yaml")
+    for name, gpus in (("sampler", 1), ("learner", 2), ("reward", 0), ("head", 0)):
+        res = container(group(docs, name))["resources"]
+        assert res["limits"].get("nvidia.com/gpu", 0) == gpus, name
+        assert res["requests"].get("nvidia.com/gpu", 0) == gpus, name
+        want = values[name]["resources"]
+        assert (res["requests"]["cpu"], res["limits"]["memory"]) == (
+            want["requests"]["cpu"],
+            want["limits"]["memory"],
+        ), name
+
+    docs = render(*scenario_args("multi-gpu-values.yaml"))
+    spec = cluster(docs)
+    assert spec["enableInTreeAutoscaling"] is True
+    sampler, learner, reward = group(docs, "sampler"), group(docs, "learner"), group(docs, "reward")
+    assert (sampler["replicas"], container(sampler)["resources"]["limits"]["nvidia.com/gpu"]) == (4, 2)
+    assert (learner["replicas"], container(learner)["resources"]["limits"]["nvidia.com/gpu"]) == (2, 4)
+    assert (reward["minReplicas"], reward["maxReplicas"]) == (2, 8)
+    for g in (sampler, learner):
+        pod = g["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert container(g)["image"] == "registry.example.com/rl/vcpo-rl-gpu:0.1.0-cu129"
+    assert "nvidia.com/gpu" not in container(reward)["resources"]["limits"]
+
+
+def test_multi_gpu_run_file_uses_tensor_parallelism(tmp_path: Path) -> None:
+    _, cfg = run_config(render(*scenario_args("multi-gpu-values.yaml")), tmp_path)
+    assert (cfg.sampler.tensor_parallel_size, cfg.sampler.gpus_per_replica, cfg.sampler.replicas) == (2, 2, 4)
+    assert (cfg.learner.num_ranks, cfg.learner.gpus_per_rank) == (8, 1)
+    assert (cfg.learner.truncation, cfg.learner.precision) == (8.0, "bf16")  # from extraConfig
+
+
+def test_rayjob_runs_the_launcher_against_its_cluster(tmp_path: Path) -> None:
+    docs = render()
+    job = one(docs, "RayJob")
+    assert job["spec"]["entrypoint"] == ENTRYPOINT
+    assert "clusterSelector" not in job["spec"]  # it owns its cluster (values.yaml explains why)
+    assert len(job["metadata"]["name"]) <= 47
+    # the entrypoint's flags are the launcher's: parse them as deploy/launch.py does
+    import argparse
+
+    run_config(docs, tmp_path)  # writes tmp_path/run.toml
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "deploy.launch"]
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, SystemConfig)
+    args = parser.parse_args(
+        [str(tmp_path / "run.toml") if a == "/etc/vcpo/run.toml" else a for a in argv[3:]]
+    )
+    assert config_from_args(SystemConfig, args, env={}).launcher.ray_address == "auto"
+    # the run file is mounted where the entrypoint reads it, in every Ray pod
+    for g in [cluster(docs)["headGroupSpec"], *cluster(docs)["workerGroupSpecs"]]:
+        mounts = {m["name"]: m["mountPath"] for m in container(g)["volumeMounts"]}
+        volumes = {v["name"]: v for v in g["template"]["spec"]["volumes"]}
+        assert mounts["run-config"] == "/etc/vcpo"
+        assert (
+            volumes["run-config"]["configMap"]["name"]
+            == one(docs, "ConfigMap", "run-config")["metadata"]["name"]
+        )
+    env = {e["name"]: e for e in container(group(docs, "head"))["env"]}
+    assert env["VCPO_WEIGHT_BROKER__ADVERTISE_HOST"]["value"] == "$(POD_IP)"  # the broker runs on the head
+    assert json.dumps(job["spec"]["runtimeEnvYAML"]).count("RAY_JOB_STOP_WAIT_TIME_S") == 1
+
+
+def test_the_job_is_replaced_exactly_when_its_definition_changes() -> None:
+    def name(*args: str) -> str:
+        return str(one(render(*args), "RayJob")["metadata"]["name"])
+
+    base = name()
+    assert name() == base
+    assert name("--set", "run.k=16") != base
+    assert name("--set", "sampler.replicas=3") != base
+    assert name("--set", "image.tag=0.2.0") != base
+    assert name("--set", "rayJob.redeployKey=again") != base
+    assert name("--set", "monitoring.dashboard.enabled=true") == base  # not part of the job
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_objects_referenced_by_name_exist(scenario: str) -> None:
+    values = scenario_values(scenario)
+    docs = render(*scenario_args(scenario))
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    external = {  # secrets the scenario says exist already
+        values[k]["existingSecret"] for k in ("apiToken", "hub") if values[k]["existingSecret"]
+    } | {
+        s
+        for s in (values["redis"]["auth"]["existingSecret"], values["redis"]["external"]["existingSecret"])
+        if s
+    }
+    secret_refs = {
+        n["secretKeyRef"]["name"] for n in walk(docs) if isinstance(n, dict) and "secretKeyRef" in n
+    }
+    assert secret_refs, "the pods get the Redis URL and the API token from Secrets"
+    missing = {s for s in secret_refs if ("Secret", s) not in rendered} - external
+    assert not missing, f"{scenario}: Secrets referenced but neither rendered nor given: {missing}"
+    config_maps = {n["configMap"]["name"] for n in walk(docs) if isinstance(n, dict) and "configMap" in n}
+    assert all(("ConfigMap", c) in rendered for c in config_maps)
+    claims = {n["claimName"] for n in walk(docs) if isinstance(n, dict) and "claimName" in n}
+    assert claims == {values["sharedStorage"]["existingClaim"] or "r-vcpo-rl-data"}
+    assert (("PersistentVolumeClaim", "r-vcpo-rl-data") in rendered) != bool(
+        values["sharedStorage"]["existingClaim"]
+    )
+    # every pod env var a Ray container gets: the Redis URL, the API token (and the hub token when given)
+    env = {e["name"]: e for e in container(group(docs, "sampler"))["env"]}
+    assert "VCPO_RUN__REDIS_URL" in env and "VCPO_SAMPLER__API_TOKEN" in env
+    assert ("HF_TOKEN" in env) == bool(values["hub"]["token"] or values["hub"]["existingSecret"])
+
+
+def test_redis_in_the_release_or_external() -> None:
+    docs = render()
+    sts = one(docs, "StatefulSet", "redis")
+    redis = sts["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][redis["args"].index("--appendonly") + 1] == "yes"
+    assert "$(REDIS_PASSWORD)" in redis["args"]
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    url = next(e for e in container(group(docs, "learner"))["env"] if e["name"] == "VCPO_RUN__REDIS_URL")
+    assert url["value"] == "redis://:$(REDIS_PASSWORD)@r-vcpo-rl-redis.rl.svc:6379/0"
+    assert one(docs, "Service", "r-vcpo-rl-redis")  # the Service the URL names (not only the headless one)
+    password = one(render("--set", "redis.auth.password=abc123"), "Secret", "redis")["data"]["password"]
+    assert password == "YWJjMTIz"
+
+    docs = render(*scenario_args("external-redis-values.yaml"))
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    url = next(e for e in container(group(docs, "head"))["env"] if e["name"] == "VCPO_RUN__REDIS_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "r-vcpo-rl-redis-url", "key": "url"}
+    assert "REDIS_PASSWORD" not in {e["name"] for e in container(group(docs, "head"))["env"]}
+
+
+def test_services_select_the_pods_that_serve_them() -> None:
+    docs = render(*scenario_args("environments-values.yaml"))
+    pods: list[dict[str, Any]] = [
+        g["template"] for g in [cluster(docs)["headGroupSpec"], *cluster(docs)["workerGroupSpecs"]]
+    ]
+    pods += [d["spec"]["template"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        selector = svc["spec"]["selector"]
+        chosen = [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
+        assert chosen, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            for pod in chosen:
+                names = {p.get("name") for c in pod["spec"]["containers"] for p in c["ports"]}
+                assert port["targetPort"] in names, (svc["metadata"]["name"], port)
+    api = one(docs, "Service", "r-vcpo-rl-sampler")
+    assert api["spec"]["selector"]["vcpo.io/component"] == "sampler"
+    assert api["spec"]["ports"] == [
+        {"name": "grpc", "port": 50051, "targetPort": "vcpo-grpc", "protocol": "TCP"}
+    ]
+    metrics = {
+        d["metadata"]["labels"]["vcpo.io/service"] for d in docs if d["metadata"]["name"].endswith("-metrics")
+    }
+    assert metrics == {"sampler", "learner", "reward", "weight_broker"}  # the `service` label the alerts use
+
+
+def test_environments_are_registered_from_values(tmp_path: Path) -> None:
+    docs = render(*scenario_args("environments-values.yaml"))
+    _, cfg = run_config(docs, tmp_path)
+    envs = {e.name: e for e in cfg.sampler.environments}
+    assert envs["python"].builtin == "python" and envs["python"].max_turns == 5
+    calc = envs["calculator"]
+    assert calc.endpoint == "r-vcpo-rl-env-calculator.rl.svc:50070"
+    assert (calc.tool_parser, calc.max_concurrency, calc.step_timeout_seconds) == ("json", 64, 10.0)
+    assert cfg.sampler.dataset_environment == "python" and cfg.learner.rho_base == 0.55
+    server = one(docs, "Deployment", "env-calculator")["spec"]["template"]["spec"]["containers"][0]
+    assert server["command"][1] == "/opt/vcpo/examples/calculator_env.py"
+    assert (ROOT / "examples" / "calculator_env.py").exists()
+
+
+def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
+    docs = render(
+        "--set", "run.k=16", "--set", "run.groupsPerStep=32",
+        # 32 groups per step: checkpoints every 25 steps keep (25 + 1) * 32 = 832 scored groups <= the 1024
+        # the stream holds (a larger interval is refused: the learner acknowledges only at checkpoints)
+        "--set-string", "extraConfig=[sampler]\nn = 4\ntemperature = 0.0\n[learner]\ncheckpoint_every = 25\n",
+    )  # fmt: skip
+    _, cfg = run_config(docs, tmp_path)
     assert (cfg.run.k, cfg.run.groups_per_step, cfg.sampler.n, cfg.learner.checkpoint_every) == (
         16,
         32,
         4,
         25,
     )
+    assert cfg.sampler.temperature == 0.0  # a zero from extraConfig replaces the chart's 1.0
+    _, cfg = run_config(render("--set-string", "extraConfig=[run]\nk = 0\n"), tmp_path)
+    assert cfg.run.k == 0
 
-    import kubernetes_validate
 
-    kubernetes_validate.validate(config_map, "1.31", strict=True)
+def test_monitoring_objects_need_the_operator_api() -> None:
+    monitoring = ("-f", str(CHART / "ci" / "monitoring-values.yaml"))
+    without = {d["kind"] for d in render(*monitoring)}
+    assert not {"ServiceMonitor", "PrometheusRule"} & without
+    docs = render(*monitoring, "--api-versions", MONITORING_API)
+    assert {"ServiceMonitor", "PrometheusRule"} <= {d["kind"] for d in docs}
+    assert not {"ServiceMonitor", "PrometheusRule"} & {
+        d["kind"] for d in render("--api-versions", MONITORING_API)
+    }
+
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"vcpo.io/release": "r", "vcpo.io/metrics": "true"}
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert (endpoint["port"], endpoint["interval"], endpoint["honorLabels"]) == ("metrics", "30s", True)
+    relabel = {r["targetLabel"]: r for r in endpoint["relabelings"]}
+    assert relabel["service"]["sourceLabels"] == ["__meta_kubernetes_service_label_vcpo_io_service"]
+    assert relabel["run_id"]["replacement"] == "r"
+
+
+def test_dashboard_config_map_has_the_sidecar_label() -> None:
+    if not DASHBOARD.exists():
+        pytest.skip(f"{DASHBOARD.relative_to(ROOT)} is not written yet")
+    docs = render(*scenario_args("monitoring-values.yaml"))
+    dashboard = one(docs, "ConfigMap", "dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "RL"}
+    assert json.loads(dashboard["data"]["vcpo-run-health.json"]) == json.loads(DASHBOARD.read_text())
+    custom = render(
+        "--set", "monitoring.dashboard.enabled=true", "--set", "monitoring.dashboard.labels.team=rl"
+    )
+    assert one(custom, "ConfigMap", "dashboard")["metadata"]["labels"]["team"] == "rl"
+    assert not [d for d in render() if d["metadata"]["name"].endswith("-dashboard")]
+
+
+def test_prometheus_rule_is_the_alerts_file() -> None:
+    if not ALERTS.exists():
+        pytest.skip(f"{ALERTS.relative_to(ROOT)} is not written yet")
+    rule = one(render(*scenario_args("monitoring-values.yaml")), "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+    assert "{{ $labels.run_id }}" in json.dumps(rule)  # Prometheus' templates, untouched by Helm
+
+
+def test_chart_reads_the_deploy_files_through_links(tmp_path: Path) -> None:
+    for link, target in (("prometheus", "deploy/prometheus"), ("grafana", "deploy/grafana")):
+        path = CHART / "files" / link
+        assert path.is_symlink() and path.resolve() == (ROOT / target).resolve(), path
+        assert path.resolve().is_dir(), f"{path} points at a missing {target}: every helm command would fail"
+    out = helm("package", str(CHART), "--destination", str(tmp_path))
+    assert out.returncode == 0, errors(out)
+    with tarfile.open(next(tmp_path.glob("vcpo-rl-*.tgz"))) as tar:
+        names = {n.removeprefix("vcpo-rl/") for n in tar.getnames()}
+    assert {n for n in names if n.startswith("files/")} == {
+        f"files/{p}"
+        for p in ("prometheus/alerts.yml", "grafana/run-health.json")
+        if (ROOT / "deploy" / p).exists()
+    }
+    assert not {n for n in names if n.startswith("ci/")}
+
+
+def test_generated_secrets_are_kept_or_given() -> None:
+    docs = render("--set", "apiToken.token=tok-123")
+    assert one(docs, "Secret", "api-token")["data"]["token"] == "dG9rLTEyMw=="
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret"' in text  # an upgrade reads the generated value back instead of a new one
+    docs = render("--set", "apiToken.existingSecret=mine", "--set", "hub.token=hf_x")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-api-token")]
+    env = {e["name"]: e for e in container(group(docs, "reward"))["env"]}
+    assert env["VCPO_SAMPLER__API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "token"}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "r-vcpo-rl-hub"
 
 
 @pytest.mark.parametrize(
-    ("flag", "message"),
-    [("run.k=-1", "/run/k"), ("run.groupsPerStep=0", "/run/groupsPerStep"), ("run.kk=3", "kk")],
-)
-def test_bad_values_fail_at_install(flag: str, message: str) -> None:
-    out = helm("template", "r", str(CHART), "--set", flag)
+    ("flags", "message"),
+    [
+        (["run.k=-1"], "/run/k"),
+        (["run.groupsPerStep=0"], "/run/groupsPerStep"),
+        (["run.kk=3"], "kk"),
+        (["sampler.gpusPerReplica=-1"], "/sampler/gpusPerReplica"),
+        (["learner.objective=ppo"], "/learner/objective"),
+        (["sampler.service.type=Ingress"], "/sampler/service/type"),
+        (["redis.auth.password=p@ss/word"], "/redis/auth/password"),
+        (["monitoring.serviceMonitor.interval=soon"], "/monitoring/serviceMonitor/interval"),
+        (["reward.minReplicas=0"], "/reward/minReplicas"),
+        (["environments[0].name=calc", "environments[0].builtin=python", "environments[0].endpoint=h:1"],
+         "/environments/0"),
+        (["environments[0].name=Calc", "environments[0].builtin=python"], "/environments/0/name"),
+        # checks the launcher would make at start-up, made at install
+        (["streams.scoredMaxlen=100"], "streams.scored_maxlen = 100 is less than"),
+        (["learner.ranks=3", "learner.ranksPerPod=2", "run.groupsPerStep=8"], "not a multiple of"),
+        (["learner.ranks=4", "learner.ranksPerPod=4", "run.groupsPerStep=2"], "run.groupsPerStep = 2"),
+        (["reward.minReplicas=3", "reward.maxReplicas=2"], "reward.maxReplicas = 2"),
+        (["datasetEnvironment=nope"], 'datasetEnvironment = "nope"'),
+        (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
+        (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
+    ],
+)  # fmt: skip
+def test_bad_values_fail_at_install(flags: list[str], message: str) -> None:
+    args = [
+        a for flag in flags for a in ("--set-string" if flag.startswith("extraConfig") else "--set", flag)
+    ]
+    out = helm("template", "r", str(CHART), *args)
     assert out.returncode != 0
-    assert message in out.stderr
+    assert message in errors(out), errors(out)
+
+
+def test_values_file_documents_every_key() -> None:
+    """Every leaf of values.yaml has a comment line above it, and the schema knows every key."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing tables
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9_]*):(\s.*)?$", line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        stack = [s for s in stack if s[0] < indent]
+        documented = lines[i - 1].strip().startswith("#") or any(d for _, d in stack)
+        if (m.group(3) or "").strip():
+            if not documented:
+                undocumented.append(m.group(2))
+        else:  # a table: documented itself, or through its leaves
+            stack.append((indent, documented))
+    assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
+
+    def check(values: dict[str, Any], node: dict[str, Any], path: str) -> None:
+        node = schema["definitions"][node["$ref"].split("/")[-1]] if "$ref" in node else node
+        for key, value in values.items():
+            assert key in node.get("properties", {}), f"values.schema.json lacks {path}{key}"
+            if isinstance(value, dict) and node["properties"][key].get("additionalProperties") is False:
+                check(value, node["properties"][key], f"{path}{key}.")
+
+    check(yaml.safe_load((CHART / "values.yaml").read_text()), schema, "")
+
+
+def test_deploy_guide_names_real_paths_and_values() -> None:
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    paths = set(re.findall(r"`((?:helm|deploy|examples|services|tests|scripts)/[^`\s*<>{}]*)`", guide))
+    assert paths
+    assert not [p for p in paths if not (ROOT / p.rstrip("/")).exists()], "docs/deploy.md names missing paths"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    keys = set(re.findall(r"--set(?:-string)? ([A-Za-z][\w.]*)=", guide))
+    assert keys
+    for key in keys:
+        node: Any = values
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"docs/deploy.md sets unknown value {key}"
+            node = node[part]

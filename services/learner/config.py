@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
 from services.weight_broker.config import WeightBrokerConfig
@@ -60,6 +60,11 @@ class LearnerConfig(Section):
     )
     grpc_port: int = Field(50054, ge=0, le=65535, description="Status and health gRPC port; 0 = a free port.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+    ray_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources added to every rank's placement-group bundle, e.g. "
+        "{vcpo_learner = 1}: ranks run only on the nodes that offer them (the Helm chart's learner pods).",
+    )
 
     @field_validator("betas")
     @classmethod

@@ -72,6 +72,7 @@ class LearnerGroup:
         bundle: dict[str, float] = {"CPU": 1}
         if cfg.learner.gpus_per_rank > 0:
             bundle["GPU"] = cfg.learner.gpus_per_rank
+        bundle.update(cfg.learner.ray_resources)
         self.pg: PlacementGroup = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         payload = cfg.model_dump_json()

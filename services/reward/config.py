@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
 
@@ -54,6 +56,17 @@ class RewardConfig(Section):
     )
     grpc_port: int = Field(50053, ge=0, le=65535, description="Score/ScoreBatch gRPC port; 0 = a free port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+    serve_ports: Literal["free", "configured"] = Field(
+        "free",
+        description="Ports of each Ray Serve replica: free ones (replicas may share a node; see their "
+        "endpoints files), or grpc_port and metrics_port as given (one replica per pod, as the Helm chart "
+        "places them with ray_resources, so Prometheus scrapes a fixed port).",
+    )
+    ray_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each Ray Serve replica asks for besides its CPU, e.g. "
+        "{vcpo_reward = 1}: replicas run only on the nodes that offer them (the Helm chart's reward pods).",
+    )
 
     @field_validator("timeouts")
     @classmethod

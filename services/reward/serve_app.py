@@ -29,10 +29,11 @@ class RewardDeployment:
         from services.reward.service import RewardService
 
         cfg = RewardServiceConfig.model_validate_json(cfg_json)
-        # replicas share nodes: fixed ports would collide, so each takes free ones (see its endpoints file)
-        cfg = cfg.model_copy(
-            update={"reward": cfg.reward.model_copy(update={"grpc_port": 0, "metrics_port": 0})}
-        )
+        if cfg.reward.serve_ports == "free":
+            # replicas may share nodes: fixed ports would collide, so each takes free ones (its endpoints file)
+            cfg = cfg.model_copy(
+                update={"reward": cfg.reward.model_copy(update={"grpc_port": 0, "metrics_port": 0})}
+            )
         name = f"reward-serve-{serve.get_replica_context().replica_id.unique_id}"
         actor_logging(name, cfg.run.run_dir)
         self.service = RewardService(cfg, name)
@@ -89,7 +90,11 @@ def reward_app(
     push = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(metrics_push_interval_s)}
     return RewardDeployment.options(  # type: ignore[attr-defined]
         autoscaling_config=autoscaling,
-        ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": push}},
+        ray_actor_options={
+            "num_cpus": 1,
+            "resources": dict(r.ray_resources),
+            "runtime_env": {"env_vars": push},
+        },
     ).bind(cfg.model_dump_json())
 
 

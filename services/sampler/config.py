@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, PositiveFloat, SecretStr
 
 from services.common.config import Section, ServiceConfig
 from services.weight_broker.config import WeightBrokerConfig
@@ -111,6 +111,17 @@ class SamplerConfig(Section):
     )
     grpc_port: int = Field(50051, ge=0, le=65535, description="Client-facing gRPC API port; 0 = a free port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+    port_per_replica: bool = Field(
+        True,
+        description="Add the replica index to grpc_port and metrics_port, so replicas sharing a host do not "
+        "collide; false: every replica binds them as given (one replica per pod, as the Helm chart places "
+        "them behind one Service port).",
+    )
+    ray_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica asks for besides CPU and GPU, e.g. {vcpo_sampler = 1}: "
+        "replicas run only on the nodes that offer them (the Helm chart's sampler pods offer 1 each).",
+    )
 
 
 class SamplerServiceConfig(ServiceConfig):

@@ -73,6 +73,7 @@ def start_samplers(
         SamplerActor.options(  # type: ignore[attr-defined]
             num_cpus=1,
             num_gpus=s.gpus_per_replica,
+            resources=dict(s.ray_resources),
             name=f"vcpo-sampler-{cfg.run.run_id}-{i}",
             max_restarts=max_restarts,
             max_task_retries=max_restarts,

@@ -123,9 +123,10 @@ class SamplerService:
         token, source = resolve_api_token(s.api_token.get_secret_value(), s.api_token_file, run.run_dir)
         log.info("%s: client calls need the API token (from %s)", self.replica_id, source)
         auth = TokenAuthInterceptor(token, {"vcpo.v1.EnvironmentRegistry"}, self._refused)
-        port = s.grpc_port + replica if s.grpc_port else 0
+        offset = replica if s.port_per_replica else 0
+        port = s.grpc_port + offset if s.grpc_port else 0
         self.server = grpc_server(add, port=port, max_message_bytes=s.max_request_bytes, interceptors=[auth])
-        self.http = serve_metrics(self.registry, port=s.metrics_port + replica if s.metrics_port else 0)
+        self.http = serve_metrics(self.registry, port=s.metrics_port + offset if s.metrics_port else 0)
         self.endpoints = write_endpoints(
             run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveFloat
 
 from services.common.config import Section, ServiceConfig
 
@@ -34,6 +34,11 @@ class WeightBrokerConfig(Section):
         description="Host name samplers reach the broker at (put in announcements).",
     )
     metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+    ray_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the broker's actor asks for, e.g. {vcpo_broker = 1}: it runs only "
+        "on a node that offers them (the Helm chart's head pod, whose IP it advertises).",
+    )
 
 
 class WeightBrokerServiceConfig(ServiceConfig):

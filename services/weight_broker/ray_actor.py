@@ -31,7 +31,7 @@ class WeightBrokerActor:
 
 def start_broker(cfg: WeightBrokerServiceConfig) -> tuple[Any, dict[str, Any]]:
     """Start the broker actor and wait until it serves; returns the actor and its endpoints."""
-    actor = WeightBrokerActor.options(name=f"vcpo-weight-broker-{cfg.run.run_id}").remote(  # type: ignore[attr-defined]
-        cfg.model_dump_json()
-    )
+    actor = WeightBrokerActor.options(  # type: ignore[attr-defined]
+        name=f"vcpo-weight-broker-{cfg.run.run_id}", resources=dict(cfg.weight_broker.ray_resources)
+    ).remote(cfg.model_dump_json())
     return actor, ray.get(actor.endpoints.remote(), timeout=120)

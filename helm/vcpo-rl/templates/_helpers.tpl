@@ -1,11 +1,268 @@
+{{/*
+Names. The prefix is kept to 40 characters so that every suffixed name (-weight-broker-metrics, the
+RayJob's -<hash>, KubeRay's -<random>-head-svc) stays a valid 63-character DNS label.
+*/}}
 {{- define "vcpo-rl.fullname" -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "vcpo-rl.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/*
+Selector labels of one component's pods: chart-owned keys only, because KubeRay writes its own
+app.kubernetes.io/* and ray.io/* labels on the Ray pods it creates.
+*/}}
+{{- define "vcpo-rl.selectorLabels" -}}
+vcpo.io/release: {{ .ctx.Release.Name }}
+vcpo.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "vcpo-rl.runId" -}}
+{{- default .Release.Name .Values.run.runId -}}
+{{- end -}}
+
+{{- define "vcpo-rl.runDir" -}}
+{{- default (printf "%s/runs/%s" (trimSuffix "/" .Values.sharedStorage.mountPath) (include "vcpo-rl.runId" .)) .Values.run.runDir -}}
+{{- end -}}
+
+{{- define "vcpo-rl.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Ports the services bind in their pods (written into the run file; one service per pod). */}}
+{{- define "vcpo-rl.ports" -}}
+{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 | toJson -}}
+{{- end -}}
+
+{{/* Secret names and keys. */}}
+{{- define "vcpo-rl.apiTokenSecret" -}}
+{{- default (printf "%s-api-token" (include "vcpo-rl.fullname" .)) .Values.apiToken.existingSecret -}}
+{{- end -}}
+{{- define "vcpo-rl.apiTokenKey" -}}
+{{- ternary .Values.apiToken.existingSecretKey "token" (ne .Values.apiToken.existingSecret "") -}}
+{{- end -}}
+
+{{- define "vcpo-rl.redisExternal" -}}
+{{- if or .Values.redis.external.url .Values.redis.external.existingSecret -}}true{{- end -}}
+{{- end -}}
+{{- define "vcpo-rl.redisPasswordSecret" -}}
+{{- default (printf "%s-redis" (include "vcpo-rl.fullname" .)) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+{{- define "vcpo-rl.redisPasswordKey" -}}
+{{- ternary .Values.redis.auth.existingSecretPasswordKey "password" (ne .Values.redis.auth.existingSecret "") -}}
+{{- end -}}
+{{- define "vcpo-rl.redisUrlSecret" -}}
+{{- default (printf "%s-redis-url" (include "vcpo-rl.fullname" .)) .Values.redis.external.existingSecret -}}
+{{- end -}}
+{{- define "vcpo-rl.redisUrlKey" -}}
+{{- ternary .Values.redis.external.existingSecretKey "url" (ne .Values.redis.external.existingSecret "") -}}
+{{- end -}}
+
+{{- define "vcpo-rl.hubEnabled" -}}
+{{- if or .Values.hub.token .Values.hub.existingSecret -}}true{{- end -}}
+{{- end -}}
+{{- define "vcpo-rl.hubSecret" -}}
+{{- default (printf "%s-hub" (include "vcpo-rl.fullname" .)) .Values.hub.existingSecret -}}
+{{- end -}}
+{{- define "vcpo-rl.hubKey" -}}
+{{- ternary .Values.hub.existingSecretKey "token" (ne .Values.hub.existingSecret "") -}}
+{{- end -}}
+
+{{- define "vcpo-rl.dataClaim" -}}
+{{- default (printf "%s-data" (include "vcpo-rl.fullname" .)) .Values.sharedStorage.existingClaim -}}
+{{- end -}}
+
+{{/*
+A generated secret value that survives upgrades: the given value, else the one already in the Secret
+(`lookup`; empty under `helm template`), else a new random one. Include it once per render.
+Arguments: dict "ctx" . "name" <secret> "key" <key> "given" <value>
+*/}}
+{{- define "vcpo-rl.secretValue" -}}
+{{- if .given -}}
+{{- .given -}}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
+{{- if and $existing $existing.data (hasKey $existing.data .key) -}}
+{{- index $existing.data .key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 48 -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Deep-sets every key of .src into .dst (tables merge, anything else replaces). Not mergeOverwrite: that
+skips zero values, so `k = 0` or `temperature = 0.0` in extraConfig would be silently dropped.
+*/}}
+{{- define "vcpo-rl.overlay" -}}
+{{- $dst := .dst -}}
+{{- range $key, $value := .src -}}
+{{- if and (kindIs "map" $value) (kindIs "map" (get $dst $key)) -}}
+{{- include "vcpo-rl.overlay" (dict "dst" (get $dst $key) "src" $value) -}}
+{{- else -}}
+{{- $_ := set $dst $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Endpoint of an environment the chart runs (its Service). */}}
+{{- define "vcpo-rl.envServerName" -}}
+{{- printf "%s-env-%s" (include "vcpo-rl.fullname" .ctx) .name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The run file every service reads, as TOML: the values mapped onto the config sections (services/<name>/config.py),
+the keys the chart owns (sizes, GPUs, ports, Ray resources that pin each service to its pods), then
+extraConfig deep-merged over it. The checks the learner and deploy/config.py make at start-up are made here
+too, so a run that would be refused fails at `helm install` instead of after its pods start.
+*/}}
+{{- define "vcpo-rl.runToml" -}}
+{{- $v := .Values -}}
+{{- $p := include "vcpo-rl.ports" . | fromJson -}}
+{{- $gpus := int $v.sampler.gpusPerReplica -}}
+{{- $envs := list -}}
+{{- range $v.environments -}}
+{{- $e := dict "name" .name -}}
+{{- if .server -}}
+{{- $_ := set $e "endpoint" (printf "%s.%s.svc:%d" (include "vcpo-rl.envServerName" (dict "ctx" $ "name" .name)) $.Release.Namespace (int (default 50070 .server.port))) -}}
+{{- else if .endpoint -}}
+{{- $_ := set $e "endpoint" .endpoint -}}
+{{- end -}}
+{{- with .builtin }}{{ $_ := set $e "builtin" . }}{{ end -}}
+{{- with .scorer }}{{ $_ := set $e "scorer" . }}{{ end -}}
+{{- with .toolParser }}{{ $_ := set $e "tool_parser" . }}{{ end -}}
+{{- with .maxTurns }}{{ $_ := set $e "max_turns" (int .) }}{{ end -}}
+{{- with .maxConcurrency }}{{ $_ := set $e "max_concurrency" (int .) }}{{ end -}}
+{{- with .maxEpisodeTokens }}{{ $_ := set $e "max_episode_tokens" (int .) }}{{ end -}}
+{{- with .resetTimeoutSeconds }}{{ $_ := set $e "reset_timeout_seconds" (float64 .) }}{{ end -}}
+{{- with .stepTimeoutSeconds }}{{ $_ := set $e "step_timeout_seconds" (float64 .) }}{{ end -}}
+{{- with .weight }}{{ $_ := set $e "weight" (float64 .) }}{{ end -}}
+{{- $envs = append $envs $e -}}
+{{- end -}}
+{{- $cfg := dict
+  "run" (dict
+    "run_id" (include "vcpo-rl.runId" .)
+    "k" (int $v.run.k)
+    "groups_per_step" (int $v.run.groupsPerStep)
+    "model" $v.run.model
+    "run_dir" (include "vcpo-rl.runDir" .)
+    "seed" (int $v.run.seed))
+  "streams" (dict
+    "rollouts_maxlen" (int $v.streams.rolloutsMaxlen)
+    "scored_maxlen" (int $v.streams.scoredMaxlen))
+  "sampler" (dict
+    "replicas" (int $v.sampler.replicas)
+    "gpus_per_replica" (float64 $gpus)
+    "tensor_parallel_size" (max 1 $gpus)
+    "n" (int $v.sampler.groupSize)
+    "temperature" (float64 $v.sampler.temperature)
+    "max_tokens" (int $v.sampler.maxTokens)
+    "max_model_len" (int $v.sampler.maxModelLen)
+    "gpu_memory_utilization" (float64 $v.sampler.gpuMemoryUtilization)
+    "dtype" $v.sampler.dtype
+    "weight_update" $v.sampler.weightUpdate
+    "dataset" $v.data.dataset
+    "prompt_field" $v.data.promptField
+    "answer_field" $v.data.answerField
+    "system_prompt" $v.data.systemPrompt
+    "dataset_environment" $v.datasetEnvironment
+    "environments" $envs
+    "grpc_port" (int $p.samplerGrpc)
+    "metrics_port" (int $p.samplerMetrics)
+    "port_per_replica" false
+    "ray_resources" (dict "vcpo_sampler" 1.0))
+  "learner" (dict
+    "num_ranks" (int $v.learner.ranks)
+    "gpus_per_rank" (float64 $v.learner.gpusPerRank)
+    "micro_batch_size" (int $v.learner.microBatchSize)
+    "lr" (float64 $v.learner.lr)
+    "objective" $v.learner.objective
+    "checkpoint_every" (int $v.learner.checkpointEvery)
+    "keep_checkpoints" (int $v.learner.keepCheckpoints)
+    "grpc_port" (int $p.learnerGrpc)
+    "metrics_port" (int $p.learnerMetrics)
+    "ray_resources" (dict "vcpo_learner" 1.0))
+  "reward" (dict
+    "default_scorer" $v.reward.defaultScorer
+    "workers" (int $v.reward.workers)
+    "min_replicas" (int $v.reward.minReplicas)
+    "max_replicas" (int $v.reward.maxReplicas)
+    "grpc_port" (int $p.rewardGrpc)
+    "metrics_port" (int $p.rewardMetrics)
+    "serve_ports" "configured"
+    "ray_resources" (dict "vcpo_reward" 1.0))
+  "weight_broker" (dict
+    "transport" $v.weightBroker.transport
+    "retain_versions" (int $v.weightBroker.retainVersions)
+    "storage" $v.weightBroker.storage
+    "grpc_port" (int $p.brokerGrpc)
+    "data_port" (int $p.brokerData)
+    "metrics_port" (int $p.brokerMetrics)
+    "ray_resources" (dict "vcpo_broker" 1.0))
+  "launcher" (dict
+    "max_steps" (int $v.run.maxSteps)
+    "max_minutes" (float64 $v.run.maxMinutes))
+-}}
+{{- with $v.extraConfig -}}
+{{- $extra := fromToml . -}}
+{{- if hasKey $extra "Error" -}}
+{{- fail (printf "extraConfig is not valid TOML: %s" (get $extra "Error")) -}}
+{{- end -}}
+{{- $owned := dict
+  "run" (list "run_id" "run_dir" "redis_url")
+  "sampler" (list "replicas" "gpus_per_replica" "tensor_parallel_size" "grpc_port" "metrics_port" "port_per_replica" "ray_resources" "api_token" "api_token_file")
+  "learner" (list "num_ranks" "gpus_per_rank" "grpc_port" "metrics_port" "ray_resources")
+  "reward" (list "min_replicas" "max_replicas" "grpc_port" "metrics_port" "serve_ports" "ray_resources")
+  "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host")
+  "launcher" (list "ray_address")
+-}}
+{{- range $section, $keys := $owned -}}
+{{- $given := get $extra $section -}}
+{{- if kindIs "map" $given -}}
+{{- range $keys -}}
+{{- if hasKey $given . -}}
+{{- fail (printf "extraConfig sets %s.%s, which the chart derives from its values (pods, GPUs, ports, Ray resources, secrets): set it through values.yaml instead" $section .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- include "vcpo-rl.overlay" (dict "dst" $cfg "src" $extra) -}}
+{{- end -}}
+{{- /* the cross-section checks of deploy/config.py SystemConfig, on the merged file */ -}}
+{{- $held := mul (add1 (int $cfg.learner.checkpoint_every)) (int $cfg.run.groups_per_step) -}}
+{{- if lt (int $cfg.streams.scored_maxlen) $held -}}
+{{- fail (printf "streams.scored_maxlen = %d is less than (learner.checkpoint_every + 1) * run.groups_per_step = %d (values streams.scoredMaxlen, learner.checkpointEvery, run.groupsPerStep): the learner acknowledges scored groups only at a checkpoint, so the stream would fill up before the next one and the run would stall; raise streams.scoredMaxlen or lower learner.checkpointEvery" (int $cfg.streams.scored_maxlen) $held) -}}
+{{- end -}}
+{{- if lt (int $cfg.run.groups_per_step) (int $cfg.learner.num_ranks) -}}
+{{- fail (printf "run.groupsPerStep = %d is less than learner.ranks = %d: every rank trains on whole groups, so each step needs one per rank" (int $cfg.run.groups_per_step) (int $cfg.learner.num_ranks)) -}}
+{{- end -}}
+{{- if gt (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner)) -}}
+{{- fail (printf "sampler.n = %d exceeds learner.max_group_size = %d: the learner would reject every group" (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner))) -}}
+{{- end -}}
+{{- if lt (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas) -}}
+{{- fail (printf "reward.maxReplicas = %d is less than reward.minReplicas = %d" (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas)) -}}
+{{- end -}}
+{{- with $cfg.sampler.dataset_environment -}}
+{{- $names := list -}}
+{{- range $cfg.sampler.environments }}{{ $names = append $names .name }}{{ end -}}
+{{- if not (has . $names) -}}
+{{- fail (printf "datasetEnvironment = %q is not one of the environments: %v" . $names) -}}
+{{- end -}}
+{{- end -}}
+{{- toToml $cfg -}}
 {{- end -}}

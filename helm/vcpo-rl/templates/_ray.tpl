@@ -1,0 +1,227 @@
+{{/*
+Environment of every Ray container. The launcher (head pod) reads the run file's missing pieces from it:
+the Redis URL (built from the password Secret with Kubernetes' $(VAR) expansion, or an external URL's
+Secret) and the API token; Ray's workers inherit it, so the hub token reaches every model download.
+*/}}
+{{- define "vcpo-rl.rayEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- if include "vcpo-rl.redisExternal" . }}
+- name: VCPO_RUN__REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "vcpo-rl.redisUrlSecret" . }}
+      key: {{ include "vcpo-rl.redisUrlKey" . }}
+{{- else }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "vcpo-rl.redisPasswordSecret" . }}
+      key: {{ include "vcpo-rl.redisPasswordKey" . }}
+- name: VCPO_RUN__REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis.%s.svc:6379/0" (include "vcpo-rl.fullname" .) .Release.Namespace | quote }}
+{{- end }}
+- name: VCPO_SAMPLER__API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "vcpo-rl.apiTokenSecret" . }}
+      key: {{ include "vcpo-rl.apiTokenKey" . }}
+{{- if include "vcpo-rl.hubEnabled" . }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "vcpo-rl.hubSecret" . }}
+      key: {{ include "vcpo-rl.hubKey" . }}
+{{- end }}
+{{- if .Values.hub.sharedCache }}
+- name: HF_HOME
+  value: {{ printf "%s/hf-cache" (trimSuffix "/" .Values.sharedStorage.mountPath) | quote }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "vcpo-rl.rayVolumeMounts" -}}
+- name: run-config
+  mountPath: /etc/vcpo
+  readOnly: true
+- name: data
+  mountPath: {{ .Values.sharedStorage.mountPath }}
+- name: dshm
+  mountPath: /dev/shm
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "vcpo-rl.rayVolumes" -}}
+- name: run-config
+  configMap:
+    name: {{ include "vcpo-rl.fullname" . }}-run-config
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ include "vcpo-rl.dataClaim" . }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.rayCluster.shmSize }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Container resources with the group's GPUs added as nvidia.com/gpu (requests = limits, as extended
+resources require). Arguments: dict "resources" <values> "gpus" <int>
+*/}}
+{{- define "vcpo-rl.resourcesWithGpus" -}}
+{{- $res := deepCopy (default dict .resources) -}}
+{{- if gt (int .gpus) 0 -}}
+{{- $limits := deepCopy (default dict $res.limits) -}}
+{{- $requests := deepCopy (default dict $res.requests) -}}
+{{- $_ := set $limits "nvidia.com/gpu" (int .gpus) -}}
+{{- $_ := set $requests "nvidia.com/gpu" (int .gpus) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/*
+One Ray pod template. Arguments: dict "ctx" . "component" <name> "container" <name> "resources" <values>
+"gpus" <int> "ports" <list of {name, containerPort}> "env" <extra env list> "scheduling" <values with
+nodeSelector/tolerations/affinity> "grace" <seconds or 0>
+*/}}
+{{- define "vcpo-rl.rayPod" -}}
+{{- $ctx := .ctx -}}
+metadata:
+  labels:
+    {{- include "vcpo-rl.labels" $ctx | nindent 4 }}
+    {{- include "vcpo-rl.selectorLabels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
+  annotations:
+    checksum/run-config: {{ include "vcpo-rl.runToml" $ctx | sha256sum }}
+    {{- with $ctx.Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  {{- with $ctx.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if .grace }}
+  terminationGracePeriodSeconds: {{ int .grace }}
+  {{- end }}
+  containers:
+    - name: {{ .container }}
+      image: {{ include "vcpo-rl.image" $ctx }}
+      imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      env:
+        {{- include "vcpo-rl.rayEnv" $ctx | nindent 8 }}
+        {{- with .env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      resources:
+        {{- include "vcpo-rl.resourcesWithGpus" (dict "resources" .resources "gpus" .gpus) | nindent 8 }}
+      volumeMounts:
+        {{- include "vcpo-rl.rayVolumeMounts" $ctx | nindent 8 }}
+      lifecycle:
+        preStop:
+          exec:
+            command: ["/bin/sh", "-c", "ray stop"]
+  volumes:
+    {{- include "vcpo-rl.rayVolumes" $ctx | nindent 4 }}
+  {{- with .scheduling.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .scheduling.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .scheduling.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+The RayCluster the RayJob owns: the head (launcher, Ray control plane, weight broker) and one worker group
+per service. Each group offers a custom Ray resource that only its service asks for (the run file's
+<service>.ray_resources), so Ray places every service on its own pods: the Services below select them by
+label, and the ports in the run file are the pods' ports.
+*/}}
+{{- define "vcpo-rl.rayClusterSpec" -}}
+{{- $v := .Values -}}
+{{- $p := include "vcpo-rl.ports" . | fromJson -}}
+{{- $learnerPods := div (int $v.learner.ranks) (int $v.learner.ranksPerPod) -}}
+{{- if ne (mul $learnerPods (int $v.learner.ranksPerPod)) (int $v.learner.ranks) -}}
+{{- fail (printf "learner.ranks = %d is not a multiple of learner.ranksPerPod = %d: every learner pod holds the same number of ranks" (int $v.learner.ranks) (int $v.learner.ranksPerPod)) -}}
+{{- end -}}
+rayVersion: {{ $v.rayCluster.rayVersion | quote }}
+enableInTreeAutoscaling: {{ $v.rayCluster.autoscaling }}
+{{- if $v.rayCluster.autoscaling }}
+autoscalerOptions:
+  upscalingMode: Default
+  idleTimeoutSeconds: 300
+{{- end }}
+headGroupSpec:
+  rayStartParams:
+    {{- toYaml (merge (dict) $v.head.rayStartParams (dict "dashboard-host" "0.0.0.0")) | nindent 4 }}
+  resources:
+    vcpo_broker: "1"
+  template:
+    {{- $ports := list (dict "name" "gcs" "containerPort" 6379) (dict "name" "dashboard" "containerPort" 8265) (dict "name" "client" "containerPort" 10001) (dict "name" "broker-grpc" "containerPort" (int $p.brokerGrpc)) (dict "name" "broker-data" "containerPort" (int $p.brokerData)) (dict "name" "vcpo-metrics" "containerPort" (int $p.brokerMetrics)) }}
+    {{- $env := list (dict "name" "VCPO_WEIGHT_BROKER__ADVERTISE_HOST" "value" "$(POD_IP)") }}
+    {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "head" "container" "ray-head" "resources" $v.head.resources "gpus" 0 "ports" $ports "env" $env "scheduling" $v.head "grace" (add (int $v.rayJob.stopGracePeriodSeconds) 60)) | nindent 4 }}
+workerGroupSpecs:
+  - groupName: sampler
+    replicas: {{ int $v.sampler.replicas }}
+    minReplicas: {{ int $v.sampler.replicas }}
+    maxReplicas: {{ int $v.sampler.replicas }}
+    rayStartParams: {}
+    resources:
+      vcpo_sampler: "1"
+    template:
+      {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.samplerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.samplerMetrics)) }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "sampler" "container" "ray-worker" "resources" $v.sampler.resources "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $v.sampler "grace" 0) | nindent 6 }}
+  - groupName: learner
+    replicas: {{ $learnerPods }}
+    minReplicas: {{ $learnerPods }}
+    maxReplicas: {{ $learnerPods }}
+    rayStartParams: {}
+    resources:
+      vcpo_learner: {{ int $v.learner.ranksPerPod | toString | quote }}
+    template:
+      {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.learnerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.learnerMetrics)) }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" $v.learner "grace" 0) | nindent 6 }}
+  - groupName: reward
+    replicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
+    minReplicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
+    maxReplicas: {{ int $v.reward.maxReplicas }}
+    rayStartParams: {}
+    resources:
+      vcpo_reward: "1"
+    template:
+      {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.rewardGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.rewardMetrics)) }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "reward" "container" "ray-worker" "resources" $v.reward.resources "gpus" 0 "ports" $ports "env" (list) "scheduling" $v.reward "grace" 0) | nindent 6 }}
+{{- end -}}
+
+
+{{/* What the RayJob runs: the launcher, against the cluster it runs in (deploy/launch.py). */}}
+{{- define "vcpo-rl.entrypoint" -}}
+python -m deploy.launch --config /etc/vcpo/run.toml --launcher.ray_address auto
+{{- end -}}
+
+{{/*
+The RayJob's name: the prefix and a hash of everything that defines the job (run file, cluster spec,
+entrypoint, rayJob.redeployKey), at most 47 characters (KubeRay's limit for RayJob names).
+*/}}
+{{- define "vcpo-rl.jobName" -}}
+{{- $hash := printf "%s\n%s\n%s\n%s" (include "vcpo-rl.runToml" .) (include "vcpo-rl.rayClusterSpec" .) (include "vcpo-rl.entrypoint" .) .Values.rayJob.redeployKey | sha256sum | trunc 8 -}}
+{{- printf "%s-%s" (include "vcpo-rl.fullname" . | trunc 38 | trimSuffix "-") $hash -}}
+{{- end -}}
