@@ -45,7 +45,8 @@ class RewardMetrics:
             ["scorer", "reason"],
         )
         self.value = metrics.histogram(
-            "vcpo_reward_value", "Rewards recorded, by task family (_sum/_count is the mean reward)",
+            "vcpo_reward_value",
+            "Rewards recorded, by task family (no _sum: a bucket is negative; the mean is vcpo_reward_group_mean)",
             ["task"], buckets=REWARD_BUCKETS,
         )  # fmt: skip
         self.group_mean = metrics.gauge(
