@@ -26,7 +26,6 @@ one JSON object with the recommended settings and their figures.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -39,21 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from experiments.replay import Replay, ReplaySettings
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
-from services.learner.grad_norms import token_logprobs
-from services.learner.step import TrajectoryTensors, objective_config
-from services.learner.step import backward as learner_backward
-from services.learner.warm_start import (
-    pad_batch,
-    pad_token_id,
-    policy_reward,
-    sample_responses,
-    stop_token_ids,
-    warm_start,
-)
-from services.reward.scorers import ScoreInput, get_scorer
-from services.sampler.tasks import DatasetTasks, PromptEncoder, load_dataset
+from services.learner.step import objective_config
+from services.learner.warm_start import policy_reward, warm_start
+from services.sampler.tasks import load_dataset
 
 GROUPS_PER_STEP = 4
 N = 8
@@ -74,54 +64,17 @@ def rl_run(
     lag: int = 4,
     objective: str = "vcpo",
 ) -> tuple[list[float], Any, Any]:
-    """The simulated RL loop (module docstring) on ``model_dir``'s model: each step's mean reward, the final
-    model and its tokenizer. ``seed`` generates the dataset (as the run's seed does) and drives the task
-    order and the sampling; ``lag`` is how many versions behind the learner the sampling policy is."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    encoder = PromptEncoder(tokenizer, MAX_MODEL_LEN, MAX_TOKENS)
-    stops = stop_token_ids(tokenizer, model.generation_config)
-    pad = pad_token_id(tokenizer)
-    score = get_scorer("math")
+    """The simulated RL loop (module docstring; ``experiments.replay``) on ``model_dir``'s model: each step's
+    mean reward, the final model and its tokenizer. ``seed`` generates the dataset (as the run's seed does)
+    and drives the task order and the sampling; ``lag`` is how many versions behind the learner the sampling
+    policy is."""
     config = objective_config(LearnerConfig(objective=objective))
-    tasks = DatasetTasks(load_dataset(dataset, split="train", seed=seed), seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    versions = [copy.deepcopy(model.state_dict())]  # versions[v]: the policy after v steps
-    rewards_per_step = []
-    for step in range(steps):
-        sampler.load_state_dict(versions[max(0, step - lag)])
-        batch = [tasks.next() for _ in range(GROUPS_PER_STEP)]
-        prompts = [encoder.encode(task) for task in batch]
-        responses = sample_responses(sampler, prompts, n=N, max_tokens=MAX_TOKENS, stop_ids=stops, pad_id=pad,
-                                     generator=generator)  # fmt: skip
-        rows = [(prompt, r) for prompt, group in zip(prompts, responses, strict=True) for r in group]
-        rewards = [
-            score(ScoreInput(tokenizer.decode(r, skip_special_tokens=True), task.reference)).value
-            for task, group in zip(batch, responses, strict=True)
-            for r in group
-        ]
-        rewards_per_step.append(statistics.fmean(rewards))
-        ids, attention, response_mask = pad_batch(rows, pad)
-        with torch.no_grad():  # the sampler's log-probs: at temperature 1, vLLM's processed log-probs
-            behaviour = token_logprobs(sampler, ids, attention)
-        trajectories = TrajectoryTensors(ids, attention, response_mask, behaviour, torch.tensor(rewards),
-                                         torch.arange(len(rows)) // N)  # fmt: skip
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = learner_backward(model, trajectories, config)
-        for group in optimizer.param_groups:  # lr ← η₀ · s(ρ), as the learner sets it each step
-            group["lr"] = lr * metrics["lr_scale"]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        versions.append(copy.deepcopy(model.state_dict()))
-        if len(versions) > lag + 1:
-            versions[-lag - 2] = {}  # no longer sampled from
-    model.eval()
-    return rewards_per_step, model, tokenizer
+    settings = ReplaySettings(groups_per_step=GROUPS_PER_STEP, n=N, max_tokens=MAX_TOKENS,
+                              max_model_len=MAX_MODEL_LEN, lr=lr)  # fmt: skip
+    replay = Replay(model_dir, dataset, config, seed=seed, lag=lag, settings=settings)
+    rewards_per_step = [replay.step()["reward"] for _ in range(steps)]
+    replay.model.eval()
+    return rewards_per_step, replay.model, replay.tokenizer
 
 
 def _csv(text: str, kind: type, default: list[Any]) -> list[Any]:
