@@ -69,8 +69,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--log", type=Path, default=None)
     args = parser.parse_args()
-    server, port = serve_environment(Scripted(args.mode, args.steps, args.log), args.port, max_workers=32)
-    print(f"listening on 127.0.0.1:{port}", flush=True)
+    server = serve_environment(Scripted(args.mode, args.steps, args.log), args.port, max_workers=32)
+    print(f"listening on 127.0.0.1:{server.port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.observability import GrpcServer, grpc_server
 from services.sampler.environments.base import Environment, EnvironmentFailure
 from vcpo.v1 import environment_pb2, environment_pb2_grpc
 
@@ -61,23 +60,16 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServicer):
 def serve_environment(
     env: Environment, port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
     max_message_bytes: int = 4 << 20,
-) -> tuple[grpc.Server, int]:  # fmt: skip
-    """Start a gRPC server of ``env`` (plus health); returns it and its port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=[("grpc.max_send_message_length", max_message_bytes),
-                 ("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)],
-    )  # fmt: skip
-    environment_pb2_grpc.add_EnvironmentServicer_to_server(EnvironmentServicer(env), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind the environment server to {host}:{port}")
-    server.start()
-    for service in ("", "vcpo.v1.Environment"):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+) -> GrpcServer:  # fmt: skip
+    """Start a gRPC server of ``env``, with health (SERVING for "" and ``vcpo.v1.Environment``)."""
+
+    def add(server: grpc.Server) -> list[str]:
+        environment_pb2_grpc.add_EnvironmentServicer_to_server(EnvironmentServicer(env), server)
+        return ["vcpo.v1.Environment"]
+
+    return grpc_server(
+        add, port=port, host=host, max_workers=max_workers, max_message_bytes=max_message_bytes
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,13 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     env = BUILTINS[args.builtin](args.name or args.builtin)
-    server, port = serve_environment(env, args.port, args.host)
-    print(f"listening on {args.host}:{port}", flush=True)
+    server = serve_environment(env, args.port, args.host)
+    print(f"listening on {args.host}:{server.port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=2).wait()
+    server.stop(grace=2)
     env.shutdown()
 
 
