@@ -3,10 +3,12 @@
     <run_dir>/learner/steps.jsonl   one line per learner step (the last line for a step counts)
     <run_dir>/progress.jsonl        the launcher's sample every few seconds (throughput, ledger)
     summary (from the launcher)     run id, k, wall time, why it stopped, the balanced ledger
+    <run_dir>/metrics.jsonl         the launcher's metrics log: held-out accuracy ("eval" lines, one per
+                                    validation set and policy version), "train" lines (only counted)
     <run_dir>/config.resolved.json  fallback for run id and k when the summary lacks them
     (the CLI reads the summary from <run_dir>/summary.json, which the launcher writes)
       └─► <run_dir>/report/  reward.png ess_ratio.png lr_scale.png grad_norm.png staleness.png
-                             throughput.png report.md report.json
+                             throughput.png accuracy.png report.md report.json
 
 The launcher calls ``write_report`` at the end of a run or on Ctrl-C, so everything here is written for a
 partial run: a missing or empty file, a truncated last line, a step redone after a restart, NaN or null
@@ -17,7 +19,9 @@ and named in report.md. What it decides:
   finite reward, so one noisy step does not decide the headline;
 - the lag bound holds when every *trained* group's lag is at most k; dropped groups may exceed k (that is
   why they were dropped) and are counted apart;
-- a throughput mean is over the progress samples where that service had reported a finite value.
+- a throughput mean is over the progress samples where that service had reported a finite value;
+- held-out accuracy (mean@n and pass@n per set against version, training time and GPU-hours) is read and
+  drawn by ``deploy/report_eval.py``: the last eval line for a (set, version) counts, bad lines are counted.
 
     python -m deploy.report RUN_DIR [--k K]
 """
@@ -34,6 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.report_eval import (
+    Evaluation,
+    evaluation_markdown,
+    load_evaluation,
+    plot_accuracy,
+    summarize_evaluation,
+)
+
 Json = dict[str, Any]  # one JSON object: a line of a JSONL file, the figures, the summary
 # plot name -> (field of a step line, y-axis label); "metrics.x" is a key of the step's metrics
 STEP_PLOTS: dict[str, tuple[str, str]] = {
@@ -48,7 +60,7 @@ THROUGHPUT: dict[str, tuple[str, str]] = {
     "reward_groups_per_s": ("reward", "groups/s"),
     "learner_tokens_per_s": ("learner", "tokens/s"),
 }
-PLOT_NAMES = (*STEP_PLOTS, "staleness", "throughput")  # each written as <name>.png
+PLOT_NAMES = (*STEP_PLOTS, "staleness", "throughput", "accuracy")  # each written as <name>.png
 
 
 @dataclass(frozen=True)
@@ -293,7 +305,7 @@ def plot_throughput(path: Path, rows: list[Json]) -> None:
 
 
 def write_plots(
-    out: Path, steps: JsonlFile, progress: JsonlFile, figures: Json
+    out: Path, steps: JsonlFile, progress: JsonlFile, figures: Json, evaluation: Evaluation
 ) -> tuple[dict[str, Path], dict[str, str]]:
     """Each plot there is data for; the others are named with the reason they were skipped."""
     plots: dict[str, Path] = {}
@@ -316,6 +328,11 @@ def write_plots(
         plots["throughput"] = out / "throughput.png"
     else:
         skipped["throughput"] = "no service reported throughput" if progress.rows else "no progress samples"
+    if (why := evaluation.missing_reason()) is None:
+        plot_accuracy(out / "accuracy.png", evaluation.sets)
+        plots["accuracy"] = out / "accuracy.png"
+    else:
+        skipped["accuracy"] = why
     return plots, skipped
 
 
@@ -390,7 +407,14 @@ def _ledger(ledger: Json | None, source: str | None) -> list[str]:
     return lines
 
 
-def render_markdown(s: Json, steps: JsonlFile, progress: JsonlFile, paths: ReportPaths) -> str:
+def render_markdown(
+    s: Json,
+    steps: JsonlFile,
+    progress: JsonlFile,
+    paths: ReportPaths,
+    metrics: JsonlFile,
+    evaluation: Evaluation,
+) -> str:
     k, st = s["k"], s["steps"]
     wall = "n/a" if s["wall_s"] is None else f"{s['wall_s']:.1f} s ({s['wall_s'] / 60:.1f} min)"
     span = f"{st['count']} (step {st['first']} to {st['last']}, last version {st['last_version']})"
@@ -401,7 +425,12 @@ def render_markdown(s: Json, steps: JsonlFile, progress: JsonlFile, paths: Repor
         ("wall time", wall),
         ("stopped by", s["stopped_by"] or "n/a"),
     ]
-    data = [f"- {steps.describe('learner/steps.jsonl')}", f"- {progress.describe('progress.jsonl')}"]
+    metrics_line = metrics.describe("metrics.jsonl") + (f"; {evaluation.describe()}" if metrics.rows else "")
+    data = [
+        f"- {steps.describe('learner/steps.jsonl')}",
+        f"- {progress.describe('progress.jsonl')}",
+        f"- {metrics_line}",
+    ]
     throughput = [
         (service, "no data" if (v := s["throughput"][key]) is None else f"{v:,.1f} {unit}")
         for key, (service, unit) in THROUGHPUT.items()
@@ -413,6 +442,7 @@ def render_markdown(s: Json, steps: JsonlFile, progress: JsonlFile, paths: Repor
         [f"# Run report: {s['run_id'] or 'unknown run'}", "", *_table(("", ""), header)],
         ["## Data", "", *data],
         ["## Learning", "", *_learning(s)],
+        ["## Held-out accuracy", "", *evaluation_markdown(evaluation)],
         ["## Staleness", "", *_staleness(s["staleness"], k)],
         ["## Throughput (mean over progress samples)", "", *_table(("service", "mean"), throughput)],
         ["## Ledger", "", *_ledger(s["ledger"], s["ledger_source"])],
@@ -456,15 +486,20 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     steps = load_steps(run_dir / "learner" / "steps.jsonl")
     progress = read_jsonl(run_dir / "progress.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    evaluation = load_evaluation(metrics.rows, metrics.exists)
     figures = summarize(steps, progress, summary, k)
-    plots, skipped = write_plots(out, steps, progress, figures)
+    figures["evaluation"] = summarize_evaluation(evaluation)
+    figures["metrics_file"] = {"exists": metrics.exists, "unparseable_lines": metrics.bad_lines}
+    figures["metrics_file"] |= evaluation.counts()
+    plots, skipped = write_plots(out, steps, progress, figures, evaluation)
     paths = ReportPaths(out, out / "report.md", out / "report.json", plots, skipped)
     figures["plots"] = {name: path.name for name, path in plots.items()}
     figures["skipped_plots"] = skipped
     # strict JSON: a NaN or infinity that came in with the summary becomes null, anything odd a string
     strict = json.loads(json.dumps(figures, default=str), parse_constant=lambda _: None)
     _write_text(paths.json, json.dumps(strict, indent=2, allow_nan=False) + "\n")
-    _write_text(paths.markdown, render_markdown(figures, steps, progress, paths))
+    _write_text(paths.markdown, render_markdown(figures, steps, progress, paths, metrics, evaluation))
     return paths
 
 

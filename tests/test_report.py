@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from deploy.report import PLOT_NAMES, ReportPaths, write_report
+from deploy.report_eval import load_evaluation, plot_accuracy, table_points
 
 ROOT = Path(__file__).parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -56,12 +58,52 @@ def progress_lines(n: int = 10) -> list[dict[str, Any]]:
     ]
 
 
-def make_run(run_dir: Path) -> Path:
-    """20 steps with reward step/20, lags s % 3 and 0 (within k = 2), one group dropped at lag 5."""
+def eval_line(name: Any, version: Any, mean: Any, passed: Any, n: int = 8, **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "eval",
+        "set": name,
+        "version": version,
+        "mean_at_n": mean,
+        "pass_at_n": passed,
+        "n": n,
+        "tasks": 20,
+        "reward_mean": mean,
+        "train_seconds": 3.0 * version if type(version) is int else None,
+        "gpu_hours": 0.0,
+        "time": 1000.0,
+        "eval_seconds": 1.5,
+        "where": "shared",
+        "failed_scores": 0,
+    } | extra
+
+
+# (version, mean@8, pass@8) of digit_add and (version, mean@4, pass@4) of arith_hard: digit_add is best at
+# version 10 and ends lower; arith_hard improves to its last version
+DIGIT_ADD = [(0, 0.10, 0.50), (5, 0.30, 0.70), (10, 0.55, 0.90), (15, 0.45, 0.85), (20, 0.40, 0.80)]
+ARITH_HARD = [(0, 0.05, 0.15), (10, 0.20, 0.35), (20, 0.25, 0.45)]
+
+
+def metrics_lines() -> list[dict[str, Any]]:
+    """Train lines for steps 1..20, the evaluations of both sets in time order, and one other kind."""
+    train = [
+        {"kind": "train", "step": s, "version": s, "time": 1000.0 + 3 * s, "train_seconds": 3.0 * s}
+        for s in range(1, 21)
+    ]
+    evals = [eval_line("digit_add", v, m, p) for v, m, p in DIGIT_ADD]
+    evals += [eval_line("arith_hard", v, m, p, n=4) for v, m, p in ARITH_HARD]
+    evals.sort(key=lambda row: row["version"])
+    return [*train, *evals, {"kind": "note", "text": "resumed"}]
+
+
+def make_run(run_dir: Path, metrics: bool = True) -> Path:
+    """20 steps with reward step/20, lags s % 3 and 0 (within k = 2), one group dropped at lag 5; and
+    the metrics log of two validation sets evaluated every 5 or 10 versions."""
     rows = [step_line(s, s / 20, [s % 3, 0]) for s in range(1, 21)]
     rows[9]["dropped"] = [{"group_id": "old", "lag": 5, "reason": "stale"}]
     write_lines(run_dir / "learner" / "steps.jsonl", rows)
     write_lines(run_dir / "progress.jsonl", progress_lines())
+    if metrics:
+        write_lines(run_dir / "metrics.jsonl", metrics_lines())
     return run_dir
 
 
@@ -230,7 +272,7 @@ def test_nan_none_and_missing_values_do_not_crash(tmp_path: Path) -> None:
     assert figures["staleness"]["dropped_reasons"] == {"unknown": 1}
     assert figures["steps"]["unparseable_lines"] == 1 and figures["wall_s"] is None
     assert set(paths.plots) == {"reward", "staleness"}
-    assert set(paths.skipped) == {"ess_ratio", "lr_scale", "grad_norm", "throughput"}
+    assert set(paths.skipped) == {"ess_ratio", "lr_scale", "grad_norm", "throughput", "accuracy"}
 
 
 def test_cli_prints_the_paths_and_refuses_a_missing_run_dir(tmp_path: Path) -> None:
@@ -263,3 +305,191 @@ def test_importing_the_module_does_not_import_matplotlib() -> None:
     code = "import sys, deploy.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_evaluation_figures_per_set(full: Full) -> None:
+    paths, _, figures = full
+    evaluation = figures["evaluation"]
+    assert list(evaluation) == ["arith_hard", "digit_add"]
+    digit = evaluation["digit_add"]
+    assert digit["n"] == 8 and evaluation["arith_hard"]["n"] == 4
+    assert [(p["version"], p["mean_at_n"], p["pass_at_n"]) for p in digit["points"]] == DIGIT_ADD
+    assert digit["first"] == {
+        "version": 0,
+        "train_seconds": 0.0,
+        "gpu_hours": 0.0,
+        "mean_at_n": 0.10,
+        "pass_at_n": 0.50,
+        "tasks": 20,
+        "n": 8,
+    }
+    assert (digit["last"]["version"], digit["last"]["mean_at_n"], digit["last"]["pass_at_n"]) == (
+        20,
+        0.4,
+        0.8,
+    )
+    assert (digit["best"]["version"], digit["best"]["mean_at_n"], digit["best"]["train_seconds"]) == (
+        10,
+        0.55,
+        30,
+    )
+    hard = evaluation["arith_hard"]
+    assert [p["version"] for p in hard["points"]] == [0, 10, 20]
+    assert hard["first"]["mean_at_n"] == 0.05 and hard["last"]["pass_at_n"] == 0.45
+    assert hard["best"] == hard["last"] and hard["best"]["version"] == 20
+    assert figures["metrics_file"] == {
+        "exists": True,
+        "unparseable_lines": 0,
+        "eval_lines": 8,
+        "points": 8,
+        "bad_eval_lines": 0,
+        "superseded_eval_lines": 0,
+        "train_lines": 20,
+        "other_kinds": {"note": 1},
+    }
+    assert paths.plots["accuracy"].read_bytes().startswith(PNG_SIGNATURE) and "accuracy" in figures["plots"]
+
+
+def test_held_out_accuracy_section_in_markdown(full: Full) -> None:
+    _, md, _ = full
+    section = md.split("## Held-out accuracy")[1].split("## Staleness")[0]
+    assert section.index("### arith_hard") < section.index("### digit_add")
+    digit = section.split("### digit_add")[1]
+    assert "| version | training time | GPU-hours | mean@8 | pass@8 | tasks |" in digit
+    assert "| 0 | 0.0 min | 0.000 | 0.1000 | 0.5000 | 20 |" in digit
+    assert "| 10 | 0.5 min | 0.000 | 0.5500 | 0.9000 | 20 |" in digit  # 30 s of training
+    assert "| 20 | 1.0 min | 0.000 | 0.4000 | 0.8000 | 20 |" in digit
+    assert digit.count("| 0.000 |") == 5  # every point is a row: no thinning below 13 points
+    assert "- first → last: mean@8 0.1000 → 0.4000, pass@8 0.5000 → 0.8000 (version 0 → 20)" in digit
+    assert "- best mean@8: 0.5500 at version 10" in digit
+    hard = section.split("### arith_hard")[1].split("### digit_add")[0]
+    assert "| version | training time | GPU-hours | mean@4 | pass@4 | tasks |" in hard
+    assert "- first → last: mean@4 0.0500 → 0.2500, pass@4 0.1500 → 0.4500 (version 0 → 20)" in hard
+    assert "- best mean@4: 0.2500 at version 20" in hard
+    assert "evaluations shown" not in section and "left out of the time panel" not in section
+    assert (
+        "- `metrics.jsonl`: 29 lines read; 8 eval lines (8 points in 2 sets), 20 train lines, "
+        "other kinds ignored (note: 1)" in md
+    )
+    assert "![accuracy](accuracy.png)" in md
+
+
+def test_a_repeated_set_and_version_counts_the_last_line_and_bad_lines_are_counted(tmp_path: Path) -> None:
+    make_run(tmp_path, metrics=False)
+    rows = [
+        eval_line("digit_add", 0, 0.1, 0.2),
+        eval_line("digit_add", 5, 0.9, 1.0),  # redone after a restart: the next line for version 5 counts
+        eval_line("digit_add", 5, 0.3, 0.6),
+        eval_line("digit_add", 10, 0.4, float("nan")),  # non-finite accuracy (json writes NaN)
+        eval_line("digit_add", 15, 1.5, 0.9),  # not a fraction
+        {k: v for k, v in eval_line("digit_add", 20, 0.5, 0.7).items() if k != "mean_at_n"},
+        eval_line("digit_add", "25", 0.5, 0.7),  # a version that is a string
+        eval_line(None, 30, 0.5, 0.7),  # no set
+        {"version": 40, "mean_at_n": 0.5},  # no kind: counted as another kind, not as an eval line
+    ]
+    write_lines(tmp_path / "metrics.jsonl", rows, tail='{"kind": "eval", "set": "digit_add", "vers')
+    md, figures = report(tmp_path, k=2)
+    points = figures["evaluation"]["digit_add"]["points"]
+    assert [(p["version"], p["mean_at_n"], p["pass_at_n"]) for p in points] == [(0, 0.1, 0.2), (5, 0.3, 0.6)]
+    assert figures["evaluation"]["digit_add"]["best"]["mean_at_n"] == 0.3  # not the superseded 0.9
+    counts = figures["metrics_file"]
+    assert counts["eval_lines"] == 8 and counts["points"] == 2
+    assert counts["bad_eval_lines"] == 5 and counts["superseded_eval_lines"] == 1
+    assert counts["unparseable_lines"] == 1 and counts["other_kinds"] == {"(no kind)": 1}
+    assert "`metrics.jsonl`: 9 lines read, 1 unparseable lines skipped" in md
+    assert "5 bad eval lines skipped (no set, version, mean_at_n or pass_at_n" in md
+    assert "1 superseded by a later line for the same set and version" in md
+    assert "- first → last: mean@8 0.1000 → 0.3000, pass@8 0.2000 → 0.6000 (version 0 → 5)" in md
+    assert "- 5 bad eval lines were skipped (see Data)." in md
+    assert "accuracy" in figures["plots"]
+
+
+def test_no_metrics_file_says_no_evaluation_was_recorded(tmp_path: Path) -> None:
+    paths = write_report(make_run(tmp_path, metrics=False), {"k": 2})
+    md = paths.markdown.read_text()
+    section = md.split("## Held-out accuracy")[1].split("## Staleness")[0]
+    assert "No evaluation was recorded (no metrics.jsonl)." in section
+    assert "`[evaluation]`" in section and "`[[evaluation.sets]]`" in section
+    assert "- `metrics.jsonl`: missing" in md
+    assert paths.skipped == {"accuracy": "no metrics.jsonl"} and "- `accuracy.png`: no metrics.jsonl" in md
+    assert not (tmp_path / "report" / "accuracy.png").exists()
+    figures = json.loads(paths.json.read_text())
+    assert figures["evaluation"] == {} and figures["metrics_file"]["exists"] is False
+    # train lines only, then eval lines that are all bad: still no evaluation, with the reason
+    write_lines(tmp_path / "metrics.jsonl", metrics_lines()[:20])
+    paths = write_report(tmp_path, {"k": 2})
+    assert paths.skipped == {"accuracy": "no eval line in metrics.jsonl"}
+    assert "No evaluation was recorded (no eval line in metrics.jsonl)." in paths.markdown.read_text()
+    write_lines(tmp_path / "metrics.jsonl", [eval_line("a", 1, None, 0.5), eval_line("a", 2, 0.5, "x")])
+    paths = write_report(tmp_path, {"k": 2})
+    why = "none of the 2 eval lines in metrics.jsonl is valid"
+    assert (
+        paths.skipped == {"accuracy": why}
+        and f"No evaluation was recorded ({why})." in paths.markdown.read_text()
+    )
+    assert not (tmp_path / "report" / "accuracy.png").exists()
+
+
+def test_points_without_training_time_are_in_the_table_but_not_the_time_panel(tmp_path: Path) -> None:
+    rows = [eval_line("digit_add", v, 0.1 * v, 0.2 * v) for v in range(5)]
+    rows[1]["train_seconds"] = rows[3]["train_seconds"] = None  # unknown
+    make_run(tmp_path, metrics=False)
+    write_lines(tmp_path / "metrics.jsonl", rows)
+    md, figures = report(tmp_path, k=2)
+    assert [p["train_seconds"] for p in figures["evaluation"]["digit_add"]["points"]] == [
+        0.0,
+        None,
+        6.0,
+        None,
+        12.0,
+    ]
+    assert (
+        "| 1 | n/a | 0.000 | 0.1000 | 0.2000 | 20 |" in md
+        and "| 3 | n/a | 0.000 | 0.3000 | 0.6000 | 20 |" in md
+    )
+    assert "| 4 | 0.2 min | 0.000 | 0.4000 | 0.8000 | 20 |" in md
+    assert "- 2 of 5 evaluations have no training time (`train_seconds` unknown)" in md
+    # what is drawn: every version in the version panel, only the timed points (in minutes) in the time panel
+    evaluation = load_evaluation(rows)
+    fig = plot_accuracy(tmp_path / "accuracy.png", evaluation.sets)
+    by_version, by_time = fig.axes
+    assert len(fig.axes) == 2  # no GPU-hours panel: every gpu_hours is 0
+    mean, passed = by_version.lines
+    assert list(mean.get_xdata()) == [0, 1, 2, 3, 4] and mean.get_label() == "digit_add mean@8"
+    assert list(passed.get_ydata()) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8])
+    assert passed.get_label() == "digit_add pass@8" and passed.get_linestyle() == "--"
+    assert mean.get_linestyle() == "-" and mean.get_marker() == "o"
+    mean, passed = by_time.lines
+    assert list(mean.get_xdata()) == pytest.approx([0.0, 0.1, 0.2]) and list(
+        mean.get_ydata()
+    ) == pytest.approx([0.0, 0.2, 0.4])
+    assert "2 points without train_seconds left out" in by_time.get_title()
+    assert by_time.get_xlabel() == "training wall time (min)"
+
+
+def test_gpu_hours_add_a_panel(tmp_path: Path) -> None:
+    rows = [eval_line("s", v, 0.5, 0.5, gpu_hours=0.25 * v) for v in range(3)]
+    rows.append(eval_line("s", 3, 0.6, 0.7, gpu_hours=None))
+    fig = plot_accuracy(tmp_path / "accuracy.png", load_evaluation(rows).sets)
+    assert len(fig.axes) == 3 and fig.axes[2].get_xlabel() == "GPU-hours"
+    assert list(fig.axes[2].lines[0].get_xdata()) == [0.0, 0.25, 0.5]  # the point without GPU-hours left out
+    assert (tmp_path / "accuracy.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_more_than_12_evaluations_show_first_last_and_evenly_spaced(tmp_path: Path) -> None:
+    make_run(tmp_path, metrics=False)
+    write_lines(tmp_path / "metrics.jsonl", [eval_line("d", 10 * i, i / 100, i / 50) for i in range(30)])
+    md, figures = report(tmp_path, k=2)
+    assert len(figures["evaluation"]["d"]["points"]) == 30  # all of them in report.json
+    table = md.split("### d")[1].split("- first")[0]
+    shown = [
+        int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and "min" in line
+    ]
+    assert len(shown) == 12 and shown[0] == 0 and shown[-1] == 290
+    gaps = {b - a for a, b in itertools.pairwise(shown)}
+    assert gaps <= {20, 30}  # 29 steps of 10 versions over 11 gaps: every 2 or 3 points
+    assert "12 of 30 evaluations shown: the first, the last and evenly spaced ones between" in md
+    assert "- first → last: mean@8 0.0000 → 0.2900, pass@8 0.0000 → 0.5800 (version 0 → 290)" in md
+    assert [p["version"] for p in table_points(figures["evaluation"]["d"]["points"][:12])] == list(
+        range(0, 120, 10)
+    )
