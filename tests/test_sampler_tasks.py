@@ -17,6 +17,8 @@ from services.sampler.tasks import (
     ARITH_TRAIN_SIZE,
     BUILTIN_DATASETS,
     DIGIT_ADD_TEST_SIZE,
+    TAIL_ADD_TEST_SIZE,
+    TAIL_ADD_TRAIN_SIZE,
     DatasetTasks,
     PromptEncoder,
     TaskError,
@@ -250,6 +252,20 @@ def test_builtin_digit_add_is_deterministic_from_the_seed() -> None:
     assert load_dataset("builtin:digit_add", seed=1) == load_dataset("builtin:digit_add", seed=1)
     one, two = load_dataset("builtin:digit_add", seed=1), load_dataset("builtin:digit_add", seed=2)
     assert [t.prompt for t in one] != [t.prompt for t in two]  # another order and another held-out cut
+
+
+def test_builtin_tail_add_splits_are_disjoint_and_right() -> None:
+    train, test = load_dataset("builtin:tail_add"), load_dataset("builtin:tail_add", split="test")
+    assert (len(train), len(test)) == (TAIL_ADD_TRAIN_SIZE, TAIL_ADD_TEST_SIZE) == (2000, 200)
+    assert not {t.prompt for t in train} & {t.prompt for t in test}  # held-out numbers are unseen
+    assert train[0].task_id == "tail_add:0" and test[0].task_id == "tail_add:test:0"
+    for task in train + test:
+        number = task.prompt.removeprefix("What is the sum of the last two digits of ").removesuffix("?")
+        assert 100 <= int(number) <= 9999 and task.reference == str(int(number[-1]) + int(number[-2]))
+    # the held-out numbers use the digit-pair sums the train numbers teach
+    pairs = {t.prompt[-3:-1] for t in train}
+    assert {t.prompt[-3:-1] for t in test} <= pairs
+    assert load_dataset("builtin:tail_add", seed=4) != load_dataset("builtin:tail_add", seed=5)
 
 
 def test_builtin_unknown_split() -> None:

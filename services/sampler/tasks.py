@@ -22,7 +22,11 @@ What it decides:
   order, the first 80 ``train``, the last 20 held out. It exists for the tiny built-in model, which after a
   short supervised warm start answers it in the right format with modest accuracy and then learns it with RL
   in minutes on a CPU; on ``builtin:arith`` a randomly initialised model earns reward 0 everywhere, so RL has
-  nothing to learn from.
+  nothing to learn from. The tiny model learns digit_add's train problems by heart: its held-out ones do not
+  improve.
+- ``builtin:tail_add`` is the sum of a number's last two digits (``... of 4729?`` -> ``11``): 2000 train and
+  200 held-out numbers of 3-4 digits. Held-out numbers are unseen but made of the same digit-pair sums, so RL
+  on the train split raises held-out accuracy too (what the local preset's evaluation shows).
 
 Parquet is read with pyarrow (pandas as a fallback), imported only when a parquet file is loaded.
 """
@@ -126,7 +130,30 @@ def digit_add_rows(split: str, seed: int) -> Iterator[dict[str, Any]]:
         yield {"id": f"{prefix}:{i}", "prompt": f"What is {a}+{b}?", "answer": str(a + b)}
 
 
-BUILTIN_DATASETS: dict[str, RowGenerator] = {"arith": arith_rows, "digit_add": digit_add_rows}
+TAIL_ADD_TRAIN_SIZE = 2000
+TAIL_ADD_TEST_SIZE = 200
+
+
+def tail_add_rows(split: str, seed: int) -> Iterator[dict[str, Any]]:
+    """The sum of a number's last two digits (``What is the sum of the last two digits of 4729?`` -> ``11``),
+    numbers of 3 or 4 digits, deterministic from ``seed``. One seeded draw of distinct numbers is cut in two:
+    ``TAIL_ADD_TRAIN_SIZE`` train, ``TAIL_ADD_TEST_SIZE`` held out. Held-out numbers are unseen, but they are
+    built from the same 100 digit-pair sums as the train ones, so what RL teaches on the train numbers carries
+    over to them (on ``digit_add`` each held-out problem is a fact never trained, which a tiny model does not
+    infer)."""
+    held_out = _is_held_out(split)
+    drawn = random.Random(seed).sample(range(100, 10_000), TAIL_ADD_TRAIN_SIZE + TAIL_ADD_TEST_SIZE)
+    chosen = drawn[TAIL_ADD_TRAIN_SIZE:] if held_out else drawn[:TAIL_ADD_TRAIN_SIZE]
+    prefix = "tail_add:test" if held_out else "tail_add"
+    for i, number in enumerate(chosen):
+        answer = number % 10 + number // 10 % 10
+        yield {"id": f"{prefix}:{i}", "prompt": f"What is the sum of the last two digits of {number}?",
+               "answer": str(answer)}  # fmt: skip
+
+
+BUILTIN_DATASETS: dict[str, RowGenerator] = {
+    "arith": arith_rows, "digit_add": digit_add_rows, "tail_add": tail_add_rows,
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- loading
