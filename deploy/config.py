@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field, model_validator
 from services.common.config import Section, ServiceConfig
 from services.learner.config import LearnerConfig, check_scored_capacity
 from services.reward.config import RewardConfig
-from services.sampler.config import SamplerConfig
+from services.sampler.config import EvaluationConfig, SamplerConfig
 from services.weight_broker.config import WeightBrokerConfig
 
 
@@ -50,6 +50,7 @@ class SystemConfig(ServiceConfig):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
 
     @model_validator(mode="after")
     def _sections_agree(self) -> SystemConfig:
@@ -65,3 +66,11 @@ class SystemConfig(ServiceConfig):
             )
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         return self
+
+    def gpus(self) -> float:
+        """GPUs the run holds while it trains (the GPU-hours of its evaluation records are these x hours)."""
+        total = self.learner.num_ranks * self.learner.gpus_per_rank
+        total += self.sampler.replicas * self.sampler.gpus_per_replica
+        if self.evaluation.sets and self.evaluation.placement == "dedicated":
+            total += self.evaluation.gpus
+        return total

@@ -89,8 +89,12 @@ class Progress:
         self.path = self.run_dir / "progress.jsonl"
 
     def sample(
-        self, sampler_tokens_per_s: float | None, sampler_busy_s: float | None = None
+        self,
+        sampler_tokens_per_s: float | None,
+        sampler_busy_s: float | None = None,
+        evaluation: dict[str, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """``evaluation``: each validation set's newest result (metrics_log.MetricsLog.latest)."""
         now = time.time()
         new = self.log.poll()
         latest = self.log.latest()
@@ -129,6 +133,7 @@ class Progress:
                 "scored_added": scored,
                 "groups_trained": sum(len(s.get("groups", [])) for s in self.log.steps.values()),
             },
+            "eval": evaluation or {},
         }
         self._last = {"time": now, "scored": float(scored)}
         with self.path.open("a") as f:
@@ -150,4 +155,8 @@ def progress_line(r: dict[str, Any]) -> str:
         f" | scored {_fmt(t['reward_groups_per_s'], '.2f')} groups/s"
         f" | rollouts {r['ledger']['rollouts_added']} scored {r['ledger']['scored_added']}"
         f" trained {r['ledger']['groups_trained']}"
+        + "".join(
+            f" | {name} mean@{e.get('n')} {_fmt(e.get('mean_at_n'), '.3f')} (v{e.get('version')})"
+            for name, e in r.get("eval", {}).items()
+        )
     )

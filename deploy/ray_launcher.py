@@ -37,9 +37,11 @@ from pydantic import BaseModel
 
 from deploy.config import SystemConfig
 from deploy.ledger import take_ledger
+from deploy.metrics_log import MetricsLog
 from deploy.progress import Progress, progress_line
 from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.admission import AdmissionCounter
+from services.common.clock import RunClock
 from services.common.config import write_resolved
 from services.common.memory import ALLOCATOR_ENV
 from services.common.redis_server import LocalRedis, free_port
@@ -56,8 +58,10 @@ def section(cfg: SystemConfig, model: type[S]) -> S:
 
 def needed_cpus(cfg: SystemConfig) -> int:
     """Logical CPUs the run asks Ray for: a bundle per learner rank, one per sampler and reward replica, and
-    one for the broker and Serve's controller."""
-    return cfg.learner.num_ranks + cfg.sampler.replicas + cfg.reward.max_replicas + 1
+    one for the broker and Serve's controller, one for a dedicated evaluator."""
+    ev = cfg.evaluation
+    evaluator = 1 if ev.sets and ev.placement == "dedicated" else 0
+    return cfg.learner.num_ranks + cfg.sampler.replicas + cfg.reward.max_replicas + 1 + evaluator
 
 
 def with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
@@ -146,6 +150,9 @@ class RayLauncher:
         self.reward_up = False
         self.samplers: list[Any] = []
         self.sampler_runs: list[Any] = []
+        self.evaluator: Any = None  # the dedicated evaluator's actor, when there is one
+        self.evaluator_run: Any = None
+        self.metrics_log: MetricsLog | None = None
         self.summary: dict[str, Any] = {}
         self.broker_metrics_url = ""
 
@@ -194,6 +201,8 @@ class RayLauncher:
         for spec in self.specs.values():
             if spec.mode == "queue":
                 StreamConsumer(self.client, spec, "launcher")  # creates the stream and its consumer group
+        RunClock(self.client, cfg.run.run_id).set_gpus(cfg.gpus())  # for the GPU-hours of the metrics log
+        self.metrics_log = MetricsLog(self.run_dir, self.client, cfg.run.run_id)
         admission = AdmissionCounter(self.client, cfg.run.run_id, cfg.run.k, cfg.run.groups_per_step)
         returned = admission.reclaim()  # no sampler runs yet: whatever is still held was held by dead ones
         self._say("streams", ", ".join(s.key for s in self.specs.values())
@@ -234,6 +243,17 @@ class RayLauncher:
             "samplers",
             f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
         )
+        ev = cfg.evaluation
+        if ev.sets:
+            where = "on the sampler replicas' engines (shared)"
+            if ev.placement == "dedicated":
+                from services.sampler.ray_actor import start_evaluator
+
+                self.evaluator, self.evaluator_run = start_evaluator(section(cfg, SamplerServiceConfig))
+                where = f"by a dedicated evaluator ({ev.gpus:g} GPU)"
+            names = ", ".join(f"{s.name} ({s.dataset}, n={s.n})" for s in ev.sets)
+            self._say("evaluation", f"{names}: every {ev.every} versions {where}; results in "
+                      f"{self.run_dir / 'metrics.jsonl'}")  # fmt: skip
         self._say("client api", self._client_api())
         self._scrape_targets()
         self._say("prometheus", f"scrape targets in {self.run_dir / 'prometheus' / 'targets.json'}")
@@ -321,7 +341,11 @@ class RayLauncher:
         self.progress = Progress(self.run_dir, self.client, self._queue_keys())
         deadline = self.t0 + la.max_minutes * 60 if la.max_minutes else None
         while not self.stopping.event.wait(la.progress_interval_s):
-            record = self.progress.sample(*self._sampler_figures())
+            evaluation = None
+            if self.metrics_log is not None:
+                self.metrics_log.poll()
+                evaluation = self.metrics_log.latest()
+            record = self.progress.sample(*self._sampler_figures(), evaluation=evaluation)
             print(progress_line(record), flush=True)
             self._scrape_targets()  # a restarted replica serves /metrics on another port
             done, _ = ray.wait(self.learner.runs, timeout=0)
@@ -332,6 +356,11 @@ class RayLauncher:
             if done:
                 ray.get(done)  # a sampler out of restarts raises here
                 self.stopping.stop("the samplers finished")
+            if self.evaluator_run is not None:
+                done, _ = ray.wait([self.evaluator_run], timeout=0)
+                if done:
+                    ray.get(done)  # raises what failed
+                    self.stopping.stop("the evaluator finished")
             if deadline and time.monotonic() > deadline:
                 self.stopping.stop(f"max_minutes ({la.max_minutes:g})")
 
@@ -351,8 +380,9 @@ class RayLauncher:
     def down(self) -> None:
         """Stop every service in order; a stage that fails is logged and the later ones still run, so Ray and
         Redis never outlive the launcher."""
-        stages = [("samplers", self._stop_samplers), ("reward", self._stop_reward),
-                  ("learner", self._stop_learner), ("ledger", self._ledger), ("broker", self._stop_broker),
+        stages = [("evaluator", self._stop_evaluator), ("samplers", self._stop_samplers),
+                  ("reward", self._stop_reward), ("learner", self._stop_learner), ("ledger", self._ledger),
+                  ("metrics log", self._metrics_log), ("broker", self._stop_broker),
                   ("ray", self._stop_ray), ("redis", self._stop_redis),
                   ("prometheus targets", lambda: self._scrape_targets(stopped=True))]  # fmt: skip
         for name, stage in stages:
@@ -361,6 +391,18 @@ class RayLauncher:
             except Exception:
                 log.exception("stopping %s failed; going on with the rest", name)
                 self.summary.setdefault("stop_errors", []).append(name)
+
+    def _stop_evaluator(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.stop.remote()
+            self.summary["evaluator"] = _get(
+                [self.evaluator_run], self.cfg.launcher.stop_timeout_s, "evaluator"
+            )
+            self._say("evaluator", "stopped")
+
+    def _metrics_log(self) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.poll()  # the last steps and evaluations (Redis is still up)
 
     def _stop_samplers(self) -> None:
         if self.samplers:

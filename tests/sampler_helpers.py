@@ -51,16 +51,16 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     return Broker(MemoryStore(retain=retain), Announcer(StreamProducer(client, weights), "grpc", ""))
 
 
-def sampler_config(run: Any, broker: Any, **sampler: Any) -> Any:
+def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = None, **sampler: Any) -> Any:
     """A sampler of ``run`` fetching from ``broker`` over gRPC: the tiny model on CPU, free ports, ``sampler``
-    on top."""
+    on top (and an ``[evaluation]`` section, if given)."""
     from services.sampler.config import SamplerServiceConfig
 
     settings = {"max_model_len": 256, "dataset": "builtin:arith", "dtype": "float32", "enforce_eager": True,
                 "grpc_port": 0, "metrics_port": 0, **sampler}  # fmt: skip
     wb = {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": broker.server.port}
     return SamplerServiceConfig.model_validate(
-        {"run": run.model_dump(), "sampler": settings, "weight_broker": wb}
+        {"run": run.model_dump(), "sampler": settings, "weight_broker": wb, "evaluation": evaluation or {}}
     )
 
 

@@ -34,13 +34,14 @@ class Stack:
     """Redis + broker (announcing on the weights stream) + one sampler service on the session's engine."""
 
     def __init__(self, client: redis.Redis, url: str, model_dir: Path, run_dir: Path, engine: GenerationEngine,
-                 k: int, groups_per_step: int, **sampler: Any) -> None:  # fmt: skip
+                 k: int, groups_per_step: int, evaluation: dict[str, Any] | None = None,
+                 **sampler: Any) -> None:  # fmt: skip
         self.run = RunConfig(run_id="t", k=k, groups_per_step=groups_per_step, model=str(model_dir),
                              redis_url=url, run_dir=run_dir)  # fmt: skip
         specs = stream_specs(self.run, StreamsConfig())
         self.broker = announcing_broker(client, self.run)
-        self.cfg = sampler_config(self.run, self.broker, **{"n": 4, "max_tokens": 16, "max_model_len": 256,
-                                                            "max_groups_in_flight": 4, **sampler})  # fmt: skip
+        settings = {"n": 4, "max_tokens": 16, "max_model_len": 256, "max_groups_in_flight": 4, **sampler}
+        self.cfg = sampler_config(self.run, self.broker, evaluation, **settings)
         engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
         self.service = SamplerService(self.cfg, 0, engine)
         self.learner = LearnerStandIn(client, self.run, self.broker.client(), model_dir)

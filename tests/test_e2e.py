@@ -6,7 +6,8 @@ One run directory, two launches:
 2. the same command again: it resumes from that checkpoint; mid-run a sampler replica and the reward replica
    are killed with SIGKILL; Ray restarts both, the run reaches launcher.max_steps, and the ledger still
    balances: no group lost, none trained twice, every trained group within the lag bound.
-Over both launches the reward rises.
+Over both launches the reward rises, and so does held-out accuracy: measured as it trains (evaluation on the
+sampler, in metrics.jsonl and the report) and by the `eval` command on the base model and the last checkpoint.
 """
 
 from __future__ import annotations
@@ -161,3 +162,59 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     early, late = rewards_by_step[:WINDOW], rewards_by_step[-WINDOW:]
     # measured: ~0.28 over the first 50 steps, ~0.55 after 300 (the warm start leaves room to learn)
     assert sum(late) / WINDOW > sum(early) / WINDOW + 0.15, rewards_by_step
+
+
+def _eval_command(run_dir: Path, *args: str) -> dict[str, Any]:
+    out = run_dir.parent / f"eval-{len(list(run_dir.parent.glob('eval-*.json')))}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.eval", "--config", str(LOCAL), "--run.run_dir", str(run_dir),
+         "--out", str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tail_add_test mean@4" in proc.stdout, proc.stdout
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.timeout(900)
+def test_held_out_accuracy_rises_during_training_and_by_the_eval_command(run_dir: Path) -> None:
+    steps = _steps(run_dir)
+    assert max(steps, default=0) == FINAL_STEP, "the two launches above run first"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # one train line per step over both launches (the resumed launcher does not write them twice)
+    assert sorted(x["step"] for x in lines if x["kind"] == "train") == list(range(1, FINAL_STEP + 1))
+    assert all(
+        x["train_seconds"] is not None and x["train_seconds"] >= 0 for x in lines if x["kind"] == "train"
+    )
+    evals = [x for x in lines if x["kind"] == "eval"]
+    versions = [x["version"] for x in evals]
+    # version 0, then the first version each bucket of 100 met, across the Ctrl-C and the killed sampler
+    # (a round cut short by the kill is not retried in its bucket)
+    assert versions[0] == 0 and len(versions) >= 3 and versions == sorted(set(versions)), versions
+    assert {v // 100 for v in versions} <= {0, 1, 2, 3} and all(x["set"] == "tail_add_test" for x in evals)
+    assert all(x["tasks"] == 200 and x["n"] == 4 and x["where"] == "shared" for x in evals)
+    assert all(x["train_seconds"] is not None for x in evals[1:])
+    # evaluation never reached the learner: every group it trained on (or dropped) is a rollout the ledger
+    # counts, and the ledger balances with the rollouts stream's count
+    ledger = _ledger(run_dir)
+    trained = [g for s in steps.values() for g in s["groups"]]
+    assert len(trained) == ledger["trained"] and all(g.startswith("sampler-") for g in trained)
+    assert ledger["balanced"]
+    figures = json.loads((run_dir / "report" / "report.json").read_text())
+    assert [p["version"] for p in figures["evaluation"]["tail_add_test"]["points"]] == versions
+    assert (run_dir / "report" / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Held-out accuracy" in (run_dir / "report" / "report.md").read_text()
+    # during training: the last evaluated version is more accurate than version 0
+    assert evals[-1]["mean_at_n"] > evals[0]["mean_at_n"] + 0.05, evals
+
+    # the eval command on the model the run started from and on its last checkpoint (same sets, same code)
+    base = _eval_command(run_dir)
+    final = _eval_command(run_dir, "--checkpoint", str(run_dir))
+    assert base["base"] and base["version"] is None
+    assert final["version"] == FINAL_STEP and final["step"] == FINAL_STEP
+    base_acc, final_acc = base["sets"][0]["mean_at_n"], final["sets"][0]["mean_at_n"]
+    # measured: ~0.20 for the warm-started model, ~0.45 after 400 steps (200 held-out numbers x 4 samples)
+    assert final_acc > base_acc + 0.1, (base_acc, final_acc)
+    # version 0 in the run and the base model in the command are the same weights: their accuracies agree
+    assert abs(evals[0]["mean_at_n"] - base_acc) < 0.1, (evals[0], base_acc)

@@ -437,6 +437,16 @@ def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
     assert cfg.run.k == 0
 
 
+def test_evaluation_sets_come_through_extra_config(tmp_path: Path) -> None:
+    extra = ('[evaluation]\nevery = 50\n[[evaluation.sets]]\nname = "gsm8k"\n'
+             'dataset = "/data/gsm8k_test.parquet"\nn = 8\ntemperature = 0.0\n')  # fmt: skip
+    _, cfg = run_config(render("--set-string", f"extraConfig={extra}"), tmp_path)
+    assert cfg.evaluation.every == 50 and cfg.evaluation.placement == "shared"
+    assert [(s.name, s.dataset, s.n, s.temperature) for s in cfg.evaluation.sets] == [
+        ("gsm8k", "/data/gsm8k_test.parquet", 8, 0.0)
+    ]
+
+
 def test_monitoring_objects_need_the_operator_api() -> None:
     monitoring = ("-f", str(CHART / "ci" / "monitoring-values.yaml"))
     without = {d["kind"] for d in render(*monitoring)}

@@ -35,7 +35,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "VCPO_"
 # Top-level tables a run file may contain; each service ignores the sections of the others.
-SYSTEM_SECTIONS = ("run", "streams", "sampler", "learner", "reward", "weight_broker", "launcher")
+SYSTEM_SECTIONS = (
+    "run",
+    "streams",
+    "sampler",
+    "learner",
+    "reward",
+    "weight_broker",
+    "launcher",
+    "evaluation",
+)
 
 
 class ConfigError(ValueError):
@@ -142,8 +151,14 @@ class _Layers:
 
     def merge(self, values: Mapping[str, Any], source: str, prefix: tuple[str, ...] = ()) -> None:
         target = self.data
-        for part in prefix:
+        for i, part in enumerate(prefix):
             target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                where = ".".join(prefix[: i + 1])
+                raise ConfigError(
+                    f"{source}: {where!r} is a list; set a list as a whole (e.g. in a run file), not one "
+                    "of its items by a dotted key"
+                )
         for key, value in values.items():
             path = (*prefix, key)
             if isinstance(value, Mapping):

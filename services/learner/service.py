@@ -34,6 +34,7 @@ import grpc
 import torch
 
 from services.common.admission import AdmissionCounter
+from services.common.clock import RunClock
 from services.common.config import RunConfig
 from services.common.observability import GrpcServer, Metrics, MetricsServer, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, connect, stream_specs
@@ -193,6 +194,7 @@ class LearnerRank:
         self.metrics: LearnerMetrics | None = None
         self.http: MetricsServer | None = None
         self.server: GrpcServer | None = None
+        self.clock: RunClock | None = None  # rank 0: when each version was published (accuracy-vs-time axis)
         self.last_checkpoint_step = 0
         self.audit: Path = self.run.run_dir / "learner" / "steps.jsonl"
         self._offered: list[Offered] = []  # consumed by rank 0 since the last step's audit line
@@ -226,6 +228,7 @@ class LearnerRank:
         spec = stream_specs(self.run, self.cfg.streams)["scored"]
         vocab = int(self.trainer.module.config.vocab_size)
         client = connect(self.run.redis_url)
+        self.clock = RunClock(client, self.run.run_id)
         admission = AdmissionCounter(client, self.run.run_id, self.run.k, self.run.groups_per_step)
         self.feed = ScoredFeed(
             client, spec, self.run.k, self.run.groups_per_step, self.learner.max_group_size,
@@ -336,6 +339,8 @@ class LearnerRank:
             self.trainer.module, self.transport, self.trainer.version, self.rank,
             self.learner.publish_bucket_mb << 20,
         )  # fmt: skip
+        if self.clock is not None:
+            self.clock.published(self.trainer.version)
         return time.perf_counter() - t0
 
     def checkpoint(self) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, SecretStr
+from pydantic import Field, PositiveFloat, SecretStr, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.reward.config import RewardConfig
 from services.weight_broker.config import WeightBrokerConfig
+
+EVAL_SET_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 
 class EnvironmentConfig(Section):
@@ -124,8 +128,76 @@ class SamplerConfig(Section):
     )
 
 
+class EvalSetConfig(Section):
+    """One validation set (``[[evaluation.sets]]``): its data, scorer and sampling settings."""
+
+    name: str = Field(description="Label of its results and metrics (lower case letters, digits, _ . -).")
+    dataset: str = Field(description="A .jsonl or .parquet path, or 'builtin:<name>' (the training readers).")
+    split: str = Field(
+        "test", description="Split label of its tasks; for a builtin dataset it picks the held-out rows."
+    )
+    prompt_field: str = Field("", description="Column holding the prompt; empty: sampler.prompt_field.")
+    answer_field: str = Field("", description="Column holding the answer; empty: sampler.answer_field.")
+    scorer: str = Field(
+        "", description="Scorer of its responses; empty: a task's own, else reward.default_scorer."
+    )
+    n: int = Field(4, ge=1, description="Samples per task: mean@n and pass@n are over these.")
+    temperature: float = Field(0.8, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(0.7, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: int = Field(0, ge=0, description="Longest response; 0: sampler.max_tokens.")
+    limit: int = Field(0, ge=0, description="Evaluate only the first this many tasks; 0: all of them.")
+    correct_at: float = Field(
+        1.0, description="A response counts as correct when its reward is at least this."
+    )
+
+
+class EvaluationConfig(Section):
+    """Held-out evaluation during training (``[evaluation]``): which sets, how often, on whose capacity."""
+
+    sets: list[EvalSetConfig] = Field(
+        default_factory=list, description="Validation sets; none: no evaluation during training."
+    )
+    every: int = Field(50, ge=1, description="Evaluate the first version of every `every` versions.")
+    at_start: bool = Field(True, description="Evaluate version 0 too (the model the run starts from).")
+    placement: Literal["shared", "dedicated"] = Field(
+        "shared",
+        description="shared: sampler replica engines run it beside training generation; dedicated: an "
+        "evaluator of its own (its own engine and GPUs) follows the published versions.",
+    )
+    max_delay_s: float = Field(
+        30.0,
+        ge=0,
+        description="shared: the longest a sampler holds a newer version back to finish an evaluation at the "
+        "version it serves; past it the evaluation is abandoned (counted) and training goes on.",
+    )
+    max_requests_in_flight: int = Field(
+        64, ge=1, description="Evaluation requests in an engine at once (shared: the rest of it trains)."
+    )
+    gpus: float = Field(0, ge=0, description="dedicated: GPUs the evaluator asks Ray for (0 on CPU).")
+    ray_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="dedicated: custom Ray resources the evaluator asks for."
+    )
+    metrics_port: int = Field(9105, ge=0, le=65535, description="dedicated: /metrics port; 0 = a free port.")
+
+    @model_validator(mode="after")
+    def _names(self) -> EvaluationConfig:
+        seen: set[str] = set()
+        for s in self.sets:
+            if not EVAL_SET_NAME.match(s.name):
+                raise ValueError(
+                    f"evaluation set name {s.name!r} must match {EVAL_SET_NAME.pattern} (it labels metrics)"
+                )
+            if s.name in seen:
+                raise ValueError(f"evaluation set name {s.name!r} is used twice")
+            seen.add(s.name)
+        return self
+
+
 class SamplerServiceConfig(ServiceConfig):
-    """Everything the sampler reads: the shared sections and ``[sampler]``."""
+    """Everything the sampler reads: the shared sections, ``[sampler]``, ``[evaluation]`` (which runs on
+    sampler engines) and the scoring settings of ``[reward]`` (evaluation scores with the same scorers)."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions come from
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)

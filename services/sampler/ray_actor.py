@@ -81,3 +81,37 @@ def start_samplers(
         for i in range(s.replicas)
     ]
     return actors, [a.run.remote(max_groups) for a in actors]
+
+
+@ray.remote(max_concurrency=2)  # run() holds one thread; stop() uses the other
+class EvaluatorActor:
+    """The dedicated evaluator (``[evaluation] placement = "dedicated"``) in its own process."""
+
+    def __init__(self, cfg_json: str) -> None:
+        self.cfg = SamplerServiceConfig.model_validate_json(cfg_json)
+        self.stop_event = threading.Event()
+
+    def run(self) -> dict[str, Any]:
+        from services.sampler.evaluator_service import NAME, EvaluatorService
+
+        actor_logging(NAME, self.cfg.run.run_dir)
+        service = EvaluatorService(self.cfg)
+        try:
+            return service.serve(self.stop_event)
+        finally:
+            service.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+def start_evaluator(cfg: SamplerServiceConfig) -> tuple[Any, Any]:
+    """The dedicated evaluator actor (``evaluation.gpus`` GPUs) and its ``run`` ref."""
+    ev = cfg.evaluation
+    actor = EvaluatorActor.options(  # type: ignore[attr-defined]
+        num_cpus=1,
+        num_gpus=ev.gpus,
+        resources=dict(ev.ray_resources),
+        name=f"vcpo-evaluator-{cfg.run.run_id}",
+    ).remote(cfg.model_dump_json())
+    return actor, actor.run.remote()

@@ -11,6 +11,11 @@
       5. give up   an in-flight group that no learner step may still use (newest published version minus its
                    start version > k) is aborted, its admission slot released, its task retried
 
+Held-out evaluation (shared placement, evaluation.py): a replica that loads a due version starts an
+evaluation round in the same engine; its requests share the engine's steps with the training groups and never
+become groups; while it generates, step 1 holds newer versions back (at most ``max_delay_s``, then the round is
+abandoned), so every evaluation response comes from the version it is recorded under.
+
 A task of a tool-use environment is admitted only when its environment can take a group (sessions free,
 circuit breaker closed); its group's responses are multi-turn episodes run by the agent loop (agent.py),
 whose environment calls are collected every tick; a group the environment failed is given up like a stale
@@ -36,6 +41,7 @@ from services.common.admission import Admission, AdmissionCounter
 from services.common.streams import StreamProducer
 from services.sampler.agent import AgentLoop
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
+from services.sampler.evaluation import Evaluator
 from services.sampler.feed import PreparedTask, TaskFeed
 from services.sampler.groups import Group
 from services.sampler.metrics import SamplerMetrics
@@ -75,6 +81,7 @@ class Sampler:
         max_groups_in_flight: int = 16,
         weight_update: Literal["pause", "in_flight"] = "pause",
         agent: AgentLoop | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.engine, self.feed, self.admission, self.rollouts = engine, feed, admission, rollouts
         self.sync, self.metrics = sync, metrics
@@ -87,6 +94,7 @@ class Sampler:
         self.weight_update = weight_update
         self.k = admission.k
         self.agent = agent
+        self.evaluator = evaluator  # held-out evaluation rounds in this engine (shared placement)
         self.status = SamplerState()
         self.groups: dict[str, Group] = {}
         self._by_request: dict[str, Group] = {}
@@ -130,6 +138,8 @@ class Sampler:
         else:
             self._idle_wait()
         self._poll_environments()
+        if self.evaluator is not None:
+            self.evaluator.pump()
         self._give_up_stale()
         self._report()
 
@@ -142,12 +152,16 @@ class Sampler:
         self._unblock()
         if self.agent is not None:
             self.agent.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
 
     # ------------------------------------------------------------------ 1. weights
     def _update_weights(self) -> None:
         version = self.sync.ready()
         if version is None:
             return
+        if self.evaluator is not None and self.evaluator.holds():
+            return  # an evaluation round is generating at the loaded version (for at most max_delay_s)
         if self.weight_update == "pause" and self.groups:
             self._draining = True  # no new groups; apply once the in-flight ones are done
             return
@@ -164,6 +178,8 @@ class Sampler:
         self.metrics.weight_load.labels(self.replica_id).observe(seconds)
         self.metrics.version.labels(self.replica_id).set(version)
         self.status.policy_version = version
+        if self.evaluator is not None:
+            self.evaluator.offer(version)
 
     # ------------------------------------------------------------------ 2. admission
     def _admit(self) -> None:
@@ -238,6 +254,9 @@ class Sampler:
         assert version is not None
         tokens = 0
         for delta in deltas:
+            if self.evaluator is not None and self.evaluator.owns(delta.request_id):
+                self.evaluator.absorb(delta)
+                continue
             if self.agent is not None and self.agent.owns(delta.request_id):
                 self.agent.absorb(delta, version)
                 tokens += len(delta.token_ids)
@@ -367,5 +386,10 @@ class Sampler:
             "busy_seconds": self.busy_s,
             **(
                 {"environment_calls": dict(self.agent.calls), "turns": self.agent.turns} if self.agent else {}
+            ),
+            **(
+                {"evaluation_rounds": dict(self.evaluator.rounds), "evaluation_hold_s": self.evaluator.held_s}
+                if self.evaluator
+                else {}
             ),
         }

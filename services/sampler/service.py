@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import grpc
+import redis
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
@@ -24,10 +25,13 @@ from services.common.streams import (
     stream_specs,
 )
 from services.common.tiny_model import run_model
+from services.reward.pool import ScoringPool
+from services.reward.sandbox import SandboxLimits
 from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
 from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
+from services.sampler.evaluation import EvalMetrics, EvalRecorder, EvalSchedule, Evaluator, load_eval_sets
 from services.sampler.feed import TaskFeed
 from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
@@ -40,16 +44,46 @@ from vcpo.v1 import common_pb2_grpc, registry_pb2, registry_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: SamplerServiceConfig, replica: int) -> GenerationEngine:
+def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> GenerationEngine:
+    """vLLM with the sampler's engine settings, on ``model`` (default: the run's policy)."""
     s, run = cfg.sampler, cfg.run
     return VllmEngine(
         VllmSettings(
-            model=run_model(run), dtype=s.dtype, max_model_len=s.max_model_len,
+            model=model or run_model(run), dtype=s.dtype, max_model_len=s.max_model_len,
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             kv_cache_memory_bytes=s.kv_cache_memory_bytes, enforce_eager=s.enforce_eager,
             seed=run.seed * 1000 + replica,
         )
     )  # fmt: skip
+
+
+def make_scoring_pool(cfg: SamplerServiceConfig, workers: int = 1) -> ScoringPool:
+    """The reward service's scoring processes and scorers, with its settings (evaluation scores the same way)."""
+    r = cfg.reward
+    sandbox = SandboxLimits(**r.sandbox.model_dump())
+    return ScoringPool(workers, r.timeout_for, r.fallback_reward, r.plugins, sandbox)
+
+
+def make_evaluator(
+    cfg: SamplerServiceConfig,
+    engine: GenerationEngine,
+    encoder: PromptEncoder,
+    registry: Metrics,
+    client: redis.Redis,
+    owner: str,
+    where: str,
+) -> tuple[Evaluator, ScoringPool]:
+    """The run's evaluator in ``engine``: its sets, schedule, scorers and recorder."""
+    ev, run = cfg.evaluation, cfg.run
+    sets = load_eval_sets(cfg, encoder)
+    pool = make_scoring_pool(cfg)
+    metrics = EvalMetrics(registry)
+    evaluator = Evaluator(
+        engine, sets, pool.score_many, EvalRecorder(metrics, client, run.run_id, where, owner),
+        EvalSchedule(ev.every, ev.at_start, client, run.run_id, owner), encoder=encoder,
+        max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics,
+    )  # fmt: skip
+    return evaluator, pool
 
 
 class SamplerService:
@@ -97,6 +131,12 @@ class SamplerService:
             weight=self._environment_weight, max_attempts=s.env_max_attempts,
         )  # fmt: skip
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
+        self.evaluator: Evaluator | None = None
+        self._pool: ScoringPool | None = None
+        if cfg.evaluation.sets and cfg.evaluation.placement == "shared":
+            self.evaluator, self._pool = make_evaluator(
+                cfg, self.engine, encoder, self.registry, client, self.replica_id, "shared"
+            )
         sync = WeightSync(
             self.engine, self.transport, StreamTail(client, specs["weights"], metrics=stream_metrics),
             s.weight_poll_interval_s,
@@ -108,6 +148,7 @@ class SamplerService:
             sampling=Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop)),
             max_groups_in_flight=s.max_groups_in_flight, weight_update=s.weight_update,
             agent=AgentLoop(self.engine, self.environments, encoder, self.metrics, threads=s.env_threads),
+            evaluator=self.evaluator,
         )  # fmt: skip
         tasks_producer = StreamProducer(
             client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
@@ -151,5 +192,7 @@ class SamplerService:
         self.environments.close()
         self.http.close()
         self.transport.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._owns_engine:
             self.engine.close()

@@ -1,0 +1,67 @@
+"""The dedicated evaluator (``[evaluation] placement = "dedicated"``): an engine of its own that follows the
+published versions and evaluates the due ones, so evaluation takes nothing from the samplers.
+
+    weight broker ─► WeightSync (fetches in the background) ─► EvalRunner: due version? load it, one round
+                                                                └─► results: Redis, vcpo_eval_* on its /metrics
+
+Run by the launcher as a Ray actor (``ray_actor.EvaluatorActor``, ``evaluation.gpus`` GPUs); its metrics
+endpoint is ``<run_dir>/evaluator/evaluator.endpoints.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from services.common.observability import Metrics, serve_metrics, write_endpoints
+from services.common.streams import StreamMetrics, StreamTail, connect, stream_specs
+from services.sampler.config import SamplerServiceConfig
+from services.sampler.engine import GenerationEngine
+from services.sampler.evaluation import EvalRunner
+from services.sampler.service import make_engine, make_evaluator
+from services.sampler.tasks import PromptEncoder
+from services.sampler.weights import WeightSync
+from services.weight_broker.client import transport_from_config
+
+log = logging.getLogger(__name__)
+
+NAME = "evaluator"
+ENGINE_SEED_OFFSET = 999  # the evaluator's engine seed is run.seed * 1000 + this (replicas use 0, 1, ...)
+
+
+class EvaluatorService:
+    def __init__(self, cfg: SamplerServiceConfig, engine: GenerationEngine | None = None) -> None:
+        s, run = cfg.sampler, cfg.run
+        if not cfg.evaluation.sets:
+            raise ValueError("the evaluator has nothing to do: [evaluation] lists no sets")
+        if not run.redis_url:
+            raise ValueError("run.redis_url is empty: the evaluator needs the run's Redis")
+        self.cfg = cfg
+        self.registry = Metrics(NAME)
+        client = connect(run.redis_url)
+        self._owns_engine = engine is None
+        self.engine = engine or make_engine(cfg, ENGINE_SEED_OFFSET)
+        encoder = PromptEncoder(self.engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
+        self.evaluator, self.pool = make_evaluator(cfg, self.engine, encoder, self.registry, client, NAME,
+                                                   "dedicated")  # fmt: skip
+        self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
+        specs = stream_specs(run, cfg.streams)
+        tail = StreamTail(client, specs["weights"], metrics=StreamMetrics(self.registry))
+        self.sync = WeightSync(self.engine, self.transport, tail, s.weight_poll_interval_s)
+        self.runner = EvalRunner(self.engine, self.sync, self.evaluator)
+        self.http = serve_metrics(self.registry, port=cfg.evaluation.metrics_port)
+        write_endpoints(run.run_dir / NAME, NAME, 0, self.http.url)
+
+    def serve(self, stop: threading.Event) -> dict[str, Any]:
+        log.info("evaluator: %d set(s), every %d versions; metrics on %s", len(self.evaluator.sets),
+                 self.cfg.evaluation.every, self.http.url)  # fmt: skip
+        self.runner.run(stop)
+        return {"evaluated_versions": self.runner.evaluated, "rounds": dict(self.evaluator.rounds)}
+
+    def close(self) -> None:
+        self.http.close()
+        self.pool.close()
+        self.transport.close()
+        if self._owns_engine:
+            self.engine.close()

@@ -1,0 +1,391 @@
+"""Held-out evaluation: the schedule, the round logic, exactness at a version on the real engine, the sampler
+running it beside training (nothing of it reaches `rollouts`), the metrics log the launcher writes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from deploy.config import SystemConfig
+from deploy.metrics_log import MetricsLog
+from deploy.progress import entries_added
+from services.common.clock import RunClock, eval_results_key
+from services.common.config import ConfigError, load_config
+from services.reward.pool import Outcome
+from services.reward.scorers import ScoreInput
+from services.sampler.config import EvaluationConfig
+from services.sampler.engine import Sampling, TokenDelta
+from services.sampler.evaluation import (
+    REQUEST_PREFIX,
+    EvalRecorder,
+    EvalSchedule,
+    EvalSet,
+    Evaluator,
+    accuracy,
+)
+from vcpo.v1 import rollout_pb2
+
+# ----------------------------------------------------------------------------------------- the logic
+
+
+def test_accuracy_is_mean_at_n_and_pass_at_n() -> None:
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+    mean_at_n, pass_at_n, reward_mean = accuracy(rewards, correct_at=1.0)
+    assert mean_at_n == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert pass_at_n == pytest.approx(2 / 3)
+    assert reward_mean == pytest.approx(6 / 12)
+    assert accuracy([[0.6, 0.2]], correct_at=0.5)[:2] == (0.5, 1.0)  # partial rewards against a threshold
+    with pytest.raises(ValueError, match="at least one task"):
+        accuracy([], 1.0)
+
+
+def test_the_schedule_gives_each_bucket_of_versions_to_one_evaluator(redis_client: redis.Redis) -> None:
+    a = EvalSchedule(10, True, redis_client, "t", "sampler-0")
+    b = EvalSchedule(10, True, redis_client, "t", "sampler-1")
+    assert a.claim(0) and not b.claim(0)  # version 0 (at_start): one of them
+    assert not a.claim(3) and not b.claim(7)  # the rest of bucket 0 is not due
+    assert b.claim(12) and not a.claim(13)  # the first version either meets in bucket 1
+    assert not b.claim(14)  # decided here already
+    assert a.claim(25)
+    assert redis_client.get("vcpo:t:eval:claim:1") == b"sampler-1@12"
+    late = EvalSchedule(10, True, redis_client, "t", "sampler-2")  # e.g. a restarted replica
+    assert not late.claim(0) and not late.claim(19) and late.claim(30)
+    quiet = EvalSchedule(10, False, None)
+    assert not quiet.claim(0) and quiet.claim(10) and not quiet.claim(11)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        EvalSchedule(0, True)
+
+
+def test_evaluation_config_is_checked() -> None:
+    good = {"sets": [{"name": "gsm8k", "dataset": "data/gsm8k_test.jsonl", "n": 8}]}
+    assert EvaluationConfig.model_validate(good).sets[0].n == 8
+    with pytest.raises(ValueError, match="must match"):
+        EvaluationConfig.model_validate({"sets": [{"name": "GSM 8k", "dataset": "x.jsonl"}]})
+    with pytest.raises(ValueError, match="used twice"):
+        EvaluationConfig.model_validate({"sets": [{"name": "a", "dataset": "x.jsonl"}] * 2})
+    with pytest.raises(ValueError, match="placement"):
+        EvaluationConfig.model_validate({"placement": "elsewhere"})
+    cfg = load_config(SystemConfig, overrides=[("evaluation.every", 7, "--set")])
+    assert cfg.evaluation.every == 7  # [evaluation] is a known section of a run file
+    with pytest.raises(ConfigError, match=r"'evaluation\.sets' is a list"):
+        load_config(SystemConfig, ["deploy/presets/local.toml"],
+                    overrides=[("evaluation.sets.0.n", 2, "--set evaluation.sets.0.n=2")])  # fmt: skip
+
+
+class FakeEngine:
+    """Answers every request with a scripted response, one token per step (the logic under test is the
+    evaluator's)."""
+
+    def __init__(self, answers: dict[str, list[int]]) -> None:
+        self.answers = answers  # prompt text -> tokens of the response
+        self.loaded_version: int | None = 5
+        self.active: dict[str, list[int]] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.most_at_once = 0
+
+    def add(self, request_id: str, prompt_tokens: list[int], sampling: Sampling) -> None:
+        self.added.append(request_id)
+        self.active[request_id] = list(self.answers[chr(prompt_tokens[0])])
+        self.most_at_once = max(self.most_at_once, len(self.active))
+
+    def step(self) -> list[TokenDelta]:
+        out = []
+        for request_id, left in list(self.active.items()):
+            token = left.pop(0)
+            out.append(
+                TokenDelta(request_id, [token], [-0.1], "", None if left else "stop", detokenized=False)
+            )
+            if not left:
+                del self.active[request_id]
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.active)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.active.pop(request_id, None)
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
+
+def exact(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
+    return [Outcome(name, float(item.response == item.reference)) for name, item in jobs]
+
+
+def fake_set(name: str, answers: dict[str, str], n: int = 3) -> EvalSet:
+    tasks = [rollout_pb2.Task(task_id=f"{name}:{p}", prompt=p, reference=ref) for p, ref in answers.items()]
+    return EvalSet(name, tasks, [[ord(p)] for p in answers], "exact_match", n, Sampling(max_tokens=8))
+
+
+def test_a_round_scores_every_set_and_keeps_at_most_max_in_flight_requests_in_the_engine() -> None:
+    engine = FakeEngine({"a": [ord("7")], "b": [ord("9"), ord("9")], "c": [ord("1")]})
+    sets = [fake_set("s1", {"a": "7", "b": "8"}), fake_set("s2", {"c": "1"}, n=2)]
+    recorder = EvalRecorder(None, None, "t", "command", "test")
+    evaluator = Evaluator(engine, sets, exact, recorder, max_in_flight=2)  # type: ignore[arg-type]
+    results = evaluator.run(5)
+    assert [(r.set, r.version, r.tasks, r.n) for r in results] == [("s1", 5, 2, 3), ("s2", 5, 1, 2)]
+    assert (results[0].mean_at_n, results[0].pass_at_n) == (0.5, 0.5)  # "a" right, "b" answered 99
+    assert (results[1].mean_at_n, results[1].pass_at_n) == (1.0, 1.0)
+    assert results[0].tokens == 3 * 1 + 3 * 2
+    assert engine.most_at_once == 2 and len(engine.added) == 3 * 2 + 2
+    assert all(r.startswith(REQUEST_PREFIX) for r in engine.added) and not evaluator.busy
+    assert evaluator.rounds["done"] == 1
+
+
+def test_a_newer_version_waits_for_a_generating_round_at_most_max_delay_s() -> None:
+    engine = FakeEngine({"a": [ord("7")] * 50})
+    evaluator = Evaluator(engine, [fake_set("s", {"a": "7"}, n=2)], exact, max_delay_s=0.2)  # type: ignore[arg-type]
+    evaluator.schedule = EvalSchedule(10, True)
+    engine.loaded_version = 0
+    assert evaluator.offer(0) and evaluator.generating and not evaluator.offer(0)
+    for delta in engine.step():
+        evaluator.absorb(delta)
+    assert evaluator.holds()  # a newer version is ready: held while the round generates...
+    time.sleep(0.25)
+    assert not evaluator.holds()  # ...but not past the budget: the round is abandoned, training goes on
+    assert not evaluator.generating and evaluator.rounds["abandoned"] == 1 and 0.2 <= evaluator.held_s < 1.0
+    assert sorted(engine.aborted) == sorted(engine.added) and not engine.active
+    engine.loaded_version = 3
+    assert not evaluator.offer(3)  # its bucket is not retried
+    engine.loaded_version = 10
+    assert evaluator.offer(10)  # the next bucket is
+    engine.loaded_version = 11  # the engine moved on under a round (a caller that ignored holds())
+    assert evaluator.pump() == [] and evaluator.rounds["abandoned"] == 2
+
+
+# ------------------------------------------------------------------------------------ the metrics log
+
+
+def test_the_metrics_log_has_steps_and_evaluations_on_the_training_clock(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    clock = RunClock(redis_client, "t")
+    clock.published(0, 1000.0)
+    clock.published(1, 1010.0)
+    clock.published(2, 1030.0)
+    clock.published(0, 2000.0)  # a republish after a restart keeps the first time
+    clock.set_gpus(8)
+    (tmp_path / "learner").mkdir()
+    steps = [{"step": s, "version": s, "time": 1000.0 + s, "groups": ["g"], "lags": [1, 2], "reward_mean": 0.5,
+              "metrics": {"ess_ratio": 0.9, "lr_scale": 1.0, "grad_norm": 2.0, "loss": 0.1}} for s in (1, 2)]  # fmt: skip
+    (tmp_path / "learner" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    record = {"kind": "eval", "set": "held", "version": 2, "n": 4, "mean_at_n": 0.25, "pass_at_n": 0.5}
+    redis_client.rpush(eval_results_key("t"), json.dumps(record))
+    log = MetricsLog(tmp_path, redis_client, "t")
+    assert log.poll() == 3
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x.get("step")) for x in lines] == [("train", 1), ("train", 2), ("eval", None)]
+    assert lines[1]["train_seconds"] == 30.0 and lines[1]["gpu_hours"] == pytest.approx(30 / 3600 * 8)
+    assert lines[1]["lag_mean"] == 1.5 and lines[1]["ess_ratio"] == 0.9
+    assert log.latest() == {"held": {"version": 2, "n": 4, "mean_at_n": 0.25, "pass_at_n": 0.5}}
+    assert log.poll() == 0
+    # a resumed run's launcher: writes what is new only
+    record2 = dict(record, version=12, mean_at_n=0.5)
+    redis_client.rpush(eval_results_key("t"), json.dumps(record2))
+    with (tmp_path / "learner" / "steps.jsonl").open("a") as f:
+        f.write(json.dumps(dict(steps[1], step=3, version=3)) + "\n")
+    again = MetricsLog(tmp_path, redis_client, "t")
+    assert again.latest()["held"]["version"] == 2
+    assert again.poll() == 2
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x.get("step"), x.get("version")) for x in lines[3:]] == [
+        ("train", 3, 3),
+        ("eval", None, 12),
+    ]
+    assert lines[3]["train_seconds"] is None  # version 3's publish time is not on the clock
+
+
+# --------------------------------------------------------------------------- the real engine and sampler
+
+
+@pytest.mark.slow
+def test_evaluation_at_a_version_samples_from_that_versions_weights(
+    vllm_engine: Any, tiny_model_dir: Path
+) -> None:
+    from services.reward.scorers import get_scorer
+    from services.sampler.config import SamplerServiceConfig
+    from services.sampler.evaluation import load_eval_sets
+    from services.sampler.tasks import PromptEncoder
+    from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights
+
+    cfg = SamplerServiceConfig.model_validate({
+        "run": {"model": str(tiny_model_dir)},
+        "sampler": {"max_model_len": 256, "max_tokens": 12},
+        "evaluation": {"sets": [{"name": "held", "dataset": "builtin:digit_add", "split": "test", "limit": 4,
+                                 "n": 3, "temperature": 1.0, "top_p": 1.0, "scorer": "math"}]},
+    })  # fmt: skip
+    weights = version_weights(tiny_model_dir, 7)
+    version = load_into(vllm_engine, weights)
+    encoder = PromptEncoder(vllm_engine.tokenizer, 256, 12)
+    sets = load_eval_sets(cfg, encoder)
+    assert [t.task_id for t in sets[0].tasks] == [f"digit_add:test:{i}" for i in range(4)]
+
+    def score(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
+        return [Outcome(name, get_scorer(name)(item).value) for name, item in jobs]
+
+    evaluator = Evaluator(vllm_engine, sets, score, encoder=encoder)
+    results = evaluator.run(version)
+    assert evaluator.last is not None and len(evaluator.last.responses) == 4 * 3
+    model = hf_model(tiny_model_dir, weights)
+    base = hf_model(tiny_model_dir, version_weights(tiny_model_dir, 0))
+    far_from_base = 0.0
+    for (_, ti, _), response in evaluator.last.responses.items():
+        prompt = sets[0].prompts[ti]
+        assert response.tokens and response.finish_reason in ("stop", "length")
+        assert max_abs_diff(response.logprobs, hf_logprobs(model, prompt, response.tokens)) <= 1e-3
+        far_from_base = max(
+            far_from_base, max_abs_diff(response.logprobs, hf_logprobs(base, prompt, response.tokens))
+        )
+    assert far_from_base > 1e-2  # the check above tells the versions apart
+    # the figures are the scorer's verdicts on these very responses, task by task
+    correct = [[0.0] * 3 for _ in range(4)]
+    for (_, ti, k), response in evaluator.last.responses.items():
+        item = ScoreInput(response=vllm_engine.decode(response.tokens), reference=sets[0].tasks[ti].reference)
+        correct[ti][k] = get_scorer("math")(item).value
+    assert results[0].per_task == correct
+    assert results[0].mean_at_n == pytest.approx(sum(map(sum, correct)) / 12)
+    assert results[0].version == version
+
+
+@pytest.mark.slow
+def test_the_sampler_evaluates_due_versions_and_no_evaluation_reaches_the_rollouts_stream(
+    make_stack: Callable[..., Any],
+) -> None:
+    from tests.sampler_stack import wait_until
+
+    held = {
+        "name": "held",
+        "dataset": "builtin:digit_add",
+        "split": "test",
+        "limit": 3,
+        "n": 2,
+        "scorer": "math",
+    }
+    stack = make_stack(k=2, groups_per_step=2, evaluation={"every": 2, "sets": [held], "max_delay_s": 30})
+    key = eval_results_key("t")
+    stack.learner.publish(0)
+    stack.start()
+    records = wait_until(lambda: stack.client.lrange(key, 0, -1), what="the version-0 evaluation")
+    first = json.loads(records[0])
+    assert (first["set"], first["version"], first["tasks"], first["n"], first["where"]) == (
+        "held",
+        0,
+        3,
+        2,
+        "shared",
+    )
+    assert 0.0 <= first["mean_at_n"] <= first["pass_at_n"] <= 1.0
+    for _ in range(3):  # the stand-in trains and publishes versions 1, 2, 3
+        stack.learner.step()
+    records = wait_until(lambda: (r := stack.client.lrange(key, 0, -1)) and len(r) >= 2 and r,
+                         what="a second evaluation")  # fmt: skip
+    versions = [json.loads(r)["version"] for r in records]
+    assert versions[0] == 0 and versions[1] in (2, 3)  # bucket [2, 4): the first version the sampler loads
+    consumed = [g for _, g in stack.learner.consumed]
+    assert consumed and all(
+        g.task.task_id.startswith("arith:") for g in consumed
+    )  # the training dataset only
+    metrics = stack.service.registry.exposition().decode()
+    stack.stop.set()
+    stack.thread.join(timeout=30)
+    # every entry the rollouts stream ever got is a training group the sampler wrote: evaluation wrote none
+    assert entries_added(stack.client, stack.specs["rollouts"].key) == stack.service.sampler.emitted
+    assert 'vcpo_eval_accuracy{metric="mean_at_n",set="held"}' in metrics
+    assert 'vcpo_eval_rounds_total{outcome="done"}' in metrics
+
+
+def test_the_eval_command_refuses_bad_arguments_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.eval import main
+
+    local = ["--config", "deploy/presets/local.toml", "--run.run_dir", str(tmp_path)]
+    assert main([*local, "--model", "m", "--checkpoint", "c"]) == 2
+    assert "give --model or --checkpoint, not both" in capsys.readouterr().err
+    assert main([*local, "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert main([*local, "--model", str(tmp_path), "--sets", "tail_add_test,gsm9k"]) == 2
+    assert "unknown evaluation set(s) gsm9k; the run file has: tail_add_test" in capsys.readouterr().err
+    assert main([*local, "--model", str(tmp_path), "--set", "evaluation.sets=[]"]) == 2
+    assert "no [[evaluation.sets]]" in capsys.readouterr().err
+
+
+def test_a_dedicated_evaluator_needs_a_cpu_of_its_own() -> None:
+    from deploy.ray_launcher import needed_cpus
+
+    shared = load_config(SystemConfig, ["deploy/presets/local.toml"])
+    dedicated = load_config(SystemConfig, ["deploy/presets/local.toml"],
+                            overrides=[("evaluation.placement", "dedicated", "--set")])  # fmt: skip
+    assert needed_cpus(dedicated) == needed_cpus(shared) + 1
+    assert dedicated.gpus() == 0.0
+    gpu = load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[
+        ("evaluation.placement", "dedicated", "-"), ("evaluation.gpus", 1, "-"), ("learner.gpus_per_rank", 1, "-"),
+        ("sampler.gpus_per_replica", 1, "-")])  # fmt: skip
+    assert gpu.gpus() == 2 * 1 + 1 * 1 + 1  # learner ranks, sampler replicas, the evaluator
+
+
+@pytest.mark.slow
+def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_due_ones(
+    redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path, vllm_engine: Any
+) -> None:
+    import threading
+
+    from services.common.config import RunConfig
+    from services.sampler.evaluator_service import EvaluatorService
+    from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
+    from tests.sampler_stack import wait_until
+
+    run = RunConfig(run_id="t", k=2, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
+                    run_dir=tmp_path)  # fmt: skip
+    broker = announcing_broker(redis_client, run)
+    held = {
+        "name": "held",
+        "dataset": "builtin:digit_add",
+        "split": "test",
+        "limit": 3,
+        "n": 2,
+        "scorer": "math",
+    }
+    evaluation = {"every": 5, "sets": [held], "placement": "dedicated", "metrics_port": 0}
+    cfg = sampler_config(run, broker, evaluation, max_tokens=12)
+    vllm_engine.loaded_version = None  # it fetches what it evaluates
+    service = EvaluatorService(cfg, vllm_engine)
+    learner = LearnerStandIn(redis_client, run, broker.client(), tiny_model_dir)
+    stop = threading.Event()
+    summary: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: summary.update(service.serve(stop)), daemon=True)
+    key = eval_results_key("t")
+    try:
+        RunClock(redis_client, "t").published(0)
+        learner.publish(0)
+        thread.start()
+        wait_until(lambda: redis_client.llen(key) >= 1, what="the version-0 evaluation")
+        for version in range(1, 8):  # published faster than it evaluates: it skips versions, not buckets
+            learner.publish(version)
+        wait_until(lambda: redis_client.llen(key) >= 2, what="the evaluation of bucket [5, 10)")
+        records = [json.loads(r) for r in redis_client.lrange(key, 0, -1)]
+        assert [(r["version"], r["where"], r["replica"]) for r in records] == [
+            (0, "dedicated", "evaluator"),
+            (records[1]["version"], "dedicated", "evaluator"),
+        ]
+        assert 5 <= records[1]["version"] <= 7 and vllm_engine.loaded_version == records[1]["version"]
+        assert records[0]["train_seconds"] == 0.0  # version 0 starts the training clock
+        ends = json.loads((tmp_path / "evaluator" / "evaluator.endpoints.json").read_text())
+        assert ends["metrics_url"].startswith("http://")
+        assert 'vcpo_eval_policy_version{set="held"}' in service.registry.exposition().decode()
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        service.close()
+        broker.stop()
+    assert summary["rounds"]["done"] == 2 and len(summary["evaluated_versions"]) == 2
