@@ -207,6 +207,8 @@ def test_the_metrics_log_has_steps_and_evaluations_on_the_training_clock(
 
 # --------------------------------------------------------------------------- the real engine and sampler
 
+HELD = {"name": "held", "dataset": "builtin:digit_add", "split": "test", "limit": 3, "n": 2, "scorer": "math"}
+
 
 @pytest.mark.slow
 def test_evaluation_at_a_version_samples_from_that_versions_weights(
@@ -263,15 +265,7 @@ def test_the_sampler_evaluates_due_versions_and_no_evaluation_reaches_the_rollou
 ) -> None:
     from tests.sampler_stack import wait_until
 
-    held = {
-        "name": "held",
-        "dataset": "builtin:digit_add",
-        "split": "test",
-        "limit": 3,
-        "n": 2,
-        "scorer": "math",
-    }
-    stack = make_stack(k=2, groups_per_step=2, evaluation={"every": 2, "sets": [held], "max_delay_s": 30})
+    stack = make_stack(k=2, groups_per_step=2, evaluation={"every": 2, "sets": [HELD], "max_delay_s": 30})
     key = eval_results_key("t")
     stack.learner.publish(0)
     stack.start()
@@ -348,15 +342,8 @@ def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_
     run = RunConfig(run_id="t", k=2, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
                     run_dir=tmp_path)  # fmt: skip
     broker = announcing_broker(redis_client, run)
-    held = {
-        "name": "held",
-        "dataset": "builtin:digit_add",
-        "split": "test",
-        "limit": 3,
-        "n": 2,
-        "scorer": "math",
-    }
-    evaluation = {"every": 5, "sets": [held], "placement": "dedicated", "metrics_port": 0}
+
+    evaluation = {"every": 5, "sets": [HELD], "placement": "dedicated", "metrics_port": 0}
     cfg = sampler_config(run, broker, evaluation, max_tokens=12)
     vllm_engine.loaded_version = None  # it fetches what it evaluates
     service = EvaluatorService(cfg, vllm_engine)

@@ -43,7 +43,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Metrics the dashboard shows that a local run of deploy/presets/local.toml legitimately never creates
 # (labelled series exist only once something happened):
 ABSENT_IN_LOCAL_RUN = {
-    # the local preset registers no tool-use environment (builtin:digit_add is single-turn)
+    # the local preset registers no tool-use environment (builtin:tail_add is single-turn)
     "vcpo_sampler_env_episodes_total": "no environment in the local preset",
     "vcpo_sampler_env_failed_groups_total": "no environment in the local preset",
     "vcpo_sampler_env_paused": "no environment in the local preset",
