@@ -235,6 +235,19 @@ class RayLauncher:
         self._say("reward", f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
                   f"default scorer {cfg.reward.default_scorer!r}")  # fmt: skip
 
+        ev = cfg.evaluation
+        if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
+            where = "on the sampler replicas' engines (shared)"
+            if ev.placement == "dedicated":
+                from services.sampler.ray_actor import start_evaluator
+
+                self.evaluator, self.evaluator_run = start_evaluator(section(cfg, SamplerServiceConfig))
+                self._wait_evaluator()
+                where = f"by a dedicated evaluator ({ev.gpus:g} GPU)"
+            names = ", ".join(f"{s.name} ({s.dataset}, n={s.n})" for s in ev.sets)
+            self._say("evaluation", f"{names}: every {ev.every} versions {where}; results in "
+                      f"{self.run_dir / 'metrics.jsonl'}")  # fmt: skip
+
         self.samplers, self.sampler_runs = start_samplers(
             section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
         )
@@ -243,17 +256,6 @@ class RayLauncher:
             "samplers",
             f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
         )
-        ev = cfg.evaluation
-        if ev.sets:
-            where = "on the sampler replicas' engines (shared)"
-            if ev.placement == "dedicated":
-                from services.sampler.ray_actor import start_evaluator
-
-                self.evaluator, self.evaluator_run = start_evaluator(section(cfg, SamplerServiceConfig))
-                where = f"by a dedicated evaluator ({ev.gpus:g} GPU)"
-            names = ", ".join(f"{s.name} ({s.dataset}, n={s.n})" for s in ev.sets)
-            self._say("evaluation", f"{names}: every {ev.every} versions {where}; results in "
-                      f"{self.run_dir / 'metrics.jsonl'}")  # fmt: skip
         self._say("client api", self._client_api())
         self._scrape_targets()
         self._say("prometheus", f"scrape targets in {self.run_dir / 'prometheus' / 'targets.json'}")
@@ -295,6 +297,24 @@ class RayLauncher:
         raise TimeoutError(
             f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
         )
+
+    def _wait_evaluator(self, timeout_s: float = 600.0) -> None:
+        """Until the dedicated evaluator has its engine and the version the learner published at start."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = ray.wait([self.evaluator_run], timeout=0)
+            if done:
+                ray.get(done)
+                raise RuntimeError("the evaluator finished before it evaluated")
+            if ray.get(self.evaluator.first_version.remote(), timeout=60) is not None:
+                return
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
+                           f"{self.run_dir / 'logs' / 'evaluator.log'}")  # fmt: skip
 
     def _wait_for_version(self, timeout_s: float = 600.0) -> int:
         """The version the learner published at start (0, or its checkpoint's after a restart)."""

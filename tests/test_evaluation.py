@@ -46,20 +46,24 @@ def test_accuracy_is_mean_at_n_and_pass_at_n() -> None:
 
 
 def test_the_schedule_gives_each_bucket_of_versions_to_one_evaluator(redis_client: redis.Redis) -> None:
-    a = EvalSchedule(10, True, redis_client, "t", "sampler-0")
-    b = EvalSchedule(10, True, redis_client, "t", "sampler-1")
-    assert a.claim(0) and not b.claim(0)  # version 0 (at_start): one of them
-    assert not a.claim(3) and not b.claim(7)  # the rest of bucket 0 is not due
-    assert b.claim(12) and not a.claim(13)  # the first version either meets in bucket 1
-    assert not b.claim(14)  # decided here already
-    assert a.claim(25)
-    assert redis_client.get("vcpo:t:eval:claim:1") == b"sampler-1@12"
-    late = EvalSchedule(10, True, redis_client, "t", "sampler-2")  # e.g. a restarted replica
-    assert not late.claim(0) and not late.claim(19) and late.claim(30)
-    quiet = EvalSchedule(10, False, None)
-    assert not quiet.claim(0) and quiet.claim(10) and not quiet.claim(11)
-    with pytest.raises(ValueError, match="every must be >= 1"):
-        EvalSchedule(0, True)
+    a = EvalSchedule({"s": 10}, True, redis_client, "t", "sampler-0")
+    b = EvalSchedule({"s": 10}, True, redis_client, "t", "sampler-1")
+    assert a.claim(0) == ["s"] and b.claim(0) == []  # version 0 (at_start): one of them
+    assert a.claim(3) == b.claim(7) == []  # the rest of bucket 0 is not due
+    assert b.claim(12) == ["s"] and a.claim(13) == []  # the first version either meets in bucket 1
+    assert b.claim(14) == []  # decided here already
+    assert a.claim(25) == ["s"]
+    assert redis_client.get("vcpo:t:eval:claim:s:1") == b"sampler-1@12"
+    late = EvalSchedule({"s": 10}, True, redis_client, "t", "sampler-2")  # e.g. a restarted replica
+    assert late.claim(0) == late.claim(19) == [] and late.claim(30) == ["s"]
+    quiet = EvalSchedule({"s": 10}, False, None)
+    assert quiet.claim(0) == [] and quiet.claim(10) == ["s"] and quiet.claim(11) == []
+    # each set at its own interval: version 10 is due for both, 15 for the every-5 set only
+    two = EvalSchedule({"often": 5, "rarely": 10}, True, None)
+    assert two.claim(0) == ["often", "rarely"] and two.claim(5) == ["often"]
+    assert two.claim(10) == ["often", "rarely"] and two.claim(16) == ["often"] and two.claim(19) == []
+    with pytest.raises(ValueError, match="interval >= 1"):
+        EvalSchedule({"s": 0}, True)
 
 
 def test_evaluation_config_is_checked() -> None:
@@ -76,6 +80,45 @@ def test_evaluation_config_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"'evaluation\.sets' is a list"):
         load_config(SystemConfig, ["deploy/presets/local.toml"],
                     overrides=[("evaluation.sets.0.n", 2, "--set evaluation.sets.0.n=2")])  # fmt: skip
+
+
+def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> None:
+    from services.common.tiny_model import build_tokenizer
+    from services.sampler.config import SamplerServiceConfig
+    from services.sampler.evaluation import load_eval_sets
+    from services.sampler.tasks import PromptEncoder
+
+    rows = [{"id": f"q{i}", "question": f"What is {i}+1?", "gold": str(i + 1), "level": i} for i in range(5)]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    encoder = PromptEncoder(build_tokenizer(), max_model_len=256, max_tokens=16)
+
+    def sets(**spec: Any) -> Any:
+        spec = {"name": "val", "dataset": str(tmp_path / "val.jsonl"), **spec}
+        cfg = SamplerServiceConfig.model_validate(
+            {
+                "sampler": {"max_tokens": 16},
+                "evaluation": {"sets": [spec]},
+                "reward": {"default_scorer": "math"},
+            }
+        )
+        return load_eval_sets(cfg, encoder)
+
+    (val,) = sets(prompt_field="question", answer_field="gold", limit=3, n=2, temperature=0.0, top_p=0.5)
+    assert [(t.task_id, t.prompt, t.reference, t.split) for t in val.tasks] == [
+        (f"q{i}", f"What is {i}+1?", str(i + 1), "test") for i in range(3)
+    ]
+    assert val.tasks[0].metadata["level"] == "0" and val.scorer == "math" and val.n == 2
+    assert val.sampling.temperature == 0.0 and val.sampling.top_p == 1.0  # greedy ignores top_p
+    assert val.prompts == [encoder.encode(t) for t in val.tasks]
+    with pytest.raises(ValueError, match=r"evaluation set 'val': .*no 'prompt' field.*question"):
+        sets()  # the sampler's default prompt_field
+    with pytest.raises(
+        ValueError, match=r"evaluation set 'val': dataset file .*missing.jsonl' does not exist"
+    ):
+        sets(dataset=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"evaluation set 'val': .*has no tasks"):
+        sets(dataset=str(tmp_path / "empty.jsonl"))
 
 
 class FakeEngine:
@@ -127,6 +170,28 @@ def fake_set(name: str, answers: dict[str, str], n: int = 3) -> EvalSet:
     return EvalSet(name, tasks, [[ord(p)] for p in answers], "exact_match", n, Sampling(max_tokens=8))
 
 
+def test_a_round_of_some_sets_scores_only_those() -> None:
+    engine = FakeEngine({"a": [ord("7")], "c": [ord("2")]})
+    sets = [fake_set("s1", {"a": "7"}), fake_set("s2", {"c": "1"}, n=2)]
+    evaluator = Evaluator(engine, sets, exact, schedule=EvalSchedule({"s1": 5, "s2": 10}, False))  # type: ignore[arg-type]
+    engine.loaded_version = 5
+    assert evaluator.offer(5)
+    results: list[Any] = []  # offer began the round: drive it as the sampler does
+    while evaluator.busy:
+        for delta in engine.step():
+            evaluator.absorb(delta)
+        results = evaluator.pump() or results
+    assert [(r.set, r.mean_at_n) for r in results] == [("s1", 1.0)]
+    assert all("/s1/" in r for r in engine.added)
+    engine.loaded_version = 10
+    assert evaluator.offer(10)
+    while evaluator.busy:
+        for delta in engine.step():
+            evaluator.absorb(delta)
+        results = evaluator.pump() or results
+    assert [(r.set, r.mean_at_n) for r in results] == [("s1", 1.0), ("s2", 0.0)]
+
+
 def test_a_round_scores_every_set_and_keeps_at_most_max_in_flight_requests_in_the_engine() -> None:
     engine = FakeEngine({"a": [ord("7")], "b": [ord("9"), ord("9")], "c": [ord("1")]})
     sets = [fake_set("s1", {"a": "7", "b": "8"}), fake_set("s2", {"c": "1"}, n=2)]
@@ -145,7 +210,7 @@ def test_a_round_scores_every_set_and_keeps_at_most_max_in_flight_requests_in_th
 def test_a_newer_version_waits_for_a_generating_round_at_most_max_delay_s() -> None:
     engine = FakeEngine({"a": [ord("7")] * 50})
     evaluator = Evaluator(engine, [fake_set("s", {"a": "7"}, n=2)], exact, max_delay_s=0.2)  # type: ignore[arg-type]
-    evaluator.schedule = EvalSchedule(10, True)
+    evaluator.schedule = EvalSchedule({"s": 10}, True)
     engine.loaded_version = 0
     assert evaluator.offer(0) and evaluator.generating and not evaluator.offer(0)
     for delta in engine.step():

@@ -146,6 +146,7 @@ class EvalSetConfig(Section):
     top_p: float = Field(0.7, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(0, ge=0, description="Longest response; 0: sampler.max_tokens.")
     limit: int = Field(0, ge=0, description="Evaluate only the first this many tasks; 0: all of them.")
+    every: int = Field(0, ge=0, description="Versions between its evaluations; 0: evaluation.every.")
     correct_at: float = Field(
         1.0, description="A response counts as correct when its reward is at least this."
     )

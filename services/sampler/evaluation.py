@@ -1,8 +1,9 @@
 """Held-out evaluation during training: validation sets sampled at chosen policy versions, scored, recorded.
 
-    EvalSchedule.claim(v)   the first version of every `every` versions (and version 0): one evaluation per
-        │                   bucket of versions across every replica and evaluator (a Redis SET NX)
-    Evaluator.begin(v) ─► n requests per task with the set's own sampling, at most max_in_flight in the engine
+    EvalSchedule.claim(v)   the sets due at v: the first version of every `every` versions of each set (and
+        │                   version 0); one evaluation per set and bucket across every replica and evaluator
+        │                   (a Redis SET NX)
+    Evaluator.begin(v, due) ─► n requests per task with the set's own sampling, at most max_in_flight in the engine
         engine.step() ─► Evaluator.absorb(delta) ─► each response's tokens and log-probs
     all generated ─► scoring thread: the reward service's ScoringPool and scorers ─► SetResult per set
         ─► EvalRecorder: Redis list vcpo:<run>:eval:results (the launcher writes <run_dir>/metrics.jsonl from
@@ -16,7 +17,8 @@ Where it runs (``[evaluation] placement``):
   ``max_delay_s``: past that the round is abandoned (counted) and the newer version is loaded, so evaluation
   never delays training beyond that budget. Scoring runs on a thread and holds nothing back.
 - **dedicated** (:class:`EvalRunner`): an engine of its own follows the published versions and loads only the
-  due ones; training never waits for it.
+  due ones; training never waits for it. (It fetches every version it is told of, as a sampler does, and
+  loads the due ones only.)
 - **the eval command** (``deploy/eval.py``): one round on a saved model, with no schedule.
 
 Evaluation requests never become groups: nothing of them reaches the `rollouts` stream, the reward service
@@ -33,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,31 +148,39 @@ class SetResult:
 
 
 class EvalSchedule:
-    """Which versions are evaluated: version 0 (``at_start``), then the first version each evaluator meets in
-    every bucket ``[b * every, (b + 1) * every)``, b >= 1. One claim per bucket across the run (Redis
-    ``SET NX``, kept across restarts), so two replicas never evaluate the same bucket; a round abandoned or
-    cut short is not retried in its bucket (a budget too small for the sets would otherwise delay every
-    version)."""
+    """Which versions each set is evaluated at: version 0 (``at_start``), then the first version an evaluator
+    meets in every bucket ``[b * every, (b + 1) * every)``, b >= 1, of that set's ``every``. One claim per set
+    and bucket across the run (Redis ``SET NX``, kept across restarts), so two replicas never evaluate the
+    same one; a round abandoned or cut short is not retried in its bucket (a budget too small for the sets
+    would otherwise delay every version)."""
 
     def __init__(
-        self, every: int, at_start: bool, client: redis.Redis | None = None, run_id: str = "", owner: str = ""
+        self,
+        every: Mapping[str, int],
+        at_start: bool,
+        client: redis.Redis | None = None,
+        run_id: str = "",
+        owner: str = "",
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        self.every, self.at_start = every, at_start
+        bad = {name: e for name, e in every.items() if e < 1}
+        if not every or bad:
+            raise ValueError(f"every set needs an interval >= 1 (versions), got {dict(every)}")
+        self.every, self.at_start = dict(every), at_start
         self.client, self.run_id, self.owner = client, run_id, owner
-        self._decided: set[int] = set()  # buckets this process has claimed or seen claimed
+        self._decided: set[tuple[str, int]] = set()  # (set, bucket) claimed or seen claimed by this process
 
-    def claim(self, version: int) -> bool:
-        """Whether ``version`` is to be evaluated here (and now claimed for it)."""
-        bucket = version // self.every
-        if bucket in self._decided or not (bucket >= 1 or (version == 0 and self.at_start)):
-            return False
-        self._decided.add(bucket)
-        if self.client is None:
-            return True
-        key = f"vcpo:{self.run_id}:eval:claim:{bucket}"
-        return bool(self.client.set(key, f"{self.owner}@{version}", nx=True))
+    def claim(self, version: int) -> list[str]:
+        """The sets to evaluate at ``version`` here (now claimed for it), in the order they were given."""
+        due = []
+        for name, every in self.every.items():
+            bucket = version // every
+            if (name, bucket) in self._decided or not (bucket >= 1 or (version == 0 and self.at_start)):
+                continue
+            self._decided.add((name, bucket))
+            key = f"vcpo:{self.run_id}:eval:claim:{name}:{bucket}"
+            if self.client is None or self.client.set(key, f"{self.owner}@{version}", nx=True):
+                due.append(name)
+        return due
 
 
 # --------------------------------------------------------------------------------------- metrics
@@ -270,6 +280,7 @@ class _Request:
 class EvalRound:
     version: int
     pending: deque[_Request]
+    sets: list[int]  # indices of the evaluator's sets in this round
     started: float = field(default_factory=time.monotonic)
     in_flight: dict[str, _Request] = field(default_factory=dict)
     responses: dict[tuple[int, int, int], Response] = field(default_factory=dict)
@@ -326,20 +337,25 @@ class Evaluator:
 
     # ------------------------------------------------------------------ the round
     def offer(self, version: int) -> bool:
-        """The engine now serves ``version``: start a round if the schedule says it is due (and not busy)."""
-        if self.busy or self.schedule is None or not self.schedule.claim(version):
+        """The engine now serves ``version``: start a round of the sets the schedule says are due (if not busy)."""
+        if self.busy or self.schedule is None:
             return False
-        self.begin(version)
-        return True
+        due = self.schedule.claim(version)
+        if due:
+            self.begin(version, due)
+        return bool(due)
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, names: Sequence[str] | None = None) -> None:
+        """Start a round at ``version`` of the sets named (all of them by default)."""
         if self.busy:
             raise RuntimeError(f"an evaluation round is still running; cannot begin one at version {version}")
         if self.engine.loaded_version != version:
             raise RuntimeError(f"the engine serves version {self.engine.loaded_version}, not {version}")
+        chosen = [i for i, s in enumerate(self.sets) if names is None or s.name in names]
         self._serial += 1
         pending: deque[_Request] = deque()
-        for si, s in enumerate(self.sets):
+        for si in chosen:
+            s = self.sets[si]
             for ti, prompt in enumerate(s.prompts):
                 sampling = s.sampling
                 if self.encoder is not None:
@@ -349,10 +365,8 @@ class Evaluator:
                 for k in range(s.n):
                     rid = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}/{k}"
                     pending.append(_Request(rid, (si, ti, k), prompt, sampling))
-        self.round = EvalRound(version, pending)
-        log.info(
-            "evaluation at version %d: %d requests over %d set(s)", version, len(pending), len(self.sets)
-        )
+        self.round = EvalRound(version, pending, chosen)
+        log.info("evaluation at version %d: %d requests over %d set(s)", version, len(pending), len(chosen))
         self._top_up()
 
     def _top_up(self) -> None:
@@ -456,7 +470,8 @@ class Evaluator:
         outcomes = self.score_many(jobs)
         seconds = time.monotonic() - r.started
         results = []
-        for si, s in enumerate(self.sets):
+        for si in r.sets:
+            s = self.sets[si]
             rewards: list[list[float]] = [[0.0] * s.n for _ in s.tasks]
             failed = 0
             for key, outcome in zip(keys, outcomes, strict=True):
@@ -474,12 +489,13 @@ class Evaluator:
         self,
         version: int,
         stop: threading.Event | None = None,
+        names: Sequence[str] | None = None,
         progress: Callable[[int, int], None] | None = None,
         progress_every_s: float = 10.0,
     ) -> list[SetResult]:
         """One whole round in an engine this evaluator owns (dedicated, the eval command); [] if stopped.
         ``progress(done, total)`` responses is called every ``progress_every_s`` while it generates."""
-        self.begin(version)
+        self.begin(version, names)
         assert self.round is not None
         total, last = len(self.round.pending), time.monotonic()
         results: list[SetResult] = []
@@ -514,6 +530,7 @@ class EvalRunner:
             raise ValueError("the dedicated evaluator needs a schedule")
         self.engine, self.sync, self.evaluator = engine, sync, evaluator
         self.evaluated: list[int] = []
+        self.first_version: int | None = None  # the first version it had in hand (the launcher waits for it)
 
     def run(self, stop: threading.Event) -> None:
         schedule = self.evaluator.schedule
@@ -522,13 +539,16 @@ class EvalRunner:
         try:
             while not stop.is_set():
                 version = self.sync.ready()
-                if version is not None and schedule.claim(version):
+                if self.first_version is None and version is not None:
+                    self.first_version = version
+                due = schedule.claim(version) if version is not None else []
+                if version is not None and due:
                     try:
                         self.sync.apply(version)
                     except Exception:
                         log.exception("version %d could not be loaded; it is not evaluated", version)
                         continue
-                    if self.evaluator.run(version, stop):
+                    if self.evaluator.run(version, stop, due):
                         self.evaluated.append(version)
                 else:
                     stop.wait(0.05)

@@ -90,16 +90,21 @@ class EvaluatorActor:
     def __init__(self, cfg_json: str) -> None:
         self.cfg = SamplerServiceConfig.model_validate_json(cfg_json)
         self.stop_event = threading.Event()
+        self.service: Any = None
 
     def run(self) -> dict[str, Any]:
         from services.sampler.evaluator_service import NAME, EvaluatorService
 
         actor_logging(NAME, self.cfg.run.run_dir)
-        service = EvaluatorService(self.cfg)
+        self.service = EvaluatorService(self.cfg)
         try:
-            return service.serve(self.stop_event)
+            return dict(self.service.serve(self.stop_event))
         finally:
-            service.close()
+            self.service.close()
+
+    def first_version(self) -> int | None:
+        """The first version the evaluator had in hand (None while its engine starts or it fetches it)."""
+        return None if self.service is None else self.service.runner.first_version
 
     def stop(self) -> None:
         self.stop_event.set()

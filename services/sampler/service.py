@@ -80,7 +80,8 @@ def make_evaluator(
     metrics = EvalMetrics(registry)
     evaluator = Evaluator(
         engine, sets, pool.score_many, EvalRecorder(metrics, client, run.run_id, where, owner),
-        EvalSchedule(ev.every, ev.at_start, client, run.run_id, owner), encoder=encoder,
+        EvalSchedule({s.name: s.every or ev.every for s in ev.sets}, ev.at_start, client, run.run_id, owner),
+        encoder=encoder,
         max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics,
     )  # fmt: skip
     return evaluator, pool
