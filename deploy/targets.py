@@ -20,7 +20,7 @@ def prometheus_targets(run_dir: Path, run_id: str, broker_metrics_url: str = "")
     replica Serve replaced, a sampler before its restart) is left out; only a loopback URL's PID is checked."""
     found = [("weight_broker", "weight_broker", {"metrics_url": broker_metrics_url})]
     found += [("learner", "learner-rank0", _read_json(run_dir / "learner" / "endpoints.json"))]
-    for service in ("sampler", "reward"):
+    for service in ("sampler", "reward", "evaluator"):  # evaluator: the dedicated one, when there is one
         for path in sorted((run_dir / service).glob("*.endpoints.json")):
             found.append((service, path.name.removesuffix(".endpoints.json"), _read_json(path)))
     groups = []

@@ -228,12 +228,14 @@ def test_prometheus_targets_list_live_replicas_with_their_labels(tmp_path: Path)
     endpoints(tmp_path / "sampler" / "sampler-0.endpoints.json", 9002, os.getpid())
     endpoints(tmp_path / "reward" / "reward-serve-a.endpoints.json", 9003, dead.pid)  # replaced by Serve
     endpoints(tmp_path / "reward" / "reward-serve-b.endpoints.json", 9004, os.getpid())
+    endpoints(tmp_path / "evaluator" / "evaluator.endpoints.json", 9005, os.getpid())  # a dedicated evaluator
     groups = prometheus_targets(tmp_path, "r1", "http://127.0.0.1:9000")
     assert [(g["targets"], g["labels"]["service"], g["labels"]["replica"]) for g in groups] == [
         (["127.0.0.1:9000"], "weight_broker", "weight_broker"),
         (["127.0.0.1:9001"], "learner", "learner-rank0"),
         (["127.0.0.1:9002"], "sampler", "sampler-0"),
         (["127.0.0.1:9004"], "reward", "reward-serve-b"),
+        (["127.0.0.1:9005"], "evaluator", "evaluator"),
     ]
     assert all(set(g) == {"targets", "labels"} and g["labels"]["run_id"] == "r1" for g in groups)
     assert write_prometheus_targets(tmp_path, groups)
