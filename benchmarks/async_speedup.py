@@ -80,16 +80,24 @@ class Run:
     aborted: int
 
 
-def launch(preset: Path, run_dir: Path, k: int, steps: int, extra: list[str], timeout_s: float) -> float:
+def launch(
+    preset: Path,
+    run_dir: Path,
+    k: int,
+    steps: int,
+    extra: list[str],
+    timeout_s: float,
+    evaluation: bool = False,
+) -> float:
     """One launcher run to ``steps`` learner steps; its output goes to ``<run_dir>/launch.log`` and its
-    progress lines to the screen. Returns the process's wall seconds."""
+    progress lines to the screen. Held-out evaluation is left out unless ``evaluation`` (it holds versions
+    back: not what a step-time comparison of k is about). Returns the process's wall seconds."""
     run_dir.mkdir(parents=True)
     command = [
         sys.executable, "-m", "deploy.launch", "--config", str(preset), "--run.run_dir", str(run_dir),
         "--k", str(k), "--launcher.max_steps", str(steps), "--launcher.max_minutes", "0",
         *(arg for port in PORTS for arg in (f"--{port}", "0")),
-        "--set", "evaluation.sets=[]",  # held-out evaluation would hold versions back: not training's speed
-        *extra,
+        *([] if evaluation else ["--set", "evaluation.sets=[]"]), *extra,
     ]  # fmt: skip
     t0 = time.monotonic()
     with (run_dir / "launch.log").open("w") as log:

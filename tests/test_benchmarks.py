@@ -89,6 +89,16 @@ def test_reward_benchmark_quick_mode_prints_its_figures() -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # run_quick gives the script 600 s
+def test_eval_overhead_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("eval_overhead.py")  # two whole launcher runs (without, with evaluation)
+    assert any(line.startswith("with ") for line in lines)  # the table
+    assert (figures["steps"], figures["every"], figures["responses_per_round"]) == (40, 20, 800)
+    assert figures["rounds_done"] >= 2 and figures["eval_versions"][0] == 0
+    for key in ("step_s_without", "step_s_with", "slowdown", "round_s"):
+        assert math.isfinite(figures[key]) and figures[key] > 0, (key, figures[key])
+    assert 0 <= figures["hold_s_per_round"] <= figures["max_delay_s"] and 0 <= figures["held_fraction"] < 1
+
+
 def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("async_speedup.py")  # two whole launcher runs (k = 0, k = 4): minutes
     assert any(line.startswith("async ") for line in lines)  # the table
