@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import Counter
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.report_common import finite, fmt, table
 from deploy.report_eval import (
     Evaluation,
     evaluation_markdown,
@@ -116,13 +116,6 @@ def read_jsonl(path: Path, int_key: str | None = None) -> JsonlFile:
         else:
             log.bad_lines += 1
     return log
-
-
-def finite(value: Any) -> float | None:
-    """The value as a float if it is a finite number (not a bool, None, NaN or a string), else None."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -339,29 +332,20 @@ def write_plots(
 # --- report.md ---
 
 
-def _f(value: Any, spec: str = ".4f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-
-
 def _learning(s: Json) -> list[str]:
     st, r = s["steps"], s["reward"]
     if not st["count"]:
         return ["No learner steps were recorded, so there are no reward, ESS, LR or gradient figures."]
     n = r["window_steps"]
-    lines = _table(
+    lines = table(
         ("figure", "value"),
         [
-            (f"reward at the start (mean of the first {n} steps)", _f(r["start"])),
-            (f"reward at the end (mean of the last {n} steps)", _f(r["end"])),
-            ("reward change", _f(r["change"], "+.4f")),
-            ("ESS ratio mean / min", f"{_f(s['ess_ratio']['mean'])} / {_f(s['ess_ratio']['min'])}"),
-            ("LR scale mean", _f(s["lr_scale"]["mean"])),
-            ("grad norm mean / max", f"{_f(s['grad_norm']['mean'])} / {_f(s['grad_norm']['max'])}"),
+            (f"reward at the start (mean of the first {n} steps)", fmt(r["start"])),
+            (f"reward at the end (mean of the last {n} steps)", fmt(r["end"])),
+            ("reward change", fmt(r["change"], "+.4f")),
+            ("ESS ratio mean / min", f"{fmt(s['ess_ratio']['mean'])} / {fmt(s['ess_ratio']['min'])}"),
+            ("LR scale mean", fmt(s["lr_scale"]["mean"])),
+            ("grad norm mean / max", f"{fmt(s['grad_norm']['mean'])} / {fmt(s['grad_norm']['max'])}"),
         ],
     )
     if r["steps_with_reward"] < st["count"]:
@@ -372,7 +356,7 @@ def _learning(s: Json) -> list[str]:
 def _staleness(stal: Json, k: int | None) -> list[str]:
     lags = sorted({*stal["trained"], *stal["dropped"]})
     counts = [(lag, stal["trained"].get(lag, 0), stal["dropped"].get(lag, 0)) for lag in lags]
-    lines = [*_table(("lag", "trained", "dropped"), counts), ""] if lags else []
+    lines = [*table(("lag", "trained", "dropped"), counts), ""] if lags else []
     n_trained = sum(stal["trained"].values())
     top = stal["max_trained_lag"]
     seen = f"- Max lag seen: {stal['max_lag']} (trained groups: {top}) vs k = {k}: "
@@ -401,7 +385,7 @@ def _ledger(ledger: Json | None, source: str | None) -> list[str]:
     balanced, problems = ledger.get("balanced"), ledger.get("problems")
     verdict = "not checked" if balanced is None else ("yes" if balanced else "NO")
     rows = [(key, value) for key, value in ledger.items() if key not in ("balanced", "problems")]
-    lines = [f"From {source}.", "", *_table(("key", "value"), rows), "", f"Balanced: {verdict}."]
+    lines = [f"From {source}.", "", *table(("key", "value"), rows), "", f"Balanced: {verdict}."]
     if isinstance(problems, list) and problems:
         lines += ["", *(f"- {problem}" for problem in problems)]
     return lines
@@ -439,12 +423,12 @@ def render_markdown(
     if paths.skipped:
         plots += ["", "Skipped plots:", "", *(f"- `{n}.png`: {why}" for n, why in paths.skipped.items())]
     sections = [
-        [f"# Run report: {s['run_id'] or 'unknown run'}", "", *_table(("", ""), header)],
+        [f"# Run report: {s['run_id'] or 'unknown run'}", "", *table(("", ""), header)],
         ["## Data", "", *data],
         ["## Learning", "", *_learning(s)],
         ["## Held-out accuracy", "", *evaluation_markdown(evaluation)],
         ["## Staleness", "", *_staleness(s["staleness"], k)],
-        ["## Throughput (mean over progress samples)", "", *_table(("service", "mean"), throughput)],
+        ["## Throughput (mean over progress samples)", "", *table(("service", "mean"), throughput)],
         ["## Ledger", "", *_ledger(s["ledger"], s["ledger_source"])],
         ["## Plots", "", *plots],
     ]

@@ -16,18 +16,18 @@ learner step. What this module decides:
   version on a tie).
 
 ``deploy.report`` imports this module and never the reverse (``python -m deploy.report`` runs that module as
-``__main__``, so importing it back would load it twice), which is why the few helpers both need are
-repeated here.
+``__main__``, so importing it back would load it twice); the helpers both need are in deploy/report_common.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from deploy.report_common import finite, fmt, table
 
 Json = dict[str, Any]
 ACCURACY = ("mean_at_n", "pass_at_n")
@@ -44,14 +44,8 @@ HOW_TO_CONFIGURE = (
 )
 
 
-def _finite(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _non_negative(value: Any) -> float | None:
-    x = _finite(value)
+    x = finite(value)
     return x if x is not None and x >= 0 else None
 
 
@@ -216,15 +210,6 @@ def plot_accuracy(path: Path, sets: Mapping[str, list[Json]]) -> Any:
 # --- report.md ---
 
 
-def _f(value: float | None, spec: str = ".4f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-
-
 def table_points(points: list[Json], limit: int = MAX_TABLE_ROWS) -> list[Json]:
     """All the points if there are at most ``limit``, else the first, the last and evenly spaced between."""
     if len(points) <= limit:
@@ -240,15 +225,15 @@ def _set_section(name: str, points: list[Json]) -> list[str]:
         (
             p["version"],
             "n/a" if p["train_seconds"] is None else f"{p['train_seconds'] / 60:.1f} min",
-            _f(p["gpu_hours"], ".3f"),
-            _f(p["mean_at_n"]),
-            _f(p["pass_at_n"]),
+            fmt(p["gpu_hours"], ".3f"),
+            fmt(p["mean_at_n"]),
+            fmt(p["pass_at_n"]),
             "n/a" if p["tasks"] is None else p["tasks"],
         )
         for p in shown
     ]
     header = ("version", "training time", "GPU-hours", f"mean{at}", f"pass{at}", "tasks")
-    lines = [f"### {name}", "", *_table(header, rows), ""]
+    lines = [f"### {name}", "", *table(header, rows), ""]
     if len(shown) < len(points):
         lines += [
             f"{len(shown)} of {len(points)} evaluations shown: the first, the last and evenly spaced ones "
@@ -259,16 +244,16 @@ def _set_section(name: str, points: list[Json]) -> list[str]:
     best = max(points, key=lambda p: p["mean_at_n"])
     if len(points) == 1:
         lines.append(
-            f"- one evaluation: mean{at} {_f(first['mean_at_n'])}, pass{at} {_f(first['pass_at_n'])} "
+            f"- one evaluation: mean{at} {fmt(first['mean_at_n'])}, pass{at} {fmt(first['pass_at_n'])} "
             f"(version {first['version']})"
         )
     else:
         lines.append(
-            f"- first → last: mean{at} {_f(first['mean_at_n'])} → {_f(last['mean_at_n'])}, "
-            f"pass{at} {_f(first['pass_at_n'])} → {_f(last['pass_at_n'])} "
+            f"- first → last: mean{at} {fmt(first['mean_at_n'])} → {fmt(last['mean_at_n'])}, "
+            f"pass{at} {fmt(first['pass_at_n'])} → {fmt(last['pass_at_n'])} "
             f"(version {first['version']} → {last['version']})"
         )
-    lines.append(f"- best mean{at}: {_f(best['mean_at_n'])} at version {best['version']}")
+    lines.append(f"- best mean{at}: {fmt(best['mean_at_n'])} at version {best['version']}")
     if n is None and any(p["n"] is not None for p in points):
         ns = ", ".join(str(v) for v in sorted({p["n"] for p in points if p["n"] is not None}))
         lines.append(f"- n differs between evaluations ({ns}).")
