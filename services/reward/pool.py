@@ -34,10 +34,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.reward.sandbox import SandboxLimits
 from services.reward.scorers import ScoreInput, ScorerError, UnknownScorerError, get_scorer, load_plugins
+
+if TYPE_CHECKING:
+    from services.reward.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +177,13 @@ class ScoringPool:
         self.workers = workers
         self._fanout = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="score")
         self.replaced = 0  # workers killed on a timeout or found dead, and replaced
+
+    @classmethod
+    def from_config(cls, r: RewardConfig, workers: int | None = None) -> ScoringPool:
+        """The pool ``[reward]`` describes (time limits, fallback reward, plugins, sandbox limits), with
+        ``workers`` processes (default ``reward.workers``): the reward service's and the evaluator's."""
+        sandbox = SandboxLimits(**r.sandbox.model_dump())
+        return cls(workers or r.workers, r.timeout_for, r.fallback_reward, r.plugins, sandbox)
 
     def _add_worker(self) -> None:
         worker = _Worker(self._ctx, self._plugins, self._limits)

@@ -17,7 +17,7 @@ from services.reward.config import RewardServiceConfig
 from services.reward.loop import RewardLoop
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import ScoringPool
-from services.reward.sandbox import SandboxLimits, isolation
+from services.reward.sandbox import isolation
 from services.reward.servicer import RewardServicer
 from vcpo.v1 import reward_pb2_grpc
 
@@ -38,8 +38,7 @@ class RewardService:
         stream_metrics = StreamMetrics(self.registry)
         client = connect(run.redis_url)
         specs = stream_specs(run, cfg.streams)
-        sandbox = SandboxLimits(**r.sandbox.model_dump())
-        self.pool = ScoringPool(r.workers, r.timeout_for, r.fallback_reward, r.plugins, sandbox)
+        self.pool = ScoringPool.from_config(r)
         try:
             consumer = StreamConsumer(
                 client, specs["rollouts"], name, stream_metrics, cfg.streams.reclaim_idle_ms,

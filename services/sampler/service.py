@@ -26,7 +26,6 @@ from services.common.streams import (
 )
 from services.common.tiny_model import run_model
 from services.reward.pool import ScoringPool
-from services.reward.sandbox import SandboxLimits
 from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
@@ -57,13 +56,6 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
     )  # fmt: skip
 
 
-def make_scoring_pool(cfg: SamplerServiceConfig, workers: int = 1) -> ScoringPool:
-    """The reward service's scoring processes and scorers, with its settings (evaluation scores the same way)."""
-    r = cfg.reward
-    sandbox = SandboxLimits(**r.sandbox.model_dump())
-    return ScoringPool(workers, r.timeout_for, r.fallback_reward, r.plugins, sandbox)
-
-
 def make_evaluator(
     cfg: SamplerServiceConfig,
     engine: GenerationEngine,
@@ -76,7 +68,7 @@ def make_evaluator(
     """The run's evaluator in ``engine``: its sets, schedule, scorers and recorder."""
     ev, run = cfg.evaluation, cfg.run
     sets = load_eval_sets(cfg, encoder)
-    pool = make_scoring_pool(cfg)
+    pool = ScoringPool.from_config(cfg.reward, workers=1)  # the reward service's scorers and settings
     metrics = EvalMetrics(registry)
     evaluator = Evaluator(
         engine, sets, pool.score_many, EvalRecorder(metrics, client, run.run_id, where, owner),
