@@ -6,7 +6,9 @@ in any table is caught before anything starts.
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, model_validator
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
 from services.learner.config import LearnerConfig, check_scored_capacity
@@ -74,3 +76,11 @@ class SystemConfig(ServiceConfig):
         if self.evaluation.sets and self.evaluation.placement == "dedicated":
             total += self.evaluation.gpus
         return total
+
+
+S = TypeVar("S", bound=BaseModel)
+
+
+def section(cfg: SystemConfig, model: type[S]) -> S:
+    """The part of the whole-run config a service reads (its own section and the shared ones)."""
+    return model.model_validate(cfg.model_dump(include=set(model.model_fields)))

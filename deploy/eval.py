@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.config import SystemConfig
+from deploy.config import SystemConfig, section
 from services.common.config import ConfigError, add_config_arguments, config_from_args
 from services.sampler.config import SamplerServiceConfig
 
@@ -70,12 +70,13 @@ def resolve_target(
 
 def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]) -> list[dict[str, Any]]:
     """One round of every selected set on ``model``; the records (``kind: eval``, ``where: command``)."""
-    from services.sampler.evaluation import EvalRecorder, Evaluator, load_eval_sets
+    from services.reward.pool import ScoringPool
+    from services.sampler.evaluation import Evaluator, load_eval_sets
     from services.sampler.evaluator_service import ENGINE_SEED_OFFSET
-    from services.sampler.service import make_engine, make_scoring_pool
+    from services.sampler.service import make_engine
     from services.sampler.tasks import PromptEncoder
 
-    scfg = SamplerServiceConfig.model_validate(cfg.model_dump(include=set(SamplerServiceConfig.model_fields)))
+    scfg = section(cfg, SamplerServiceConfig)
     if sets:
         chosen = [s for s in scfg.evaluation.sets if s.name in sets]
         unknown = sorted(set(sets) - {s.name for s in chosen})
@@ -87,15 +88,14 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
         raise ValueError("the run file has no [[evaluation.sets]] to score")
     s = scfg.sampler
     engine = make_engine(scfg, ENGINE_SEED_OFFSET, model=model)
-    pool = make_scoring_pool(scfg, workers=max(1, scfg.reward.workers))
+    pool = ScoringPool.from_config(scfg.reward)
     try:
         encoder = PromptEncoder(engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
         eval_sets = load_eval_sets(scfg, encoder)
         label = 0 if version is None else version
         engine.loaded_version = label  # the engine serves the weights it was built from
-        recorder = EvalRecorder(None, None, scfg.run.run_id, "command", "eval")
-        evaluator = Evaluator(
-            engine, eval_sets, pool.score_many, recorder, encoder=encoder,
+        evaluator = Evaluator(  # no recorder: the records below, with the version and per-task figures
+            engine, eval_sets, pool.score_many, encoder=encoder,
             max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256),
         )  # fmt: skip
         t0 = time.monotonic()

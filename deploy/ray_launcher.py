@@ -31,11 +31,9 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel
-
-from deploy.config import SystemConfig
+from deploy.config import SystemConfig, section
 from deploy.ledger import take_ledger
 from deploy.metrics_log import MetricsLog
 from deploy.progress import Progress, progress_line
@@ -48,12 +46,6 @@ from services.common.redis_server import LocalRedis, free_port
 from services.common.streams import StreamConsumer, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
-S = TypeVar("S", bound=BaseModel)
-
-
-def section(cfg: SystemConfig, model: type[S]) -> S:
-    """The part of the whole-run config a service reads (its own section and the shared ones)."""
-    return model.model_validate(cfg.model_dump(include=set(model.model_fields)))
 
 
 def needed_cpus(cfg: SystemConfig) -> int:
