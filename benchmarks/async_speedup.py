@@ -143,10 +143,42 @@ def read_steps(path: Path) -> dict[int, dict[str, Any]]:
     return steps
 
 
-def measure(run_dir: Path, k: int, steps: int, launch_s: float) -> Run:
+def logged_steps(run_dir: Path, steps: int, what: str) -> dict[int, dict[str, Any]]:
+    """The run's audit log, which must hold steps 1..``steps``; ``what`` names the run in the error."""
     log = read_steps(run_dir / "learner" / "steps.jsonl")
     if sorted(log)[:steps] != list(range(1, steps + 1)):
-        raise RuntimeError(f"the k={k} run logged steps {sorted(log)}, not 1..{steps}; see {run_dir}")
+        raise RuntimeError(f"the {what} run logged steps {sorted(log)}, not 1..{steps}; see {run_dir}")
+    return log
+
+
+def launch_arguments(parser: argparse.ArgumentParser, steps_help: str) -> None:
+    """The options every launcher benchmark takes (--quick, --preset, --steps, --out, --timeout)."""
+    parser.add_argument(
+        "--quick", action="store_true", help="a small run (a few minutes: start-up dominates)"
+    )
+    parser.add_argument("--preset", type=Path, default=ROOT / "deploy" / "presets" / "local.toml")
+    parser.add_argument("--steps", type=int, default=0, help=steps_help)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep the run directories here (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="seconds one run may take before it is stopped"
+    )
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed options and the rest, which must be ``--section.key value`` launcher overrides."""
+    args, overrides = parser.parse_known_args()
+    bad = [arg for arg in overrides[::2] if not (arg.startswith("--") and "." in arg)]
+    if bad or len(overrides) % 2:
+        parser.error(
+            f"unrecognised arguments {overrides}: launcher overrides come as --section.key value pairs"
+        )
+    return args, overrides
+
+
+def measure(run_dir: Path, k: int, steps: int, launch_s: float) -> Run:
+    log = logged_steps(run_dir, steps, f"k={k}")
     window = [log[s] for s in range(2, steps + 1)]
     window_s = log[steps]["time"] - log[1]["time"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -173,24 +205,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="a small run (a few minutes: start-up dominates)"
-    )
-    parser.add_argument("--preset", type=Path, default=ROOT / "deploy" / "presets" / "local.toml")
-    parser.add_argument("--steps", type=int, default=0, help="learner steps per run (default 30; quick: 8)")
+    launch_arguments(parser, "learner steps per run (default 30; quick: 8)")
     parser.add_argument("--k-async", type=int, default=4, help="k of the asynchronous run")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="keep the run directories here (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=1800, help="seconds one run may take before it is stopped"
-    )
-    args, overrides = parser.parse_known_args()
-    bad = [arg for arg in overrides[::2] if not (arg.startswith("--") and "." in arg)]
-    if bad or len(overrides) % 2:
-        parser.error(
-            f"unrecognised arguments {overrides}: launcher overrides come as --section.key value pairs"
-        )
+    args, overrides = parse_with_overrides(parser)
     steps = args.steps or (8 if args.quick else 30)
     if steps < 3:
         parser.error(f"--steps {steps}: need at least 3 (the window is steps 2..N)")

@@ -36,13 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.async_speedup import ROOT, _rounded, launch, read_steps
+from benchmarks.async_speedup import _rounded, launch, launch_arguments, logged_steps, parse_with_overrides
 
 
-def window_step_s(run_dir: Path, steps: int) -> float:
-    log = read_steps(run_dir / "learner" / "steps.jsonl")
-    if sorted(log)[:steps] != list(range(1, steps + 1)):
-        raise RuntimeError(f"{run_dir} logged steps {sorted(log)[:5]}..., not 1..{steps}")
+def window_step_s(run_dir: Path, steps: int, what: str) -> float:
+    log = logged_steps(run_dir, steps, what)
     return float(log[steps]["time"] - log[1]["time"]) / (steps - 1)
 
 
@@ -50,25 +48,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="a small run (a few minutes: start-up dominates)"
-    )
-    parser.add_argument("--preset", type=Path, default=ROOT / "deploy" / "presets" / "local.toml")
-    parser.add_argument("--steps", type=int, default=0, help="learner steps per run (default 300; quick: 40)")
+    launch_arguments(parser, "learner steps per run (default 300; quick: 40)")
     parser.add_argument(
         "--every", type=int, default=0, help="versions between evaluations (default 50; quick: 20)"
     )
     parser.add_argument("--k", type=int, default=4, help="k of both runs")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="keep the run directories here (default: temp)"
-    )
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
-    args, overrides = parser.parse_known_args()
-    bad = [arg for arg in overrides[::2] if not (arg.startswith("--") and "." in arg)]
-    if bad or len(overrides) % 2:
-        parser.error(
-            f"unrecognised arguments {overrides}: launcher overrides come as --section.key value pairs"
-        )
+    args, overrides = parse_with_overrides(parser)
     steps = args.steps or (40 if args.quick else 300)
     every = args.every or (20 if args.quick else 50)
     if steps < 3 or every < 1:
@@ -87,7 +72,7 @@ def main() -> None:
             print(f"{name} evaluation: {steps} steps on {args.preset}, run directory {run_dir}", flush=True)
             launch(args.preset.resolve(), run_dir, args.k, steps, extra + (with_eval if evaluation else []),
                    args.timeout, evaluation=evaluation)  # fmt: skip
-            figures[f"step_s_{name}"] = window_step_s(run_dir, steps)
+            figures[f"step_s_{name}"] = window_step_s(run_dir, steps, f"{name}-evaluation")
         summary = json.loads((out / "with" / "summary.json").read_text())
         samplers = summary.get("samplers") or []
         rounds = {
