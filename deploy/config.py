@@ -67,6 +67,18 @@ class SystemConfig(ServiceConfig):
                 f"{self.learner.num_ranks}: every rank trains on whole groups, so each step needs one per rank"
             )
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
+        ev, s = self.evaluation, self.sampler
+        if (
+            ev.sets
+            and ev.placement == "dedicated"
+            and s.gpus_per_replica > 0
+            and ev.gpus < s.tensor_parallel_size
+        ):
+            raise ValueError(
+                f"evaluation.gpus = {ev.gpus:g} is less than sampler.tensor_parallel_size = "
+                f"{s.tensor_parallel_size}: the dedicated evaluator's engine has the samplers' engine settings, "
+                "so it needs as many GPUs as a sampler replica"
+            )
         return self
 
     def gpus(self) -> float:

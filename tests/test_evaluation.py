@@ -393,6 +393,24 @@ def test_a_dedicated_evaluator_needs_a_cpu_of_its_own() -> None:
     assert gpu.gpus() == 2 * 1 + 1 * 1 + 1  # learner ranks, sampler replicas, the evaluator
 
 
+def test_a_dedicated_evaluator_on_gpus_needs_as_many_as_a_sampler_engine() -> None:
+    tp2 = [("sampler.gpus_per_replica", 2, "-"), ("sampler.tensor_parallel_size", 2, "-"),
+           ("evaluation.placement", "dedicated", "-")]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"evaluation\.gpus = 1 is less than sampler\.tensor_parallel_size = 2"
+    ):
+        load_config(
+            SystemConfig, ["deploy/presets/local.toml"], overrides=[*tp2, ("evaluation.gpus", 1, "-")]
+        )
+    ok = load_config(
+        SystemConfig, ["deploy/presets/local.toml"], overrides=[*tp2, ("evaluation.gpus", 2, "-")]
+    )
+    assert ok.evaluation.gpus == 2
+    # shared placement, or no sets, asks for no evaluator GPUs at all
+    load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=tp2[:2])
+    load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[*tp2, ("evaluation.sets", [], "-")])
+
+
 @pytest.mark.slow
 def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_due_ones(
     redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path, vllm_engine: Any

@@ -188,6 +188,7 @@ def test_every_scenario_is_tested() -> None:
         "monitoring-values.yaml",
         "multi-gpu-values.yaml",
         "environments-values.yaml",
+        "evaluation-values.yaml",
     } <= set(SCENARIOS)
 
 
@@ -245,6 +246,17 @@ def test_run_file_is_accepted_and_matches_the_pods(scenario: str, tmp_path: Path
     assert {cfg.reward.grpc_port, cfg.reward.metrics_port} <= ports("reward")
     wb = cfg.weight_broker
     assert {wb.grpc_port, wb.data_port, wb.metrics_port} <= ports("head")
+
+    # a dedicated evaluator gets a group of its own that offers what the evaluator asks Ray for
+    groups = {g["groupName"] for g in cluster(docs)["workerGroupSpecs"]}
+    dedicated = bool(cfg.evaluation.sets) and cfg.evaluation.placement == "dedicated"
+    assert ("evaluator" in groups) == dedicated
+    if dedicated:
+        evaluator = group(docs, "evaluator")
+        assert evaluator["replicas"] == evaluator["maxReplicas"] == 1
+        assert {k: float(v) for k, v in evaluator["resources"].items()} == cfg.evaluation.ray_resources
+        assert container(evaluator)["resources"]["limits"].get("nvidia.com/gpu", 0) == cfg.evaluation.gpus
+        assert cfg.evaluation.metrics_port in ports("evaluator")
 
 
 def test_group_resources_and_gpus() -> None:
@@ -379,8 +391,9 @@ def test_redis_in_the_release_or_external() -> None:
     assert "REDIS_PASSWORD" not in {e["name"] for e in container(group(docs, "head"))["env"]}
 
 
-def test_services_select_the_pods_that_serve_them() -> None:
-    docs = render(*scenario_args("environments-values.yaml"))
+@pytest.mark.parametrize("scenario", ["environments-values.yaml", "evaluation-values.yaml"])
+def test_services_select_the_pods_that_serve_them(scenario: str) -> None:
+    docs = render(*scenario_args(scenario))
     pods: list[dict[str, Any]] = [
         g["template"] for g in [cluster(docs)["headGroupSpec"], *cluster(docs)["workerGroupSpecs"]]
     ]
@@ -401,7 +414,14 @@ def test_services_select_the_pods_that_serve_them() -> None:
     metrics = {
         d["metadata"]["labels"]["vcpo.io/service"] for d in docs if d["metadata"]["name"].endswith("-metrics")
     }
-    assert metrics == {"sampler", "learner", "reward", "weight_broker"}  # the `service` label the alerts use
+    extra = {"evaluator"} if scenario == "evaluation-values.yaml" else set()  # its dedicated evaluator
+    assert metrics == {
+        "sampler",
+        "learner",
+        "reward",
+        "weight_broker",
+        *extra,
+    }  # the `service` label alerts use
 
 
 def test_environments_are_registered_from_values(tmp_path: Path) -> None:
@@ -445,6 +465,53 @@ def test_evaluation_sets_come_through_extra_config(tmp_path: Path) -> None:
     assert [(s.name, s.dataset, s.n, s.temperature) for s in cfg.evaluation.sets] == [
         ("gsm8k", "/data/gsm8k_test.parquet", 8, 0.0)
     ]
+
+
+def test_evaluation_sets_come_from_values_with_their_sampling_settings(tmp_path: Path) -> None:
+    docs = render(*scenario_args("evaluation-values.yaml"))
+    _, cfg = run_config(docs, tmp_path)
+    ev = cfg.evaluation
+    assert (ev.placement, ev.every, ev.at_start, ev.max_delay_s) == ("dedicated", 25, True, 30.0)
+    math500, aime = ev.sets
+    assert (math500.name, math500.dataset, math500.prompt_field, math500.answer_field, math500.scorer) == (
+        "math500",
+        "/data/eval/math500.jsonl",
+        "problem",
+        "answer",
+        "math",
+    )
+    assert (math500.n, math500.temperature, math500.top_p, math500.max_tokens) == (4, 0.8, 0.7, 4096)
+    assert (aime.n, aime.temperature, aime.every) == (16, 0.0, 50)  # a 0 (greedy) is kept, not dropped
+    assert (aime.prompt_field, aime.scorer, aime.top_p) == ("", "", 0.7)  # unset: the defaults
+    # the evaluator's pod: the samplers' GPUs (its engine is theirs), its own resources, their scheduling
+    pod = group(docs, "evaluator")["template"]
+    res = pod["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 2 == ev.gpus
+    assert (res["limits"]["cpu"], res["limits"]["memory"]) == ("8", "64Gi")
+    assert pod["spec"]["tolerations"] == group(docs, "sampler")["template"]["spec"]["tolerations"]
+    assert pod["metadata"]["labels"]["vcpo.io/component"] == "evaluator"
+
+
+def test_an_evaluator_group_exists_only_for_a_dedicated_evaluator_with_sets(tmp_path: Path) -> None:
+    def groups(*args: str) -> set[str]:
+        return {g["groupName"] for g in cluster(render(*args))["workerGroupSpecs"]}
+
+    with_sets = ("-f", str(CHART / "ci" / "evaluation-values.yaml"))
+    assert "evaluator" not in groups(*with_sets, "--set", "evaluation.placement=shared")
+    assert "evaluator" not in groups(
+        "--set", "evaluation.placement=dedicated"
+    )  # no sets: nothing to evaluate
+    # sets given through extraConfig count too: the group follows the merged run file
+    extra = '[[evaluation.sets]]\nname = "gsm8k"\ndataset = "/data/gsm8k_test.parquet"\n'
+    docs = render("--set", "evaluation.placement=dedicated", "--set-string", f"extraConfig={extra}")
+    assert "evaluator" in {g["groupName"] for g in cluster(docs)["workerGroupSpecs"]}
+    _, cfg = run_config(docs, tmp_path)
+    assert [s.name for s in cfg.evaluation.sets] == ["gsm8k"] and cfg.evaluation.placement == "dedicated"
+    for doc in docs:
+        validate(doc)
+    # without GPUs for the samplers (the CPU image), the evaluator asks for none either
+    cpu = render(*with_sets, "--set", "sampler.gpusPerReplica=0")
+    assert "nvidia.com/gpu" not in container(group(cpu, "evaluator"))["resources"].get("limits", {})
 
 
 def test_monitoring_objects_need_the_operator_api() -> None:
@@ -534,6 +601,10 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["environments[0].name=calc", "environments[0].builtin=python", "environments[0].endpoint=h:1"],
          "/environments/0"),
         (["environments[0].name=Calc", "environments[0].builtin=python"], "/environments/0/name"),
+        (["evaluation.placement=elsewhere"], "/evaluation/placement"),
+        (["evaluation.sets[0].name=gsm8k"], "/evaluation/sets/0"),  # no dataset
+        (["evaluation.sets[0].name=gsm8k", "evaluation.sets[0].dataset=x.jsonl", "evaluation.sets[0].n=4"],
+         "/evaluation/sets/0"),  # samples, not n
         # checks the launcher would make at start-up, made at install
         (["streams.scoredMaxlen=100"], "streams.scored_maxlen = 100 is less than"),
         (["learner.ranks=3", "learner.ranksPerPod=2", "run.groupsPerStep=8"], "not a multiple of"),
@@ -542,6 +613,8 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["datasetEnvironment=nope"], 'datasetEnvironment = "nope"'),
         (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
+        (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
+
     ],
 )  # fmt: skip
 def test_bad_values_fail_at_install(flags: list[str], message: str) -> None:

@@ -46,7 +46,7 @@ vcpo.io/component: {{ .component }}
 
 {{/* Ports the services bind in their pods (written into the run file; one service per pod). */}}
 {{- define "vcpo-rl.ports" -}}
-{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 | toJson -}}
+{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 "evaluatorMetrics" 9105 | toJson -}}
 {{- end -}}
 
 {{/* Secret names and keys. */}}
@@ -154,6 +154,18 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- with .weight }}{{ $_ := set $e "weight" (float64 .) }}{{ end -}}
 {{- $envs = append $envs $e -}}
 {{- end -}}
+{{- $setKeys := dict "name" "name" "dataset" "dataset" "split" "split" "promptField" "prompt_field" "answerField" "answer_field" "scorer" "scorer" "samples" "n" "temperature" "temperature" "topP" "top_p" "maxTokens" "max_tokens" "limit" "limit" "every" "every" "correctAt" "correct_at" -}}
+{{- $intKeys := list "samples" "maxTokens" "limit" "every" -}}
+{{- $floatKeys := list "temperature" "topP" "correctAt" -}}
+{{- $sets := list -}}
+{{- range $v.evaluation.sets -}}
+{{- $s := dict -}}
+{{- range $key, $value := . -}}
+{{- if has $key $intKeys -}}{{- $value = int $value -}}{{- else if has $key $floatKeys -}}{{- $value = float64 $value -}}{{- end -}}
+{{- $_ := set $s (get $setKeys $key) $value -}}
+{{- end -}}
+{{- $sets = append $sets $s -}}
+{{- end -}}
 {{- $cfg := dict
   "run" (dict
     "run_id" (include "vcpo-rl.runId" .)
@@ -214,6 +226,16 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "data_port" (int $p.brokerData)
     "metrics_port" (int $p.brokerMetrics)
     "ray_resources" (dict "vcpo_broker" 1.0))
+  "evaluation" (dict
+    "sets" $sets
+    "every" (int $v.evaluation.every)
+    "at_start" $v.evaluation.atStart
+    "placement" $v.evaluation.placement
+    "max_delay_s" (float64 $v.evaluation.maxDelaySeconds)
+    "max_requests_in_flight" (int $v.evaluation.maxRequestsInFlight)
+    "gpus" (float64 $gpus)
+    "metrics_port" (int $p.evaluatorMetrics)
+    "ray_resources" (dict "vcpo_evaluator" 1.0))
   "launcher" (dict
     "max_steps" (int $v.run.maxSteps)
     "max_minutes" (float64 $v.run.maxMinutes))
@@ -229,6 +251,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
   "learner" (list "num_ranks" "gpus_per_rank" "grpc_port" "metrics_port" "ray_resources")
   "reward" (list "min_replicas" "max_replicas" "grpc_port" "metrics_port" "serve_ports" "ray_resources")
   "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host")
+  "evaluation" (list "placement" "gpus" "metrics_port" "ray_resources")
   "launcher" (list "ray_address")
 -}}
 {{- range $section, $keys := $owned -}}

@@ -151,7 +151,7 @@ spec:
 
 {{/*
 The RayCluster the RayJob owns: the head (launcher, Ray control plane, weight broker) and one worker group
-per service. Each group offers a custom Ray resource that only its service asks for (the run file's
+per service (the evaluator's only with a dedicated evaluator). Each group offers a custom Ray resource that only its service asks for (the run file's
 <service>.ray_resources), so Ray places every service on its own pods: the Services below select them by
 label, and the ports in the run file are the pods' ports.
 */}}
@@ -209,8 +209,31 @@ workerGroupSpecs:
     template:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.rewardGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.rewardMetrics)) }}
       {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "reward" "container" "ray-worker" "resources" $v.reward.resources "gpus" 0 "ports" $ports "env" (list) "scheduling" $v.reward "grace" 0) | nindent 6 }}
+{{- if include "vcpo-rl.dedicatedEvaluator" . }}
+  - groupName: evaluator
+    replicas: 1
+    minReplicas: 1
+    maxReplicas: 1
+    rayStartParams: {}
+    resources:
+      vcpo_evaluator: "1"
+    template:
+      {{- $ev := $v.evaluation.evaluator -}}
+      {{- $scheduling := dict "nodeSelector" (default $v.sampler.nodeSelector $ev.nodeSelector) "tolerations" (default $v.sampler.tolerations $ev.tolerations) "affinity" (default $v.sampler.affinity $ev.affinity) }}
+      {{- $ports := list (dict "name" "vcpo-metrics" "containerPort" (int $p.evaluatorMetrics)) }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "evaluator" "container" "ray-worker" "resources" (default $v.sampler.resources $ev.resources) "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $scheduling "grace" 0) | nindent 6 }}
+{{- end }}
 {{- end -}}
 
+
+{{/*
+"true" when the run has a dedicated evaluator: evaluation.placement = dedicated and sets in the run file
+(from evaluation.sets or extraConfig, so read back from the merged file).
+*/}}
+{{- define "vcpo-rl.dedicatedEvaluator" -}}
+{{- $ev := (include "vcpo-rl.runToml" . | fromToml).evaluation -}}
+{{- if and $ev.sets (eq $ev.placement "dedicated") -}}true{{- end -}}
+{{- end -}}
 
 {{/* What the RayJob runs: the launcher, against the cluster it runs in (deploy/launch.py). */}}
 {{- define "vcpo-rl.entrypoint" -}}
