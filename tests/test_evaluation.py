@@ -66,6 +66,19 @@ def test_the_schedule_gives_each_bucket_of_versions_to_one_evaluator(redis_clien
         EvalSchedule({"s": 0}, True)
 
 
+def test_the_schedule_wants_only_versions_some_set_may_still_be_due_at(redis_client: redis.Redis) -> None:
+    a = EvalSchedule({"often": 5, "rarely": 10}, False, redis_client, "w", "evaluator")
+    assert not a.wants(0) and not a.wants(4)  # no at_start: bucket 0 is never due
+    assert a.wants(5) and a.wants(5)  # asking claims nothing
+    assert a.claim(5) == ["often"]
+    assert not a.wants(7) and a.wants(10)  # [5, 10) is done for "often", "rarely" waits for 10
+    assert a.claim(12) == ["often", "rarely"] and not a.wants(14) and a.wants(15)
+    # a restarted evaluator reads the claims made before it: nothing to fetch until the next bucket
+    again = EvalSchedule({"often": 5, "rarely": 10}, False, redis_client, "w", "evaluator")
+    assert not again.wants(13) and again.wants(15) and again.claim(15) == ["often"]
+    assert EvalSchedule({"s": 10}, True, None).wants(0)
+
+
 def test_evaluation_config_is_checked() -> None:
     good = {"sets": [{"name": "gsm8k", "dataset": "data/gsm8k_test.jsonl", "n": 8}]}
     assert EvaluationConfig.model_validate(good).sets[0].n == 8
@@ -440,7 +453,14 @@ def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_
         learner.publish(0)
         thread.start()
         wait_until(lambda: redis_client.llen(key) >= 1, what="the version-0 evaluation")
-        for version in range(1, 8):  # published faster than it evaluates: it skips versions, not buckets
+        follower = service.sync.follower
+        for version in range(1, 5):  # the rest of bucket [0, 5): nothing due, so nothing is fetched
+            learner.publish(version)
+        wait_until(lambda: follower.newest_known == 4, what="the evaluator to see version 4")
+        service.sync.poll_now()
+        wait_until(lambda: follower.declined == 4, what="the evaluator to pass over version 4")
+        assert follower.loaded_version == 0 and service.sync.loader.complete == 0
+        for version in range(5, 8):  # published faster than it evaluates: it skips versions, not buckets
             learner.publish(version)
         wait_until(lambda: redis_client.llen(key) >= 2, what="the evaluation of bucket [5, 10)")
         records = [json.loads(r) for r in redis_client.lrange(key, 0, -1)]

@@ -384,6 +384,34 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     assert "cannot get newer weights" in reason and "UNAVAILABLE" in reason
 
 
+def test_a_follower_with_a_filter_fetches_only_the_versions_it_wants(
+    redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
+) -> None:
+    from services.weight_broker.follower import WeightFollower
+
+    spec = stream_specs(RunConfig(run_id="filter"), StreamsConfig())["weights"]
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "x"))
+    asked: list[int] = []
+
+    def wanted(version: int) -> bool:
+        asked.append(version)
+        return version % 3 == 0
+
+    loader = StagingLoader()
+    follower = WeightFollower(b.client(), loader, StreamTail(redis_client, spec), wanted=wanted)
+    try:
+        for version in range(5):
+            b.client().publish(version, specs_of(state_dict), source(state_dict))
+            follower.poll()
+            follower.poll()  # a refused version is asked about once
+        assert [e for e in loader.events if e[0] == "begin"] == [("begin", 0), ("begin", 3)]
+        assert follower.loaded_version == 3 and follower.newest_known == 4
+        assert asked == [0, 1, 2, 3, 4] and follower.declined == 4 and follower.declined_total == 3
+        assert not follower.last_error
+    finally:
+        b.stop()
+
+
 def test_generated_stub_clients_interoperate(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
     """A plain protobuf client (any language) publishes and fetches through the hand-encoded chunk path."""
     stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))

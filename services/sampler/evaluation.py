@@ -17,8 +17,8 @@ Where it runs (``[evaluation] placement``):
   ``max_delay_s``: past that the round is abandoned (counted) and the newer version is loaded, so evaluation
   never delays training beyond that budget. Scoring runs on a thread and holds nothing back.
 - **dedicated** (:class:`EvalRunner`): an engine of its own follows the published versions and loads only the
-  due ones; training never waits for it. (It fetches every version it is told of, as a sampler does, and
-  loads the due ones only.)
+  due ones; training never waits for it. It fetches only versions some set may be due at
+  (:meth:`EvalSchedule.wants`), so between rounds the broker sends it nothing.
 - **the eval command** (``deploy/eval.py``): one round on a saved model, with no schedule.
 
 Evaluation requests never become groups: nothing of them reaches the `rollouts` stream, the reward service
@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,18 +169,30 @@ class EvalSchedule:
         self.client, self.run_id, self.owner = client, run_id, owner
         self._decided: set[tuple[str, int]] = set()  # (set, bucket) claimed or seen claimed by this process
 
+    def _open(self, version: int) -> Iterator[tuple[str, int, str]]:
+        """(set, bucket, claim key) of the sets whose bucket at ``version`` this process has not decided."""
+        for name, every in self.every.items():
+            bucket = version // every
+            if (name, bucket) not in self._decided and (bucket >= 1 or (version == 0 and self.at_start)):
+                yield name, bucket, f"vcpo:{self.run_id}:eval:claim:{name}:{bucket}"
+
     def claim(self, version: int) -> list[str]:
         """The sets to evaluate at ``version`` here (now claimed for it), in the order they were given."""
         due = []
-        for name, every in self.every.items():
-            bucket = version // every
-            if (name, bucket) in self._decided or not (bucket >= 1 or (version == 0 and self.at_start)):
-                continue
+        for name, bucket, key in list(self._open(version)):
             self._decided.add((name, bucket))
-            key = f"vcpo:{self.run_id}:eval:claim:{name}:{bucket}"
             if self.client is None or self.client.set(key, f"{self.owner}@{version}", nx=True):
                 due.append(name)
         return due
+
+    def wants(self, version: int) -> bool:
+        """Whether ``version`` may still be due for some set (claims nothing): the dedicated evaluator fetches
+        only such versions. Once False for a version it stays False (buckets are only ever claimed)."""
+        for name, bucket, key in list(self._open(version)):
+            if self.client is None or not self.client.exists(key):
+                return True
+            self._decided.add((name, bucket))  # claimed before (e.g. by this evaluator before a restart)
+        return False
 
 
 # --------------------------------------------------------------------------------------- metrics
@@ -530,7 +542,9 @@ class EvalRunner:
             raise ValueError("the dedicated evaluator needs a schedule")
         self.engine, self.sync, self.evaluator = engine, sync, evaluator
         self.evaluated: list[int] = []
-        self.first_version: int | None = None  # the first version it had in hand (the launcher waits for it)
+        # the first version it had in hand or passed over as not due: it follows the versions (the launcher
+        # waits for this before the samplers start, so version 0 is not missed)
+        self.first_version: int | None = None
 
     def run(self, stop: threading.Event) -> None:
         schedule = self.evaluator.schedule
@@ -539,8 +553,8 @@ class EvalRunner:
         try:
             while not stop.is_set():
                 version = self.sync.ready()
-                if self.first_version is None and version is not None:
-                    self.first_version = version
+                if self.first_version is None:
+                    self.first_version = version if version is not None else self.sync.follower.declined
                 due = schedule.claim(version) if version is not None else []
                 if version is not None and due:
                     try:

@@ -1,7 +1,7 @@
 """The dedicated evaluator (``[evaluation] placement = "dedicated"``): an engine of its own that follows the
 published versions and evaluates the due ones, so evaluation takes nothing from the samplers.
 
-    weight broker ─► WeightSync (fetches in the background) ─► EvalRunner: due version? load it, one round
+    weight broker ─► WeightSync (fetches due versions only) ─► EvalRunner: load it, one round
                                                                 └─► results: Redis, vcpo_eval_* on its /metrics
 
 Run by the launcher as a Ray actor (``ray_actor.EvaluatorActor``, ``evaluation.gpus`` GPUs); its metrics
@@ -48,7 +48,10 @@ class EvaluatorService:
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         specs = stream_specs(run, cfg.streams)
         tail = StreamTail(client, specs["weights"], metrics=StreamMetrics(self.registry))
-        self.sync = WeightSync(self.engine, self.transport, tail, s.weight_poll_interval_s)
+        # only versions some set may be due at are fetched: between evaluations the broker sends it nothing
+        schedule = self.evaluator.schedule
+        assert schedule is not None
+        self.sync = WeightSync(self.engine, self.transport, tail, s.weight_poll_interval_s, schedule.wants)
         self.runner = EvalRunner(self.engine, self.sync, self.evaluator)
         self.http = serve_metrics(self.registry, port=cfg.evaluation.metrics_port)
         write_endpoints(run.run_dir / NAME, NAME, 0, self.http.url)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from services.common.admission import Admission
 from services.common.streams import StreamTail
@@ -54,10 +55,11 @@ class WeightSync:
         transport: WeightTransport,
         announcements: StreamTail[weights_pb2.WeightAnnouncement] | None,
         poll_interval_s: float = 0.2,
+        wanted: Callable[[int], bool] | None = None,
     ) -> None:
         self.engine, self.poll_interval_s = engine, poll_interval_s
         self.loader = _StagingLoader(engine)
-        self.follower = WeightFollower(transport, self.loader, announcements)
+        self.follower = WeightFollower(transport, self.loader, announcements, wanted=wanted)
         self.error = ""  # why the last fetch or apply failed ("" after a success)
         self._stop = threading.Event()
         self._wake = threading.Event()

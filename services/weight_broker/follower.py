@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from services.common.admission import Admission
@@ -43,9 +44,15 @@ class WeightFollower:
         loader: VersionLoader,
         announcements: StreamTail[weights_pb2.WeightAnnouncement] | None = None,
         loaded_version: int | None = None,
+        wanted: Callable[[int], bool] | None = None,
     ) -> None:
         self.transport, self.loader, self.announcements = transport, loader, announcements
         self.loaded_version = loaded_version
+        self.wanted = (
+            wanted  # None: every newer version; else only those it accepts (the evaluator's due ones)
+        )
+        self.declined: int | None = None  # the newest version `wanted` refused (not fetched)
+        self.declined_total = 0
         self.newest_known: int | None = loaded_version
         self.last_error = ""
         self.unreachable_since: float | None = None
@@ -58,6 +65,12 @@ class WeightFollower:
             self._failed(str(exc))
             return False
         if newest is None or (self.loaded_version is not None and newest <= self.loaded_version):
+            self._ok()
+            return False
+        if self.wanted is not None and (newest == self.declined or not self.wanted(newest)):
+            if newest != self.declined:
+                self.declined, self.declined_total = newest, self.declined_total + 1
+                log.debug("version %d is not wanted: not fetched", newest)
             self._ok()
             return False
         sink = self.loader.begin(newest)
