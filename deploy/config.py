@@ -68,6 +68,13 @@ class SystemConfig(ServiceConfig):
             )
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
+        names = [e.name for e in s.environments]
+        for spec in ev.sets:
+            if spec.environment and spec.environment not in names:
+                raise ValueError(
+                    f"evaluation set {spec.name!r}: environment {spec.environment!r} is not one of "
+                    f"[[sampler.environments]] ({', '.join(names) or 'none'}): its episodes need it registered"
+                )
         if (
             ev.sets
             and ev.placement == "dedicated"

@@ -70,10 +70,12 @@ def resolve_target(
 
 def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]) -> list[dict[str, Any]]:
     """One round of every selected set on ``model``; the records (``kind: eval``, ``where: command``)."""
+    from services.common.redis_server import LocalRedis
     from services.reward.pool import ScoringPool
+    from services.sampler.agent import AgentLoop
     from services.sampler.evaluation import Evaluator, load_eval_sets
     from services.sampler.evaluator_service import ENGINE_SEED_OFFSET
-    from services.sampler.service import make_engine
+    from services.sampler.service import environment_registry, make_engine
     from services.sampler.tasks import PromptEncoder
 
     scfg = section(cfg, SamplerServiceConfig)
@@ -89,14 +91,21 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
     s = scfg.sampler
     engine = make_engine(scfg, ENGINE_SEED_OFFSET, model=model)
     pool = ScoringPool.from_config(scfg.reward)
+    redis_server = None
+    environments = None
     try:
         encoder = PromptEncoder(engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
         eval_sets = load_eval_sets(scfg, encoder)
+        agent = None
+        if any(e.environment for e in eval_sets):  # episodes: the run file's environments, registered in a
+            redis_server = LocalRedis()  # Redis of the command's own (the run's may be gone)
+            environments = environment_registry(scfg, redis_server.client(), "eval")
+            agent = AgentLoop(engine, environments, encoder, threads=s.env_threads)
         label = 0 if version is None else version
         engine.loaded_version = label  # the engine serves the weights it was built from
         evaluator = Evaluator(  # no recorder: the records below, with the version and per-task figures
             engine, eval_sets, pool.score_many, encoder=encoder,
-            max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256),
+            max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256), agent=agent,
         )  # fmt: skip
         t0 = time.monotonic()
 
@@ -117,10 +126,15 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
                 for task, rewards in zip(es.tasks, r.per_task, strict=True)
             }
             records.append(rec)
+        evaluator.close()
         return records
     finally:
         pool.close()
         engine.close()
+        if environments is not None:
+            environments.close()
+        if redis_server is not None:
+            redis_server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     what = f"{label} (version {version})" if version is not None else label
     for r in records:
         print(f"{what}: {r['set']} mean@{r['n']} {r['mean_at_n']:.4f} pass@{r['n']} {r['pass_at_n']:.4f} "
-              f"reward {r['reward_mean']:.4f} ({r['tasks']} tasks, {r['failed_scores']} failed scores)")  # fmt: skip
+              f"reward {r['reward_mean']:.4f} ({r['tasks']} tasks, {r['failed_scores']} failed scores"
+              + (f", {r['failed_episodes']} failed episodes)" if r["failed_episodes"] else ")"))  # fmt: skip
     print(f"results: {out}")
     return 0
 

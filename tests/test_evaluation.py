@@ -90,6 +90,11 @@ def test_evaluation_config_is_checked() -> None:
         EvaluationConfig.model_validate({"placement": "elsewhere"})
     cfg = load_config(SystemConfig, overrides=[("evaluation.every", 7, "--set")])
     assert cfg.evaluation.every == 7  # [evaluation] is a known section of a run file
+    with pytest.raises(
+        ConfigError, match=r"environment 'python' is not one of \[\[sampler\.environments\]\]"
+    ):
+        load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[
+            ("evaluation.sets", [{"name": "tir", "dataset": "x.jsonl", "environment": "python"}], "-")])  # fmt: skip
     with pytest.raises(ConfigError, match=r"'evaluation\.sets' is a list"):
         load_config(SystemConfig, ["deploy/presets/local.toml"],
                     overrides=[("evaluation.sets.0.n", 2, "--set evaluation.sets.0.n=2")])  # fmt: skip
@@ -239,6 +244,160 @@ def test_a_newer_version_waits_for_a_generating_round_at_most_max_delay_s() -> N
     assert evaluator.offer(10)  # the next bucket is
     engine.loaded_version = 11  # the engine moved on under a round (a caller that ignored holds())
     assert evaluator.pump() == [] and evaluator.rounds["abandoned"] == 2
+
+
+class Guessing:
+    """An in-process environment: each step is the model's guess at the task's reference; a right guess ends
+    the episode with reward 1, a wrong one is answered "no" until the second, which ends it with 0. A task
+    whose prompt is "c" makes it fail."""
+
+    name = "guess"
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, rollout_pb2.Task] = {}
+        self.steps: dict[str, int] = {}
+        self.closed: list[str] = []
+
+    def reset(self, session_id: str, task: rollout_pb2.Task, timeout_s: float) -> Any:
+        from vcpo.v1 import environment_pb2
+
+        self.tasks[session_id] = task
+        return environment_pb2.ResetResponse()
+
+    def step(self, session_id: str, action: Any, timeout_s: float) -> Any:
+        from services.sampler.environments.base import EnvironmentFailure
+        from vcpo.v1 import environment_pb2
+
+        task = self.tasks[session_id]
+        if task.prompt == "c":
+            raise EnvironmentFailure(self.name, "error", "the guessing game broke")
+        self.steps[session_id] = self.steps.get(session_id, 0) + 1
+        right = action.text == task.reference
+        done = right or self.steps[session_id] >= 2
+        return environment_pb2.StepResponse(
+            observation=environment_pb2.Observation(text="" if done else "no"), reward=float(right), done=done
+        )
+
+    def close(self, session_id: str, timeout_s: float) -> None:
+        self.closed.append(session_id)
+
+    def healthy(self, timeout_s: float) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+class CharEncoder:
+    """The prompt encoder for FakeEngine's one-character tokens."""
+
+    max_model_len = 1000
+
+    class tokenizer:
+        @staticmethod
+        def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) for c in text]
+
+    def encode(self, task: rollout_pb2.Task, tools: Any = None) -> list[int]:
+        return [ord(task.prompt[0])]
+
+    def response_budget(self, prompt_len: int) -> int:
+        return self.max_model_len - prompt_len
+
+
+def guessing_agent(redis_client: redis.Redis, engine: FakeEngine) -> tuple[Any, Guessing]:
+    from services.sampler.agent import AgentLoop
+    from services.sampler.environments.parsers import make_parser
+    from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
+    from vcpo.v1 import registry_pb2
+
+    env = Guessing()
+    registry = EnvironmentRegistry(redis_client, "g", "evaluator", 3, make_env=lambda spec, size: env,
+                                   breaker=lambda: CircuitBreaker(100, 1.0))  # type: ignore[arg-type,return-value]  # fmt: skip
+    registry.register(registry_pb2.EnvironmentSpec(name="guess", endpoint="127.0.0.1:9", tool_parser="turn",
+                                                   max_turns=4, max_concurrency=6))  # fmt: skip
+    assert make_parser("turn").every_turn_is_an_action
+    return AgentLoop(engine, registry, CharEncoder()), env  # type: ignore[arg-type]
+
+
+def episode_set(name: str, answers: dict[str, str], n: int = 3) -> EvalSet:
+    s = fake_set(name, answers, n)
+    for task in s.tasks:
+        task.environment = "guess"
+    s.scorer, s.environment = "", "guess"  # no scorer named: the environment's reward judges
+    return s
+
+
+def by_environment(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
+    return [Outcome(name, item.environment_reward if name == "environment" else float(item.response == item.reference))
+            for name, item in jobs]  # fmt: skip
+
+
+def test_a_set_with_an_environment_runs_each_task_as_episodes_and_scores_them_like_training(
+    redis_client: redis.Redis,
+) -> None:
+    engine = FakeEngine({"a": [ord("7")], "b": [ord("9")], "c": [ord("1")], "d": [ord("4")]})
+    agent, env = guessing_agent(redis_client, engine)
+    sets = [episode_set("game", {"a": "7", "b": "8", "c": "1"}), fake_set("plain", {"d": "4"}, n=2)]
+    seen: list[str] = []
+
+    def score(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
+        seen.extend(name for name, _ in jobs)
+        return by_environment(jobs)
+
+    evaluator = Evaluator(engine, sets, score, agent=agent, max_in_flight=6)  # type: ignore[arg-type]
+    results = evaluator.run(5)
+    evaluator.close()
+    game, plain = results
+    # "a": right at once (1.0); "b": wrong twice (0.0); "c": its environment failed (0, counted)
+    assert game.per_task == [[1.0] * 3, [0.0] * 3, [0.0] * 3] and game.mean_at_n == pytest.approx(1 / 3)
+    assert (game.failed_episodes, game.failed_scores) == (3, 0) and plain.failed_episodes == 0
+    assert plain.per_task == [[1.0, 1.0]]
+    assert seen == ["environment"] * 6 + ["exact_match"] * 2  # the failed task's samples are not scored
+    episodes = evaluator.last.responses  # type: ignore[union-attr]
+    wrong = episodes[(0, 1, 0)]
+    assert engine.decode(wrong.tokens) == "9\nno\n9" and wrong.turns == 2  # its turns and the observation
+    assert wrong.mask == [True, False, False, False, False, True]  # the observation is masked out
+    assert all(r.startswith(REQUEST_PREFIX) for r in engine.added)  # routed to the evaluator, never a group
+    assert sorted(env.closed) == sorted(
+        f"{REQUEST_PREFIX}1/v5/game/{t}/{k}" for t in range(3) for k in range(3)
+    )
+    assert engine.most_at_once <= 6
+
+
+def test_an_abandoned_round_stops_its_episodes_and_closes_their_sessions(redis_client: redis.Redis) -> None:
+    engine = FakeEngine({"a": [ord("7")] * 40})
+    agent, env = guessing_agent(redis_client, engine)
+    evaluator = Evaluator(engine, [episode_set("game", {"a": "7"}, n=2)], by_environment, agent=agent,
+                          max_delay_s=0.1)  # type: ignore[arg-type]  # fmt: skip
+    evaluator.begin(5)
+    deadline = time.monotonic() + 10
+    while not engine.active and time.monotonic() < deadline:  # resets come back, the first turns start
+        evaluator.pump()
+        time.sleep(0.01)
+    assert len(engine.active) == 2
+    for delta in engine.step():
+        evaluator.absorb(delta)
+    assert evaluator.holds()
+    time.sleep(0.15)
+    assert not evaluator.holds() and evaluator.rounds["abandoned"] == 1
+    assert not engine.active and sorted(engine.aborted) == sorted(engine.added)
+    deadline = time.monotonic() + 10
+    while len(env.closed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(env.closed) == 2 and not agent.groups
+    evaluator.close()
+
+
+def test_an_environment_set_needs_its_environment_and_room_for_its_n_episodes(
+    redis_client: redis.Redis,
+) -> None:
+    engine = FakeEngine({})
+    agent, _ = guessing_agent(redis_client, engine)
+    with pytest.raises(ValueError, match=r"environment 'guess' is not registered"):
+        Evaluator(engine, [episode_set("game", {"a": "7"})], by_environment)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"n = 7 exceeds environment 'guess''s max_concurrency = 6"):
+        Evaluator(engine, [episode_set("game", {"a": "7"}, n=7)], by_environment, agent=agent)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------ the metrics log

@@ -433,6 +433,8 @@ def test_environments_are_registered_from_values(tmp_path: Path) -> None:
     assert calc.endpoint == "r-vcpo-rl-env-calculator.rl.svc:50070"
     assert (calc.tool_parser, calc.max_concurrency, calc.step_timeout_seconds) == ("json", 64, 10.0)
     assert cfg.sampler.dataset_environment == "python" and cfg.learner.rho_base == 0.55
+    (held_out,) = cfg.evaluation.sets  # evaluated as episodes of the same interpreter
+    assert (held_out.name, held_out.environment, held_out.n) == ("math500-tir", "python", 4)
     server = one(docs, "Deployment", "env-calculator")["spec"]["template"]["spec"]["containers"][0]
     assert server["command"][1] == "/opt/vcpo/examples/calculator_env.py"
     assert (ROOT / "examples" / "calculator_env.py").exists()
@@ -611,6 +613,8 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["learner.ranks=4", "learner.ranksPerPod=4", "run.groupsPerStep=2"], "run.groupsPerStep = 2"),
         (["reward.minReplicas=3", "reward.maxReplicas=2"], "reward.maxReplicas = 2"),
         (["datasetEnvironment=nope"], 'datasetEnvironment = "nope"'),
+        (["evaluation.sets[0].name=a", "evaluation.sets[0].dataset=x.jsonl", "evaluation.sets[0].environment=nope"],
+         'evaluation set "a": environment "nope" is not one of the environments'),
         (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),

@@ -268,3 +268,112 @@ def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
         env.wait(10)
         if env.stdout is not None:
             env.stdout.close()
+
+
+def test_held_out_episodes_run_beside_training_and_never_become_groups(
+    make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess], tmp_path: Path
+) -> None:
+    """An evaluation set with an environment (shared placement): each held-out task's samples are episodes
+    in the sampler's engine, with exact log-probs and masked observations; nothing reaches `rollouts`."""
+    from services.common.clock import eval_results_key
+
+    env = env_process("normal", steps=2)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"Play held-out round {i}.", "answer": ""}) + "\n"
+                            for i in range(2)))  # fmt: skip
+    game = {"name": "game", "endpoint": env.endpoint, "tool_parser": "turn", "max_turns": 4,
+            "scorer": "environment", "step_timeout_seconds": 10}  # fmt: skip
+    evaluation = {"every": 100, "sets": [{"name": "game-held", "dataset": str(held), "environment": "game",
+                                          "n": 2, "temperature": 1.0, "top_p": 1.0}]}  # fmt: skip
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=12, environments=[game],
+                       evaluation=evaluation)  # fmt: skip
+    key = eval_results_key("t")
+    stack.learner.publish(0)
+    stack.start()
+    records = wait_until(lambda: stack.client.lrange(key, 0, -1), what="the version-0 evaluation")
+    stack.stop.set()
+    stack.thread.join(timeout=30)
+    record = json.loads(records[0])
+    assert (record["set"], record["version"], record["tasks"], record["n"], record["where"]) == (
+        "game-held", 0, 2, 2, "shared")  # fmt: skip
+    # the environment ends every episode at its 2nd step with reward 1.0: scored by it, as training would be
+    assert (record["mean_at_n"], record["failed_episodes"], record["failed_scores"]) == (1.0, 0, 0)
+
+    evaluator = stack.service.evaluator
+    assert evaluator is not None and evaluator.last is not None
+    model = hf_model(stack.model_dir, version_weights(stack.model_dir, 0))
+    tokenizer = stack.service.engine.tokenizer
+    parser = make_parser("turn")
+    calls = env.calls()
+    sessions = {c["session_id"] for c in calls}
+    assert len(sessions) == 4 and all(s.startswith("eval/") for s in sessions)  # 2 tasks x n = 2
+    for (_, ti, k), response in evaluator.last.responses.items():
+        session = next(s for s in sessions if s.endswith(f"/{ti}/{k}"))
+        steps = [c for c in calls if c["session_id"] == session and c["method"] == "step"]
+        assert [c["method"] for c in calls if c["session_id"] == session] == [
+            "reset",
+            "step",
+            "step",
+            "close",
+        ]
+        assert response.turns == 2 and response.environment_reward == 1.0
+        tokens, mask = response.tokens, response.mask
+        first = mask.index(False)
+        obs_end = mask.index(True, first)
+        observation = parser.format_observation(steps[0]["observation"])
+        assert tokens[first:obs_end] == tokenizer.encode(observation, add_special_tokens=False)
+        assert steps[1]["action"] == tokenizer.decode(tokens[obs_end:], skip_special_tokens=True)
+        prompt = evaluator.sets[0].prompts[ti]
+        expected = full_logprobs(model, prompt, tokens)
+        generated = [j for j, m in enumerate(mask) if m]
+        assert max_abs_diff([response.logprobs[j] for j in generated],
+                            [expected[j] for j in generated]) <= 1e-3  # fmt: skip
+    assert stack.client.xlen(stack.specs["rollouts"].key) == 0 and stack.service.sampler.emitted == 0
+
+
+def test_the_eval_command_runs_environment_sets_with_a_registry_of_its_own(
+    vllm_engine: Any, tiny_model_dir: Path, env_process: Callable[..., EnvProcess], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`deploy.eval` on a set with an environment: no run Redis needed (it starts its own for the registry)."""
+    import services.sampler.service as service
+    from deploy.eval import main
+
+    env = env_process("normal", steps=2)
+    held = tmp_path / "held.jsonl"
+    held.write_text(
+        "".join(json.dumps({"prompt": f"Play round {i}.", "answer": ""}) + "\n" for i in range(3))
+    )
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f"""
+[run]
+model = "{tiny_model_dir}"
+run_dir = "{tmp_path / "run"}"
+[sampler]
+max_model_len = 256
+max_tokens = 12
+[[sampler.environments]]
+name = "game"
+endpoint = "{env.endpoint}"
+tool_parser = "turn"
+max_turns = 4
+step_timeout_seconds = 10
+[[evaluation.sets]]
+name = "game-held"
+dataset = "{held}"
+environment = "game"
+n = 2
+""")
+    # the session's engine stands in for the one the command would build (and must not be closed)
+    monkeypatch.setattr(service, "make_engine", lambda cfg, replica, model="": vllm_engine)
+    monkeypatch.setattr(vllm_engine, "close", lambda: None)
+    out = tmp_path / "result.json"
+    assert main(["--config", str(run_file), "--model", str(tiny_model_dir), "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["sets"]
+    assert (record["set"], record["tasks"], record["n"], record["where"]) == ("game-held", 3, 2, "command")
+    # no scorer named anywhere: the environment's reward (1.0 at its 2nd step) scores each episode
+    assert (record["mean_at_n"], record["failed_episodes"], record["failed_scores"]) == (1.0, 0, 0)
+    calls = env.calls()
+    sessions = {c["session_id"] for c in calls}
+    assert len(sessions) == 3 * 2 and all(s.startswith("eval/") for s in sessions)
+    assert sorted(c["method"] for c in calls).count("close") == 6  # every session closed

@@ -139,7 +139,14 @@ class EvalSetConfig(Section):
     prompt_field: str = Field("", description="Column holding the prompt; empty: sampler.prompt_field.")
     answer_field: str = Field("", description="Column holding the answer; empty: sampler.answer_field.")
     scorer: str = Field(
-        "", description="Scorer of its responses; empty: a task's own, else reward.default_scorer."
+        "",
+        description="Scorer of its responses; empty: a task's own, else its environment's, else 'environment' "
+        "for an episode the environment rewarded, else reward.default_scorer.",
+    )
+    environment: str = Field(
+        "",
+        description="Run each task as a multi-turn episode of this environment (one of sampler.environments), "
+        "as training runs its tasks; empty: single-turn.",
     )
     n: int = Field(4, ge=1, description="Samples per task: mean@n and pass@n are over these.")
     temperature: float = Field(0.8, ge=0, description="Sampling temperature (0: greedy).")

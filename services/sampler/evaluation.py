@@ -5,6 +5,8 @@
         │                   (a Redis SET NX)
     Evaluator.begin(v, due) ─► n requests per task with the set's own sampling, at most max_in_flight in the engine
         engine.step() ─► Evaluator.absorb(delta) ─► each response's tokens and log-probs
+        a set with an environment: each task's n samples are one group of episodes in an AgentLoop of the
+        evaluator's own (training's agent loop: turns, tool calls, masked observations, the environment's reward)
     all generated ─► scoring thread: the reward service's ScoringPool and scorers ─► SetResult per set
         ─► EvalRecorder: Redis list vcpo:<run>:eval:results (the launcher writes <run_dir>/metrics.jsonl from
                          it), gauges vcpo_eval_*, a log line
@@ -46,8 +48,11 @@ from services.common.clock import RunClock, eval_results_key
 from services.common.observability import Metrics
 from services.reward.pool import Outcome
 from services.reward.scorers import ScoreInput
+from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
+from services.sampler.groups import Group
+from services.sampler.groups import Response as EpisodeResponse
 from services.sampler.tasks import PromptEncoder, TaskError, load_dataset
 from services.sampler.weights import WeightSync
 from vcpo.v1 import rollout_pb2
@@ -71,18 +76,34 @@ class EvalSet:
     name: str
     tasks: list[rollout_pb2.Task]
     prompts: list[list[int]]
-    scorer: str  # for tasks that name no scorer of their own
+    scorer: str  # for tasks that name no scorer of their own ("": decided per response, see scorer_of)
     n: int
     sampling: Sampling
     correct_at: float = 1.0
+    environment: str = ""  # each task's n samples run as one group of episodes in this environment
+    # reward.default_scorer: for an episode that names no scorer and that its environment gave no reward
+    default_scorer: str = "exact_match"
+
+    def scorer_of(self, task: rollout_pb2.Task, environment_reward: float | None) -> str:
+        """As the reward service picks one for training groups: the task's own, the set's (or its
+        environment's), the environment's reward when it gave one, else reward.default_scorer."""
+        if task.scorer or self.scorer:
+            return task.scorer or self.scorer
+        return "environment" if environment_reward is not None else self.default_scorer
 
 
 def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[EvalSet]:
     """The run's ``[[evaluation.sets]]``, loaded with the training readers and encoded with its chat template.
     A set that cannot be loaded, is empty or holds a task that cannot be sampled is a ValueError naming it."""
     s = cfg.sampler
+    environments = {e.name: e for e in s.environments}
     out = []
     for spec in cfg.evaluation.sets:
+        if spec.environment and spec.environment not in environments:
+            raise ValueError(
+                f"evaluation set {spec.name!r}: environment {spec.environment!r} is not one of "
+                f"[[sampler.environments]] ({', '.join(environments) or 'none'})"
+            )
         prompt_field, answer_field = spec.prompt_field or s.prompt_field, spec.answer_field or s.answer_field
         try:
             tasks = load_dataset(
@@ -99,8 +120,14 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
             temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
             max_tokens=spec.max_tokens or s.max_tokens, stop=tuple(s.stop),
         )  # fmt: skip
-        scorer = spec.scorer or cfg.reward.default_scorer
-        out.append(EvalSet(spec.name, tasks, prompts, scorer, spec.n, sampling, spec.correct_at))
+        if spec.environment:
+            for task in tasks:
+                task.environment = spec.environment
+            scorer = spec.scorer or environments[spec.environment].scorer  # "": per episode
+        else:
+            scorer = spec.scorer or cfg.reward.default_scorer
+        out.append(EvalSet(spec.name, tasks, prompts, scorer, spec.n, sampling, spec.correct_at,
+                           spec.environment, cfg.reward.default_scorer))  # fmt: skip
     return out
 
 
@@ -130,6 +157,7 @@ class SetResult:
     eval_seconds: float
     tokens: int
     per_task: list[list[float]] = field(default_factory=list, repr=False)  # rewards, task by task
+    failed_episodes: int = 0  # samples whose environment failed (scored 0; environment sets only)
 
     def record(
         self, where: str, replica: str, train_seconds: float | None, gpu_hours: float | None
@@ -140,7 +168,7 @@ class SetResult:
             "mean_at_n": self.mean_at_n, "pass_at_n": self.pass_at_n, "reward_mean": self.reward_mean,
             "train_seconds": train_seconds, "gpu_hours": gpu_hours, "time": time.time(),
             "eval_seconds": self.eval_seconds, "tokens": self.tokens, "failed_scores": self.failed_scores,
-            "where": where, "replica": replica,
+            "failed_episodes": self.failed_episodes, "where": where, "replica": replica,
         }  # fmt: skip
 
 
@@ -223,6 +251,11 @@ class EvalMetrics:
             "Evaluation responses whose scorer failed (scored as failures)",
             s,
         )
+        self.failed_episodes = metrics.counter(
+            "vcpo_eval_failed_episodes_total",
+            "Evaluation samples whose environment failed or timed out (scored 0; environment sets)",
+            s,
+        )
         self.round_seconds = metrics.histogram(
             "vcpo_eval_round_seconds", "Time of an evaluation round, generation and scoring",
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
@@ -263,6 +296,7 @@ class EvalRecorder:
                 if gpu_hours is not None:
                     m.gpu_hours.labels(r.set).set(gpu_hours)
                 m.failed_scores.labels(r.set).inc(r.failed_scores)
+                m.failed_episodes.labels(r.set).inc(r.failed_episodes)
             log.info(
                 "evaluation at version %d: %s mean@%d %.3f pass@%d %.3f (%d tasks, %.1fs)", r.version, r.set,
                 r.n, r.mean_at_n, r.n, r.pass_at_n, r.tasks, r.eval_seconds,
@@ -289,17 +323,32 @@ class _Request:
 
 
 @dataclass
+class _Episodes:
+    """One task of an environment set: its n samples as one group of episodes, run by the agent loop."""
+
+    key: tuple[int, int]  # (set index, task index)
+    group: Group
+
+
+@dataclass
 class EvalRound:
     version: int
-    pending: deque[_Request]
+    pending: deque[_Request | _Episodes]
     sets: list[int]  # indices of the evaluator's sets in this round
     started: float = field(default_factory=time.monotonic)
     in_flight: dict[str, _Request] = field(default_factory=dict)
-    responses: dict[tuple[int, int, int], Response] = field(default_factory=dict)
+    episodes: dict[str, _Episodes] = field(default_factory=dict)  # group id -> a task's episodes under way
+    responses: dict[tuple[int, int, int], Response | EpisodeResponse] = field(default_factory=dict)
+    failed: dict[tuple[int, int], str] = field(default_factory=dict)  # tasks whose environment failed: why
 
     @property
     def generated(self) -> bool:
-        return not self.pending and not self.in_flight
+        return not self.pending and not self.in_flight and not self.episodes
+
+    def outstanding(self) -> int:
+        """Samples not generated yet (an episode group counts its n)."""
+        pending = sum(x.group.n if isinstance(x, _Episodes) else 1 for x in self.pending)
+        return pending + len(self.in_flight) + sum(e.group.n for e in self.episodes.values())
 
 
 class Evaluator:
@@ -317,9 +366,24 @@ class Evaluator:
         max_in_flight: int = 64,
         max_delay_s: float = 30.0,
         metrics: EvalMetrics | None = None,
+        agent: AgentLoop | None = None,
     ) -> None:
         if not sets:
             raise ValueError("an evaluator needs at least one evaluation set")
+        for s in sets:
+            if not s.environment:
+                continue
+            handle = agent.registry.get(s.environment) if agent is not None else None
+            if handle is None:
+                raise ValueError(
+                    f"evaluation set {s.name!r}: environment {s.environment!r} is not registered"
+                )
+            if s.n > handle.spec.max_concurrency:
+                raise ValueError(
+                    f"evaluation set {s.name!r}: n = {s.n} exceeds environment {s.environment!r}'s "
+                    f"max_concurrency = {handle.spec.max_concurrency} (a task's n episodes run at once)"
+                )
+        self.agent = agent  # runs the episodes of environment sets (its own: closed with the evaluator)
         self.engine, self.sets, self.score_many = engine, sets, score_many
         self.recorder, self.schedule, self.encoder = recorder, schedule, encoder
         self.max_in_flight, self.max_delay_s, self.metrics = max_in_flight, max_delay_s, metrics
@@ -365,7 +429,8 @@ class Evaluator:
             raise RuntimeError(f"the engine serves version {self.engine.loaded_version}, not {version}")
         chosen = [i for i, s in enumerate(self.sets) if names is None or s.name in names]
         self._serial += 1
-        pending: deque[_Request] = deque()
+        pending: deque[_Request | _Episodes] = deque()
+        responses: dict[tuple[int, int, int], Response | EpisodeResponse] = {}
         for si in chosen:
             s = self.sets[si]
             for ti, prompt in enumerate(s.prompts):
@@ -374,24 +439,55 @@ class Evaluator:
                     budget = self.encoder.response_budget(len(prompt))
                     if budget < sampling.max_tokens:
                         sampling = dataclasses.replace(sampling, max_tokens=budget)
+                if s.environment:  # the agent loop fills the group's responses in place
+                    group_id = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}"
+                    group = Group(
+                        group_id, s.tasks[ti], list(prompt), version, sampling, s.n, multi_turn=True
+                    )
+                    for k, response in enumerate(group.responses.values()):
+                        responses[(si, ti, k)] = response
+                    pending.append(_Episodes((si, ti), group))
+                    continue
                 for k in range(s.n):
                     rid = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}/{k}"
                     pending.append(_Request(rid, (si, ti, k), prompt, sampling))
-        self.round = EvalRound(version, pending, chosen)
-        log.info("evaluation at version %d: %d requests over %d set(s)", version, len(pending), len(chosen))
+        self.round = EvalRound(version, pending, chosen, responses=responses)
+        log.info("evaluation at version %d: %d samples over %d set(s)", version, self.round.outstanding(),
+                 len(chosen))  # fmt: skip
         self._top_up()
 
     def _top_up(self) -> None:
         r = self.round
         assert r is not None
-        while r.pending and len(r.in_flight) < self.max_in_flight:
-            req = r.pending.popleft()
-            self.engine.add(req.request_id, req.prompt, req.sampling)
-            r.in_flight[req.request_id] = req
-            r.responses[req.key] = Response()
+        while (
+            r.pending and len(r.in_flight) + sum(e.group.n for e in r.episodes.values()) < self.max_in_flight
+        ):
+            item = r.pending[0]
+            if isinstance(item, _Episodes):
+                assert self.agent is not None
+                handle = self.agent.registry.get(item.group.task.environment)
+                if handle is None:
+                    r.pending.popleft()
+                    r.failed[item.key] = f"environment {item.group.task.environment!r} is not registered"
+                    continue
+                if not handle.can_start(item.group.n):  # its sessions are taken or its breaker is open
+                    break
+                r.pending.popleft()
+                self.agent.start(item.group, handle)
+                r.episodes[item.group.group_id] = item
+                continue
+            r.pending.popleft()
+            self.engine.add(item.request_id, item.prompt, item.sampling)
+            r.in_flight[item.request_id] = item
+            r.responses[item.key] = Response()
 
     def absorb(self, delta: TokenDelta) -> None:
         r = self.round
+        if r is not None and self.agent is not None and self.agent.owns(delta.request_id):
+            self.agent.absorb(delta, r.version)  # a turn of an episode
+            if self.metrics is not None:
+                self.metrics.tokens.inc(len(delta.token_ids))
+            return
         req = r.in_flight.get(delta.request_id) if r is not None else None
         if r is None or req is None:
             return  # a request of an abandoned round
@@ -407,6 +503,8 @@ class Evaluator:
     def pump(self) -> list[SetResult]:
         """Keep the round's requests flowing; hand a generated round to scoring; record scored results."""
         r = self.round
+        if r is not None and r.episodes:
+            self._collect_episodes(r)
         if r is not None:
             if self.engine.loaded_version != r.version:  # cannot happen while callers honour holds()
                 self.abandon(f"the engine moved to version {self.engine.loaded_version}")
@@ -431,6 +529,19 @@ class Evaluator:
                 self.recorder.record(results)
             return results
         return []
+
+    def _collect_episodes(self, r: EvalRound) -> None:
+        """Environment answers in; groups whose episodes all ended (or whose environment failed) out."""
+        assert self.agent is not None
+        finished, failed = self.agent.poll()
+        for group in finished:
+            r.episodes.pop(group.group_id, None)
+        for group, why in failed:
+            item = r.episodes.pop(group.group_id, None)
+            if item is not None:
+                r.failed[item.key] = why
+                log.warning("evaluation at version %d: task %s failed in its environment: %s", r.version,
+                            group.task.task_id, why)  # fmt: skip
 
     def holds(self) -> bool:
         """Whether a newer version that is ready must wait (shared mode): while a round is generating, for at
@@ -458,6 +569,9 @@ class Evaluator:
         if r is None:
             return
         self.engine.abort(list(r.in_flight))
+        if self.agent is not None:
+            for item in r.episodes.values():
+                self.agent.abort(item.group)  # its turns stop, its sessions close
         self.round, self._hold_since = None, None
         self._count(outcome)
         log.warning("evaluation at version %d %s: %s", r.version, outcome, why)
@@ -471,15 +585,18 @@ class Evaluator:
         jobs: list[tuple[str, ScoreInput]] = []
         keys: list[tuple[int, int, int]] = []
         for key, response in sorted(r.responses.items()):
+            if key[:2] in r.failed:  # its environment failed: scored 0, counted
+                continue
             s = self.sets[key[0]]
             task = s.tasks[key[1]]
+            env_reward = response.environment_reward if isinstance(response, EpisodeResponse) else None
             item = ScoreInput(
                 response=self.engine.decode(response.tokens), reference=task.reference, task_id=task.task_id,
-                metadata=dict(task.metadata), payload_json=task.payload_json,
+                metadata=dict(task.metadata), payload_json=task.payload_json, environment_reward=env_reward,
             )  # fmt: skip
-            jobs.append((task.scorer or s.scorer, item))
+            jobs.append((s.scorer_of(task, env_reward), item))
             keys.append(key)
-        outcomes = self.score_many(jobs)
+        outcomes = self.score_many(jobs) if jobs else []
         seconds = time.monotonic() - r.started
         results = []
         for si in r.sets:
@@ -492,8 +609,9 @@ class Evaluator:
                     failed += outcome.failed
             mean_at_n, pass_at_n, reward_mean = accuracy(rewards, s.correct_at)
             tokens = sum(len(v.tokens) for k, v in r.responses.items() if k[0] == si)
+            failed_episodes = s.n * sum(1 for key in r.failed if key[0] == si)
             results.append(SetResult(s.name, r.version, s.n, len(s.tasks), mean_at_n, pass_at_n, reward_mean,
-                                     failed, seconds, tokens, rewards))  # fmt: skip
+                                     failed, seconds, tokens, rewards, failed_episodes))  # fmt: skip
         return results
 
     # ------------------------------------------------------------------ standalone
@@ -509,13 +627,13 @@ class Evaluator:
         ``progress(done, total)`` responses is called every ``progress_every_s`` while it generates."""
         self.begin(version, names)
         assert self.round is not None
-        total, last = len(self.round.pending), time.monotonic()
+        total, last = self.round.outstanding(), time.monotonic()
         results: list[SetResult] = []
         while self.busy:
             r = self.round
             if progress is not None and r is not None and time.monotonic() - last >= progress_every_s:
                 last = time.monotonic()
-                progress(total - len(r.pending) - len(r.in_flight), total)
+                progress(total - r.outstanding(), total)
             if stop is not None and stop.is_set():
                 self.abandon("stopped", outcome="shutdown")
                 return []
@@ -529,6 +647,8 @@ class Evaluator:
 
     def close(self) -> None:
         self.abandon("the service is stopping", outcome="shutdown")
+        if self.agent is not None:
+            self.agent.close()
         self._executor.shutdown(wait=True)
         if self._scoring is not None:  # scored before the stop: still recorded
             self.pump()

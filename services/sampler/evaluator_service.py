@@ -19,7 +19,7 @@ from services.common.streams import StreamMetrics, StreamTail, connect, stream_s
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.evaluation import EvalRunner
-from services.sampler.service import make_engine, make_evaluator
+from services.sampler.service import environment_registry, make_engine, make_evaluator
 from services.sampler.tasks import PromptEncoder
 from services.sampler.weights import WeightSync
 from services.weight_broker.client import transport_from_config
@@ -43,8 +43,13 @@ class EvaluatorService:
         self._owns_engine = engine is None
         self.engine = engine or make_engine(cfg, ENGINE_SEED_OFFSET)
         encoder = PromptEncoder(self.engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
+        self.environments = (  # for sets that run episodes of an environment
+            environment_registry(cfg, client, NAME)
+            if any(s.environment for s in cfg.evaluation.sets)
+            else None
+        )
         self.evaluator, self.pool = make_evaluator(cfg, self.engine, encoder, self.registry, client, NAME,
-                                                   "dedicated")  # fmt: skip
+                                                   "dedicated", self.environments)  # fmt: skip
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         specs = stream_specs(run, cfg.streams)
         tail = StreamTail(client, specs["weights"], metrics=StreamMetrics(self.registry))
@@ -65,6 +70,8 @@ class EvaluatorService:
     def close(self) -> None:
         self.http.close()
         self.pool.close()
+        if self.environments is not None:
+            self.environments.close()
         self.transport.close()
         if self._owns_engine:
             self.engine.close()

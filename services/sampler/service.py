@@ -64,19 +64,40 @@ def make_evaluator(
     client: redis.Redis,
     owner: str,
     where: str,
+    environments: EnvironmentRegistry | None = None,
 ) -> tuple[Evaluator, ScoringPool]:
-    """The run's evaluator in ``engine``: its sets, schedule, scorers and recorder."""
+    """The run's evaluator in ``engine``: its sets, schedule, scorers and recorder, and for sets that name an
+    environment an agent loop of its own over ``environments`` (the caller's registry: the sampler's when it
+    shares its engine)."""
     ev, run = cfg.evaluation, cfg.run
     sets = load_eval_sets(cfg, encoder)
+    agent = None
+    if any(s.environment for s in sets):
+        if environments is None:
+            raise ValueError("evaluation sets with an environment need the run's environment registry")
+        agent = AgentLoop(engine, environments, encoder, threads=cfg.sampler.env_threads)
     pool = ScoringPool.from_config(cfg.reward, workers=1)  # the reward service's scorers and settings
     metrics = EvalMetrics(registry)
     evaluator = Evaluator(
         engine, sets, pool.score_many, EvalRecorder(metrics, client, run.run_id, where, owner),
         EvalSchedule({s.name: s.every or ev.every for s in ev.sets}, ev.at_start, client, run.run_id, owner),
         encoder=encoder,
-        max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics,
+        max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics, agent=agent,
     )  # fmt: skip
     return evaluator, pool
+
+
+def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
+    """The run's environment registry as ``owner`` runs it, with the run file's environments registered
+    (idempotent: every replica registers the same)."""
+    s = cfg.sampler
+    registry = EnvironmentRegistry(
+        client, cfg.run.run_id, owner, s.n, max_message_bytes=s.max_request_bytes,
+        breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
+    )  # fmt: skip
+    for env in s.environments:
+        registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
+    return registry
 
 
 class SamplerService:
@@ -97,12 +118,7 @@ class SamplerService:
         self._owns_engine = engine is None
         self.engine = engine or make_engine(cfg, replica)
         encoder = PromptEncoder(self.engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
-        self.environments = EnvironmentRegistry(
-            client, run.run_id, self.replica_id, s.n, max_message_bytes=s.max_request_bytes,
-            breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
-        )  # fmt: skip
-        for env in s.environments:  # the run file's (idempotent: every replica registers the same)
-            self.environments.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
+        self.environments = environment_registry(cfg, client, self.replica_id)
         dataset = None
         if s.dataset:
             tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed)
@@ -128,7 +144,7 @@ class SamplerService:
         self._pool: ScoringPool | None = None
         if cfg.evaluation.sets and cfg.evaluation.placement == "shared":
             self.evaluator, self._pool = make_evaluator(
-                cfg, self.engine, encoder, self.registry, client, self.replica_id, "shared"
+                cfg, self.engine, encoder, self.registry, client, self.replica_id, "shared", self.environments
             )
         sync = WeightSync(
             self.engine, self.transport, StreamTail(client, specs["weights"], metrics=stream_metrics),

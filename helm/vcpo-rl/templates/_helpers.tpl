@@ -154,7 +154,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- with .weight }}{{ $_ := set $e "weight" (float64 .) }}{{ end -}}
 {{- $envs = append $envs $e -}}
 {{- end -}}
-{{- $setKeys := dict "name" "name" "dataset" "dataset" "split" "split" "promptField" "prompt_field" "answerField" "answer_field" "scorer" "scorer" "samples" "n" "temperature" "temperature" "topP" "top_p" "maxTokens" "max_tokens" "limit" "limit" "every" "every" "correctAt" "correct_at" -}}
+{{- $setKeys := dict "name" "name" "dataset" "dataset" "split" "split" "promptField" "prompt_field" "answerField" "answer_field" "scorer" "scorer" "environment" "environment" "samples" "n" "temperature" "temperature" "topP" "top_p" "maxTokens" "max_tokens" "limit" "limit" "every" "every" "correctAt" "correct_at" -}}
 {{- $intKeys := list "samples" "maxTokens" "limit" "every" -}}
 {{- $floatKeys := list "temperature" "topP" "correctAt" -}}
 {{- $sets := list -}}
@@ -285,6 +285,13 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- range $cfg.sampler.environments }}{{ $names = append $names .name }}{{ end -}}
 {{- if not (has . $names) -}}
 {{- fail (printf "datasetEnvironment = %q is not one of the environments: %v" . $names) -}}
+{{- end -}}
+{{- end -}}
+{{- $envNames := list -}}
+{{- range $cfg.sampler.environments }}{{ $envNames = append $envNames .name }}{{ end -}}
+{{- range $cfg.evaluation.sets -}}
+{{- if and .environment (not (has .environment $envNames)) -}}
+{{- fail (printf "evaluation set %q: environment %q is not one of the environments: %v" .name .environment $envNames) -}}
 {{- end -}}
 {{- end -}}
 {{- toToml $cfg -}}
