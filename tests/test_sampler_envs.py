@@ -86,6 +86,13 @@ def rollouts(stack: Stack) -> list[rollout_pb2.TrajectoryGroup]:
     ]
 
 
+def episode_calls(calls: list[dict[str, Any]], session: str) -> list[dict[str, Any]]:
+    """The session's step calls, after checking it was a whole two-step episode: reset, step, step, close."""
+    mine = [c for c in calls if c["session_id"] == session]
+    assert [c["method"] for c in mine] == ["reset", "step", "step", "close"], session
+    return [c for c in mine if c["method"] == "step"]
+
+
 def full_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
     """Log-prob of every response token given everything before it, in one forward pass."""
     import torch
@@ -123,13 +130,7 @@ def test_multi_turn_episodes_line_up_token_for_token(
         assert group.policy_version_start == 0 and len(group.trajectories) == 2
         for i, traj in enumerate(group.trajectories):
             session = f"{group.group_id}/{i}"
-            steps = [c for c in calls if c["session_id"] == session and c["method"] == "step"]
-            assert [c["method"] for c in calls if c["session_id"] == session] == [
-                "reset",
-                "step",
-                "step",
-                "close",
-            ]
+            steps = episode_calls(calls, session)
             assert traj.num_turns == 2 and traj.finish_reason == "stop"  # the env said done at its 2nd step
             assert traj.reward.value == 1.0 and traj.reward.scorer == "environment"
             tokens, mask = list(traj.response_tokens), list(traj.loss_mask)
@@ -309,13 +310,7 @@ def test_held_out_episodes_run_beside_training_and_never_become_groups(
     assert len(sessions) == 4 and all(s.startswith("eval/") for s in sessions)  # 2 tasks x n = 2
     for (_, ti, k), response in evaluator.last.responses.items():
         session = next(s for s in sessions if s.endswith(f"/{ti}/{k}"))
-        steps = [c for c in calls if c["session_id"] == session and c["method"] == "step"]
-        assert [c["method"] for c in calls if c["session_id"] == session] == [
-            "reset",
-            "step",
-            "step",
-            "close",
-        ]
+        steps = episode_calls(calls, session)
         assert response.turns == 2 and response.environment_reward == 1.0
         tokens, mask = response.tokens, response.mask
         first = mask.index(False)
