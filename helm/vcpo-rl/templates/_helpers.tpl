@@ -280,15 +280,13 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- if lt (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas) -}}
 {{- fail (printf "reward.maxReplicas = %d is less than reward.minReplicas = %d" (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas)) -}}
 {{- end -}}
-{{- with $cfg.sampler.dataset_environment -}}
-{{- $names := list -}}
-{{- range $cfg.sampler.environments }}{{ $names = append $names .name }}{{ end -}}
-{{- if not (has . $names) -}}
-{{- fail (printf "datasetEnvironment = %q is not one of the environments: %v" . $names) -}}
-{{- end -}}
-{{- end -}}
 {{- $envNames := list -}}
 {{- range $cfg.sampler.environments }}{{ $envNames = append $envNames .name }}{{ end -}}
+{{- with $cfg.sampler.dataset_environment -}}
+{{- if not (has . $envNames) -}}
+{{- fail (printf "datasetEnvironment = %q is not one of the environments: %v" . $envNames) -}}
+{{- end -}}
+{{- end -}}
 {{- range $cfg.evaluation.sets -}}
 {{- if and .environment (not (has .environment $envNames)) -}}
 {{- fail (printf "evaluation set %q: environment %q is not one of the environments: %v" .name .environment $envNames) -}}

@@ -151,9 +151,9 @@ spec:
 
 {{/*
 The RayCluster the RayJob owns: the head (launcher, Ray control plane, weight broker) and one worker group
-per service (the evaluator's only with a dedicated evaluator). Each group offers a custom Ray resource that only its service asks for (the run file's
-<service>.ray_resources), so Ray places every service on its own pods: the Services below select them by
-label, and the ports in the run file are the pods' ports.
+per service (the evaluator's only with a dedicated evaluator). Each group offers a custom Ray resource that
+only its service asks for (the run file's <service>.ray_resources), so Ray places every service on its own
+pods: the Services below select them by label, and the ports in the run file are the pods' ports.
 */}}
 {{- define "vcpo-rl.rayClusterSpec" -}}
 {{- $v := .Values -}}
