@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.config import Section, ServiceConfig
 from services.learner.config import LearnerConfig, check_scored_capacity
 from services.reward.config import RewardConfig
-from services.sampler.config import EvaluationConfig, SamplerConfig
+from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
 from services.weight_broker.config import WeightBrokerConfig
 
 
@@ -68,13 +68,8 @@ class SystemConfig(ServiceConfig):
             )
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
-        names = [e.name for e in s.environments]
         for spec in ev.sets:
-            if spec.environment and spec.environment not in names:
-                raise ValueError(
-                    f"evaluation set {spec.name!r}: environment {spec.environment!r} is not one of "
-                    f"[[sampler.environments]] ({', '.join(names) or 'none'}): its episodes need it registered"
-                )
+            eval_set_environment(s, spec)
         if (
             ev.sets
             and ev.placement == "dedicated"

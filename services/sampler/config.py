@@ -201,6 +201,21 @@ class EvaluationConfig(Section):
         return self
 
 
+def eval_set_environment(sampler: SamplerConfig, spec: EvalSetConfig) -> EnvironmentConfig | None:
+    """The run-file environment an evaluation set's episodes run in (None: single-turn); a ValueError naming
+    the set if it names one that is not in ``[[sampler.environments]]``."""
+    if not spec.environment:
+        return None
+    for env in sampler.environments:
+        if env.name == spec.environment:
+            return env
+    names = ", ".join(e.name for e in sampler.environments) or "none"
+    raise ValueError(
+        f"evaluation set {spec.name!r}: environment {spec.environment!r} is not one of "
+        f"[[sampler.environments]] ({names}): its episodes need it registered"
+    )
+
+
 class SamplerServiceConfig(ServiceConfig):
     """Everything the sampler reads: the shared sections, ``[sampler]``, ``[evaluation]`` (which runs on
     sampler engines) and the scoring settings of ``[reward]`` (evaluation scores with the same scorers)."""

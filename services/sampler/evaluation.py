@@ -49,7 +49,7 @@ from services.common.observability import Metrics
 from services.reward.pool import Outcome
 from services.reward.scorers import ScoreInput
 from services.sampler.agent import AgentLoop
-from services.sampler.config import SamplerServiceConfig
+from services.sampler.config import SamplerServiceConfig, eval_set_environment
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.groups import Group
 from services.sampler.groups import Response as EpisodeResponse
@@ -96,14 +96,9 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
     """The run's ``[[evaluation.sets]]``, loaded with the training readers and encoded with its chat template.
     A set that cannot be loaded, is empty or holds a task that cannot be sampled is a ValueError naming it."""
     s = cfg.sampler
-    environments = {e.name: e for e in s.environments}
     out = []
     for spec in cfg.evaluation.sets:
-        if spec.environment and spec.environment not in environments:
-            raise ValueError(
-                f"evaluation set {spec.name!r}: environment {spec.environment!r} is not one of "
-                f"[[sampler.environments]] ({', '.join(environments) or 'none'})"
-            )
+        environment = eval_set_environment(s, spec)
         prompt_field, answer_field = spec.prompt_field or s.prompt_field, spec.answer_field or s.answer_field
         try:
             tasks = load_dataset(
@@ -120,10 +115,10 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
             temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
             max_tokens=spec.max_tokens or s.max_tokens, stop=tuple(s.stop),
         )  # fmt: skip
-        if spec.environment:
+        if environment is not None:
             for task in tasks:
-                task.environment = spec.environment
-            scorer = spec.scorer or environments[spec.environment].scorer  # "": per episode
+                task.environment = environment.name
+            scorer = spec.scorer or environment.scorer  # "": per episode
         else:
             scorer = spec.scorer or cfg.reward.default_scorer
         out.append(EvalSet(spec.name, tasks, prompts, scorer, spec.n, sampling, spec.correct_at,
