@@ -72,10 +72,9 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
     """One round of every selected set on ``model``; the records (``kind: eval``, ``where: command``)."""
     from services.common.redis_server import LocalRedis
     from services.reward.pool import ScoringPool
-    from services.sampler.agent import AgentLoop
     from services.sampler.evaluation import Evaluator, load_eval_sets
     from services.sampler.evaluator_service import ENGINE_SEED_OFFSET
-    from services.sampler.service import environment_registry, make_engine
+    from services.sampler.service import environment_registry, evaluation_agent, make_engine
     from services.sampler.tasks import PromptEncoder
 
     scfg = section(cfg, SamplerServiceConfig)
@@ -93,19 +92,19 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
     pool = ScoringPool.from_config(scfg.reward)
     redis_server = None
     environments = None
+    evaluator = None
     try:
         encoder = PromptEncoder(engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
         eval_sets = load_eval_sets(scfg, encoder)
-        agent = None
         if any(e.environment for e in eval_sets):  # episodes: the run file's environments, registered in a
             redis_server = LocalRedis()  # Redis of the command's own (the run's may be gone)
             environments = environment_registry(scfg, redis_server.client(), "eval")
-            agent = AgentLoop(engine, environments, encoder, threads=s.env_threads)
         label = 0 if version is None else version
         engine.loaded_version = label  # the engine serves the weights it was built from
         evaluator = Evaluator(  # no recorder: the records below, with the version and per-task figures
             engine, eval_sets, pool.score_many, encoder=encoder,
-            max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256), agent=agent,
+            max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256),
+            agent=evaluation_agent(scfg, engine, encoder, environments),
         )  # fmt: skip
         t0 = time.monotonic()
 
@@ -126,9 +125,10 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
                 for task, rewards in zip(es.tasks, r.per_task, strict=True)
             }
             records.append(rec)
-        evaluator.close()
         return records
     finally:
+        if evaluator is not None:
+            evaluator.close()  # and its agent loop
         pool.close()
         engine.close()
         if environments is not None:

@@ -71,11 +71,7 @@ def make_evaluator(
     shares its engine)."""
     ev, run = cfg.evaluation, cfg.run
     sets = load_eval_sets(cfg, encoder)
-    agent = None
-    if any(s.environment for s in sets):
-        if environments is None:
-            raise ValueError("evaluation sets with an environment need the run's environment registry")
-        agent = AgentLoop(engine, environments, encoder, threads=cfg.sampler.env_threads)
+    agent = evaluation_agent(cfg, engine, encoder, environments)
     pool = ScoringPool.from_config(cfg.reward, workers=1)  # the reward service's scorers and settings
     metrics = EvalMetrics(registry)
     evaluator = Evaluator(
@@ -85,6 +81,21 @@ def make_evaluator(
         max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics, agent=agent,
     )  # fmt: skip
     return evaluator, pool
+
+
+def evaluation_agent(
+    cfg: SamplerServiceConfig,
+    engine: GenerationEngine,
+    encoder: PromptEncoder,
+    environments: EnvironmentRegistry | None,
+) -> AgentLoop | None:
+    """The agent loop that runs the episodes of the evaluation sets naming an environment (the evaluator's own,
+    over ``environments``); None when every set is single-turn."""
+    if not any(s.environment for s in cfg.evaluation.sets):
+        return None
+    if environments is None:
+        raise ValueError("evaluation sets with an environment need the run's environment registry")
+    return AgentLoop(engine, environments, encoder, threads=cfg.sampler.env_threads)
 
 
 def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
