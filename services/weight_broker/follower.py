@@ -48,9 +48,8 @@ class WeightFollower:
     ) -> None:
         self.transport, self.loader, self.announcements = transport, loader, announcements
         self.loaded_version = loaded_version
-        self.wanted = (
-            wanted  # None: every newer version; else only those it accepts (the evaluator's due ones)
-        )
+        # None: every newer version; else only those it accepts (the dedicated evaluator's due ones)
+        self.wanted = wanted
         self.declined: int | None = None  # the newest version `wanted` refused (not fetched)
         self.declined_total = 0
         self.newest_known: int | None = loaded_version
@@ -67,10 +66,7 @@ class WeightFollower:
         if newest is None or (self.loaded_version is not None and newest <= self.loaded_version):
             self._ok()
             return False
-        if self.wanted is not None and (newest == self.declined or not self.wanted(newest)):
-            if newest != self.declined:
-                self.declined, self.declined_total = newest, self.declined_total + 1
-                log.debug("version %d is not wanted: not fetched", newest)
+        if not self._wants(newest):
             self._ok()
             return False
         sink = self.loader.begin(newest)
@@ -88,6 +84,18 @@ class WeightFollower:
         self._ok()
         log.info("loaded weights of version %d (%d bytes)", self.loaded_version, manifest.total_bytes)
         return True
+
+    def _wants(self, version: int) -> bool:
+        """Whether to fetch ``version``; each refused one is asked about once (a refusal is final)."""
+        if self.wanted is None:
+            return True
+        if version == self.declined:
+            return False
+        if self.wanted(version):
+            return True
+        self.declined, self.declined_total = version, self.declined_total + 1
+        log.debug("version %d is not wanted: not fetched", version)
+        return False
 
     def _newest(self) -> int | None:
         if self.announcements is not None:
