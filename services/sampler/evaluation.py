@@ -340,10 +340,13 @@ class EvalRound:
     def generated(self) -> bool:
         return not self.pending and not self.in_flight and not self.episodes
 
+    def running(self) -> int:
+        """Samples being generated: requests in the engine, and the n of each group of episodes under way."""
+        return len(self.in_flight) + sum(e.group.n for e in self.episodes.values())
+
     def outstanding(self) -> int:
         """Samples not generated yet (an episode group counts its n)."""
-        pending = sum(x.group.n if isinstance(x, _Episodes) else 1 for x in self.pending)
-        return pending + len(self.in_flight) + sum(e.group.n for e in self.episodes.values())
+        return sum(x.group.n if isinstance(x, _Episodes) else 1 for x in self.pending) + self.running()
 
 
 class Evaluator:
@@ -454,9 +457,7 @@ class Evaluator:
     def _top_up(self) -> None:
         r = self.round
         assert r is not None
-        while (
-            r.pending and len(r.in_flight) + sum(e.group.n for e in r.episodes.values()) < self.max_in_flight
-        ):
+        while r.pending and r.running() < self.max_in_flight:
             item = r.pending[0]
             if isinstance(item, _Episodes):
                 assert self.agent is not None
