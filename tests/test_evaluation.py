@@ -4,6 +4,7 @@ running it beside training (nothing of it reaches `rollouts`), the metrics log t
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -223,6 +224,26 @@ def test_a_round_scores_every_set_and_keeps_at_most_max_in_flight_requests_in_th
     assert engine.most_at_once == 2 and len(engine.added) == 3 * 2 + 2
     assert all(r.startswith(REQUEST_PREFIX) for r in engine.added) and not evaluator.busy
     assert evaluator.rounds["done"] == 1
+
+
+def test_a_stop_while_a_round_is_scored_keeps_its_results_and_a_stop_while_generating_does_not() -> None:
+    stop = threading.Event()
+
+    def stop_then_score(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
+        stop.set()  # the service is asked to stop while the scorers work...
+        time.sleep(0.2)  # ...and the round's loop sees it before they are done
+        return exact(jobs)
+
+    engine = FakeEngine({"a": [ord("7")]})
+    evaluator = Evaluator(engine, [fake_set("s", {"a": "7"})], stop_then_score)  # type: ignore[arg-type]
+    results = evaluator.run(5, stop)
+    # generated before the stop: scored, returned (the dedicated evaluator lists the version as evaluated)
+    assert [(r.set, r.version, r.mean_at_n) for r in results] == [("s", 5, 1.0)]
+    assert evaluator.rounds == {"done": 1, "abandoned": 0, "shutdown": 0} and not evaluator.busy
+    engine = FakeEngine({"a": [ord("7")] * 50})
+    evaluator = Evaluator(engine, [fake_set("s", {"a": "7"})], exact)  # type: ignore[arg-type]
+    assert evaluator.run(5, stop) == []  # stopped while generating: abandoned, nothing scored
+    assert evaluator.rounds == {"done": 0, "abandoned": 0, "shutdown": 1} and not engine.active
 
 
 def test_a_newer_version_waits_for_a_generating_round_at_most_max_delay_s() -> None:

@@ -619,8 +619,9 @@ class Evaluator:
         progress: Callable[[int, int], None] | None = None,
         progress_every_s: float = 10.0,
     ) -> list[SetResult]:
-        """One whole round in an engine this evaluator owns (dedicated, the eval command); [] if stopped.
-        ``progress(done, total)`` responses is called every ``progress_every_s`` while it generates."""
+        """One whole round in an engine this evaluator owns (dedicated, the eval command); [] if stopped while
+        generating (a round already generated is scored and recorded first). ``progress(done, total)``
+        responses is called every ``progress_every_s`` while it generates."""
         self.begin(version, names)
         assert self.round is not None
         total, last = self.round.outstanding(), time.monotonic()
@@ -630,9 +631,9 @@ class Evaluator:
             if progress is not None and r is not None and time.monotonic() - last >= progress_every_s:
                 last = time.monotonic()
                 progress(total - r.outstanding(), total)
-            if stop is not None and stop.is_set():
+            if stop is not None and stop.is_set() and r is not None:
                 self.abandon("stopped", outcome="shutdown")
-                return []
+                return []  # a stop while the round is being scored waits for its (recorded) results
             if self.engine.has_unfinished():
                 for delta in self.engine.step():
                     self.absorb(delta)
