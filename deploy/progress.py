@@ -93,8 +93,10 @@ class Progress:
         sampler_tokens_per_s: float | None,
         sampler_busy_s: float | None = None,
         evaluation: dict[str, dict[str, Any]] | None = None,
+        eval_abandoned: float | None = None,
     ) -> dict[str, Any]:
-        """``evaluation``: each validation set's newest result (metrics_log.MetricsLog.latest)."""
+        """``evaluation``: each validation set's newest result (metrics_log.MetricsLog.latest);
+        ``eval_abandoned``: the sampler replicas' evaluation rounds abandoned so far (shared placement)."""
         now = time.time()
         new = self.log.poll()
         latest = self.log.latest()
@@ -134,6 +136,7 @@ class Progress:
                 "groups_trained": sum(len(s.get("groups", [])) for s in self.log.steps.values()),
             },
             "eval": evaluation or {},
+            "eval_abandoned": eval_abandoned,
         }
         self._last = {"time": now, "scored": float(scored)}
         with self.path.open("a") as f:
@@ -158,5 +161,11 @@ def progress_line(r: dict[str, Any]) -> str:
         + "".join(
             f" | {name} mean@{e.get('n')} {_fmt(e.get('mean_at_n'), '.3f')} (v{e.get('version')})"
             for name, e in r.get("eval", {}).items()
+        )
+        # a round abandoned leaves its version without a point: say so where the accuracy is shown
+        + (
+            f" | eval rounds abandoned {r['eval_abandoned']:.0f} (evaluation.max_delay_s)"
+            if r.get("eval_abandoned")
+            else ""
         )
     )

@@ -357,7 +357,8 @@ class RayLauncher:
             if self.metrics_log is not None:
                 self.metrics_log.poll()
                 evaluation = self.metrics_log.latest()
-            record = self.progress.sample(*self._sampler_figures(), evaluation=evaluation)
+            tokens_per_s, busy_s, abandoned = self._sampler_figures()
+            record = self.progress.sample(tokens_per_s, busy_s, evaluation, abandoned)
             print(progress_line(record), flush=True)
             self._scrape_targets()  # a restarted replica serves /metrics on another port
             done, _ = ray.wait(self.learner.runs, timeout=0)
@@ -376,17 +377,20 @@ class RayLauncher:
             if deadline and time.monotonic() > deadline:
                 self.stopping.stop(f"max_minutes ({la.max_minutes:g})")
 
-    def _sampler_figures(self) -> tuple[float | None, float | None]:
-        """The replicas' tokens/s and busy seconds so far (None while one is being restarted)."""
+    def _sampler_figures(self) -> tuple[float | None, float | None, float | None]:
+        """The replicas' tokens/s, busy seconds and evaluation rounds abandoned so far (None while one is being
+        restarted; the last also None when they evaluate nothing)."""
         import ray
 
         try:
             statuses = ray.get([a.status.remote() for a in self.samplers], timeout=5)
         except Exception:
-            return None, None
+            return None, None, None
         figures = [s["figures"] for s in statuses]
+        abandoned = [f["evaluation_rounds_abandoned"] for f in figures if "evaluation_rounds_abandoned" in f]
         return (float(sum(f.get("tokens_per_second", 0.0) for f in figures)),
-                float(sum(f.get("busy_seconds", 0.0) for f in figures)))  # fmt: skip
+                float(sum(f.get("busy_seconds", 0.0) for f in figures)),
+                float(sum(abandoned)) if abandoned else None)  # fmt: skip
 
     # ------------------------------------------------------------------ down
     def down(self) -> None:

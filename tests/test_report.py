@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from deploy.progress import progress_line
 from deploy.report import PLOT_NAMES, ReportPaths, write_report
 from deploy.report_eval import load_evaluation, plot_accuracy, table_points
 
@@ -492,4 +493,16 @@ def test_more_than_12_evaluations_show_first_last_and_evenly_spaced(tmp_path: Pa
     assert "- first → last: mean@8 0.0000 → 0.2900, pass@8 0.0000 → 0.5800 (version 0 → 290)" in md
     assert [p["version"] for p in table_points(figures["evaluation"]["d"]["points"][:12])] == list(
         range(0, 120, 10)
+    )
+
+
+def test_the_progress_line_shows_each_sets_newest_accuracy_and_the_rounds_abandoned() -> None:
+    newest = {"version": 100, "n": 4, "mean_at_n": 0.25, "pass_at_n": 0.5}
+    record = progress_lines(2)[1] | {"lag_max": 3.0, "eval": {"held": newest}}
+    for abandoned in (None, 0.0):  # no shared evaluation, or none abandoned: nothing to say
+        line = progress_line(record | {"eval_abandoned": abandoned})
+        assert line.endswith("| held mean@4 0.250 (v100)") and "abandoned" not in line, line
+    line = progress_line(record | {"eval_abandoned": 2.0})
+    assert line.endswith("| held mean@4 0.250 (v100) | eval rounds abandoned 2 (evaluation.max_delay_s)"), (
+        line
     )

@@ -373,6 +373,12 @@ class Sampler:
             "task_errors": float(sum(self.feed.errors.values())),
             "groups_aborted": float(sum(self.aborted.values())),
             "busy_seconds": self.busy_s,
+            # the launcher's progress line shows rounds abandoned (each leaves a gap in the curve)
+            **(
+                {f"evaluation_rounds_{k}": float(v) for k, v in self.evaluator.rounds.items()}
+                if self.evaluator
+                else {}
+            ),
         }
 
     def summary(self) -> dict[str, Any]:
