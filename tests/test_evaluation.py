@@ -548,8 +548,10 @@ def test_the_sampler_evaluates_due_versions_and_no_evaluation_reaches_the_rollou
         g.task.task_id.startswith("arith:") for g in consumed
     )  # the training dataset only
     # the figures the launcher's progress line reads: rounds by outcome (none abandoned within 30 s)
-    figures = wait_until(lambda: (f := stack.service.sampler.status.figures)
-                         and f.get("evaluation_rounds_done", 0) >= 2 and f, what="the rounds in the figures")  # fmt: skip
+    figures = wait_until(
+        lambda: (f := stack.service.sampler.status.figures) and f.get("evaluation_rounds_done", 0) >= 2 and f,
+        what="the rounds in the figures",
+    )
     assert (figures["evaluation_rounds_abandoned"], figures["evaluation_rounds_shutdown"]) == (0.0, 0.0)
     metrics = stack.service.registry.exposition().decode()
     stack.stop.set()
