@@ -109,10 +109,10 @@ def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, 
 
     stacks: list[Stack] = []
 
-    def make(k: int = 1, groups_per_step: int = 2, **sampler: Any) -> Stack:
-        stack = Stack(
-            redis_client, redis_url, tiny_model_dir, tmp_path, vllm_engine, k, groups_per_step, **sampler
-        )
+    def make(k: int = 1, groups_per_step: int = 2, engine: Any = None, **sampler: Any) -> Stack:
+        """``engine``: a wrapper of the session's engine to use instead of it."""
+        stack = Stack(redis_client, redis_url, tiny_model_dir, tmp_path, engine or vllm_engine, k,
+                      groups_per_step, **sampler)  # fmt: skip
         stacks.append(stack)
         return stack
 

@@ -1,36 +1,108 @@
 """Run by tests/test_sampler_engine.py in its own process: the vLLM engine core in a separate process (as on
-GPU machines), a version applied through the staging file, greedy tokens and log-probs printed as JSON."""
+GPU machines). Prints one JSON line: a version applied through the staging file (greedy tokens and
+log-probs), an in-flight swap (which tokens ``quiesce`` handed back before it, which came after) and a load
+that fails inside the workers (the error raised, the version served afterwards and its tokens)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
+from typing import Any
+
+
+def greedy(engine: Any, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    from services.sampler.engine import Sampling
+
+    engine.add(f"g{time.monotonic_ns()}", prompt, Sampling(temperature=0.0, max_tokens=max_tokens))
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens += delta.token_ids
+            logprobs += delta.logprobs
+    return {"prompt": prompt, "tokens": tokens, "logprobs": logprobs}
+
+
+def in_flight_swap(engine: Any, prompts: list[list[int]], new: dict[str, Any]) -> list[dict[str, Any]]:
+    """Requests generate under the loaded version; the core runs ahead of this process for a moment; then a
+    swap the way the sampler does it (quiesce, apply, resume). Each request's tokens before and after."""
+    from services.sampler.engine import Sampling
+    from tests.sampler_helpers import versions
+
+    out = {
+        f"f{i}": {"prompt": p, "tokens": [], "logprobs": [], "swapped_at": None}
+        for i, p in enumerate(prompts)
+    }
+    for rid, r in out.items():
+        engine.add(rid, r["prompt"], Sampling(temperature=1.0, max_tokens=300, seed=7))
+
+    def absorb(deltas: list[Any]) -> None:
+        for d in deltas:
+            out[d.request_id]["tokens"] += d.token_ids
+            out[d.request_id]["logprobs"] += d.logprobs
+
+    absorb(engine.step())
+    time.sleep(0.2)  # the engine core keeps stepping: its outputs queue up on this side
+    before = engine.quiesce()
+    absorb(before)
+    version = next(versions)
+    sink = engine.stage(version)
+    for name, tensor in new.items():
+        sink(name, tensor)
+    try:
+        engine.apply(version)
+    finally:
+        engine.resume()
+    for r in out.values():
+        r["swapped_at"] = len(r["tokens"])
+    result = list(out.values())
+    result[0]["drained"] = sum(len(d.token_ids) for d in before)
+    while engine.has_unfinished():
+        absorb(engine.step())
+    return result
+
+
+def failed_load(engine: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """A version that passes the host-side checks but fails inside the workers part-way (one mid-model
+    tensor of the wrong shape): the error raised, and what the engine serves afterwards."""
+    from tests.sampler_helpers import versions
+
+    serving = engine.loaded_version
+    names = sorted(weights)
+    bad = next(n for n in names if ".layers.2." in n and n.endswith("down_proj.weight"))
+    broken = dict(weights, **{bad: weights[bad][:, :-1].contiguous()})
+    engine._check_complete = lambda staged: None  # let it reach the workers, as a load that fails there does
+    version = next(versions)
+    sink = engine.stage(version)
+    for name, tensor in broken.items():
+        sink(name, tensor)
+    error = ""
+    try:
+        engine.apply(version)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "serving_before": serving, "serving_after": engine.loaded_version}
 
 
 def main() -> None:
-    model_dir, version_seed = sys.argv[1], int(sys.argv[2])
+    model_dir, seed_a, seed_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    from services.sampler.engine import Sampling, VllmEngine, VllmSettings
+    from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into, version_weights
 
-    engine = VllmEngine(VllmSettings(model=model_dir, dtype="float32", max_model_len=128,
-                                     kv_cache_memory_bytes=16 << 20, enforce_eager=True))  # fmt: skip
+    engine = VllmEngine(VllmSettings(model=model_dir, dtype="float32", max_model_len=512,
+                                     kv_cache_memory_bytes=32 << 20, enforce_eager=True))  # fmt: skip
     try:
-        load_into(engine, version_weights(model_dir, version_seed))
+        a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
+        load_into(engine, a)
+        out: dict[str, Any] = {"exact_in_flight": engine.exact_in_flight}
         prompt = engine.tokenizer.encode("12+7=")
-        engine.add("r", prompt, Sampling(temperature=0.0, max_tokens=8))
-        tokens, logprobs = [], []
-        while engine.has_unfinished():
-            for delta in engine.step():
-                tokens += delta.token_ids
-                logprobs += delta.logprobs
-        out = {
-            "prompt": prompt,
-            "tokens": tokens,
-            "logprobs": logprobs,
-            "exact_in_flight": engine.exact_in_flight,
-        }
+        out["staged"] = greedy(engine, prompt)
+        prompts = [engine.tokenizer.encode(q) for q in ("12+7=", "The cat", "3+4=")]
+        out["in_flight"] = in_flight_swap(engine, prompts, b)
+        out["failed_load"] = failed_load(engine, b)
+        out["after_failed_load"] = greedy(engine, prompt)
         print("RESULT " + json.dumps(out), flush=True)
     finally:
         engine.close()

@@ -165,23 +165,46 @@ def test_text_decoded_at_the_end_equals_vllms_incremental_text(vllm_engine: Gene
     assert texts[True] == texts[False] and any(texts[True])
 
 
-def test_an_engine_core_in_another_process_loads_versions_from_the_staging_file(tiny_model_dir: Path) -> None:
+def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_model_dir: Path) -> None:
+    """The GPU layout (engine core and workers in other processes), run on CPU: a version loads through the
+    staging file; an in-flight swap hands back every token the old weights produced before loading (the core
+    had run ahead), so each token's version is known; a load failing inside the workers raises its own
+    error (not a refused serialization of the clean-up) and the previous version serves on."""
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11"],
+        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11", "12"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(line[len("RESULT ") :])
-    assert result["exact_in_flight"] is False  # the sampler pauses for swaps with such an engine
-    model = hf_model(tiny_model_dir, version_weights(tiny_model_dir, 11))
-    expected = hf_logprobs(model, result["prompt"], result["tokens"])
-    assert len(result["tokens"]) == 8 and max_abs_diff(result["logprobs"], expected) <= 1e-3
+    assert result["exact_in_flight"] is True
+    a, b = version_weights(tiny_model_dir, 11), version_weights(tiny_model_dir, 12)
+    model_a = hf_model(tiny_model_dir, a)
+    staged = result["staged"]
+    expected = hf_logprobs(model_a, staged["prompt"], staged["tokens"])
+    assert len(staged["tokens"]) == 8 and max_abs_diff(staged["logprobs"], expected) <= 1e-3
+
+    swap = result["in_flight"]
+    assert swap[0]["drained"] > 0, "the engine core never ran ahead: the swap was not tested in flight"
+    for r in swap:
+        k = r["swapped_at"]
+        assert 0 < k < len(r["tokens"]), (k, len(r["tokens"]))
+        expected = hf_logprobs(model_a, r["prompt"], r["tokens"])
+        # every token before the swap is version a's; the first one after it is not (new weights)
+        assert max_abs_diff(r["logprobs"][:k], expected[:k]) <= 1e-3
+        assert abs(r["logprobs"][k] - float(expected[k])) > 1e-3
+
+    failed = result["failed_load"]
+    assert "exceeds dimension size" in failed["error"] and "serializ" not in failed["error"].lower()
+    assert failed["serving_after"] == failed["serving_before"]
+    after = result["after_failed_load"]
+    expected = hf_logprobs(hf_model(tiny_model_dir, b), after["prompt"], after["tokens"])
+    assert len(after["tokens"]) == 8 and max_abs_diff(after["logprobs"], expected) <= 1e-3
 
 
 def test_applying_a_version_that_is_not_staged_is_refused(vllm_engine: GenerationEngine) -> None:
@@ -192,3 +215,24 @@ def test_applying_a_version_that_is_not_staged_is_refused(vllm_engine: Generatio
         vllm_engine.apply(version + 1)
     vllm_engine.discard(version)
     assert vllm_engine.loaded_version == serving
+
+
+def test_a_swap_invalidates_kv_blocks_of_long_shared_prompts(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path
+) -> None:
+    """vLLM's prefix cache keeps KV blocks computed under the weights of the time. A prompt sharing a prefix
+    longer than a block (128 tokens on CPU, 16 on GPU) with one generated before a swap must still be scored
+    by the new weights alone."""
+    greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
+    tok = vllm_engine.tokenizer
+    prefix = tok.encode("Solve the following problem step by step and put the answer last. " * 6)
+    assert len(prefix) > 160  # more than one CPU block of 128 tokens: a full block is cached
+    prompts = [prefix + tok.encode(q) for q in ("12+7=", "3+4=")]
+    old, new = version_weights(tiny_model_dir, 12), version_weights(tiny_model_dir, 13)
+    load_into(vllm_engine, old)
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
+    load_into(vllm_engine, new)
+    assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
+    # and back: blocks of the first load are not served to a later load of other weights either
+    load_into(vllm_engine, old)
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())

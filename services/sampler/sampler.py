@@ -3,7 +3,8 @@
     every tick:
       1. weights   WeightSync.ready() ─► apply between two engine steps
                    pause mode: stop admitting, let in-flight groups finish, then apply
-                   in_flight mode: apply now; in-flight responses start a new version segment
+                   in_flight mode: apply now (engine.quiesce() first hands back the tokens an engine core in
+                   another process produced ahead of the loop); in-flight responses start a new version segment
       2. admit     TaskFeed.next() ─► AdmissionCounter.try_admit(loaded version)   (Redis, all replicas)
                    refused: the task is held, the sampler reports WAITING and why, newer weights are polled
       3. generate  engine.add(n requests per group) ... engine.step() ─► tokens + log-probs per response
@@ -88,9 +89,11 @@ class Sampler:
         self.run_id, self.replica_id, self.n, self.sampling = run_id, replica_id, n, sampling
         self.max_groups_in_flight = max_groups_in_flight
         if weight_update == "in_flight" and not engine.exact_in_flight:
-            log.warning("weight_update = 'in_flight' needs an engine that runs in this process to label each "
-                        "token's version exactly; pausing at a safe point instead")  # fmt: skip
-            weight_update = "pause"
+            raise ValueError(
+                f"sampler.weight_update = 'in_flight' needs an engine that can tell which weights produced each "
+                f"token across a swap; {type(engine).__name__} cannot (its engine core runs ahead in another "
+                "process and cannot be paused and drained): set sampler.weight_update = 'pause'"
+            )
         self.weight_update = weight_update
         self.k = admission.k
         self.agent = agent
@@ -165,6 +168,11 @@ class Sampler:
         if self.weight_update == "pause" and self.groups:
             self._draining = True  # no new groups; apply once the in-flight ones are done
             return
+        # tokens an engine core in another process produced ahead of this loop are the loaded version's:
+        # take them under it before the swap (in-process engines have none)
+        pending = self.engine.quiesce()
+        if pending:
+            self._absorb(pending)
         try:
             seconds = self.sync.apply(version)
         except Exception:
@@ -173,6 +181,8 @@ class Sampler:
                 "version %d was not loaded; still serving version %s", version, self.engine.loaded_version
             )
             return
+        finally:
+            self.engine.resume()
         self._draining = False
         self.metrics.weight_fetch.labels(self.replica_id).observe(self.sync.loader.fetch_seconds)
         self.metrics.weight_load.labels(self.replica_id).observe(seconds)

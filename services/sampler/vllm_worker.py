@@ -1,0 +1,29 @@
+"""What the sampler runs inside vLLM's workers, as named methods (vLLM's ``worker_extension_cls``).
+
+A multi-process engine (every GPU engine: the engine core and its workers are separate processes) ships a
+``collective_rpc`` call to its workers by name; a Python function is refused unless insecure serialization
+is switched on, and that refusal would hide the error that made the call necessary. So each worker-side step
+the sampler needs is a method here, mixed into vLLM's worker class, and called as
+``llm.collective_rpc("vcpo_<name>")`` in-process and out alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
+
+
+class VcpoWorkerExtension:
+    """Mixed into each vLLM worker; ``self`` is the worker (``self.model_runner`` is its model runner)."""
+
+    model_runner: Any
+
+    def vcpo_finish_interrupted_reload(self) -> None:
+        """After ``reload_weights`` raised part-way: vLLM reloads layer by layer and holds the layers it has
+        not reached on the meta device; finish its reload state so every layer is back on the device and a
+        whole version can be loaded again (the sampler then loads the previous version back)."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        finalize_layerwise_reload(runner.get_model(), runner.model_config)
