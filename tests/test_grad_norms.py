@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -189,3 +190,67 @@ def test_frozen_parameters_are_left_out_and_unknown_modules_refused(model_dirs) 
 
     with pytest.raises(NotImplementedError, match=r"'norm' \(LayerNorm\) owns trainable parameters"):
         norm_pass(WithLayerNorm(), ids, attn, resp)
+
+
+def _as_float64(result: Any) -> tuple[list[Any], dict[int, Any]]:
+    """A norm pass's captures with the very same activations and backward signals in float64."""
+    from dataclasses import replace
+
+    # token ids stay ids, and RMSNorm inputs stay bf16: x̂ is recomputed from them as the model rounds it
+    caps = {id(c): replace(c, x=c.x if c.kind != "linear" else c.x.double(), delta=c.delta.double())
+            for c in result.captures}  # fmt: skip
+    uses = {k: (p, [(caps[id(c)], role) for c, role in us]) for k, (p, us) in result.params.items()}
+    return list(caps.values()), uses
+
+
+# bf16 activations are what they are; what the pass adds on top must be float32 round-off, not bf16's
+# (2^-8 ≈ 4e-3 per addition): stated tolerances, relative to a float64 reduction of the same activations
+BF16_NORM_TOL = 1e-4
+BF16_GRAD_ULPS = 1  # the weighted gradient, formed over all micro-batches, is rounded to bf16 once
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_norms_are_reduced_in_float32(model_dirs, tied: bool, device: str) -> None:
+    from services.learner.grad_norms import _sq_norms
+
+    model = load(model_dirs, tied, torch.bfloat16).to(device)
+    ids, attn, resp = (t.to(device) for t in make_batch(model.config.vocab_size, "right", rows=8, seed=5))
+    result = norm_pass(model, ids, attn, resp)
+    reference = _sq_norms(*_as_float64(result))
+    assert result.sq_grad_norms.dtype == torch.float64
+    assert rel_err(result.sq_grad_norms, reference) <= BF16_NORM_TOL
+    # and the whole bf16 pass stays near the float64 model's exact norms (bf16 forward noise only)
+    import copy
+
+    exact = brute_force(copy.deepcopy(model).double(), ids, attn, resp)  # the same (bf16-valued) weights
+    assert rel_err(result.sq_grad_norms, exact) <= 0.05
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_weighted_gradient_is_summed_over_micro_batches_in_float32(model_dirs, device: str) -> None:
+    from services.learner.grad_norms import _weighted_grad_fn, accumulate_weighted_gradients
+
+    model = load(model_dirs, False, torch.bfloat16).to(device)
+    ids, attn, resp = (t.to(device) for t in make_batch(model.config.vocab_size, "right", rows=32, seed=6))
+    coef = torch.linspace(-1.0, 1.5, 32, dtype=torch.float64, device=device)
+    passes = [norm_pass(model, ids[a : a + 1], attn[a : a + 1], resp[a : a + 1]) for a in range(32)]
+    coefs = [coef[a : a + 1] for a in range(32)]
+    # the float64 reference: the same activations and signals, the same formula, no rounding until the end
+    references = {}
+    converted = [_as_float64(p) for p in passes]
+    for key, (param, _) in passes[0].params.items():
+        uses = [(use, c) for (_, us), c in zip(converted, coefs, strict=True) for use in us[key][1]]
+        shadow = torch.nn.Parameter(torch.zeros(param.shape, dtype=torch.float64, device=device))
+        references[key] = _weighted_grad_fn(shadow, uses)()
+    accumulate_weighted_gradients(passes, coefs)
+    for key, (param, _) in passes[0].params.items():
+        ref = references[key]
+        assert param.grad is not None and param.grad.dtype == torch.bfloat16
+        # one bf16 ulp of the reference's magnitude (2^-7 relative: 8 significant bits) per element
+        ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs()).exponent - 8)
+        err = ((param.grad.double() - ref).abs() / ulp)[ref != 0]
+        assert float(err.max()) <= BF16_GRAD_ULPS, (param.shape, float(err.max()))

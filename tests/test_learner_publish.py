@@ -103,3 +103,18 @@ def test_a_failed_publish_raises_on_every_rank_without_hanging(model_dir: Path) 
     assert "UNAVAILABLE" in results[0][2] or "unavailable" in results[0][2].lower()
     assert "rank 0 failed to publish version 1" in results[1][2]
     assert results[1][3] > 3 * 2  # rank 1 took part in every bucket's gather, in both attempts
+
+
+def test_the_publish_outcome_travels_on_the_backends_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL communicates CUDA tensors only: the outcome flag rank 0 broadcasts goes on the current CUDA
+    device there (a CPU flag failed at version 0 with "No backend type associated with device type cpu"),
+    on the CPU under gloo. The real NCCL broadcast runs in tests/test_trainer.py's gpu-marked publish."""
+    import torch.distributed as dist
+
+    from services.learner import publish
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert publish.collective_device() == torch.device("cuda", 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert publish.collective_device() == torch.device("cpu")

@@ -149,6 +149,12 @@ class _GradInjection(torch.autograd.Function):
         return ctx.make_grad() * out_grad, None
 
 
+def _acc(t: Tensor) -> Tensor:
+    """``t`` in an accumulation dtype: float32 for bf16/fp16 activations (their sums of products would round at
+    every addition), float32 and float64 as they are."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def _rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
     """x̂ exactly as Qwen2/Llama RMSNorm computes it (float32 statistics, cast back)."""
     h = x.to(torch.float32)
@@ -165,19 +171,20 @@ def _weighted_grad_fn(
     param: nn.Parameter, uses: list[tuple[tuple[_Capture, str], Tensor]]
 ) -> Callable[[], Tensor]:
     def make() -> Tensor:
-        grad = torch.zeros(full_shape(param), dtype=param.dtype, device=param.device)
+        # formed and summed over micro-batches in float32 at least (bf16 models: one rounding, at the end)
+        grad = torch.zeros(full_shape(param), dtype=_acc(param.data).dtype, device=param.device)
         for (cap, role), coefficients in uses:
             assert cap.x is not None and cap.delta is not None
-            d = cap.delta * coefficients.to(cap.delta.dtype)[:, None, None]
+            d = _acc(cap.delta) * coefficients.to(grad.dtype)[:, None, None]
             if cap.kind == "linear" and role == "weight":
-                grad += (d.reshape(-1, d.shape[-1]).T @ cap.x.reshape(-1, cap.x.shape[-1])).to(grad.dtype)
+                grad += d.reshape(-1, d.shape[-1]).T @ _acc(cap.x).reshape(-1, cap.x.shape[-1])
             elif cap.kind == "linear" and role == "bias":
-                grad += d.sum((0, 1)).to(grad.dtype)
+                grad += d.sum((0, 1))
             elif cap.kind == "embedding":
-                grad.index_add_(0, cap.x.reshape(-1), d.reshape(-1, d.shape[-1]).to(grad.dtype))
+                grad.index_add_(0, cap.x.reshape(-1), d.reshape(-1, d.shape[-1]))
             elif cap.kind == "rmsnorm":
-                grad += (d * _rms_normalised(cap.module, cap.x)).sum((0, 1)).to(grad.dtype)
-        return grad
+                grad += (d * _acc(_rms_normalised(cap.module, cap.x))).sum((0, 1))
+        return grad.to(param.dtype)
 
     return make
 
@@ -284,10 +291,11 @@ def _sq_norms(
         nonlocal total
         total = v.double() if total is None else total + v.double()
 
+    # every product is summed in float32 at least (_acc): bf16 Gram matrices and row sums lose ~3 digits
     for _, us in uses.values():
         for cap, role in us:
-            x, d = cap.x, cap.delta
-            assert x is not None and d is not None
+            assert cap.x is not None and cap.delta is not None
+            x, d = cap.x, _acc(cap.delta)
             if cap.kind == "linear" and role == "bias":
                 add(d.sum(1).pow(2).sum(-1))
             elif cap.kind == "linear":
@@ -295,21 +303,21 @@ def _sq_norms(
                 if t * (d_in + d_out) <= d_in * d_out:  # ghost: T×T Gram matrices
                     key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
                     if key not in gram_cache:
-                        gram_cache[key] = _gram(x)
+                        gram_cache[key] = _gram(_acc(x))
                     add((gram_cache[key] * _gram(d)).sum((1, 2)))
                 else:  # materialise each row's d_out × d_in gradient
-                    add((d.transpose(1, 2) @ x).pow(2).sum((1, 2)))
+                    add((d.transpose(1, 2) @ _acc(x)).pow(2).sum((1, 2)))
             elif cap.kind == "embedding":
                 same = (x[:, :, None] == x[:, None, :]).to(d.dtype)
                 add((_gram(d) * same).sum((1, 2)))
             else:  # rmsnorm
-                add((d * _rms_normalised(cap.module, x)).sum(1).pow(2).sum(-1))
+                add((d * _acc(_rms_normalised(cap.module, x))).sum(1).pow(2).sum(-1))
         if len(us) == 2:  # tied embedding / lm_head: the cross term 2⟨G_emb, G_head⟩
             (emb, _), (head, _) = sorted(us, key=lambda u: u[0].kind)  # "embedding" < "linear"
             assert (
                 emb.x is not None and emb.delta is not None and head.x is not None and head.delta is not None
             )
-            ids, d_emb, h, d_head = emb.x, emb.delta, head.x, head.delta
+            ids, d_emb, h, d_head = emb.x, _acc(emb.delta), _acc(head.x), _acc(head.delta)
             a = d_emb @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
             g = d_head.gather(
                 2, ids[:, None, :].expand(-1, d_head.shape[1], -1)

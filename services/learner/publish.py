@@ -32,6 +32,17 @@ from services.weight_broker.tensors import TensorSpec, dtype_name
 log = logging.getLogger(__name__)
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """The device a tensor must be on to travel through ``group`` (default: the default process group):
+    NCCL communicates CUDA tensors only (a CPU tensor fails with "No backend type associated with device type
+    cpu"), so the current CUDA device under NCCL, the CPU under gloo."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def tensor_specs(module: nn.Module) -> list[TensorSpec]:
     """The manifest of a (possibly ZeRO-3 partitioned) module: names, dtypes and full shapes, no gathering."""
     return [TensorSpec(name, dtype_name(p.dtype), full_shape(p)) for name, p in module.named_parameters()]
@@ -138,7 +149,7 @@ def publish_version(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
         if distributed:
-            flag = torch.tensor([outcome], dtype=torch.int64)
+            flag = torch.tensor([outcome], dtype=torch.int64, device=collective_device())
             dist.broadcast(flag, src=0)
             outcome = int(flag.item())
         if outcome == 0:

@@ -56,6 +56,7 @@ def resolve_precision(learner: LearnerConfig) -> str:
 
 def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config of the learner: ZeRO-3, AdamW, clipping, bf16 on GPU, fp32 on CPU."""
+    bf16 = resolve_precision(learner) == "bf16"
     return {
         "train_micro_batch_size_per_gpu": learner.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -73,7 +74,10 @@ def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
             # made that pass as costly as a full backward); torch's linear skips what is not needed
             "memory_efficient_linear": False,
         },
-        "bf16": {"enabled": resolve_precision(learner) == "bf16"},
+        "bf16": {"enabled": bf16},
+        # bf16 weights, float32 gradients once they leave the backward: ZeRO-3 otherwise reduce-scatters and
+        # sums micro-batch gradient partitions in the model's dtype (bf16 rounds every addition)
+        **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"} if bf16 else {}),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
