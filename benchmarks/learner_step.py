@@ -1,4 +1,7 @@
-"""Learner step time on 2 DeepSpeed ZeRO-3 ranks (gloo, CPU): VCPO against plain GRPO, and publishing.
+"""Learner step time on DeepSpeed ZeRO-3 ranks: VCPO against plain GRPO, and publishing.
+
+By default 2 ranks on the CPU (gloo, fp32); ``--device cuda`` runs the learner's GPU settings (a GPU per rank,
+NCCL, bf16; one rank unless --ranks says more).
 
 On a Qwen2 model of about 10M parameters (built by code), one step's batch of 2 scored groups of 8
 trajectories (64 prompt + 192 response tokens), one whole group per rank, timed side by side in one run
@@ -15,7 +18,7 @@ all rows without a graph (for whole-step statistics) and VCPO's relative cost fa
 Reported: median seconds over --rounds rounds, and the ratios. The last line is one JSON object with the
 headline figures: vcpo_over_grpo (target <= 1.5) and publish_over_step (publish over a VCPO step).
 
-    python benchmarks/learner_step.py [--quick] [--rounds 5]
+    python benchmarks/learner_step.py [--quick] [--rounds 5] [--device cuda] [--size 200m]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.vcpo_step import SPEC_10M, SPEC_QUICK
+from benchmarks.vcpo_step import SPEC_QUICK, SPECS
 from benchmarks.weight_sync import start_broker
 from services.common.tiny_model import build_tiny_model, count_parameters
 from tests.learner_ranks import run_ranks, scored_groups
@@ -42,7 +45,7 @@ TARGET_VCPO_OVER_GRPO = 1.5
 
 
 def _rank(
-    rank: int, model_dir: str, groups: list[Any], broker: str, rounds: int, micro: int
+    rank: int, model_dir: str, groups: list[Any], broker: str, rounds: int, micro: int, gpus: int
 ) -> dict[str, Any]:
     from services.learner.batching import place_groups, to_tensors
     from services.learner.config import LearnerConfig
@@ -53,7 +56,8 @@ def _rank(
 
     torch.set_num_threads(1)  # two ranks share this machine's cores
     configs = {
-        name: LearnerConfig(objective=name, micro_batch_size=micro, lr=1e-5) for name in ("grpo", "vcpo")
+        name: LearnerConfig(objective=name, micro_batch_size=micro, lr=1e-5, gpus_per_rank=gpus)
+        for name in ("grpo", "vcpo")
     }
     trainer = Trainer(configs["vcpo"], model_dir)
     batch = to_tensors([groups[i] for i in place_groups(groups, trainer.world_size)[rank]])
@@ -74,7 +78,8 @@ def _rank(
             if r:
                 times[name].append(t1 - t0)
                 times["publish"].append(t2 - t1)
-    return {"times": times, "tokens": float(batch.attention_mask.sum()), "rows": len(batch)}
+    return {"times": times, "tokens": float(batch.attention_mask.sum()), "rows": len(batch),
+            "backend": trainer.backend, "precision": trainer.precision}  # fmt: skip
 
 
 def main() -> None:
@@ -88,18 +93,28 @@ def main() -> None:
     parser.add_argument(
         "--micro-batch", type=int, default=8, help="trajectories per micro-batch on each rank"
     )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: one GPU per rank, NCCL and bf16 (the learner's GPU settings); cpu: gloo and fp32",
+    )  # fmt: skip
+    parser.add_argument("--ranks", type=int, default=0, help="learner ranks (default: 2 on CPU, 1 on CUDA)")
+    parser.add_argument("--size", choices=list(SPECS), default="10m", help="the model (without --quick)")
     args = parser.parse_args()
-    spec = SPEC_QUICK if args.quick else SPEC_10M
+    spec = SPEC_QUICK if args.quick else SPECS[args.size]
     prompt, response = (16, 48) if args.quick else (64, 192)
     rounds = 2 if args.quick else args.rounds
+    gpus = 1 if args.device == "cuda" else 0
+    ranks = args.ranks or (1 if gpus else 2)
+    if gpus and torch.cuda.device_count() < ranks:
+        parser.error(f"--ranks {ranks} needs {ranks} GPUs; this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", spec)
         params = count_parameters(model_dir)
-        groups = scored_groups(model_dir, [8, 8], (response, response), prompt, noise=0.05)
+        groups = scored_groups(model_dir, [8] * max(ranks, 2), (response, response), prompt, noise=0.05)
         broker, address, _ = start_broker(Path(tmp))
         try:
             results = run_ranks(
-                _rank, 2, str(model_dir), groups, address, rounds, args.micro_batch, timeout_s=1800
+                _rank, ranks, str(model_dir), groups, address, rounds, args.micro_batch, gpus, timeout_s=1800
             )
         finally:
             broker.stop()
@@ -108,7 +123,8 @@ def main() -> None:
     tokens = sum(r["tokens"] for r in results)
     rows = sum(r["rows"] for r in results)
     print(
-        f"model: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB fp32); 2 ZeRO-3 ranks (gloo); "
+        f"model: {params / 1e6:.1f}M parameters; {ranks} ZeRO-3 rank(s) ({results[0]['backend']}, "
+        f"{results[0]['precision']}); "
         f"{rows} trajectories of {prompt}+{response} tokens, micro-batch {args.micro_batch}; {rounds} rounds"
     )
     print(f"{'phase':<10}{'median s':>10}{'min s':>10}{'tokens/s':>10}")
@@ -123,7 +139,10 @@ def main() -> None:
         "vcpo_step_s": round(med["vcpo"], 4),
         "publish_s": round(med["publish"], 4),
         "parameters": params,
-        "ranks": 2,
+        "ranks": ranks,
+        "device": args.device,
+        "backend": results[0]["backend"],
+        "precision": results[0]["precision"],
         "micro_batch": args.micro_batch,
         "rounds": rounds,
         "target_vcpo_over_grpo": TARGET_VCPO_OVER_GRPO,

@@ -15,7 +15,10 @@ tokens (2 groups of 8; 64 prompt + 192 response tokens), on CPU, timed side by s
 The VCPO and brute-force gradients and norms are compared (max_rel_err). Reported: median seconds of
 --repeats runs per method, and ratios. The last line is one JSON object with the headline figures.
 
-    python benchmarks/vcpo_step.py [--quick] [--threads 2]
+    python benchmarks/vcpo_step.py [--quick] [--threads 2] [--device cuda --dtype bfloat16 --size 200m]
+
+In bfloat16 the comparison with brute force measures bf16 round-off of two different computations, not an
+error of the norm pass (tests/test_grad_norms.py checks its float32 reductions against float64).
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ SPEC_10M = TinyModelSpec(
     hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1024
 )
 SPEC_QUICK = TinyModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
+# for a GPU: 0.25B parameters in 16 layers of width 1024 (head_dim 64), the shape of a small real model
+SPEC_200M = TinyModelSpec(
+    hidden_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    intermediate_size=4096,
+    vocab_size=1024,
+)
+SPECS = {"10m": SPEC_10M, "200m": SPEC_200M}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_batch(model: nn.Module, rows: int, length: int, prompt: int, seed: int = 0) -> TrajectoryTensors:
@@ -51,7 +65,7 @@ def make_batch(model: nn.Module, rows: int, length: int, prompt: int, seed: int 
     device = next(model.parameters()).device
     ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=g).to(device)
     attention = torch.ones_like(ids)
-    response = torch.zeros(rows, length, dtype=torch.long)
+    response = torch.zeros(rows, length, dtype=torch.long, device=device)
     response[:, prompt:] = 1
     with torch.no_grad():
         current = token_logprobs(model, ids, attention)
@@ -154,10 +168,16 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cpu", help="cpu or cuda (brute force at micro-batch 1 underuses a GPU)"
     )
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the model's dtype")
+    parser.add_argument("--size", choices=list(SPECS), default="10m", help="the model (without --quick)")
+    parser.add_argument("--length", type=int, default=256, help="tokens per trajectory (without --quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    spec, rows, length, prompt = (SPEC_QUICK, 8, 64, 16) if args.quick else (SPEC_10M, 16, 256, 64)
+    if args.quick:
+        spec, rows, length, prompt = SPEC_QUICK, 8, 64, 16
+    else:
+        spec, rows, length, prompt = SPECS[args.size], 16, args.length, args.length // 4
     repeats = args.repeats or (1 if args.quick else 3)
 
     from transformers import AutoModelForCausalLM
@@ -167,7 +187,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", spec)
         n_params = count_parameters(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train().to(args.device)
+        model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).train().to(args.device)
+        )
     batch = make_batch(model, rows, length, prompt)
 
     # correctness first: the same norms and the same gradient
@@ -197,7 +219,7 @@ def main() -> None:
     print(
         f"model: Qwen2, {n_params / 1e6:.2f}M parameters; batch {rows} x {length} tokens ({length - prompt} response)"
     )
-    print(f"device {args.device}, threads {torch.get_num_threads()}, median of {repeats} runs")
+    print(f"device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, median of {repeats} runs")
     print(f"{'method':<18} {'seconds':>8} {'x grpo':>7} {'x vcpo':>7}")
     for name, sec in seconds.items():
         print(f"{name:<18} {sec:>8.3f} {sec / seconds['grpo']:>7.2f} {sec / seconds['vcpo']:>7.2f}")
@@ -219,6 +241,7 @@ def main() -> None:
                 "batch": [rows, length],
                 "threads": torch.get_num_threads(),
                 "device": args.device,
+                "dtype": args.dtype,
                 "targets": {"vcpo_over_grpo": "<= 1.5", "brute_over_vcpo": ">= 3"},
             }
         )

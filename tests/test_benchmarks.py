@@ -44,7 +44,18 @@ def test_vcpo_step_benchmark_quick_mode_prints_its_figures() -> None:
 @pytest.mark.gpu
 def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
     _, figures = run_quick("vcpo_step.py", "--device", "cuda")
-    assert figures["max_rel_err"] < 1e-3
+    assert figures["device"] == "cuda" and figures["max_rel_err"] < 1e-3
+    _, figures = run_quick("vcpo_step.py", "--device", "cuda", "--dtype", "bfloat16")
+    assert figures["dtype"] == "bfloat16" and figures["vcpo_over_grpo"] > 0
+    assert figures["norm_max_rel_err"] < 0.1  # bf16 round-off of two different computations
+
+
+@pytest.mark.gpu
+def test_learner_step_benchmark_runs_on_a_gpu() -> None:
+    _, figures = run_quick("learner_step.py", "--device", "cuda")
+    assert (figures["ranks"], figures["backend"], figures["precision"]) == (1, "nccl", "bf16")
+    for key in ("vcpo_over_grpo", "publish_over_step", "grpo_step_s", "vcpo_step_s", "publish_s"):
+        assert figures[key] > 0
 
 
 def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
@@ -111,3 +122,27 @@ def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
         "async_step_s",
     ):
         assert math.isfinite(figures[key]) and figures[key] > 0, (key, figures[key])
+
+
+def test_vcpo_step_benchmark_builds_its_batch_on_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor of the batch lives where the model does (``--device cuda`` failed: the response mask
+    stayed on the CPU). The meta device stands in for a GPU here: nothing is computed (the model's log-probs
+    are zeros on its device), devices are checked."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import vcpo_step
+    from benchmarks.vcpo_step import SPEC_QUICK, make_batch
+    from services.common.tiny_model import build_tiny_model
+
+    monkeypatch.setattr(
+        vcpo_step, "token_logprobs", lambda m, ids, a: torch.zeros(ids.shape, device=ids.device)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", SPEC_QUICK)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("meta")
+    batch = make_batch(model, rows=8, length=32, prompt=8)
+    devices = {name: str(getattr(batch, name).device) for name in batch.__dataclass_fields__}
+    assert set(devices.values()) == {"meta"}, devices

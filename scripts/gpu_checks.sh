@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks of the learner: every `gpu`-marked test of the learner paths and the CUDA benchmarks, logged
+# to $OUT (default runs/gpu-checks). For a machine with one CUDA GPU and this repository with its generated
+# gen/ (make proto). Where the project's Python dependencies are not installed, put their wheels in .whl/
+# (deepspeed, hjson, pydantic, pydantic-core, annotated-types, typing-inspection, redis, grpcio,
+# grpcio-health-checking, protobuf): they are installed into /tmp/site and put on the path first.
+#
+#   bash scripts/gpu_checks.sh            # tests, then benchmarks; exit status: the tests'
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/gen${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+$PY -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_benchmarks.py \
+    -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
+status=${PIPESTATUS[0]}
+
+bench() {  # name, then the script and its arguments; the last line of each is its JSON figures
+    local name=$1
+    shift
+    $PY "$@" >"$OUT/$name.log" 2>&1 || echo "FAILED: $*" >>"$OUT/$name.log"
+    echo "== $name: $*"
+    grep -v '^\[\|Warning\|warn' "$OUT/$name.log" | tail -12
+}
+bench vcpo_step_10m_fp32 benchmarks/vcpo_step.py --device cuda --repeats 5
+bench vcpo_step_10m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --repeats 5
+bench vcpo_step_200m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --size 200m --length 1024 --repeats 5
+bench learner_step_10m benchmarks/learner_step.py --device cuda --rounds 5
+bench learner_step_200m benchmarks/learner_step.py --device cuda --size 200m --rounds 5
+exit "$status"
