@@ -42,6 +42,23 @@ class LauncherConfig(Section):
     warm_start_batch_size: int = Field(32, ge=1, description="Examples per warm-start step.")
 
 
+def check_sampler_gpus(s: SamplerConfig, learner_gpus_per_rank: float) -> None:
+    """Sampler replicas hold the GPUs their engines use. With none reserved, Ray still lets each replica see
+    the node's GPUs and its vLLM engine opens cuda:0, beside the learner ranks that hold it; and a tensor-
+    parallel engine needs a whole GPU per shard."""
+    if learner_gpus_per_rank > 0 and s.gpus_per_replica == 0:
+        raise ValueError(
+            f"sampler.gpus_per_replica = 0 while learner.gpus_per_rank = {learner_gpus_per_rank:g}: on GPUs each "
+            "sampler replica must hold the GPUs its engine uses, or every replica opens cuda:0 beside the "
+            f"learner; set sampler.gpus_per_replica = {s.tensor_parallel_size} (sampler.tensor_parallel_size)"
+        )
+    if s.tensor_parallel_size > 1 and 0 < s.gpus_per_replica < s.tensor_parallel_size:
+        raise ValueError(
+            f"sampler.gpus_per_replica = {s.gpus_per_replica:g} is less than sampler.tensor_parallel_size = "
+            f"{s.tensor_parallel_size}: a tensor-parallel engine needs a GPU per shard"
+        )
+
+
 class SystemConfig(ServiceConfig):
     """A whole run file: shared sections and every service's section. Unknown sections are errors."""
 
@@ -68,6 +85,7 @@ class SystemConfig(ServiceConfig):
             )
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
+        check_sampler_gpus(s, self.learner.gpus_per_rank)
         for spec in ev.sets:
             eval_set_environment(s, spec)
         if (

@@ -209,11 +209,17 @@ class RayLauncher:
         from services.weight_broker.config import WeightBrokerServiceConfig
         from services.weight_broker.ray_actor import start_broker
 
-        self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig))
+        local_ray = not cfg.launcher.ray_address
+        self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig), local_ray)
         self.broker_metrics_url = str(ends.get("metrics_url", ""))
+        # the learner and the samplers reach the broker where it advertises itself (its node's IP on a cluster)
+        wb = cfg.weight_broker.model_copy(update={"advertise_host": ends["advertise_host"]})
+        cfg = self.cfg = cfg.model_copy(update={"weight_broker": wb})
+        write_resolved(cfg, self.run_dir)
         self._say(
             "weight_broker",
-            f"gRPC {ends.get('host')}:{ends.get('grpc_port')} ({cfg.weight_broker.transport})",
+            f"gRPC {ends['advertise_host']}:{ends.get('grpc_port')} ({cfg.weight_broker.transport}; node "
+            f"{ends.get('host')})",
         )
 
         self.learner = LearnerGroup(section(cfg, LearnerServiceConfig))

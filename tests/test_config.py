@@ -41,6 +41,26 @@ def test_every_preset_parses_for_the_system_and_every_service(preset: Path) -> N
         assert service.streams == system.streams
 
 
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p.stem != "local"], ids=lambda p: p.stem)
+def test_gpu_presets_give_every_sampler_replica_its_gpus(preset: Path) -> None:
+    cfg = load_config(SystemConfig, [preset], env={})
+    assert cfg.learner.gpus_per_rank > 0
+    assert cfg.sampler.gpus_per_replica >= cfg.sampler.tensor_parallel_size
+
+
+def test_sampler_gpus_are_checked_against_the_learner_and_tensor_parallelism() -> None:
+    with pytest.raises(ValueError, match=r"sampler\.gpus_per_replica = 0 while learner\.gpus_per_rank = 1"):
+        SystemConfig.model_validate({"learner": {"gpus_per_rank": 1}})
+    with pytest.raises(
+        ValueError, match=r"gpus_per_replica = 1 is less than sampler\.tensor_parallel_size = 2"
+    ):
+        SystemConfig.model_validate({"sampler": {"tensor_parallel_size": 2, "gpus_per_replica": 1}})
+    # shares of a GPU are fine for one-GPU engines; CPU runs reserve none
+    SystemConfig.model_validate({"sampler": {"gpus_per_replica": 0.5}, "learner": {"gpus_per_rank": 1}})
+    SystemConfig.model_validate({"sampler": {"tensor_parallel_size": 2, "gpus_per_replica": 2}})
+    SystemConfig.model_validate({})
+
+
 def test_paper_preset_has_the_paper_hyperparameters() -> None:
     cfg = load_config(SystemConfig, [p for p in PRESETS if p.stem == "qwen2.5-7b-math"], env={})
     assert (cfg.learner.lr, cfg.sampler.n, cfg.run.groups_per_step) == (1e-6, 16, 32)

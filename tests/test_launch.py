@@ -40,3 +40,11 @@ def test_a_scored_stream_too_small_for_the_checkpoint_interval_is_refused(tmp_pa
         "streams.scored_maxlen = 64 is less than (learner.checkpoint_every + 1) * run.groups_per_step = 84"
         in (out.stderr)
     )
+
+
+def test_a_gpu_learner_beside_samplers_that_hold_no_gpu_is_refused(tmp_path: Path) -> None:
+    out = launch("--run.run_dir", str(tmp_path / "run"), "--learner.gpus_per_rank", "1")
+    assert out.returncode == 2
+    assert "sampler.gpus_per_replica = 0 while learner.gpus_per_rank = 1" in out.stderr
+    assert "set sampler.gpus_per_replica = 1 (sampler.tensor_parallel_size)" in out.stderr
+    assert not (tmp_path / "run").exists()

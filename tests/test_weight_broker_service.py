@@ -67,9 +67,19 @@ def test_broker_process_serves_announces_and_stops_cleanly(
     assert proc.returncode == 0, out
 
 
+def test_the_broker_advertises_its_nodes_ip_on_a_cluster_and_the_loopback_on_one_machine() -> None:
+    from services.weight_broker.ray_actor import advertised_host
+
+    assert advertised_host("", local_ray=False, node_ip="10.1.2.3") == "10.1.2.3"
+    assert advertised_host("", local_ray=True, node_ip="10.1.2.3") == "127.0.0.1"
+    assert advertised_host("broker.rl.svc", local_ray=False, node_ip="10.1.2.3") == "broker.rl.svc"
+
+
 def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis, ray_local: object
 ) -> None:
+    """Started as on a Ray cluster with no advertise_host: it announces its node's IP, which the launcher
+    hands to the learner and the samplers (127.0.0.1 would send every other node to itself)."""
     import ray
 
     from services.weight_broker.config import WeightBrokerServiceConfig
@@ -78,17 +88,15 @@ def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
     cfg = WeightBrokerServiceConfig.model_validate(
         {
             "run": {"run_id": "ray-broker", "redis_url": redis_url, "run_dir": str(tmp_path)},
-            "weight_broker": {
-                "grpc_port": 0,
-                "data_port": 0,
-                "metrics_port": 0,
-                "advertise_host": "127.0.0.1",
-            },
+            "weight_broker": {"grpc_port": 0, "data_port": 0, "metrics_port": 0},
         }
     )
-    actor, endpoints = start_broker(cfg)
+    assert cfg.weight_broker.advertise_host == ""
+    actor, endpoints = start_broker(cfg, local_ray=False)
+    node_ip = ray.util.get_node_ip_address()
     try:
         assert endpoints["grpc_port"] > 0 and endpoints["data_port"] > 0
+        assert endpoints["advertise_host"] == endpoints["host"] == node_ip
         port = endpoints["grpc_port"]
         assert check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=5)
         tensors = {"w": torch.randn(5, 3)}
@@ -100,7 +108,7 @@ def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
         [entry] = StreamTail(
             redis_client, stream_specs(RunConfig(run_id="ray-broker"), StreamsConfig())["weights"]
         ).read()
-        assert entry.policy_version == 2 and entry.message.location == f"127.0.0.1:{port}"
+        assert entry.policy_version == 2 and entry.message.location == f"{node_ip}:{port}"
         client.close()
     finally:
         ray.get(actor.stop.remote())

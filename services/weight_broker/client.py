@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from services.common.config import RunConfig, StreamsConfig
-from services.weight_broker.config import WeightBrokerConfig
+from services.weight_broker.config import WeightBrokerConfig, broker_host
 from services.weight_broker.protocol import (
     BrokenStream,
     IntegrityError,
@@ -409,7 +409,7 @@ def transport_from_config(
     wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool = False
 ) -> WeightTransport:
     """The run's transport from its ``[weight_broker]`` section: ``tcp`` or ``grpc`` through the broker at
-    ``advertise_host``, or ``filesystem`` on the shared path (a publisher announces each version on the
+    ``advertise_host`` (127.0.0.1 when empty), or ``filesystem`` on the shared path (a publisher announces each version on the
     run's ``weights`` stream itself, as the broker would)."""
     retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
     if wb.transport == "filesystem":
@@ -423,7 +423,8 @@ def transport_from_config(
         return FilesystemTransport(
             root, wb.retain_versions, publisher, announcer, wb.chunk_bytes, run.run_id, retry
         )
-    address = f"{wb.advertise_host}:{wb.grpc_port}"
+    host = broker_host(wb)
+    address = f"{host}:{wb.grpc_port}"
     if wb.transport == "tcp":
-        return TcpTransport(address, f"{wb.advertise_host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
+        return TcpTransport(address, f"{host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
     return GrpcTransport(address, retry, wb.chunk_bytes, run.run_id)

@@ -29,9 +29,11 @@ class WeightBrokerConfig(Section):
         50053, ge=0, le=65535, description="Broker TCP data-plane port (weight bytes); 0 = a free port."
     )
     advertise_host: str = Field(
-        "127.0.0.1",
-        min_length=1,
-        description="Host name samplers reach the broker at (put in announcements).",
+        "",
+        description="Host name samplers and the learner reach the broker at (put in announcements). Empty: "
+        "the launcher fills in the broker's node IP on a Ray cluster (launcher.ray_address) and 127.0.0.1 "
+        "with a local Ray; a broker started on its own, and its clients, use 127.0.0.1 (set it when they run "
+        "on other machines; the Helm chart sets the head pod's IP).",
     )
     metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
     ray_resources: dict[str, PositiveFloat] = Field(
@@ -39,6 +41,11 @@ class WeightBrokerConfig(Section):
         description="Custom Ray resources the broker's actor asks for, e.g. {vcpo_broker = 1}: it runs only "
         "on a node that offers them (the Helm chart's head pod, whose IP it advertises).",
     )
+
+
+def broker_host(wb: WeightBrokerConfig) -> str:
+    """The host the broker is reached at: ``advertise_host``, or this machine's loopback when empty."""
+    return wb.advertise_host or "127.0.0.1"
 
 
 class WeightBrokerServiceConfig(ServiceConfig):

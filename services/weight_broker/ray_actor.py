@@ -12,26 +12,39 @@ from services.common.observability import actor_logging
 from services.weight_broker.config import WeightBrokerServiceConfig
 
 
+def advertised_host(configured: str, local_ray: bool, node_ip: str) -> str:
+    """Where samplers and the learner reach the broker: the configured host; else, on a Ray cluster, the IP of
+    the node the broker's actor landed on (127.0.0.1 would send every other node to itself); with a local Ray
+    (one machine by construction), the loopback."""
+    if configured:
+        return configured
+    return "127.0.0.1" if local_ray else node_ip
+
+
 @ray.remote(num_cpus=0.5)
 class WeightBrokerActor:
-    def __init__(self, cfg_json: str) -> None:
+    def __init__(self, cfg_json: str, local_ray: bool) -> None:
         from services.weight_broker.service import BrokerService
 
         cfg = WeightBrokerServiceConfig.model_validate_json(cfg_json)
         actor_logging("weight_broker", cfg.run.run_dir)
-        self.broker = BrokerService(cfg)
+        host = advertised_host(cfg.weight_broker.advertise_host, local_ray, ray.util.get_node_ip_address())
+        wb = cfg.weight_broker.model_copy(update={"advertise_host": host})
+        self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}))
 
     def endpoints(self) -> dict[str, Any]:
-        """The bound ports (free ones when the config asked for 0) and this node's address."""
+        """The bound ports (free ones when the config asked for 0), this node's address and the host the
+        broker advertises (``advertise_host``: what the learner and the samplers must be given)."""
         return {"host": ray.util.get_node_ip_address(), **self.broker.endpoints()}
 
     def stop(self) -> None:
         self.broker.close()
 
 
-def start_broker(cfg: WeightBrokerServiceConfig) -> tuple[Any, dict[str, Any]]:
-    """Start the broker actor and wait until it serves; returns the actor and its endpoints."""
+def start_broker(cfg: WeightBrokerServiceConfig, local_ray: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Start the broker actor and wait until it serves; returns the actor and its endpoints. ``local_ray``:
+    the Ray cluster is this machine alone (see :func:`advertised_host`)."""
     actor = WeightBrokerActor.options(  # type: ignore[attr-defined]
         name=f"vcpo-weight-broker-{cfg.run.run_id}", resources=dict(cfg.weight_broker.ray_resources)
-    ).remote(cfg.model_dump_json())
+    ).remote(cfg.model_dump_json(), local_ray)
     return actor, ray.get(actor.endpoints.remote(), timeout=120)

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.common.observability import Metrics, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
-from services.weight_broker.config import WeightBrokerServiceConfig
+from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
 from services.weight_broker.dataplane import DataPlaneServer
 from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import make_store
@@ -24,6 +24,7 @@ class BrokerService:
 
     def __init__(self, cfg: WeightBrokerServiceConfig) -> None:
         wb, run = cfg.weight_broker, cfg.run
+        self.host = broker_host(wb)  # what announcements and endpoints() name
         self.metrics = Metrics("weight_broker")
         store = make_store(wb.storage, wb.retain_versions, wb.storage_dir or run.run_dir / "weights")
         self.servicer = WeightBrokerServicer(
@@ -35,7 +36,7 @@ class BrokerService:
         ):  # announce each version on the run's `weights` stream, with the address actually bound
             weights = stream_specs(run, cfg.streams)["weights"]
             producer = StreamProducer(connect(run.redis_url), weights, StreamMetrics(self.metrics))
-            self.servicer.announcer = Announcer(producer, "grpc", f"{wb.advertise_host}:{self.server.port}")
+            self.servicer.announcer = Announcer(producer, "grpc", f"{self.host}:{self.server.port}")
         else:
             log.warning("run.redis_url is empty: versions will not be announced on the weights stream")
         self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
@@ -44,7 +45,8 @@ class BrokerService:
                  self.server.port, self.plane.port, self.http.url, wb.storage)  # fmt: skip
 
     def endpoints(self) -> dict[str, Any]:
-        return {"grpc_port": self.server.port, "data_port": self.plane.port, "metrics_url": self.http.url}
+        return {"grpc_port": self.server.port, "data_port": self.plane.port, "metrics_url": self.http.url,
+                "advertise_host": self.host}  # fmt: skip
 
     def close(self) -> None:
         self.server.stop(grace=5)
