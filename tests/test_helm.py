@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -284,7 +285,7 @@ def test_group_resources_and_gpus() -> None:
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["imagePullSecrets"] == [{"name": "regcred"}]
-        assert container(g)["image"] == "registry.example.com/rl/vcpo-rl-gpu:0.1.0-cu129"
+        assert container(g)["image"] == "registry.example.com/rl/vcpo-rl-gpu:0.1.0-cu130"
     assert "nvidia.com/gpu" not in container(reward)["resources"]["limits"]
 
 
@@ -618,6 +619,9 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
+        # pods too small for the model's weights (templates/_sizing.tpl)
+        (["sampler.resources.limits.memory=16Gi"], "sampler.resources.limits.memory = 16Gi is below the 18Gi"),
+        (["run.model=/data/models/ckpt"], "set modelSize.parameters"),
 
     ],
 )  # fmt: skip
@@ -673,3 +677,123 @@ def test_deploy_guide_names_real_paths_and_values() -> None:
         for part in key.split("."):
             assert isinstance(node, dict) and part in node, f"docs/deploy.md sets unknown value {key}"
             node = node[part]
+
+
+# ------------------------------------------------------------------- memory and /dev/shm from the model size
+GIB = 2**30
+
+
+def minimums(
+    billions: float, gpus: int = 1, dtype_bytes: int = 2, retain: int = 2, in_memory: bool = True
+) -> dict[str, int]:
+    """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version."""
+    w = billions * 1e9 * dtype_bytes / GIB
+    return {
+        # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes
+        "sampler": math.ceil((3 if gpus else 2) * w + 6 + 2 * max(1, gpus)),
+        "shm": math.ceil(w + 4) if gpus else 0,  # the file vLLM's workers read + NCCL, vLLM, Ray
+        # the broker's retained versions + the one being published, in memory; the launcher, Ray
+        "head": math.ceil((retain + 1) * w + 8) if in_memory else 8,
+    }
+
+
+def test_minimums_of_the_documented_examples() -> None:
+    # the examples docs/deploy.md gives, from the rule above
+    assert minimums(1.5 * 1.1) == {"sampler": 18, "shm": 8, "head": 18}  # Qwen2.5-1.5B, size from its name
+    assert minimums(7 * 1.1) == {"sampler": 52, "shm": 19, "head": 52}  # Qwen2.5-7B, size from its name
+    assert minimums(7.62) == {"sampler": 51, "shm": 19, "head": 51}  # Qwen2.5-7B, modelSize.parameters=7.62
+    assert minimums(7 * 1.1, gpus=2)["sampler"] == 54  # tensor parallelism 2: one more GPU worker process
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    for figure in ("18Gi", "52Gi", "54Gi", "19Gi", "51Gi"):
+        assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
+
+
+def test_default_pods_hold_the_default_model() -> None:
+    values = scenario_values("default-values.yaml")
+    assert values["modelSize"]["parameters"] == 0 and "1.5B" in values["run"]["model"]  # sized from its name
+    need = minimums(
+        1.5 * 1.1, gpus=values["sampler"]["gpusPerReplica"], retain=values["weightBroker"]["retainVersions"]
+    )
+    gi = {"sampler": values["sampler"], "head": values["head"]}
+    for name, v in gi.items():
+        for kind in ("requests", "limits"):
+            assert int(v["resources"][kind]["memory"].removesuffix("Gi")) >= need[name], (name, kind)
+    assert int(values["rayCluster"]["shmSize"].removesuffix("Gi")) >= need["shm"]
+    # every Ray pod has /dev/shm in memory, rayCluster.shmSize large (the sampler writes versions there)
+    for g in [cluster(render())["headGroupSpec"], *cluster(render())["workerGroupSpecs"]]:
+        shm = next(v for v in g["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": values["rayCluster"]["shmSize"]}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container(g)["volumeMounts"]
+
+
+SIZING_CASES = {  # name: (flags, minimums, head key is checked)
+    "1.5B from its name": ((), minimums(1.5 * 1.1)),
+    "7B from its name": (("run.model=Qwen/Qwen2.5-7B",), minimums(7 * 1.1)),
+    "7B, tensor parallel 2": (("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2"), minimums(7 * 1.1, gpus=2)),
+    "7.62B given": (("run.model=Qwen/Qwen2.5-7B", "modelSize.parameters=7.62"), minimums(7.62)),
+    "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),
+    "4 retained": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.retainVersions=4"), minimums(7 * 1.1, retain=4)),
+    "broker on disk": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.storage=disk"), minimums(7 * 1.1, in_memory=False)),
+}  # fmt: skip
+SIZED_KEYS = {  # the minimum's name -> the values it checks
+    "sampler": ("sampler.resources.requests.memory", "sampler.resources.limits.memory"),
+    "shm": ("rayCluster.shmSize",),
+    "head": ("head.resources.requests.memory", "head.resources.limits.memory"),
+}
+
+
+@pytest.mark.parametrize("case", SIZING_CASES)
+def test_pod_sizes_follow_the_model_size(case: str) -> None:
+    flags, need = SIZING_CASES[case]
+    at_minimum = {key: f"{need[name]}Gi" for name, keys in SIZED_KEYS.items() for key in keys}
+    base = [a for flag in flags for a in ("--set", flag)]
+
+    def args(values: dict[str, str]) -> list[str]:
+        return base + [a for key, value in values.items() for a in ("--set", f"{key}={value}")]
+
+    docs = render(*args(at_minimum))  # exactly the minimums: installs
+    sampler, head = container(group(docs, "sampler")), container(group(docs, "head"))
+    assert sampler["resources"]["limits"]["memory"] == f"{need['sampler']}Gi"
+    assert head["resources"]["limits"]["memory"] == f"{need['head']}Gi"
+    shm = next(v for v in group(docs, "sampler")["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["sizeLimit"] == f"{need['shm']}Gi"
+    for name, keys in SIZED_KEYS.items():
+        for key in keys:  # 1Gi less: refused, naming the value and the minimum
+            out = helm("template", "r", str(CHART), *args({**at_minimum, key: f"{need[name] - 1}Gi"}))
+            assert out.returncode != 0, f"{case}: {key} = {need[name] - 1}Gi was accepted"
+            assert f"{key} = {need[name] - 1}Gi is below the {need[name]}Gi" in errors(out), errors(out)
+            assert f"raise {key} to at least {need[name]}Gi" in errors(out)
+
+
+def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
+    # quantities in other units are compared in bytes: 18Gi = 19327352832 = 18432Mi; 17.9Gi's G is 10^9
+    for value in ("19327352832", "18432Mi", "20G"):
+        render("--set", f"sampler.resources.limits.memory={value}")
+    out = helm("template", "r", str(CHART), "--set", "sampler.resources.limits.memory=19G")
+    assert "sampler.resources.limits.memory = 19G is below the 18Gi" in errors(out)  # 19G = 17.7Gi
+    # without GPUs vLLM runs in the sampler's process: no /dev/shm file, two copies; the tiny built-in model
+    cpu = minimums(1.5 * 1.1, gpus=0)["sampler"]  # 2 × 3.1GiB + 8Gi
+    assert cpu == 15
+    for memory, ok in ((cpu, True), (cpu - 1, False)):
+        out = helm("template", "r", str(CHART), "--set", "sampler.gpusPerReplica=0", "--set", "rayCluster.shmSize=64Mi",
+                   "--set", f"sampler.resources.limits.memory={memory}Gi",
+                   "--set", f"sampler.resources.requests.memory={memory}Gi")  # fmt: skip
+        assert (out.returncode == 0) == ok, errors(out)
+    render("--set", "run.model=", "--set", "sampler.gpusPerReplica=0", "--set", "rayCluster.shmSize=64Mi",
+           "--set", "sampler.resources.limits.memory=8Gi", "--set", "sampler.resources.requests.memory=8Gi")  # fmt: skip
+
+
+def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
+    evaluation = ("-f", str(CHART / "ci" / "evaluation-values.yaml"))
+    need = minimums(7 * 1.1, gpus=2)["sampler"]  # the evaluator's engine is the samplers' (2 GPUs)
+    render(*evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need}Gi")
+    out = helm("template", "r", str(CHART), *evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need - 1}Gi")  # fmt: skip
+    assert f"raise evaluation.evaluator.resources.limits.memory to at least {need}Gi" in errors(out), errors(
+        out
+    )
+    # versions on the shared volume (storage disk or the filesystem transport): the created claim holds them
+    w = 1.5 * 1.1 * 2e9 / GIB
+    for flag in ("weightBroker.storage=disk", "weightBroker.transport=filesystem"):
+        out = helm("template", "r", str(CHART), "--set", flag, "--set", "sharedStorage.size=5Gi")
+        assert f"raise sharedStorage.size to at least {math.ceil(3 * w)}Gi" in errors(out), errors(out)
+        render("--set", flag, "--set", "sharedStorage.size=5Gi", "--set", "sharedStorage.existingClaim=mine")

@@ -1,0 +1,123 @@
+{{/*
+Memory the model's weights take in the pods, checked at install so that an undersized pod fails here, with
+the value to raise, instead of being OOM-killed at its first weight update (docs/deploy.md, "Memory and
+/dev/shm"). W = one version of the weights = modelSize.parameters × 10^9 × modelSize.dtypeBytes.
+
+  sampler pod (and a dedicated evaluator's)  3 W + 6Gi + 2Gi per GPU   the staged version, the previous one
+                                                                      (kept to roll back a failed load) and
+                                                                      the /dev/shm file vLLM's workers read
+                                                                      it from (tmpfs counts as the pod's
+                                                                      memory); the engine's processes
+                                                                      (without GPUs: 2 W, no file, + 8Gi)
+  /dev/shm (rayCluster.shmSize)              W + 4Gi                  that file, and NCCL's, vLLM's and
+                                                                      Ray's own segments
+  head pod                                   (retain + 1) W + 8Gi     the broker's retained versions and the
+                                                                      one being published, in memory
+                                                                      (storage = memory, transport tcp or
+                                                                      grpc); the launcher and Ray's control
+                                                                      plane
+  shared volume, if the chart creates it     (retain + 1) W           the versions, with storage = disk or
+                                                                      transport = filesystem (checkpoints
+                                                                      and the hub cache come on top)
+
+Every minimum is rounded up to whole Gi.
+*/}}
+
+{{- define "vcpo-rl.sizing.engineGi" -}}6{{- end -}}
+{{- define "vcpo-rl.sizing.perGpuGi" -}}2{{- end -}}
+{{- define "vcpo-rl.sizing.shmHeadroomGi" -}}4{{- end -}}
+{{- define "vcpo-rl.sizing.headGi" -}}8{{- end -}}
+
+{{/* A Kubernetes quantity (48Gi, 64G, 51539607552, ...) in GiB, as a float. */}}
+{{- define "vcpo-rl.gib" -}}
+{{- $q := toString . -}}
+{{- $suffixes := dict "" 1.0 "m" 0.001 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "E" 1000000000000000000.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- $number := regexFind `^[+]?[0-9.]+([eE][-+]?[0-9]+)?` $q -}}
+{{- $suffix := trimPrefix $number $q -}}
+{{- if or (not $number) (not (hasKey $suffixes $suffix)) -}}
+{{- fail (printf "%q is not a Kubernetes quantity" $q) -}}
+{{- end -}}
+{{- divf (mulf (float64 $number) (get $suffixes $suffix)) 1073741824.0 -}}
+{{- end -}}
+
+{{/*
+The model's parameters in billions: modelSize.parameters, else read from run.model's name (Qwen2.5-7B: 7,
+SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 for the tiny built-in model.
+*/}}
+{{- define "vcpo-rl.sizing.billions" -}}
+{{- $v := .Values -}}
+{{- if gt (float64 $v.modelSize.parameters) 0.0 -}}
+{{- float64 $v.modelSize.parameters -}}
+{{- else if not $v.run.model -}}
+0
+{{- else -}}
+{{- $name := $v.run.model | trimSuffix "/" | splitList "/" | last -}}
+{{- $size := regexFind `(^|[-_])[0-9]+(\.[0-9]+)?[BbMm]($|[-_.])` $name -}}
+{{- if not $size -}}
+{{- fail (printf "run.model = %q does not say its size in its name (like Qwen2.5-7B): set modelSize.parameters to its parameter count in billions, which the chart checks the pods' memory against (docs/deploy.md, \"Memory and /dev/shm\")" $v.run.model) -}}
+{{- end -}}
+{{- $number := float64 (regexFind `[0-9]+(\.[0-9]+)?` $size) -}}
+{{- $unit := ternary 0.001 1.0 (contains "M" (upper $size)) -}}
+{{- mulf $number $unit 1.1 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, shm, head, volume. */}}
+{{- define "vcpo-rl.sizing" -}}
+{{- $v := .Values -}}
+{{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
+{{- $wb := $cfg.weight_broker -}}
+{{- $w := divf (mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes)) 1073741824.0 -}}
+{{- $gpus := int $v.sampler.gpusPerReplica -}}
+{{- $copies := ternary 3 2 (gt $gpus 0) -}}
+{{- $engine := add (include "vcpo-rl.sizing.engineGi" .) (mul (include "vcpo-rl.sizing.perGpuGi" .) (max 1 $gpus)) -}}
+{{- $retained := add1 (int $wb.retain_versions) -}}
+{{- $inMemory := and (eq $wb.storage "memory") (ne $wb.transport "filesystem") -}}
+{{- $head := int (include "vcpo-rl.sizing.headGi" .) -}}
+{{- dict
+  "weightsGi" $w
+  "copies" $copies
+  "engineGi" $engine
+  "retained" $retained
+  "inMemory" $inMemory
+  "sampler" (ceil (addf (mulf $copies $w) $engine) | int)
+  "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
+  "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
+  "volume" (ternary 0 (ceil (mulf $retained $w) | int) $inMemory)
+  | toJson -}}
+{{- end -}}
+
+{{/*
+Fails when a memory request or limit of `resources` is below `min` Gi. Arguments: dict "key" <values path of
+the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made of>
+*/}}
+{{- define "vcpo-rl.sizing.checkMemory" -}}
+{{- $args := . -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $memory := dig $kind "memory" "" (default dict $args.resources) -}}
+{{- if and $memory (lt (float64 (include "vcpo-rl.gib" $memory)) (float64 $args.min)) -}}
+{{- fail (printf "%s.%s.memory = %v is below the %dGi %s; raise %s.%s.memory to at least %dGi" $args.key $kind $memory (int $args.min) $args.why $args.key $kind (int $args.min)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vcpo-rl.checkSizes" -}}
+{{- $v := .Values -}}
+{{- $s := include "vcpo-rl.sizing" . | fromJson -}}
+{{- $source := ternary "modelSize.parameters" "its name + 10%; modelSize.parameters sets the exact count" (gt (float64 $v.modelSize.parameters) 0.0) -}}
+{{- $model := printf "run.model %q (%.3gB parameters from %s; × %v bytes = %.1fGiB per version)" $v.run.model (float64 (include "vcpo-rl.sizing.billions" .)) $source $v.modelSize.dtypeBytes (float64 $s.weightsGi) -}}
+{{- $copies := ternary "3 copies of the weights (the staged version, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of the weights (the staged version, the previous one)" (eq (int $s.copies) 3) -}}
+{{- $why := printf "a sampler pod needs for %s: %s + %dGi for the engine's processes" $model $copies (int $s.engineGi) -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" $why) -}}
+{{- if and (include "vcpo-rl.dedicatedEvaluator" .) $v.evaluation.evaluator.resources -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "evaluation.evaluator.resources" "resources" $v.evaluation.evaluator.resources "min" $s.sampler "why" (replace "a sampler pod" "the evaluator's pod" $why)) -}}
+{{- end -}}
+{{- if and (gt (int $s.shm) 0) (lt (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $s.shm)) -}}
+{{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm)) -}}
+{{- end -}}
+{{- $held := ternary (printf "%d versions in the weight broker's memory (weightBroker.retainVersions + the one being published) + %sGi for the launcher and Ray's control plane" (int $s.retained) (include "vcpo-rl.sizing.headGi" .)) (printf "%sGi for the launcher, Ray's control plane and the weight broker (its versions are on the shared volume)" (include "vcpo-rl.sizing.headGi" .)) $s.inMemory -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "head.resources" "resources" $v.head.resources "min" $s.head "why" (printf "the head pod needs for %s: %s" $model $held)) -}}
+{{- if and (gt (int $s.volume) 0) (not $v.sharedStorage.existingClaim) (lt (float64 (include "vcpo-rl.gib" $v.sharedStorage.size)) (float64 $s.volume)) -}}
+{{- fail (printf "sharedStorage.size = %v is below the %dGi the weight broker's %d versions on the shared volume take for %s (checkpoints and the hub cache need more on top); raise sharedStorage.size to at least %dGi" $v.sharedStorage.size (int $s.volume) (int $s.retained) $model (int $s.volume)) -}}
+{{- end -}}
+{{- end -}}
