@@ -68,11 +68,13 @@ def test_broker_process_serves_announces_and_stops_cleanly(
 
 
 def test_the_broker_advertises_its_nodes_ip_on_a_cluster_and_the_loopback_on_one_machine() -> None:
+    from services.weight_broker.config import WeightBrokerConfig
     from services.weight_broker.ray_actor import advertised_host
 
-    assert advertised_host("", local_ray=False, node_ip="10.1.2.3") == "10.1.2.3"
-    assert advertised_host("", local_ray=True, node_ip="10.1.2.3") == "127.0.0.1"
-    assert advertised_host("broker.rl.svc", local_ray=False, node_ip="10.1.2.3") == "broker.rl.svc"
+    empty, named = WeightBrokerConfig(), WeightBrokerConfig(advertise_host="broker.rl.svc")
+    assert advertised_host(empty, local_ray=False, node_ip="10.1.2.3") == "10.1.2.3"
+    assert advertised_host(empty, local_ray=True, node_ip="10.1.2.3") == "127.0.0.1"
+    assert advertised_host(named, local_ray=False, node_ip="10.1.2.3") == "broker.rl.svc"
 
 
 def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(

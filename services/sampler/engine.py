@@ -363,7 +363,6 @@ class VllmEngine(GenerationEngine):
             self._paused = False
 
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._weights_epoch += 1  # before the load: whatever happens, nothing computed earlier is reused
         if self._in_process:  # the model is in this process: hand it the tensors
             self._reload(weights_iterator=iter(tensors))
             return
@@ -380,6 +379,9 @@ class VllmEngine(GenerationEngine):
             (directory / "model.safetensors").unlink(missing_ok=True)
 
     def _reload(self, **source: Any) -> None:
+        """Every load into the engine goes through here: a new prefix-cache salt first (whatever happens,
+        nothing computed earlier is reused), and vLLM's reload state finished should the load fail."""
+        self._weights_epoch += 1
         try:
             self.llm.collective_rpc("reload_weights", kwargs=source)
         except BaseException:
@@ -390,7 +392,6 @@ class VllmEngine(GenerationEngine):
             raise
 
     def _load_initial(self) -> None:
-        self._weights_epoch += 1
         self._reload(weights_path=str(self.model_dir))
 
     def close(self) -> None:

@@ -9,16 +9,16 @@ from typing import Any
 import ray
 
 from services.common.observability import actor_logging
-from services.weight_broker.config import WeightBrokerServiceConfig
+from services.weight_broker.config import WeightBrokerConfig, WeightBrokerServiceConfig, broker_host
 
 
-def advertised_host(configured: str, local_ray: bool, node_ip: str) -> str:
+def advertised_host(wb: WeightBrokerConfig, local_ray: bool, node_ip: str) -> str:
     """Where samplers and the learner reach the broker: the configured host; else, on a Ray cluster, the IP of
     the node the broker's actor landed on (127.0.0.1 would send every other node to itself); with a local Ray
-    (one machine by construction), the loopback."""
-    if configured:
-        return configured
-    return "127.0.0.1" if local_ray else node_ip
+    (one machine by construction), :func:`broker_host`'s loopback."""
+    if wb.advertise_host or local_ray:
+        return broker_host(wb)
+    return node_ip
 
 
 @ray.remote(num_cpus=0.5)
@@ -28,7 +28,7 @@ class WeightBrokerActor:
 
         cfg = WeightBrokerServiceConfig.model_validate_json(cfg_json)
         actor_logging("weight_broker", cfg.run.run_dir)
-        host = advertised_host(cfg.weight_broker.advertise_host, local_ray, ray.util.get_node_ip_address())
+        host = advertised_host(cfg.weight_broker, local_ray, ray.util.get_node_ip_address())
         wb = cfg.weight_broker.model_copy(update={"advertise_host": host})
         self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}))
 
