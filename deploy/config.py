@@ -48,9 +48,9 @@ def check_sampler_gpus(s: SamplerConfig, learner_gpus_per_rank: float) -> None:
     parallel engine needs a whole GPU per shard."""
     if learner_gpus_per_rank > 0 and s.gpus_per_replica == 0:
         raise ValueError(
-            f"sampler.gpus_per_replica = 0 while learner.gpus_per_rank = {learner_gpus_per_rank:g}: on GPUs each "
-            "sampler replica must hold the GPUs its engine uses, or every replica opens cuda:0 beside the "
-            f"learner; set sampler.gpus_per_replica = {s.tensor_parallel_size} (sampler.tensor_parallel_size)"
+            f"sampler.gpus_per_replica = 0 while learner.gpus_per_rank = {learner_gpus_per_rank:g}: on GPUs "
+            "each sampler replica must hold the GPUs its engine uses, or every replica opens cuda:0 beside "
+            f"the learner; set sampler.gpus_per_replica = {s.tensor_parallel_size} (sampler.tensor_parallel_size)"
         )
     if s.tensor_parallel_size > 1 and 0 < s.gpus_per_replica < s.tensor_parallel_size:
         raise ValueError(

@@ -212,7 +212,7 @@ class RayLauncher:
         local_ray = not cfg.launcher.ray_address
         self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig), local_ray)
         self.broker_metrics_url = str(ends.get("metrics_url", ""))
-        # the learner and the samplers reach the broker where it advertises itself (its node's IP on a cluster)
+        # the learner and the samplers reach the broker where it advertises itself (on clusters: its node IP)
         wb = cfg.weight_broker.model_copy(update={"advertise_host": ends["advertise_host"]})
         cfg = self.cfg = cfg.model_copy(update={"weight_broker": wb})
         write_resolved(cfg, self.run_dir)

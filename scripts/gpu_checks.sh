@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/gen${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -34,7 +34,8 @@ bench() {  # name, then the script and its arguments; the last line of each is i
 }
 bench vcpo_step_10m_fp32 benchmarks/vcpo_step.py --device cuda --repeats 5
 bench vcpo_step_10m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --repeats 5
-bench vcpo_step_200m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --size 200m --length 1024 --repeats 5
+bench vcpo_step_200m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --size 200m --length 1024 \
+    --repeats 5
 bench learner_step_10m benchmarks/learner_step.py --device cuda --rounds 5
 bench learner_step_200m benchmarks/learner_step.py --device cuda --size 200m --rounds 5
 exit "$status"

@@ -125,9 +125,9 @@ def test_bf16_weights_have_their_micro_batch_gradients_summed_and_reduced_in_flo
 def _step_publish_resume(
     rank: int, model_dir: str, groups: list[Any], broker: str, checkpoints: str, gpus: int
 ) -> dict[str, Any]:
-    """One rank (on a GPU over NCCL in bf16 with ``gpus = 1``, else gloo and fp32 on CPU): a step, a publish of
-    version 1 to a broker process (its outcome broadcast over the backend), a checkpoint, a second step; then a
-    new trainer resumes from the checkpoint and takes the second step again."""
+    """One rank (on a GPU over NCCL in bf16 with ``gpus = 1``, else gloo and fp32 on CPU): a step, a publish
+    of version 1 to a broker process (its outcome broadcast over the backend), a checkpoint, a second step;
+    then a new trainer resumes from the checkpoint and takes the second step again."""
     from services.learner.batching import to_tensors
     from services.learner.publish import gathered_tensors, publish_version
     from services.learner.trainer import Trainer

@@ -150,8 +150,8 @@ class _GradInjection(torch.autograd.Function):
 
 
 def _acc(t: Tensor) -> Tensor:
-    """``t`` in an accumulation dtype: float32 for bf16/fp16 activations (their sums of products would round at
-    every addition), float32 and float64 as they are."""
+    """``t`` in an accumulation dtype: float32 for bf16/fp16 activations (their sums of products would round
+    at every addition), float32 and float64 as they are."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 

@@ -3,8 +3,9 @@
     every tick:
       1. weights   WeightSync.ready() ─► apply between two engine steps
                    pause mode: stop admitting, let in-flight groups finish, then apply
-                   in_flight mode: apply now (engine.quiesce() first hands back the tokens an engine core in
-                   another process produced ahead of the loop); in-flight responses start a new version segment
+                   in_flight mode: apply now (engine.quiesce() first hands back the tokens an engine core
+                   in another process produced ahead of the loop); in-flight responses start a new version
+                   segment
       2. admit     TaskFeed.next() ─► AdmissionCounter.try_admit(loaded version)   (Redis, all replicas)
                    refused: the task is held, the sampler reports WAITING and why, newer weights are polled
       3. generate  engine.add(n requests per group) ... engine.step() ─► tokens + log-probs per response
@@ -90,9 +91,9 @@ class Sampler:
         self.max_groups_in_flight = max_groups_in_flight
         if weight_update == "in_flight" and not engine.exact_in_flight:
             raise ValueError(
-                f"sampler.weight_update = 'in_flight' needs an engine that can tell which weights produced each "
-                f"token across a swap; {type(engine).__name__} cannot (its engine core runs ahead in another "
-                "process and cannot be paused and drained): set sampler.weight_update = 'pause'"
+                "sampler.weight_update = 'in_flight' needs an engine that can tell which weights produced "
+                f"each token across a swap; {type(engine).__name__} cannot (its engine core runs ahead in "
+                "another process and cannot be paused and drained): set sampler.weight_update = 'pause'"
             )
         self.weight_update = weight_update
         self.k = admission.k

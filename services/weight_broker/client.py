@@ -409,8 +409,8 @@ def transport_from_config(
     wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool = False
 ) -> WeightTransport:
     """The run's transport from its ``[weight_broker]`` section: ``tcp`` or ``grpc`` through the broker at
-    ``advertise_host`` (127.0.0.1 when empty), or ``filesystem`` on the shared path (a publisher announces each version on the
-    run's ``weights`` stream itself, as the broker would)."""
+    ``advertise_host`` (127.0.0.1 when empty), or ``filesystem`` on the shared path (a publisher announces
+    each version on the run's ``weights`` stream itself, as the broker would)."""
     retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
     if wb.transport == "filesystem":
         root = wb.storage_dir or str(run.run_dir / "weights")
