@@ -6,12 +6,12 @@ in any table is caught before anything starts.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
-from services.learner.config import LearnerConfig, check_scored_capacity
+from services.learner.config import LearnerConfig, check_scored_capacity, resolve_max_sequence_tokens
 from services.reward.config import RewardConfig
 from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
 from services.weight_broker.config import WeightBrokerConfig
@@ -70,6 +70,11 @@ class SystemConfig(ServiceConfig):
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequence_length_from_sampler(cls, data: Any) -> Any:
+        return resolve_max_sequence_tokens(data)
 
     @model_validator(mode="after")
     def _sections_agree(self) -> SystemConfig:

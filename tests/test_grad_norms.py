@@ -220,7 +220,7 @@ def test_bf16_norms_are_reduced_in_float32(model_dirs, tied: bool, device: str) 
     model = load(model_dirs, tied, torch.bfloat16).to(device)
     ids, attn, resp = (t.to(device) for t in make_batch(model.config.vocab_size, "right", rows=8, seed=5))
     result = norm_pass(model, ids, attn, resp)
-    reference = _sq_norms(*_as_float64(result))
+    reference = _sq_norms(*_as_float64(result), ids)
     assert result.sq_grad_norms.dtype == torch.float64
     assert rel_err(result.sq_grad_norms, reference) <= BF16_NORM_TOL
     # and the whole bf16 pass stays near the float64 model's exact norms (bf16 forward noise only)

@@ -149,11 +149,15 @@ def test_every_learner_config_maps_to_an_objective() -> None:
 class _Agree:
     """Single-process collectives of a rank whose peers need ``count`` micro-batches."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, chunks: int = 0) -> None:
         self.count = count
+        self.chunks = chunks  # the head slices a peer needs per micro-batch
 
     def num_micro_batches(self, local: int) -> int:
         return max(local, self.count)
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        return [max(v, self.chunks) for v in values]
 
     def ess_ratio(self, log_weights: torch.Tensor) -> float:
         from services.learner.ess import effective_sample_size

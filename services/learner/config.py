@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, field_validator, model_validator
+from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
 from services.weight_broker.config import WeightBrokerConfig
@@ -22,6 +22,31 @@ class LearnerConfig(Section):
         "auto", description="Training precision; auto = bf16 on GPU, fp32 on CPU."
     )
     micro_batch_size: int = Field(4, ge=1, description="Trajectories per forward/backward on each rank.")
+    memory_mode: Literal["auto", "saved", "recompute"] = Field(
+        "auto",
+        description="VCPO step memory: saved keeps every micro-batch's activations until the step's "
+        "coefficients are known (fastest); recompute keeps only norms and runs a second forward and backward per "
+        "micro-batch (memory of one micro-batch); auto picks saved when the start-up estimate fits the device.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer layer's activations in the backward (both VCPO passes).",
+    )
+    logit_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Positions whose output-head logits and log-softmax exist at once (outside the saved "
+        "norm pass); 0 = the whole sequence.",
+    )
+    max_sequence_tokens: int = Field(
+        0,
+        ge=0,
+        description="Longest trajectory (prompt + response tokens) the learner's memory is sized for; "
+        "0 = the run file's sampler.max_model_len.",
+    )
+    device_memory_gb: float = Field(
+        0.0, ge=0, description="Memory one rank may use, in GiB; 0 = the GPU's total (the machine's on CPU)."
+    )
     lr: float = Field(1e-6, gt=0, description="Base learning rate η₀ (scaled per step by the ESS rule).")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -74,6 +99,23 @@ class LearnerConfig(Section):
         return v
 
 
+def resolve_max_sequence_tokens(data: Any) -> Any:
+    """A run file's raw sections with ``learner.max_sequence_tokens`` 0 set to ``sampler.max_model_len``
+    (the longest prompt + response a trajectory can have; its default when the run file does not set it)."""
+    from services.sampler.config import SamplerConfig
+
+    if not isinstance(data, dict):
+        return data
+    learner, sampler = data.get("learner"), data.get("sampler")
+    learner = learner.model_dump() if isinstance(learner, BaseModel) else dict(learner or {})
+    sampler = sampler.model_dump() if isinstance(sampler, BaseModel) else dict(sampler or {})
+    if learner.get("max_sequence_tokens", 0):
+        return data
+    default = SamplerConfig.model_fields["max_model_len"].default
+    learner["max_sequence_tokens"] = sampler.get("max_model_len", default)
+    return {**data, "learner": learner}
+
+
 def check_scored_capacity(scored_maxlen: int, learner: LearnerConfig, groups_per_step: int) -> None:
     """The learner keeps every group it consumed on `scored` until the checkpoint that covers it (that is
     what makes a restart exact), so the stream must hold a checkpoint interval of steps plus the step being
@@ -93,6 +135,11 @@ class LearnerServiceConfig(ServiceConfig):
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions go
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequence_length_from_sampler(cls, data: Any) -> Any:
+        return resolve_max_sequence_tokens(data)
 
     @model_validator(mode="after")
     def _scored_holds_a_checkpoint_interval(self) -> LearnerServiceConfig:

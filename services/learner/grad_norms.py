@@ -38,6 +38,13 @@ import torch
 from torch import Tensor, nn
 
 
+def _is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shape and dtype without values) of the memory estimate."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
@@ -102,7 +109,7 @@ def accumulate_weighted_gradients(
         b = p.sq_grad_norms.shape[0]
         if c.shape != (b,):
             raise ValueError(f"coefficients must have shape ({b},), got {tuple(c.shape)}")
-        if not torch.isfinite(c).all():
+        if not _is_fake(c) and not torch.isfinite(c).all():
             raise ValueError("coefficients must be finite")
     params = [param for param, _ in passes[0].params.values()]
     with _full_shaped(params):
@@ -246,15 +253,170 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T] log π(input_ids[:, t] | input_ids[:, <t]) in float32; column 0 (nothing predicts it) is 0."""
+def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int = 0) -> Tensor:
+    """[B, T] log π(input_ids[:, t] | input_ids[:, <t]) in float32 (float64 for a float64 model); column 0
+    (nothing predicts it) is 0.
+
+    ``chunks > 0``: the output head and the log-softmax run over that many slices of the positions, each
+    recomputed in the backward (:func:`chunked_logprobs`), so no [B, T, vocab] tensor exists at once.
+    """
+    if chunks > 0:
+        return chunked_logprobs(model, input_ids, attention_mask, chunks).logprobs
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
     ).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp = torch.log_softmax(_acc(logits[:, :-1]), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.cat([logp.new_zeros(logp.shape[0], 1), logp], dim=1)
+
+
+def chunk_count(tokens: int, chunk_tokens: int) -> int:
+    """Slices of a ``tokens``-wide row's positions for ``chunk_tokens`` at a time (0: one pass, unchunked)."""
+    positions = tokens - 1
+    if chunk_tokens <= 0 or positions <= chunk_tokens:
+        return 0
+    return -(-positions // chunk_tokens)
+
+
+# causal LMs whose logits are exactly ``lm_head(decoder(...))``: no soft-capping, scaling or bias term
+CHUNKABLE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The model's decoder (hidden states after the final norm) and output head, for chunked log-probs."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if model_type not in CHUNKABLE_MODEL_TYPES or not isinstance(head, nn.Linear) or decoder is None:
+        raise ValueError(
+            f"chunked log-probs need a causal LM whose logits are lm_head(decoder(x)) "
+            f"(model types {', '.join(CHUNKABLE_MODEL_TYPES)}); this model is {model_type!r} "
+            f"({type(model).__name__}): set learner.logit_chunk_tokens = 0"
+        )
+    return decoder, head
+
+
+@dataclass
+class ChunkedLogprobs:
+    logprobs: Tensor  # [B, T] as token_logprobs, in the graph
+    hidden: Tensor  # [B, T, H] the decoder's output (the head's input), in the graph
+    logsumexp: Tensor  # [B, T - 1] detached: log Σ_v exp(logit_tv) of positions 0..T-2
+
+
+def _head_chunk(head: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    logits = _acc(head(hidden))
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse.detach()
+
+
+def chunked_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int
+) -> ChunkedLogprobs:
+    """Log-probs with the vocabulary-sized work over ``chunks`` even slices of the positions.
+
+    The decoder runs once; the output head, the float32 logits and their log-softmax run per slice under
+    activation checkpointing, so only one slice's ``[B, slice, vocab]`` tensors exist at a time in the
+    forward and again in the backward (which recomputes the slice's logits). The head is called as a module
+    each time, so ZeRO-3 gathers its weight as in any forward; under ZeRO-3 every rank must use the same
+    ``chunks`` (the step agrees on it), since each call is a collective gather.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    decoder, head = decoder_and_head(model)
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    positions = input_ids.shape[1] - 1
+    logps, lses = [], []
+    for i in range(chunks):
+        a, b = positions * i // chunks, positions * (i + 1) // chunks
+        lp, lse = checkpoint(
+            _head_chunk, head, hidden[:, a:b], input_ids[:, a + 1 : b + 1], use_reentrant=False
+        )
+        logps.append(lp)
+        lses.append(lse)
+    logp = torch.cat([logps[0].new_zeros(input_ids.shape[0], 1), *logps], dim=1)
+    return ChunkedLogprobs(logp, hidden, torch.cat(lses, dim=1))
+
+
+@contextmanager
+def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+def head_norms(
+    norms: _Norms,
+    head: nn.Linear,
+    roles: Sequence[str],
+    hidden: Tensor,
+    logsumexp: Tensor,
+    input_ids: Tensor,
+    response_mask: Tensor,
+    vocab_chunk: int,
+    tied: bool,
+) -> None:
+    """The output head's per-row squared gradient norm, vocabulary slice by vocabulary slice.
+
+    For f = Σ_t m_t log π(y_t), the head's backward signal at position s is δ_s = m_s (e_{y_s} − p_s), with
+    p_s = exp(logits_s − logsumexp_s); a slice of it needs only that slice of the logits. Both the Gram
+    matrix Σ_v δ_t[v] δ_s[v] (ghost form) and the per-row gradient's squared norm are sums over vocabulary
+    slices, so only ``[B, T, vocab_chunk]`` exists at a time. ``tied``: also keep the head's part of the
+    cross term with the embedding (δhead_{s, id_t}) for :meth:`_Norms.tied_cross`.
+    """
+    h = hidden[:, :-1].detach()
+    targets, m = input_ids[:, 1:], response_mask[:, 1:]
+    hx = _acc(h)
+    mf = m.to(hx.dtype)
+    b_rows, s_len, width = h.shape
+    vocab = full_shape(head.weight)[0]
+    ghost = s_len * (width + vocab) <= width * vocab
+    dd = hx.new_zeros(b_rows, s_len, s_len) if ghost else None
+    weight_sq = hx.new_zeros(b_rows)
+    bias_sq = hx.new_zeros(b_rows)
+    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if tied else None
+    with gathered([p for p in head.parameters()]):
+        weight = head.weight
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            logits = _acc(
+                nn.functional.linear(h, weight[v0:v1], None if head.bias is None else head.bias[v0:v1])
+            )
+            p = torch.exp(logits - logsumexp[..., None])
+            hit = ((targets >= v0) & (targets < v1)).to(hx.dtype) * mf
+            d = (-p * mf[..., None]).scatter_add_(
+                2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None]
+            )
+            if "weight" in roles:
+                if dd is not None:
+                    dd += _gram(d)
+                else:
+                    weight_sq += (d.transpose(1, 2) @ hx).pow(2).sum((1, 2))
+            if "bias" in roles:
+                bias_sq += d.sum(1).pow(2).sum(-1)
+            if cross is not None:
+                inside = (input_ids >= v0) & (input_ids < v1)
+                idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
+                cross += torch.where(inside[:, None, :], p.gather(2, idx), 0.0)
+    if dd is not None:
+        weight_sq = (norms._input_gram(hx) * dd).sum((1, 2))
+    norms.add(weight_sq + bias_sq)
+    if cross is not None:  # δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
+        g = mf[:, :, None] * ((targets[:, :, None] == input_ids[:, None, :]).to(hx.dtype) - cross)
+        norms.head_cross = (g, hx)
 
 
 def _check_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
@@ -266,6 +428,8 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tens
                 f"{name} shape {tuple(t.shape)} differs from input_ids shape {tuple(input_ids.shape)}"
             )
     mask = response_mask.bool()
+    if _is_fake(mask):  # a memory estimate (memory.py): shapes only, no values to check
+        return mask
     if mask[:, 0].any():
         raise ValueError("response_mask[:, 0] must be 0: nothing predicts a sequence's first token")
     if (mask & ~attention_mask.bool()).any():
@@ -278,53 +442,98 @@ def _gram(a: Tensor) -> Tensor:
     return a @ a.transpose(1, 2)
 
 
+def _ghost(x: Tensor, d: Tensor) -> bool:
+    """Whether a linear layer's per-row norm is cheaper from T×T Gram matrices than from its d_out × d_in
+    per-row gradient."""
+    t, d_in, d_out = x.shape[1], x.shape[-1], d.shape[-1]
+    return t * (d_in + d_out) <= d_in * d_out
+
+
+class _Norms:
+    """Per-row squared gradient norm, summed module by module from each module's input x and output grad δ.
+
+    Every product is summed in float32 at least (:func:`_acc`): bf16 Gram matrices and row sums lose ~3
+    digits. ``gram_cache`` bounds how many inputs' Gram matrices are kept for reuse by the layers that share
+    an input (q/k/v, gate/up); the cache holds the input too, so its address cannot be reused meanwhile.
+    """
+
+    def __init__(self, ids: Tensor, gram_cache: int | None = None) -> None:
+        self.ids = ids  # the embedding's input: the tied cross term gathers the output head's δ at them
+        self.total: Tensor = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
+        self._grams: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
+        self._gram_cache = gram_cache
+        # the output head's share of a tied cross term until the embedding's δ arrives: (g, h) with
+        # g[b, s, t] = δhead_{s, id_t} and h the head's input
+        self.head_cross: tuple[Tensor, Tensor] | None = None
+
+    def add(self, v: Tensor) -> None:
+        self.total += v.double()
+
+    def _input_gram(self, x: Tensor) -> Tensor:
+        # the cache holds x, so its storage (and that storage's id) stays the same while the entry lives
+        key = (id(x.untyped_storage()), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+        hit = self._grams.get(key)
+        if hit is not None:
+            return hit[1]
+        gram = _gram(_acc(x))
+        if self._gram_cache is not None and len(self._grams) >= self._gram_cache:
+            self._grams.pop(next(iter(self._grams)))
+        self._grams[key] = (x, gram)
+        return gram
+
+    def linear(self, x: Tensor, delta: Tensor, role: str) -> None:
+        d = _acc(delta)
+        if role == "bias":
+            self.add(d.sum(1).pow(2).sum(-1))
+        elif _ghost(x, d):  # ghost: T×T Gram matrices
+            self.add((self._input_gram(x) * _gram(d)).sum((1, 2)))
+        else:  # materialise each row's d_out × d_in gradient
+            self.add((d.transpose(1, 2) @ _acc(x)).pow(2).sum((1, 2)))
+
+    def embedding(self, ids: Tensor, delta: Tensor) -> None:
+        d = _acc(delta)
+        same = (ids[:, :, None] == ids[:, None, :]).to(d.dtype)
+        self.add((_gram(d) * same).sum((1, 2)))
+
+    def rmsnorm(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
+        self.add((_acc(delta) * _acc(_rms_normalised(module, x))).sum(1).pow(2).sum(-1))
+
+    def hold_head_cross(self, head_delta: Tensor, head_x: Tensor) -> None:
+        """Keep the output head's part of the tied cross term: its δ gathered at the token ids, its input."""
+        d_head = _acc(head_delta)
+        g = d_head.gather(2, self.ids[:, None, :].expand(-1, d_head.shape[1], -1))  # [B, s, t]
+        self.head_cross = (g, _acc(head_x))
+
+    def tied_cross(self, emb_delta: Tensor) -> None:
+        """2⟨G_emb, G_head⟩ = 2 Σ_{t,s} δhead_{s, id_t} (δemb_t · h_s), with the held head part."""
+        if self.head_cross is None:
+            raise RuntimeError("tied embedding: the output head's backward signal did not reach the norms")
+        g, h = self.head_cross
+        a = _acc(emb_delta) @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
+        self.add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
+        self.head_cross = None
+
+
 def _sq_norms(
-    captures: list[_Capture], uses: dict[int, tuple[nn.Parameter, list[tuple[_Capture, str]]]]
+    captures: list[_Capture], uses: dict[int, tuple[nn.Parameter, list[tuple[_Capture, str]]]], ids: Tensor
 ) -> Tensor:
     """Per-row squared gradient norm over all trainable parameters, from saved x and δ."""
-    total: Tensor | None = None
-    gram_cache: dict[
-        tuple[Any, ...], Tensor
-    ] = {}  # x·xᵀ of an input shared by several layers (q/k/v, gate/up)
-
-    def add(v: Tensor) -> None:
-        nonlocal total
-        total = v.double() if total is None else total + v.double()
-
-    # every product is summed in float32 at least (_acc): bf16 Gram matrices and row sums lose ~3 digits
+    norms = _Norms(ids)  # the saved pass keeps every input anyway: cache every Gram
     for _, us in uses.values():
         for cap, role in us:
             assert cap.x is not None and cap.delta is not None
-            x, d = cap.x, _acc(cap.delta)
-            if cap.kind == "linear" and role == "bias":
-                add(d.sum(1).pow(2).sum(-1))
-            elif cap.kind == "linear":
-                t, d_in, d_out = x.shape[1], x.shape[-1], d.shape[-1]
-                if t * (d_in + d_out) <= d_in * d_out:  # ghost: T×T Gram matrices
-                    key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
-                    if key not in gram_cache:
-                        gram_cache[key] = _gram(_acc(x))
-                    add((gram_cache[key] * _gram(d)).sum((1, 2)))
-                else:  # materialise each row's d_out × d_in gradient
-                    add((d.transpose(1, 2) @ _acc(x)).pow(2).sum((1, 2)))
+            if cap.kind == "linear":
+                norms.linear(cap.x, cap.delta, role)
             elif cap.kind == "embedding":
-                same = (x[:, :, None] == x[:, None, :]).to(d.dtype)
-                add((_gram(d) * same).sum((1, 2)))
-            else:  # rmsnorm
-                add((d * _acc(_rms_normalised(cap.module, x))).sum(1).pow(2).sum(-1))
+                norms.embedding(cap.x, cap.delta)
+            else:
+                norms.rmsnorm(cap.module, cap.x, cap.delta)
         if len(us) == 2:  # tied embedding / lm_head: the cross term 2⟨G_emb, G_head⟩
             (emb, _), (head, _) = sorted(us, key=lambda u: u[0].kind)  # "embedding" < "linear"
-            assert (
-                emb.x is not None and emb.delta is not None and head.x is not None and head.delta is not None
-            )
-            ids, d_emb, h, d_head = emb.x, _acc(emb.delta), _acc(head.x), _acc(head.delta)
-            a = d_emb @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
-            g = d_head.gather(
-                2, ids[:, None, :].expand(-1, d_head.shape[1], -1)
-            )  # [B, s, t] = δhead_{s, id_t}
-            add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
-    assert total is not None
-    return total
+            assert emb.delta is not None and head.x is not None and head.delta is not None
+            norms.hold_head_cross(head.delta, head.x)
+            norms.tied_cross(emb.delta)
+    return norms.total
 
 
 def norm_pass(
@@ -360,7 +569,135 @@ def norm_pass(
         cap.delta = torch.zeros_like(cap.y) if d is None else d.detach()
         cap.y = None
     uses = {k: (p, [(captures[id(m)], role) for m, _, role in us]) for k, (p, us) in raw_uses.items()}
-    return NormPassResult(_sq_norms(caps, uses), logp.detach(), caps, uses)
+    return NormPassResult(_sq_norms(caps, uses, input_ids), logp.detach(), caps, uses)
+
+
+@dataclass
+class _TapSpec:
+    """One parametrised module of the streaming pass: which of its parameters train, and its tied role."""
+
+    module: nn.Module
+    kind: str  # "linear" | "embedding" | "rmsnorm"
+    roles: list[str] = field(default_factory=list)  # "weight", "bias"
+    tied: bool = False  # its weight is the tied embedding / output head
+    called: bool = False
+
+
+class _Tap(torch.autograd.Function):
+    """The identity on a module's output whose backward hands (input, output grad) to ``on_delta``.
+
+    The input is saved like any activation, so under activation checkpointing it is dropped after the forward
+    and recomputed in the backward with the rest of its layer. ``anchor`` (a scalar leaf) links every tap to
+    one tensor the backward is taken to, so the backward reaches every tap and forms no parameter gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, y: Tensor, anchor: Tensor, x: Tensor, on_delta: Callable[[Tensor, Tensor], None]
+    ) -> Tensor:
+        ctx.on_delta = on_delta
+        ctx.save_for_backward(x)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, delta: Tensor) -> tuple[Tensor, None, None, None]:
+        (x,) = ctx.saved_tensors
+        ctx.on_delta(x, delta.detach())
+        return delta, None, None, None
+
+
+def _on_delta(spec: _TapSpec, norms: _Norms) -> Callable[[Tensor, Tensor], None]:
+    def on_delta(x: Tensor, delta: Tensor) -> None:
+        if spec.kind == "linear":
+            for role in spec.roles:
+                norms.linear(x, delta, role)
+            if spec.tied:
+                norms.hold_head_cross(delta, x)
+        elif spec.kind == "embedding":
+            norms.embedding(x, delta)
+            if spec.tied:
+                norms.tied_cross(delta)
+        else:
+            norms.rmsnorm(spec.module, x, delta)
+
+    return on_delta
+
+
+@contextmanager
+def _tapping(specs: dict[int, _TapSpec], norms: _Norms, anchor: Tensor) -> Iterator[list[bool]]:
+    """Tap every module in ``specs`` while the context is open (the forward and the backward, which may
+    recompute checkpointed layers). Yields a one-item list: set it to True before the backward, after which
+    repeated calls are recomputations, not a module used twice."""
+    backward = [False]
+    handlers = {key: _on_delta(spec, norms) for key, spec in specs.items()}
+
+    def hook(module: nn.Module, inputs: tuple[Any, ...], output: Tensor) -> Tensor:
+        spec = specs[id(module)]
+        if not backward[0]:
+            if spec.called:
+                raise NotImplementedError(
+                    f"{type(module).__name__} was called twice in one forward: not supported"
+                )
+            spec.called = True
+        return _Tap.apply(output, anchor, inputs[0].detach(), handlers[id(module)])
+
+    handles = [spec.module.register_forward_hook(hook) for spec in specs.values()]
+    try:
+        yield backward
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def streaming_norm_pass(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    chunks: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Per-row squared score-gradient norms and log-probs, keeping nothing after it returns.
+
+    The same values as :func:`norm_pass`, but each module's contribution is formed inside the backward, from
+    its input and output gradient, the moment that gradient exists; both are then dropped. Peak memory is one
+    ordinary forward's activations plus one module's norm arithmetic, and activation (gradient) checkpointing
+    of the model applies. ``chunks > 0``: log-probs by :func:`chunked_logprobs`, the output head's norm by
+    :func:`head_norms` in as many vocabulary slices; no [B, T, vocab] tensor exists. Returns ``(sq_grad_norms [B] float64,
+    token_logprobs [B, T] detached)``; no parameter gradient is formed.
+    """
+    mask = _check_inputs(input_ids, attention_mask, response_mask)
+    raw_uses = _trainable_uses(model)
+    if not raw_uses:
+        raise ValueError("the model has no trainable parameters")
+    head = decoder_and_head(model)[1] if chunks > 0 else None
+    specs: dict[int, _TapSpec] = {}
+    for _, us in raw_uses.values():
+        for module, kind, role in us:
+            spec = specs.setdefault(id(module), _TapSpec(module, kind))
+            spec.roles.append(role)
+            spec.tied = spec.tied or len(us) == 2
+    head_spec = specs.pop(id(head), None) if head is not None else None
+    norms = _Norms(input_ids, gram_cache=2)
+    anchor = torch.zeros((), device=input_ids.device, requires_grad=True)
+    with torch.enable_grad(), _tapping(specs, norms, anchor) as backward:
+        if head is not None:
+            out = chunked_logprobs(model, input_ids, attention_mask, chunks)
+            logp = out.logprobs
+            if head_spec is not None:
+                vocab_chunk = -(-full_shape(head.weight)[0] // chunks)
+                head_norms(norms, head, head_spec.roles, out.hidden, out.logsumexp, input_ids, mask,
+                           vocab_chunk, head_spec.tied)  # fmt: skip
+        else:
+            logp = token_logprobs(model, input_ids, attention_mask)
+        unused = [type(s.module).__name__ for s in specs.values() if not s.called]
+        if unused:
+            raise NotImplementedError(
+                f"modules with trainable parameters were not called in the forward: {unused}"
+            )
+        f = torch.where(mask, logp, torch.zeros_like(logp)).sum()
+        backward[0] = True
+        torch.autograd.grad(f, [anchor], allow_unused=True)
+    return norms.total, logp.detach()
 
 
 def micro_batches(n: int, micro_batch_size: int | None) -> list[tuple[int, int]]:

@@ -65,6 +65,10 @@ GAUGES = {  # step metric -> (gauge name, help)
     ),
     "frac_truncated": ("vcpo_learner_truncated_fraction", "Share of trajectories whose weight was truncated"),
     "advantage_abs_mean": ("vcpo_learner_advantage_abs_mean", "Mean |advantage| of the last step"),
+    "recompute": (
+        "vcpo_learner_recompute",
+        "1 when the last step ran the recompute memory path (a second forward per micro-batch), 0 saved",
+    ),
 }
 QUANTILES = {"log_weight_min": "0", "log_weight_p50": "0.5", "log_weight_p90": "0.9",
              "log_weight_p99": "0.99", "log_weight_max": "1"}  # fmt: skip

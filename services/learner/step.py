@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,8 +36,10 @@ from services.learner.config import LearnerConfig
 from services.learner.grad_norms import (
     NormPassResult,
     accumulate_weighted_gradients,
+    chunk_count,
     micro_batches,
     norm_pass,
+    streaming_norm_pass,
     token_logprobs,
 )
 from services.learner.vcpo import (
@@ -74,6 +76,28 @@ class TrajectoryTensors:
         return int(self.input_ids.shape[0])
 
 
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How a step trades memory for time (``learner.memory_mode``, ``learner.logit_chunk_tokens``).
+
+    ``saved``: the VCPO norm pass keeps every micro-batch's activations until the step's coefficients are
+    known, then forms the gradient from them with no second forward (fastest; memory grows with the step).
+    ``recompute``: the norm pass keeps only the norms and log-probs of each micro-batch; a second, ordinary
+    forward and backward per micro-batch forms the gradient (memory of one micro-batch; one more forward).
+    ``logit_chunk_tokens > 0``: outside the saved norm pass, the output head and log-softmax run that many
+    positions at a time (no [B, T, vocab] tensor). ``auto`` is resolved before a step (memory.py).
+    """
+
+    mode: Literal["saved", "recompute"] = "saved"
+    logit_chunk_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("saved", "recompute"):
+            raise ValueError(f"memory mode must be 'saved' or 'recompute', got {self.mode!r}")
+        if self.logit_chunk_tokens < 0:
+            raise ValueError(f"logit_chunk_tokens must be >= 0, got {self.logit_chunk_tokens}")
+
+
 def objective_config(learner: LearnerConfig) -> ObjectiveConfig:
     """The pure module's objective settings from the learner's ``[learner]`` config section."""
     return ObjectiveConfig(
@@ -104,6 +128,11 @@ class StepCollectives(Protocol):
         """The global ρ from this rank's valid log weights (:func:`distributed_effective_sample_size`)."""
         ...
 
+    def max_ints(self, values: list[int]) -> list[int]:
+        """The element-wise maximum over ranks of ``values`` (the same length on every rank): how many slices
+        each micro-batch's output head runs in, since under ZeRO-3 every call gathers the head's weight."""
+        ...
+
     def loss_scale(self, metrics: dict[str, float], aggregation: str) -> float:
         """The factor turning this rank's loss (normalised by its own trajectory or token count) into its
         share of the global loss, times the world size the data-parallel gradient average divides by; 0
@@ -123,19 +152,18 @@ def backward(
     ess_ratio: float | None = None,
     backward: Backward | None = None,
     collectives: StepCollectives | None = None,
+    memory: MemoryOptions = MemoryOptions(),
 ) -> dict[str, float]:
     """The step's gradient by the right path for ``config``: the norm pass for VCPO, autograd otherwise."""
     if config.objective == "vcpo" and config.ppo_clip == 0:
-        return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio, backward, collectives)
+        return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio, backward, collectives, memory)
     norms = None
     if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
         spans = step_spans(len(batch), micro_batch_size, collectives)
-        passes = _norm_passes(model, batch, spans)
-        for p in passes:
-            p.release()
-        norms = torch.cat([p.sq_grad_norms for p in _unpadded(passes, spans)])
+        chunks = head_chunks(batch, spans, memory, collectives)
+        norms = torch.cat([n for n, _ in _unpadded(_streaming_norms(model, batch, spans, chunks), spans)])
     return policy_gradient_backward(
-        model, batch, config, micro_batch_size, ess_ratio, norms, backward, collectives
+        model, batch, config, micro_batch_size, ess_ratio, norms, backward, collectives, memory
     )
 
 
@@ -147,17 +175,22 @@ def vcpo_backward(
     ess_ratio: float | None = None,
     backward: Backward | None = None,
     collectives: StepCollectives | None = None,
+    memory: MemoryOptions = MemoryOptions(),
 ) -> dict[str, float]:
     """Accumulate the VCPO gradient of ``batch`` into ``.grad`` by the norm pass; return the step's metrics.
 
-    One backward for the whole step (``backward``: default ``Tensor.backward``, ``engine.backward`` under
-    DeepSpeed) hands every parameter its gradient from the saved activations of all micro-batches.
+    ``memory.mode == "saved"``: one backward for the whole step (``backward``: default ``Tensor.backward``,
+    ``engine.backward`` under DeepSpeed) hands every parameter its gradient from the saved activations of all
+    micro-batches. ``"recompute"``: the streaming norm pass per micro-batch, then per micro-batch an ordinary
+    forward and ``backward`` of ``Σ_i c_i Σ_t m_it log π_it``: the same gradient.
     """
     if config.objective != "vcpo" or config.ppo_clip > 0:
         raise ValueError(
             "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
         )
     spans = step_spans(len(batch), micro_batch_size, collectives)
+    if memory.mode == "recompute":
+        return _vcpo_recompute(model, batch, config, spans, ess_ratio, backward, collectives, memory)
     passes = _norm_passes(model, batch, spans)
     try:
         real = _unpadded(passes, spans)
@@ -187,6 +220,7 @@ def policy_gradient_backward(
     sq_grad_norms: Tensor | None = None,
     backward: Backward | None = None,
     collectives: StepCollectives | None = None,
+    memory: MemoryOptions = MemoryOptions(),
 ) -> dict[str, float]:
     """Accumulate the gradient of any objective by ordinary forward/backward per micro-batch.
 
@@ -200,6 +234,7 @@ def policy_gradient_backward(
         )
     run_backward = backward or Tensor.backward
     spans = step_spans(len(batch), micro_batch_size, collectives)
+    chunks = head_chunks(batch, spans, memory, collectives)
 
     def objective(logprobs: Tensor, rho: float | None) -> tuple[Tensor, dict[str, float]]:
         policy = _policy(batch, logprobs, sq_grad_norms)
@@ -208,26 +243,79 @@ def policy_gradient_backward(
         return policy_loss(policy, config, rho)
 
     if len(spans) == 1:
-        loss, metrics = objective(token_logprobs(model, *_ids(batch)), ess_ratio)
+        loss, metrics = objective(token_logprobs(model, *_ids(batch), chunks[0]), ess_ratio)
         scale = _scale(collectives, metrics, config)
         run_backward(loss * scale)
         return metrics
     with torch.no_grad():
-        scored = [token_logprobs(model, *_ids(rows)) for rows in _span_rows(batch, spans)]
+        rows_chunks = zip(_span_rows(batch, spans), chunks, strict=True)
+        scored = [token_logprobs(model, *_ids(rows), n) for rows, n in rows_chunks]
     detached = torch.cat(_unpadded(scored, spans))
     _, metrics = objective(detached, ess_ratio)
     scale = _scale(collectives, metrics, config)
     rho = metrics["ess_ratio"] if ess_ratio is None else ess_ratio
     # every micro-batch's loss is the whole-step loss restricted to its rows, with the whole-step statistics:
     # run the full-batch loss with the graph only through this micro-batch's log-probs
-    for rows, (a, b) in zip(_span_rows(batch, spans), spans, strict=True):
-        live = token_logprobs(model, *_ids(rows))
+    for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
+        live = token_logprobs(model, *_ids(rows), n)
         if b == a:  # a padding micro-batch: zero gradient, but the same collectives as the other ranks
             run_backward(live.sum() * 0.0)
             continue
         loss, _ = objective(torch.cat([detached[:a], live, detached[b:]]), rho)
         run_backward(loss * scale)
     return metrics
+
+
+def _vcpo_recompute(
+    model: nn.Module,
+    batch: TrajectoryTensors,
+    config: ObjectiveConfig,
+    spans: list[tuple[int, int]],
+    ess_ratio: float | None,
+    backward: Backward | None,
+    collectives: StepCollectives | None,
+    memory: MemoryOptions,
+) -> dict[str, float]:
+    """VCPO with memory bounded by one micro-batch: norms first, then one weighted pass per micro-batch."""
+    chunks = head_chunks(batch, spans, memory, collectives)
+    real = _unpadded(_streaming_norms(model, batch, spans, chunks), spans)
+    policy = _policy(batch, torch.cat([lp for _, lp in real]), torch.cat([n for n, _ in real]))
+    if collectives is not None:
+        ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
+    coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
+    coefficients = coefficients * _scale(collectives, metrics, config)
+    run_backward = backward or Tensor.backward
+    for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
+        # a padding micro-batch (b == a) weighs its row by 0: no gradient, the same collectives as its peers
+        c = coefficients[a:b] if b > a else coefficients.new_zeros(1)
+        logp = token_logprobs(model, *_ids(rows), n)
+        terms = torch.where(rows.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
+        run_backward((c.to(terms.dtype) * terms).sum())
+    return metrics
+
+
+def _streaming_norms(
+    model: nn.Module, batch: TrajectoryTensors, spans: list[tuple[int, int]], chunks: list[int]
+) -> list[tuple[Tensor, Tensor]]:
+    """``(sq_grad_norms, token_logprobs)`` of every span, keeping no activations."""
+    return [
+        streaming_norm_pass(model, *_ids(rows), rows.response_mask, n)
+        for rows, n in zip(_span_rows(batch, spans), chunks, strict=True)
+    ]
+
+
+def head_chunks(
+    batch: TrajectoryTensors,
+    spans: list[tuple[int, int]],
+    memory: MemoryOptions,
+    collectives: StepCollectives | None = None,
+) -> list[int]:
+    """Per span, the slices its output head runs in (0: unchunked); agreed over ranks when distributed."""
+    if memory.logit_chunk_tokens == 0:
+        return [0] * len(spans)
+    width = int(batch.input_ids.shape[1])
+    local = [chunk_count(width if b > a else 2, memory.logit_chunk_tokens) for a, b in spans]
+    return local if collectives is None else collectives.max_ints(local)
 
 
 def _norm_passes(

@@ -23,14 +23,24 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
-from services.learner.step import TrajectoryTensors, backward, objective_config
+from services.learner.grad_norms import micro_batches
+from services.learner.memory import (
+    ZERO3_MAX_LIVE_PARAMETERS,
+    ZERO3_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET,
+    ZERO3_REDUCE_BUCKET,
+    MemoryPlan,
+    device_budget,
+    plan_memory,
+)
+from services.learner.step import MemoryOptions, TrajectoryTensors, backward, objective_config
 from services.learner.vcpo import METRIC_KEYS
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,11 @@ def deepspeed_config(learner: LearnerConfig, world_size: int) -> dict[str, Any]:
             # gradient, even in the norm pass's backward to layer outputs, where it is thrown away (it
             # made that pass as costly as a full backward); torch's linear skips what is not needed
             "memory_efficient_linear": False,
+            # the working buffers the memory estimate (memory.py) counts
+            "reduce_bucket_size": ZERO3_REDUCE_BUCKET,
+            "stage3_prefetch_bucket_size": ZERO3_PREFETCH_BUCKET,
+            "stage3_max_live_parameters": ZERO3_MAX_LIVE_PARAMETERS,
+            "stage3_param_persistence_threshold": ZERO3_PERSISTENCE_THRESHOLD,
         },
         "bf16": {"enabled": bf16},
         # bf16 weights, float32 gradients once they leave the backward: ZeRO-3 otherwise reduce-scatters and
@@ -96,6 +111,11 @@ class DistCollectives:
         t = torch.tensor([local], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
 
     def ess_ratio(self, log_weights: Tensor) -> float:
         self.log_weights = [float(w) for w in log_weights.detach().cpu().tolist()]
@@ -166,7 +186,7 @@ class Trainer:
 
     def __init__(self, learner: LearnerConfig, model: str, seed: int = 0) -> None:
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         self.config = learner
@@ -179,6 +199,21 @@ class Trainer:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         torch.manual_seed(seed)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.memory_plan: MemoryPlan | None = None
+        if learner.max_sequence_tokens > 0:  # refuse a step that cannot fit before loading anything
+            self.memory_plan = plan_memory(
+                AutoConfig.from_pretrained(model), learner, self.precision, self.world_size,
+                device_budget(learner, device),
+            )  # fmt: skip
+            if self.rank == 0:
+                log.info("learner memory: %s", self.memory_plan.summary())
+        elif learner.memory_mode == "auto":
+            log.warning("learner.max_sequence_tokens is 0: no memory estimate; auto runs the saved path")
         ds_config = deepspeed_config(learner, self.world_size)
         self._hf_ds_config = HfDeepSpeedConfig(
             ds_config
@@ -186,6 +221,9 @@ class Trainer:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
         module.train()
+        if learner.activation_checkpointing:
+            # non-reentrant: the norm pass's taps save their inputs like any activation (grad_norms.py)
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW(
             module.parameters(),
             lr=learner.lr,
@@ -209,6 +247,7 @@ class Trainer:
         """One optimizer step on this rank's share of the step's groups; advances the version by one."""
         t0 = time.perf_counter()
         batch = _to(batch, self.device)
+        memory = MemoryOptions(self._memory_mode(batch), self.config.logit_chunk_tokens)
         metrics = backward(
             self.module,
             batch,
@@ -216,6 +255,7 @@ class Trainer:
             self.config.micro_batch_size,
             backward=self._backward,
             collectives=self.collectives,
+            memory=memory,
         )
         t1 = time.perf_counter()
         tokens = float(batch.attention_mask.sum())
@@ -229,12 +269,28 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         merged["grad_norm"] = math.nan if norm is None else float(norm)
         merged["lr"] = self.config.lr * merged["lr_scale"]
+        merged["recompute"] = float(memory.mode == "recompute")
         t2 = time.perf_counter()
         self.step += 1
         self.version += 1
         timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens,
                    "tokens_all_ranks": sum(t for *_, t in gathered)}  # fmt: skip
         return StepResult(self.version, self.step, merged, timings)
+
+    def _memory_mode(self, batch: TrajectoryTensors) -> Literal["saved", "recompute"]:
+        """This step's memory mode, the same on every rank (the modes run different numbers of forwards)."""
+        if self.config.memory_mode == "recompute":
+            return "recompute"
+        if self.config.memory_mode == "saved":
+            return "saved"
+        if self.memory_plan is None:
+            return "saved"
+        width = int(batch.input_ids.shape[1])
+        spans = micro_batches(len(batch), self.config.micro_batch_size)
+        local = self.memory_plan.mode_for([(b - a, width) for a, b in spans])
+        flag = torch.tensor([float(local == "recompute")], device=self.collectives.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return "recompute" if float(flag) > 0 else "saved"
 
     def _backward(self, loss: Tensor) -> None:
         # engine.forward would mark the start of a micro-step (ZeRO-3 then adds, not copies, the next
