@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, token_logprobs
+from services.learner.grad_norms import (
+    norm_pass,
+    per_trajectory_sq_grad_norms,
+    streaming_norm_pass,
+    token_logprobs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,63 @@ def test_norms_match_brute_force(
         assert got.shape == (8,) and got.dtype == torch.float64
         assert rel_err(got, expected) <= tol, (micro_batch, got, expected)
     assert all(p.grad is None for p in model.parameters())  # no parameter gradient was formed
+
+
+# the streaming pass (memory_mode recompute): norms formed inside the backward, optionally with the layers
+# checkpointed and the output head in slices of the positions (its norm by slices of the vocabulary)
+STREAMING = [(False, 0), (True, 0), (False, 4), (True, 3)]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.float64, 1e-8)], ids=["f32", "f64"])
+@pytest.mark.parametrize(
+    ("checkpointing", "chunks"), STREAMING, ids=["plain", "ckpt", "chunked", "ckpt-chunked"]
+)
+def test_streaming_norms_match_brute_force(
+    model_dirs, tied: bool, padding: str, dtype: torch.dtype, tol: float, checkpointing: bool, chunks: int
+) -> None:
+    model = load(model_dirs, tied, dtype)
+    ids, attn, resp = make_batch(model.config.vocab_size, padding)
+    expected = brute_force(model, ids, attn, resp)
+    logp = token_logprobs(model, ids, attn).detach()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for micro_batch in (1, 3, 8):
+        got, lp = [], []
+        for a in range(0, 8, micro_batch):
+            n, p = streaming_norm_pass(model, ids[a : a + micro_batch], attn[a : a + micro_batch],
+                                       resp[a : a + micro_batch], chunks)  # fmt: skip
+            got.append(n)
+            lp.append(p)
+        norms = torch.cat(got)
+        assert norms.dtype == torch.float64 and norms.shape == (8,)
+        assert rel_err(norms, expected) <= tol, (micro_batch, norms, expected)
+        assert torch.allclose(torch.cat(lp), logp, atol=1e-5 if dtype == torch.float32 else 1e-12)
+    assert all(p.grad is None for p in model.parameters())  # no parameter gradient was formed
+
+
+def test_streaming_pass_refuses_what_the_saved_pass_refuses(model_dirs) -> None:
+    model = load(model_dirs, False, torch.float32)
+    ids, attn, resp = make_batch(model.config.vocab_size, "right")
+    bad = resp.clone()
+    bad[:, 0] = 1
+    with pytest.raises(ValueError, match=r"response_mask\[:, 0\] must be 0"):
+        streaming_norm_pass(model, ids, attn, bad)
+
+    class Twice(nn.Module):  # a module used twice in one forward has no per-call norm rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+            x = torch.ones(*input_ids.shape, 4)
+            return type("Out", (), {"logits": self.lin(self.lin(x))})()
+
+    with pytest.raises(NotImplementedError, match="called twice"):
+        streaming_norm_pass(Twice(), ids[:, :5], attn[:, :5], resp[:, :5].clamp(max=0))
+    with pytest.raises(ValueError, match=r"learner\.logit_chunk_tokens = 0"):
+        streaming_norm_pass(Twice(), ids[:, :5], attn[:, :5], resp[:, :5].clamp(max=0), chunks=2)
 
 
 def test_padding_and_batch_neighbours_do_not_change_a_row(model_dirs) -> None:

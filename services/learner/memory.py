@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +140,12 @@ class StepMemory:
     retained: int  # what the saved path keeps per micro-batch until the step's backward (0: recompute)
 
 
+def drop_gradients_as_zero3(model: nn.Module) -> None:
+    """Free each parameter's gradient as soon as it is formed, as ZeRO-3's reduce-scatter does."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+
+
 def _fake_model(hf_config: Any, layers: int, dtype: torch.dtype, checkpointing: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -152,8 +158,7 @@ def _fake_model(hf_config: Any, layers: int, dtype: torch.dtype, checkpointing: 
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for p in model.parameters():  # ZeRO-3 reduce-scatters a gradient and frees it once it is formed
-        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    drop_gradients_as_zero3(model)
     return model
 
 
@@ -165,11 +170,39 @@ def _batch(rows: int, tokens: int, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
     return ids, attention, response
 
 
-def _measure(run: Callable[[LiveBytes], int]) -> tuple[int, int]:
-    tracker = LiveBytes()
-    with tracker:
-        retained = run(tracker)
-    return tracker.peak, retained
+def run_micro_batch(
+    model: nn.Module,
+    mode: str,
+    ids: Tensor,
+    attention: Tensor,
+    response: Tensor,
+    chunks: int,
+    tracker: LiveBytes,
+) -> int:
+    """One micro-batch of a step in ``mode`` ("saved", "recompute", "grpo"), its gradient handed to the
+    parameters; returns the bytes the saved path keeps until the step's backward (0 for the others)."""
+    from services.learner.grad_norms import (
+        accumulate_weighted_gradients,
+        norm_pass,
+        streaming_norm_pass,
+        token_logprobs,
+    )
+
+    coefficients = torch.ones(ids.shape[0], dtype=torch.float64, device=ids.device)
+    if mode == "saved":
+        result = norm_pass(model, ids, attention, response)
+        retained = tracker.current
+        accumulate_weighted_gradients([result], [coefficients])
+        result.release()
+        return retained
+    if mode == "recompute":
+        streaming_norm_pass(model, ids, attention, response, chunks)
+    elif mode != "grpo":
+        raise ValueError(f"mode must be saved, recompute or grpo, got {mode!r}")
+    logp = token_logprobs(model, ids, attention, chunks)
+    terms = torch.where(response.bool(), logp, torch.zeros_like(logp)).sum(1)
+    (coefficients.to(terms.dtype) * terms).sum().backward()
+    return 0
 
 
 def simulate_micro_batch(
@@ -183,42 +216,19 @@ def simulate_micro_batch(
     checkpointing: bool,
     logit_chunk_tokens: int,
 ) -> StepMemory:
-    """Peak bytes of one micro-batch of the step in ``mode`` ("saved", "recompute", "grpo") on fake tensors."""
+    """Peak bytes of one micro-batch of the step in ``mode`` on fake tensors (:func:`run_micro_batch`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from services.learner.grad_norms import (
-        accumulate_weighted_gradients,
-        chunk_count,
-        norm_pass,
-        streaming_norm_pass,
-        token_logprobs,
-    )
-
-    chunks = chunk_count(tokens, logit_chunk_tokens)
+    from services.learner.grad_norms import chunk_count
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _fake_model(hf_config, layers, dtype, checkpointing)
         ids, attention, response = _batch(rows, tokens, int(hf_config.vocab_size))
-        coefficients = torch.ones(rows, dtype=torch.float32)
-
-        def weighted(logp: Tensor) -> None:
-            terms = torch.where(response.bool(), logp, torch.zeros_like(logp)).sum(1)
-            (coefficients.to(terms.dtype) * terms).sum().backward()
-
-        def run(tracker: LiveBytes) -> int:
-            if mode == "saved":
-                result = norm_pass(model, ids, attention, response)
-                retained = tracker.current
-                accumulate_weighted_gradients([result], [coefficients.double()])
-                result.release()
-                return retained
-            if mode == "recompute":
-                streaming_norm_pass(model, ids, attention, response, chunks)
-            weighted(token_logprobs(model, ids, attention, chunks))
-            return 0
-
-        peak, retained = _measure(run)
-    return StepMemory(peak, retained)
+        tracker = LiveBytes()
+        with tracker:
+            retained = run_micro_batch(model, mode, ids, attention, response,
+                                       chunk_count(tokens, logit_chunk_tokens), tracker)  # fmt: skip
+    return StepMemory(tracker.peak, retained)
 
 
 def step_memory(
@@ -255,7 +265,7 @@ class MemoryPlan:
     saved_per_token: float
     saved_per_token_sq: float
     configured_mode: str
-    overhead: int = CUDA_CONTEXT
+    overhead: int = 0
 
     @property
     def fixed(self) -> int:
@@ -302,10 +312,11 @@ def device_budget(learner: LearnerConfig, device: torch.device) -> int:
 
 
 def plan_memory(
-    hf_config: Any, learner: LearnerConfig, precision: str, world_size: int, budget: int
+    hf_config: Any, learner: LearnerConfig, precision: str, world_size: int, budget: int, overhead: int = 0
 ) -> MemoryPlan:
     """Estimate the configured step's memory; raise ``ValueError`` naming the keys to change when even the
-    least memory-hungry allowed mode cannot fit ``budget``."""
+    least memory-hungry allowed mode cannot fit ``budget``. ``overhead``: bytes outside torch's tensors
+    (:data:`CUDA_CONTEXT` on a GPU)."""
     if learner.max_sequence_tokens < 2:
         raise ValueError(
             f"learner.max_sequence_tokens = {learner.max_sequence_tokens}: the learner's memory is sized for "
@@ -331,6 +342,7 @@ def plan_memory(
         saved_per_token=max(a, 0.0),
         saved_per_token_sq=max(b, 0.0),
         configured_mode=learner.memory_mode,
+        overhead=overhead,
     )
     least = "saved" if learner.memory_mode == "saved" else "recompute"
     if plan.peak(least) > plan.usable:
@@ -350,11 +362,3 @@ def plan_memory(
             + "; or set learner.device_memory_gb if the device has more than detected"
         )
     return plan
-
-
-@contextmanager
-def tracking() -> Iterator[LiveBytes]:
-    """A :class:`LiveBytes` over real tensors (tests and the CPU benchmark)."""
-    tracker = LiveBytes()
-    with tracker:
-        yield tracker

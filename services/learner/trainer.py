@@ -32,6 +32,7 @@ from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
 from services.learner.grad_norms import micro_batches
 from services.learner.memory import (
+    CUDA_CONTEXT,
     ZERO3_MAX_LIVE_PARAMETERS,
     ZERO3_PERSISTENCE_THRESHOLD,
     ZERO3_PREFETCH_BUCKET,
@@ -208,7 +209,7 @@ class Trainer:
         if learner.max_sequence_tokens > 0:  # refuse a step that cannot fit before loading anything
             self.memory_plan = plan_memory(
                 AutoConfig.from_pretrained(model), learner, self.precision, self.world_size,
-                device_budget(learner, device),
+                device_budget(learner, device), CUDA_CONTEXT if device.type == "cuda" else 0,
             )  # fmt: skip
             if self.rank == 0:
                 log.info("learner memory: %s", self.memory_plan.summary())

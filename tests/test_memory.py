@@ -1,0 +1,154 @@
+"""The learner's memory estimate: the tracker, the fake-tensor simulation against the real step, the
+start-up refusal, and the 7B preset and Helm values on 80 GB GPUs."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.learner.config import LearnerConfig
+from services.learner.memory import (
+    CUDA_CONTEXT,
+    HEADROOM,
+    GiB,
+    LiveBytes,
+    drop_gradients_as_zero3,
+    plan_memory,
+    run_micro_batch,
+    step_memory,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def qwen25_7b_config():  # type: ignore[no-untyped-def]
+    """Qwen/Qwen2.5-7B's config.json, by value (no download)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+
+
+def test_live_bytes_counts_what_is_allocated_and_frees_it() -> None:
+    lins = torch.nn.Sequential(*[torch.nn.Linear(100, 100, bias=False) for _ in range(3)])
+    x = torch.randn(10, 100)
+    tracker = LiveBytes()
+    with tracker:
+        # three [10, 100] float32 outputs, of which the backward keeps the two that are inputs of a Linear
+        # (the last is freed: sum needs only its shape); the weights' transposes are views: nothing
+        y = lins(x).sum()
+        assert tracker.current == 2 * 10 * 100 * 4 + 4
+        assert tracker.peak == 3 * 10 * 100 * 4 + 4
+        y.backward()
+    del y
+    # what is left: the three weight gradients
+    assert tracker.current == 3 * 100 * 100 * 4
+    assert tracker.peak >= tracker.current
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinyModelSpec(hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=128, vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    return build_tiny_model(tmp_path_factory.mktemp("memory") / "model", spec)
+
+
+@pytest.mark.parametrize(("mode", "checkpointing", "chunk"), [("saved", False, 0), ("recompute", False, 0),
+                         ("recompute", True, 32), ("grpo", False, 0), ("grpo", True, 32)])  # fmt: skip
+def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointing: bool, chunk: int) -> None:
+    """Fake tensors at one and two layers, extrapolated to three, against the real three-layer step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.learner.grad_norms import chunk_count
+
+    rows, tokens = 2, 96
+    estimate = step_memory(AutoConfig.from_pretrained(tiny), mode=mode, rows=rows, tokens=tokens,
+                           dtype=torch.float32, checkpointing=checkpointing, logit_chunk_tokens=chunk)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny, dtype=torch.float32, attn_implementation="sdpa"
+    ).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    drop_gradients_as_zero3(model)
+    ids = torch.randint(0, 512, (rows, tokens))
+    attention = torch.ones_like(ids)
+    response = torch.ones_like(ids)
+    response[:, 0] = 0
+    # a padded row, as in training: the model then builds an attention mask, as it must on fake tensors (it
+    # cannot look at their values to see that a mask of ones needs none)
+    attention[1, :5] = response[1, :6] = 0
+    tracker = LiveBytes()
+    with tracker:
+        retained = run_micro_batch(model, mode, ids, attention, response, chunk_count(tokens, chunk), tracker)
+    assert estimate.peak == pytest.approx(tracker.peak, rel=0.05), (estimate, tracker.peak)
+    assert estimate.retained == pytest.approx(retained, rel=0.05)
+    assert (retained > 0) == (mode == "saved")
+
+
+def test_a_step_that_cannot_fit_is_refused_naming_the_keys(tiny: Path) -> None:
+    from transformers import AutoConfig
+
+    learner = LearnerConfig(micro_batch_size=8, max_sequence_tokens=512)
+    with pytest.raises(ValueError, match="cannot fit") as err:
+        plan_memory(AutoConfig.from_pretrained(tiny), learner, "fp32", 1, budget=64 * 2**20)
+    for key in ("learner.micro_batch_size (8)", "learner.max_sequence_tokens", "learner.activation_checkpointing",
+                "learner.num_ranks", "learner.device_memory_gb"):  # fmt: skip
+        assert key in str(err.value)
+    with pytest.raises(ValueError, match="max_sequence_tokens = 0"):
+        plan_memory(AutoConfig.from_pretrained(tiny), LearnerConfig(), "fp32", 1, budget=GiB)
+    # enough memory: auto runs saved while the step's saved activations fit, recompute beyond
+    plan = plan_memory(AutoConfig.from_pretrained(tiny), learner, "fp32", 1, budget=4 * GiB)
+    assert plan.mode_for([(8, 512)]) == "saved"
+    assert (
+        plan.saved_step_peak([(8, 512)] * 64) > plan.saved_step_peak([(8, 512)] * 2) > plan.peak("recompute")
+    )
+    # a budget between the recompute step and a long saved step: auto switches to recompute for the long one
+    between = (plan.peak("recompute") + plan.saved_step_peak([(8, 512)] * 40)) // 2
+    tight = plan_memory(
+        AutoConfig.from_pretrained(tiny), learner, "fp32", 1, budget=int(between / (1 - HEADROOM))
+    )
+    assert tight.mode_for([(8, 512)]) == "saved" and tight.mode_for([(8, 512)] * 40) == "recompute"
+
+
+def _preset(name: str) -> LearnerConfig:
+    from deploy.config import SystemConfig
+
+    return SystemConfig(**tomllib.loads((ROOT / "deploy" / "presets" / name).read_text())).learner
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b-math.toml", "qwen2.5-7b-simpletir.toml"])
+def test_the_7b_presets_fit_80gb_gpus(preset: str) -> None:
+    learner = _preset(preset)
+    assert learner.max_sequence_tokens >= 4096  # sized for sampler.max_model_len
+    plan = plan_memory(qwen25_7b_config(), learner, "bf16", learner.num_ranks, 80 * 10**9, CUDA_CONTEXT)
+    assert plan.peak("recompute") <= plan.usable, plan.summary()
+    # and the saved path alone could not hold a step of the preset's rows (16 per group, 4 groups per rank)
+    rows = 16 * 4
+    step = [(learner.micro_batch_size, learner.max_sequence_tokens)] * (rows // learner.micro_batch_size)
+    assert plan.saved_step_peak(step) > plan.usable
+    assert plan.mode_for(step) == "recompute"
+
+
+def test_the_helm_7b_values_fit_80gb_gpus(tmp_path: Path) -> None:
+    from tests.test_helm import render, run_config, scenario_args
+
+    _, cfg = run_config(render(*scenario_args("multi-gpu-values.yaml")), tmp_path)
+    assert cfg.run.model == "Qwen/Qwen2.5-7B" and cfg.learner.activation_checkpointing
+    plan = plan_memory(
+        qwen25_7b_config(), cfg.learner, "bf16", cfg.learner.num_ranks, 80 * 10**9, CUDA_CONTEXT
+    )
+    assert plan.peak("recompute") <= plan.usable, plan.summary()
+
+
+def test_max_sequence_tokens_follows_the_sampler() -> None:
+    from services.learner.config import LearnerServiceConfig
+
+    assert LearnerServiceConfig(sampler={"max_model_len": 3000}).learner.max_sequence_tokens == 3000  # type: ignore[call-arg]
+    assert LearnerServiceConfig().learner.max_sequence_tokens == 4096  # the sampler's default
+    cfg = LearnerServiceConfig(learner={"max_sequence_tokens": 777}, sampler={"max_model_len": 3000})  # type: ignore[call-arg]
+    assert cfg.learner.max_sequence_tokens == 777
