@@ -58,6 +58,26 @@ def test_learner_step_benchmark_runs_on_a_gpu() -> None:
         assert figures[key] > 0
 
 
+def test_learner_memory_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("learner_memory.py")
+    assert sum(line.split()[2:3] == ["recompute"] for line in lines) == 4  # 2 lengths x 1 and 8 micro-batches
+    # peaks are exact live bytes (no timing noise): the recompute path's memory is one micro-batch's, the
+    # saved path's grows with the step; the start-up estimate (fake tensors) is within 15% of the real step
+    assert figures["vcpo_peak_over_grpo"] <= 1.25
+    assert figures["peak_growth_over_microbatches"] <= 1.1
+    assert figures["saved_growth_over_microbatches"] > 2
+    assert 0.85 <= figures["estimate_over_measured"] <= 1.15
+    assert figures["recompute_time_over_grpo"] > 0 and figures["bytes_per_token"] > 0
+
+
+@pytest.mark.gpu
+def test_learner_memory_benchmark_runs_on_a_gpu() -> None:
+    # the tiny quick model: the allocator's 512-byte rounding of small tensors makes its peak no test of
+    # the estimate; scripts/gpu_checks.sh runs the 0.5B-shaped model for that
+    _, figures = run_quick("learner_memory.py", "--device", "cuda")
+    assert figures["device"] == "cuda" and figures["peak_growth_over_microbatches"] <= 1.1
+
+
 def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("weight_sync.py")  # exits non-zero if any fetcher got different bytes
     assert "all fetchers' digests equal the publisher's" in lines

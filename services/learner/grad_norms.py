@@ -25,6 +25,13 @@ The step's loss gradient is Σ_i c_i ∇f_i for per-trajectory coefficients c_i 
 :meth:`NormPassResult.accumulate_weighted_gradients` forms Σ_i c_i δ_iᵀ x_i from what the pass saved and
 hands each parameter its gradient through a one-node autograd function: an ordinary backward, so gradient
 hooks (ZeRO-3's partition-and-reduce) run as usual, with no second forward or full backward.
+
+That keeps every micro-batch's x and δ until the step's coefficients are known. :func:`streaming_norm_pass`
+keeps nothing: a tap after each module saves its input as an ordinary activation (so activation checkpointing
+may drop and recompute it) and, in the backward, adds the module's term from (x, δ) the moment δ exists.
+With the output head in slices of the positions (:func:`chunked_logprobs`), the head's term comes from
+slices of the vocabulary instead (:func:`head_norms`): δ_s = m_s (e_{y_s} − softmax_s) needs only a slice
+of the logits, and both the Gram and the per-row forms are sums over vocabulary slices.
 """
 
 from __future__ import annotations
@@ -358,6 +365,7 @@ def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
         yield
 
 
+@torch.no_grad()
 def head_norms(
     norms: _Norms,
     head: nn.Linear,
@@ -697,7 +705,7 @@ def streaming_norm_pass(
         f = torch.where(mask, logp, torch.zeros_like(logp)).sum()
         backward[0] = True
         torch.autograd.grad(f, [anchor], allow_unused=True)
-    return norms.total, logp.detach()
+    return norms.total.detach(), logp.detach()
 
 
 def micro_batches(n: int, micro_batch_size: int | None) -> list[tuple[int, int]]:

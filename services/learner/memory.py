@@ -301,14 +301,19 @@ class MemoryPlan:
 
 
 def device_budget(learner: LearnerConfig, device: torch.device) -> int:
-    """Bytes one rank may use: ``learner.device_memory_gb``, else the GPU's total, else the machine's."""
+    """Bytes one rank may use: ``learner.device_memory_gb``, else the GPU's total, else the machine's (or its
+    container's limit)."""
     if learner.device_memory_gb > 0:
         return int(learner.device_memory_gb * GiB)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     import os
+    from pathlib import Path
 
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    limit = Path("/sys/fs/cgroup/memory.max")  # a container's limit (cgroup v2), when it has one
+    text = limit.read_text().strip() if limit.is_file() else "max"
+    return min(total, int(text)) if text.isdigit() else total
 
 
 def plan_memory(

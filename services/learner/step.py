@@ -2,19 +2,26 @@
 
     TrajectoryTensors (prompt+response rows, behaviour log-probs, rewards, group ids)
       │
-      ├─ objective "vcpo" without PPO clipping:
+      ├─ objective "vcpo" without PPO clipping, memory mode "saved":
       │    per micro-batch: norm_pass → log π (detached), ‖∇ log π(τ_i)‖², saved activations
       │    whole step:      trajectory_coefficients → c_i, ESS, ρ, OPOB, metrics   (vcpo.py, pure)
       │    one backward:    accumulate_weighted_gradients(c) → .grad               (no second forward)
       │
+      ├─ objective "vcpo" without PPO clipping, memory mode "recompute":
+      │    per micro-batch: streaming_norm_pass → log π, ‖∇ log π(τ_i)‖²            (nothing kept)
+      │    whole step:      trajectory_coefficients → c_i ...
+      │    per micro-batch: forward → backward of Σ_i c_i Σ_t m_it log π_it          (ordinary autograd)
+      │
       └─ any other objective (GRPO, RLOO, REINFORCE) or PPO clipping (per-token weights):
-           [vcpo: norms by the norm pass, activations released]
+           [vcpo: norms by the streaming norm pass]
            per micro-batch: forward → policy_loss → backward                       (ordinary autograd)
 
 Both leave the step's gradient in the parameters' ``.grad`` and return the metrics; the caller applies
-``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The VCPO path
-keeps every micro-batch's activations until the coefficients are known; that is the memory of one batched
-forward of the step's trajectories.
+``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The saved VCPO
+path keeps every micro-batch's activations until the coefficients are known (the memory of one batched forward
+of the step's trajectories); the recompute path's memory is one micro-batch's (:class:`MemoryOptions`).
+With ``logit_chunk_tokens``, every path but the saved norm pass runs the output head in slices of the
+positions, as many per micro-batch on every rank.
 
 Distributed (DeepSpeed ZeRO-3, each rank holding whole groups): pass ``backward=engine.backward`` and a
 :class:`StepCollectives`. Then every rank runs the same number of micro-batches (padding rows where it has
