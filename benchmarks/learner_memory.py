@@ -3,7 +3,8 @@
 A Qwen2-architecture model built from a config with random weights (no download), sized for the machine:
 on the CPU about 7M parameters with a vocabulary of 8192 (32 x the width, like Qwen2.5-7B's 42x), fp32;
 with ``--device cuda`` Qwen2.5-0.5B's shape (or --size 1.5b) in bf16 at 2k tokens. For each sequence length
-and each count of micro-batches per step (``--rows`` trajectories each), one step's gradient by:
+and each count of micro-batches per step (``--rows`` trajectories each, every other one left-padded by 8
+tokens, so the model builds an attention mask as in training), one step's gradient by:
 
   grpo       the ordinary path: score all rows without a graph (whole-step statistics), then forward +
              backward per micro-batch
@@ -146,6 +147,9 @@ def main() -> None:
         chunk = args.chunk or max(length // 4, 1)
         for n in micro:
             batch = make_batch(model, rows * n, length, length // 4, seed=length + n)
+            # ragged rows, as in training: every other row is left-padded, so the model builds an attention mask
+            batch.attention_mask[1::2, :8] = 0
+            batch.response_mask[1::2, :8] = 0
             for path in PATHS:
                 peaks[length, n, path] = _peak(model, batch, path, rows, chunk, args.device)
             samples: dict[str, list[float]] = {p: [] for p in PATHS}
