@@ -391,8 +391,7 @@ def head_norms(
     mf = m.to(hx.dtype)
     b_rows, s_len, width = h.shape
     vocab = full_shape(head.weight)[0]
-    ghost = s_len * (width + vocab) <= width * vocab
-    dd = hx.new_zeros(b_rows, s_len, s_len) if ghost else None
+    dd = hx.new_zeros(b_rows, s_len, s_len) if _ghost(s_len, width, vocab) else None
     weight_sq = hx.new_zeros(b_rows)
     bias_sq = hx.new_zeros(b_rows)
     cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if tied else None
@@ -420,7 +419,7 @@ def head_norms(
                 idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
                 cross += torch.where(inside[:, None, :], p.gather(2, idx), 0.0)
     if dd is not None:
-        weight_sq = (norms._input_gram(hx) * dd).sum((1, 2))
+        weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
     norms.add(weight_sq + bias_sq)
     if cross is not None:  # δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
         g = mf[:, :, None] * ((targets[:, :, None] == input_ids[:, None, :]).to(hx.dtype) - cross)
@@ -450,11 +449,10 @@ def _gram(a: Tensor) -> Tensor:
     return a @ a.transpose(1, 2)
 
 
-def _ghost(x: Tensor, d: Tensor) -> bool:
+def _ghost(tokens: int, d_in: int, d_out: int) -> bool:
     """Whether a linear layer's per-row norm is cheaper from T×T Gram matrices than from its d_out × d_in
     per-row gradient."""
-    t, d_in, d_out = x.shape[1], x.shape[-1], d.shape[-1]
-    return t * (d_in + d_out) <= d_in * d_out
+    return tokens * (d_in + d_out) <= d_in * d_out
 
 
 class _Norms:
@@ -477,7 +475,7 @@ class _Norms:
     def add(self, v: Tensor) -> None:
         self.total += v.double()
 
-    def _input_gram(self, x: Tensor) -> Tensor:
+    def input_gram(self, x: Tensor) -> Tensor:
         # the cache holds x, so its storage (and that storage's id) stays the same while the entry lives
         key = (id(x.untyped_storage()), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
         hit = self._grams.get(key)
@@ -493,8 +491,8 @@ class _Norms:
         d = _acc(delta)
         if role == "bias":
             self.add(d.sum(1).pow(2).sum(-1))
-        elif _ghost(x, d):  # ghost: T×T Gram matrices
-            self.add((self._input_gram(x) * _gram(d)).sum((1, 2)))
+        elif _ghost(x.shape[1], x.shape[-1], d.shape[-1]):  # ghost: T×T Gram matrices
+            self.add((self.input_gram(x) * _gram(d)).sum((1, 2)))
         else:  # materialise each row's d_out × d_in gradient
             self.add((d.transpose(1, 2) @ _acc(x)).pow(2).sum((1, 2)))
 

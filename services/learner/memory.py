@@ -79,9 +79,6 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, n: int) -> None:
         self.current -= n
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
 
 @contextmanager
 def _without_zero3() -> Iterator[None]:
@@ -106,7 +103,6 @@ class ModelShape:
 
     num_params: int
     largest_param: int  # elements of the largest single weight (ZeRO-3 gathers it whole)
-    num_layers: int
 
 
 def model_shape(hf_config: Any) -> ModelShape:
@@ -116,7 +112,7 @@ def model_shape(hf_config: Any) -> ModelShape:
     with torch.device("meta"), _without_zero3():
         model = AutoModelForCausalLM.from_config(hf_config)
     params = {id(p): p.numel() for p in model.parameters()}  # tied weights once
-    return ModelShape(sum(params.values()), max(params.values()), int(hf_config.num_hidden_layers))
+    return ModelShape(sum(params.values()), max(params.values()))
 
 
 def model_state_bytes(shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:

@@ -201,15 +201,14 @@ def vcpo_backward(
     passes = _norm_passes(model, batch, spans)
     try:
         real = _unpadded(passes, spans)
-        policy = _policy(
+        coefficients, metrics = _step_coefficients(
             batch,
             torch.cat([p.token_logprobs for p in real]),
             torch.cat([p.sq_grad_norms for p in real]),
+            config,
+            ess_ratio,
+            collectives,
         )
-        if collectives is not None:
-            ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
-        coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
-        coefficients = coefficients * _scale(collectives, metrics, config)
         per_pass = [coefficients[a:b] if b > a else coefficients.new_zeros(1) for a, b in spans]
         accumulate_weighted_gradients(passes, per_pass, backward)
     finally:
@@ -286,11 +285,8 @@ def _vcpo_recompute(
     """VCPO with memory bounded by one micro-batch: norms first, then one weighted pass per micro-batch."""
     chunks = head_chunks(batch, spans, memory, collectives)
     real = _unpadded(_streaming_norms(model, batch, spans, chunks), spans)
-    policy = _policy(batch, torch.cat([lp for _, lp in real]), torch.cat([n for n, _ in real]))
-    if collectives is not None:
-        ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
-    coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
-    coefficients = coefficients * _scale(collectives, metrics, config)
+    logprobs, norms = torch.cat([lp for _, lp in real]), torch.cat([n for n, _ in real])
+    coefficients, metrics = _step_coefficients(batch, logprobs, norms, config, ess_ratio, collectives)
     run_backward = backward or Tensor.backward
     for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
         # a padding micro-batch (b == a) weighs its row by 0: no gradient, the same collectives as its peers
@@ -299,6 +295,23 @@ def _vcpo_recompute(
         terms = torch.where(rows.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
         run_backward((c.to(terms.dtype) * terms).sum())
     return metrics
+
+
+def _step_coefficients(
+    batch: TrajectoryTensors,
+    logprobs: Tensor,
+    sq_grad_norms: Tensor,
+    config: ObjectiveConfig,
+    ess_ratio: float | None,
+    collectives: StepCollectives | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The step's per-trajectory coefficients (global ρ when distributed, scaled to this rank's share of the
+    global loss) and its metrics, from the norm passes' log-probs and norms of all rows."""
+    policy = _policy(batch, logprobs, sq_grad_norms)
+    if collectives is not None:
+        ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
+    coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
+    return coefficients * _scale(collectives, metrics, config), metrics
 
 
 def _streaming_norms(
