@@ -127,6 +127,44 @@ def test_streaming_norms_match_brute_force(
     assert all(p.grad is None for p in model.parameters())  # no parameter gradient was formed
 
 
+@pytest.mark.parametrize("form", ["ghost", "per-row"])
+@pytest.mark.parametrize("variant", ["head-bias", "frozen-head", "head-only", "frozen-decoder-tied"])
+def test_sliced_head_pass_matches_brute_force(
+    model_dirs, monkeypatch: pytest.MonkeyPatch, form: str, variant: str
+) -> None:
+    """The output head's share without autograd (head_pass): its norm in both forms, with a bias, and
+    ∂f/∂hidden into the decoder's backward whether the head trains or not."""
+    import services.learner.grad_norms as gn
+
+    model = load(model_dirs, variant == "frozen-decoder-tied", torch.float64)
+    if variant == "head-bias":
+        old = model.lm_head
+        model.lm_head = nn.Linear(old.in_features, old.out_features, bias=True, dtype=torch.float64)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(old.weight)
+            model.lm_head.bias.copy_(
+                0.3 * torch.randn(old.out_features, generator=torch.Generator().manual_seed(2))
+            )
+    elif variant == "frozen-head":
+        model.lm_head.requires_grad_(False)
+    elif variant == "head-only":
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+    else:  # tied: only the shared embedding / head matrix trains, both its uses
+        model.requires_grad_(False)
+        model.model.embed_tokens.weight.requires_grad_(True)
+    ghost = gn._ghost
+    monkeypatch.setattr(
+        gn, "_ghost", lambda t, i, o: form == "ghost" if o == model.config.vocab_size else ghost(t, i, o)
+    )
+    ids, attn, resp = make_batch(model.config.vocab_size, "left", rows=4)
+    expected = brute_force(model, ids, attn, resp)
+    got, logp = streaming_norm_pass(model, ids, attn, resp, chunks=3)
+    assert rel_err(got, expected) <= 1e-8, (got, expected)
+    assert torch.allclose(logp, token_logprobs(model, ids, attn).detach(), atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_streaming_pass_refuses_what_the_saved_pass_refuses(model_dirs) -> None:
     model = load(model_dirs, False, torch.float32)
     ids, attn, resp = make_batch(model.config.vocab_size, "right")

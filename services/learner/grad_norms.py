@@ -29,9 +29,10 @@ hooks (ZeRO-3's partition-and-reduce) run as usual, with no second forward or fu
 That keeps every micro-batch's x and δ until the step's coefficients are known. :func:`streaming_norm_pass`
 keeps nothing: a tap after each module saves its input as an ordinary activation (so activation checkpointing
 may drop and recompute it) and, in the backward, adds the module's term from (x, δ) the moment δ exists.
-With the output head in slices of the positions (:func:`chunked_logprobs`), the head's term comes from
-slices of the vocabulary instead (:func:`head_norms`): δ_s = m_s (e_{y_s} − softmax_s) needs only a slice
-of the logits, and both the Gram and the per-row forms are sums over vocabulary slices.
+With the output head in slices, the streaming pass does the head's share without autograd
+(:func:`head_pass`): δ_s = m_s (e_{y_s} − softmax_s) needs only a slice of the vocabulary's logits, and the
+Gram form, the per-row form and ∂f/∂hidden are all sums over vocabulary slices; the decoder's backward starts
+from ∂f/∂hidden.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     recomputed in the backward (:func:`chunked_logprobs`), so no [B, T, vocab] tensor exists at once.
     """
     if chunks > 0:
-        return chunked_logprobs(model, input_ids, attention_mask, chunks).logprobs
+        return chunked_logprobs(model, input_ids, attention_mask, chunks)
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -304,23 +305,27 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return decoder, head
 
 
-@dataclass
-class ChunkedLogprobs:
-    logprobs: Tensor  # [B, T] as token_logprobs, in the graph
-    hidden: Tensor  # [B, T, H] the decoder's output (the head's input), in the graph
-    logsumexp: Tensor  # [B, T - 1] detached: log Σ_v exp(logit_tv) of positions 0..T-2
-
-
-def _head_chunk(head: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+def _head_chunk(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
     logits = _acc(head(hidden))
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse.detach()
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def chunked_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int
-) -> ChunkedLogprobs:
-    """Log-probs with the vocabulary-sized work over ``chunks`` even slices of the positions.
+def _decoder_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _slices(n: int, chunks: int) -> list[tuple[int, int]]:
+    return [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks)]
+
+
+def chunked_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int) -> Tensor:
+    """Log-probs (as :func:`token_logprobs`, in the graph) with the vocabulary-sized work over ``chunks``
+    even slices of the positions.
 
     The decoder runs once; the output head, the float32 logits and their log-softmax run per slice under
     activation checkpointing, so only one slice's ``[B, slice, vocab]`` tensors exist at a time in the
@@ -333,23 +338,12 @@ def chunked_logprobs(
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     decoder, head = decoder_and_head(model)
-    out = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    )
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    positions = input_ids.shape[1] - 1
-    logps, lses = [], []
-    for i in range(chunks):
-        a, b = positions * i // chunks, positions * (i + 1) // chunks
-        lp, lse = checkpoint(
-            _head_chunk, head, hidden[:, a:b], input_ids[:, a + 1 : b + 1], use_reentrant=False
-        )
-        logps.append(lp)
-        lses.append(lse)
-    logp = torch.cat([logps[0].new_zeros(input_ids.shape[0], 1), *logps], dim=1)
-    return ChunkedLogprobs(logp, hidden, torch.cat(lses, dim=1))
+    hidden = _decoder_hidden(decoder, input_ids, attention_mask)
+    logps = [
+        checkpoint(_head_chunk, head, hidden[:, a:b], input_ids[:, a + 1 : b + 1], use_reentrant=False)
+        for a, b in _slices(input_ids.shape[1] - 1, chunks)
+    ]
+    return torch.cat([logps[0].new_zeros(input_ids.shape[0], 1), *logps], dim=1)
 
 
 @contextmanager
@@ -366,23 +360,30 @@ def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
 
 
 @torch.no_grad()
-def head_norms(
-    norms: _Norms,
+def head_pass(
+    norms: _Norms | None,
     head: nn.Linear,
     roles: Sequence[str],
     hidden: Tensor,
-    logsumexp: Tensor,
     input_ids: Tensor,
     response_mask: Tensor,
-    vocab_chunk: int,
+    chunks: int,
     tied: bool,
-) -> None:
-    """The output head's per-row squared gradient norm, vocabulary slice by vocabulary slice.
+) -> tuple[Tensor, Tensor]:
+    """The output head's whole share of the norm pass, without autograd: ``(log-probs [B, T] as
+    :func:`token_logprobs`, ∂f/∂hidden [B, T, H] in hidden's dtype)``, and the head's per-row squared gradient
+    norm added to ``norms`` (``None``: the head does not train).
 
-    For f = Σ_t m_t log π(y_t), the head's backward signal at position s is δ_s = m_s (e_{y_s} − p_s), with
-    p_s = exp(logits_s − logsumexp_s); a slice of it needs only that slice of the logits. Both the Gram
-    matrix Σ_v δ_t[v] δ_s[v] (ghost form) and the per-row gradient's squared norm are sums over vocabulary
-    slices, so only ``[B, T, vocab_chunk]`` exists at a time. ``tied``: also keep the head's part of the
+    Two sweeps over the gathered head weight, so no ``[B, T, vocab]`` tensor exists:
+
+    - positions in ``chunks`` slices: the logits' logsumexp and the targets' log-probs;
+    - vocabulary in ``chunks`` slices: the backward signal δ_s = m_s (e_{y_s} − p_s) of f = Σ_s m_s log π(y_s),
+      with p_s = exp(logits_s − logsumexp_s), from that slice of the logits alone. Its products with the head's
+      weight sum to ∂f/∂hidden; the Gram matrix Σ_v δ_t[v] δ_s[v] (ghost form) and the per-row gradient's
+      squared norm are sums over the slices too.
+
+    The decoder's backward then starts from ∂f/∂hidden, so the head is never recomputed or differentiated
+    through (a checkpointed head would run its forward twice more). ``tied``: also keep the head's part of the
     cross term with the embedding (δhead_{s, id_t}) for :meth:`_Norms.tied_cross`.
     """
     h = hidden[:, :-1].detach()
@@ -391,39 +392,52 @@ def head_norms(
     mf = m.to(hx.dtype)
     b_rows, s_len, width = h.shape
     vocab = full_shape(head.weight)[0]
-    dd = hx.new_zeros(b_rows, s_len, s_len) if _ghost(s_len, width, vocab) else None
+    vocab_chunk = -(-vocab // chunks)
+    train_weight = norms is not None and "weight" in roles
+    dd = hx.new_zeros(b_rows, s_len, s_len) if train_weight and _ghost(s_len, width, vocab) else None
     weight_sq = hx.new_zeros(b_rows)
     bias_sq = hx.new_zeros(b_rows)
-    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if tied else None
-    with gathered([p for p in head.parameters()]):
-        weight = head.weight
+    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if norms is not None and tied else None
+    grad_h = hx.new_zeros(b_rows, s_len, width)
+    logp = hx.new_zeros(b_rows, input_ids.shape[1])
+    with gathered(list(head.parameters())):
+        weight, bias = head.weight, head.bias
+        lses = []
+        for a, b in _slices(s_len, chunks):
+            logits = _acc(nn.functional.linear(h[:, a:b], weight, bias))
+            lse = torch.logsumexp(logits, dim=-1)
+            logp[:, a + 1 : b + 1] = logits.gather(-1, targets[:, a:b, None]).squeeze(-1) - lse
+            lses.append(lse)
+            del logits
+        logsumexp = torch.cat(lses, dim=1)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
-            logits = _acc(
-                nn.functional.linear(h, weight[v0:v1], None if head.bias is None else head.bias[v0:v1])
-            )
-            p = torch.exp(logits - logsumexp[..., None])
+            w = weight[v0:v1]
+            logits = _acc(nn.functional.linear(h, w, None if bias is None else bias[v0:v1]))
+            d = logits.sub_(logsumexp[..., None]).exp_().mul_(-mf[..., None])  # −m_s p_s, in place
+            del logits
             hit = ((targets >= v0) & (targets < v1)).to(hx.dtype) * mf
-            d = (-p * mf[..., None]).scatter_add_(
-                2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None]
-            )
-            if "weight" in roles:
+            d.scatter_add_(2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None])
+            grad_h += d.to(w.dtype) @ w
+            if train_weight:
                 if dd is not None:
                     dd += _gram(d)
                 else:
                     weight_sq += (d.transpose(1, 2) @ hx).pow(2).sum((1, 2))
-            if "bias" in roles:
+            if norms is not None and "bias" in roles:
                 bias_sq += d.sum(1).pow(2).sum(-1)
             if cross is not None:
                 inside = (input_ids >= v0) & (input_ids < v1)
                 idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
-                cross += torch.where(inside[:, None, :], p.gather(2, idx), 0.0)
-    if dd is not None:
-        weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
-    norms.add(weight_sq + bias_sq)
-    if cross is not None:  # δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
-        g = mf[:, :, None] * ((targets[:, :, None] == input_ids[:, None, :]).to(hx.dtype) - cross)
-        norms.head_cross = (g, hx)
+                cross += torch.where(inside[:, None, :], d.gather(2, idx), 0.0)
+    if norms is not None:
+        if dd is not None:
+            weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
+        norms.add(weight_sq + bias_sq)
+        if cross is not None:  # cross[b, s, t] = δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
+            norms.head_cross = (cross, hx)
+    grad_hidden = torch.cat([grad_h, grad_h.new_zeros(b_rows, 1, width)], dim=1).to(hidden.dtype)
+    return logp, grad_hidden
 
 
 def _check_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
@@ -667,9 +681,9 @@ def streaming_norm_pass(
     The same values as :func:`norm_pass`, but each module's contribution is formed inside the backward, from
     its input and output gradient, the moment that gradient exists; both are then dropped. Peak memory is one
     ordinary forward's activations plus one module's norm arithmetic, and activation (gradient) checkpointing
-    of the model applies. ``chunks > 0``: log-probs by :func:`chunked_logprobs`, the output head's norm by
-    :func:`head_norms` in as many vocabulary slices; no [B, T, vocab] tensor exists. Returns ``(sq_grad_norms [B] float64,
-    token_logprobs [B, T] detached)``; no parameter gradient is formed.
+    of the model applies. ``chunks > 0``: the output head's log-probs, norm and backward signal come from
+    :func:`head_pass` in as many slices, without autograd; no [B, T, vocab] tensor exists. Returns
+    ``(sq_grad_norms [B] float64, token_logprobs [B, T] detached)``; no parameter gradient is formed.
     """
     mask = _check_inputs(input_ids, attention_mask, response_mask)
     raw_uses = _trainable_uses(model)
@@ -687,12 +701,11 @@ def streaming_norm_pass(
     anchor = torch.zeros((), device=input_ids.device, requires_grad=True)
     with torch.enable_grad(), _tapping(specs, norms, anchor) as backward:
         if head is not None:
-            out = chunked_logprobs(model, input_ids, attention_mask, chunks)
-            logp = out.logprobs
-            if head_spec is not None:
-                vocab_chunk = -(-full_shape(head.weight)[0] // chunks)
-                head_norms(norms, head, head_spec.roles, out.hidden, out.logsumexp, input_ids, mask,
-                           vocab_chunk, head_spec.tied)  # fmt: skip
+            hidden = _decoder_hidden(decoder_and_head(model)[0], input_ids, attention_mask)
+            logp, grad_hidden = head_pass(
+                norms if head_spec is not None else None, head, head_spec.roles if head_spec else [],
+                hidden, input_ids, mask, chunks, head_spec is not None and head_spec.tied,
+            )  # fmt: skip
         else:
             logp = token_logprobs(model, input_ids, attention_mask)
         unused = [type(s.module).__name__ for s in specs.values() if not s.called]
@@ -700,9 +713,12 @@ def streaming_norm_pass(
             raise NotImplementedError(
                 f"modules with trainable parameters were not called in the forward: {unused}"
             )
-        f = torch.where(mask, logp, torch.zeros_like(logp)).sum()
         backward[0] = True
-        torch.autograd.grad(f, [anchor], allow_unused=True)
+        if head is None:
+            f = torch.where(mask, logp, torch.zeros_like(logp)).sum()
+            torch.autograd.grad(f, [anchor], allow_unused=True)
+        elif hidden.requires_grad:  # else only the head trains: its norm is all there is
+            torch.autograd.grad(hidden, [anchor], grad_outputs=grad_hidden, allow_unused=True)
     return norms.total.detach(), logp.detach()
 
 
