@@ -1,0 +1,348 @@
+"""The collective weight transport: the learner broadcasts a version into every receiving engine worker.
+
+One process group joins the publisher (rank 0, the learner's exporting rank) and every receiver (each sampler
+engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A version travels as:
+
+    header    int64 [3] (version, header bytes, buckets), then the header: JSON of the tensors' names, dtypes
+              and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
+    buckets   one uint8 broadcast per bucket of packed tensors (64-byte aligned), the publisher packing the
+              next bucket while the last is in flight; receivers' tensors are views of their bucket buffers
+    digests   int64 [buckets]: each bucket's xxh3-64 on the CPU (zeros under NCCL, whose transfer is checked)
+    vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
+              rank, anything else (or a failed collective) discards it on every rank
+
+Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
+timeout, a bad digest) leaves every engine on its previous version. A failed collective leaves the group
+unusable: its members close it and the control plane forms a new one (:class:`GroupSpec` ``epoch``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import xxhash
+
+from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+class TransferFailed(RuntimeError):
+    """A version did not reach every member of the group; no member applied it. The group must be re-formed."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the weight group meets: the control plane hands the same spec to every member.
+
+    ``world_size`` counts the publisher and every receiving worker. ``epoch`` names this forming of the group:
+    a re-formed group (a member joined, restarted or failed) gets a new one, so no key of an old rendezvous
+    is read by a new one.
+    """
+
+    host: str
+    port: int
+    world_size: int
+    backend: str = "gloo"  # "gloo" | "nccl"
+    epoch: int = 0
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.world_size < 2:
+            raise ValueError(
+                f"a weight group needs the publisher and at least one receiver, got {self.world_size}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"weight group port must be in 1..65535, got {self.port}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"weight group timeout_s must be > 0, got {self.timeout_s}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "world_size": self.world_size, "backend": self.backend,
+                "epoch": self.epoch, "timeout_s": self.timeout_s}  # fmt: skip
+
+
+class WeightGroup:
+    """This process's membership of the weight group: a process group outside torch.distributed's default
+    one (which ZeRO-3 or vLLM's tensor parallelism may own), formed over its own TCP store."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None) -> None:
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
+        import torch.distributed as dist
+
+        self.spec, self.rank = spec, rank
+        if spec.backend == "nccl":
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        timeout = timedelta(seconds=spec.timeout_s)
+        self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
+                                    timeout=timeout, wait_for_workers=False)  # fmt: skip
+        store = dist.PrefixStore(f"vcpo-weights/{spec.epoch}", self._store)
+        if spec.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg: Any = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+        self._closed = False
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Start broadcasting ``tensor`` from rank 0 (in place on the others); returns the work to wait on."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self._pg.broadcast([tensor], opts)
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank if every rank passed True."""
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._pg.allreduce([t], opts).wait()
+        return bool(t.item() == 1)
+
+    @property
+    def closed(self) -> bool:
+        """Closed after a failed collective (or by ``close``): the control plane must form a new group."""
+        return self._closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pg.shutdown()
+        except Exception:  # a broken group may refuse a clean shutdown; it is dropped anyway
+            log.debug("weight group shutdown raised", exc_info=True)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    nbytes: int
+    items: tuple[tuple[int, int], ...]  # (index into the version's tensors, byte offset in the bucket)
+
+
+def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """The buckets of a version, in order: tensors packed at 64-byte offsets while they fit ``bucket_bytes``;
+    a tensor larger than that travels alone. Publisher and receivers derive it from the same header."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    items: list[tuple[int, int]] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        offset = -(-size // ALIGN) * ALIGN
+        if items and offset + spec.nbytes > bucket_bytes:
+            buckets.append(Bucket(size, tuple(items)))
+            items, offset = [], 0
+        items.append((i, offset))
+        size = offset + spec.nbytes
+    if items:
+        buckets.append(Bucket(size, tuple(items)))
+    return buckets
+
+
+def _digest(buffer: torch.Tensor) -> int:
+    """xxh3-64 of a CPU byte buffer as a signed int64 (0 for device buffers: NCCL's transfer is checked)."""
+    if buffer.device.type != "cpu" or buffer.numel() == 0:
+        return 0
+    value = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass
+class TransferStats:
+    version: int
+    tensors: int
+    bytes: int
+    buckets: int
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+class CollectivePublisher:
+    """Rank 0: broadcasts versions. ``send`` is called once per version; every receiver calls ``receive``."""
+
+    def __init__(self, group: WeightGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if group.rank != 0:
+            raise ValueError(
+                f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
+            )
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self._buffers: list[torch.Tensor] = []
+
+    def send(
+        self,
+        version: int,
+        specs: Sequence[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> TransferStats:
+        """Broadcast one version: ``specs`` (names, dtypes, full shapes, in order) first, then ``tensors`` in
+        the same order, each valid only until the next is requested (a bucketed ZeRO-3 gather is). Returns once
+        every receiver has voted to commit; raises :class:`TransferFailed` otherwise."""
+        t0 = time.monotonic()
+        if not specs:
+            raise ValueError(f"version {version} has no tensors")
+        layout = bucket_layout(specs, self.bucket_bytes)
+        header = json.dumps({"bucket_bytes": self.bucket_bytes,
+                             "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs]}).encode()  # fmt: skip
+        group = self.group
+        try:
+            head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
+            group.broadcast(head).wait()
+            group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)).wait()
+            digests, source_error = self._send_buckets(layout, specs, iter(tensors))
+            group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)).wait()
+            committed = group.all_ok(source_error is None)
+        except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
+            group.close()
+            raise TransferFailed(f"version {version}: broadcast failed: {exc}") from exc
+        if source_error is not None:
+            raise TransferFailed(f"version {version}: {source_error}") from source_error
+        if not committed:
+            raise TransferFailed(
+                f"version {version}: a receiver voted against it (its bucket digests differed)"
+            )
+        return TransferStats(
+            version, len(specs), sum(s.nbytes for s in specs), len(layout), time.monotonic() - t0
+        )
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return self._buffers[slot][:nbytes]
+
+    def _send_buckets(
+        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any
+    ) -> tuple[list[int], Exception | None]:
+        """Pack and broadcast every bucket; returns their digests and the source's error, if any. A source
+        that fails or breaks the header does not break the group: the remaining buckets still go out (their
+        contents void) so every receiver reaches the vote, where this rank votes the version down."""
+        digests: list[int] = []
+        error: Exception | None = None
+        in_flight: list[Any] = [None, None]  # double buffering: pack one bucket while the other travels
+        for b, bucket in enumerate(layout):
+            slot = b % 2
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()
+            buf = self._buffer(slot, bucket.nbytes)
+            if error is None:
+                try:
+                    self._pack(buf, bucket, specs, source)
+                except Exception as exc:  # reported after the vote
+                    error = exc
+            digests.append(_digest(buf))
+            in_flight[slot] = self.group.broadcast(buf)
+        for work in in_flight:
+            if work is not None:
+                work.wait()
+        if error is None:
+            leftover = next(source, None)
+            if leftover is not None:
+                error = ValueError(
+                    f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}"
+                )
+        return digests, error
+
+    @staticmethod
+    def _pack(buf: torch.Tensor, bucket: Bucket, specs: Sequence[TensorSpec], source: Any) -> None:
+        for i, offset in bucket.items:
+            spec = specs[i]
+            item = next(source, None)
+            if item is None:
+                raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
+            name, tensor = item
+            got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+            if got != spec:
+                raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[offset : offset + spec.nbytes].copy_(flat)
+
+
+class CollectiveReceiver:
+    """Ranks 1..N: receive versions as they are broadcast."""
+
+    def __init__(self, group: WeightGroup) -> None:
+        if group.rank == 0:
+            raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
+        self.group = group
+
+    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
+        """Receive the version being broadcast; returns ``(version, [(name, tensor)] in order, stats)`` once
+        every member has voted to commit it. Call it when the control plane announces a version: waiting longer
+        than the group's timeout for the publisher fails. Raises :class:`TransferFailed`, returning nothing,
+        if any part failed on any member (a failed collective also closes the group)."""
+        group = self.group
+        head = torch.zeros(3, dtype=torch.int64, device=group.device)
+        try:
+            group.broadcast(head).wait()
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"no version arrived: {exc}") from exc
+        t0 = time.monotonic()
+        version, header_len, n_buckets = (int(x) for x in head.tolist())
+        try:
+            raw = torch.empty(header_len, dtype=torch.uint8, device=group.device)
+            group.broadcast(raw).wait()
+            header = json.loads(bytes(raw.cpu().numpy()))
+            specs = [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in header["tensors"]]
+            layout = bucket_layout(specs, int(header["bucket_bytes"]))
+            if len(layout) != n_buckets:
+                raise ValueError(
+                    f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
+                )
+            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
+            works = [group.broadcast(buf) for buf in buffers]  # queued in order: gloo runs them one by one
+            mine: list[int] = []
+            for work, buf in zip(works, buffers, strict=True):
+                work.wait()
+                mine.append(_digest(buf))  # hashes this bucket while the next is arriving
+            theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
+            group.broadcast(theirs).wait()
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
+        good = theirs.cpu().tolist() == mine
+        if not good:
+            log.error("version %d: bucket digests differ from the publisher's: voting against it", version)
+        try:
+            committed = group.all_ok(good)
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
+        if not committed:
+            raise TransferFailed(
+                f"version {version}: not committed (the publisher's source failed, or a "
+                "member's bucket digests differed)"
+            )
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for bucket, buf in zip(layout, buffers, strict=True):
+            for i, offset in bucket.items:
+                s = specs[i]
+                view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
+                tensors.append((s.name, view))
+        nbytes = sum(s.nbytes for s in specs)
+        return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)

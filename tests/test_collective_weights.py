@@ -1,0 +1,150 @@
+"""The collective weight transport over real gloo process groups: a publisher and receiver processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.redis_server import free_port
+from services.weight_broker.collective import (
+    ALIGN,
+    CollectivePublisher,
+    CollectiveReceiver,
+    GroupSpec,
+    TransferFailed,
+    WeightGroup,
+    bucket_layout,
+)
+from services.weight_broker.tensors import TensorSpec
+
+
+def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes and shapes, odd sizes (alignment), one tensor larger than a bucket."""
+    g = torch.Generator().manual_seed(version)
+    return [
+        ("model.embed_tokens.weight", torch.randn(37, 16, generator=g)),
+        ("model.norm.weight", torch.randn(13, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.big", torch.randn(300, 11, generator=g)),  # 13.2 kB > the 8 kB buckets
+        ("model.layers.0.bias", torch.randn(3, generator=g, dtype=torch.float64)),
+        ("scalar", torch.tensor(float(version))),
+        ("ids", torch.arange(5, dtype=torch.int64) * version),
+    ]
+
+
+def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec.of(n, t) for n, t in tensors]
+
+
+def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: Any) -> None:  # a process
+    group = WeightGroup(spec, rank)
+    if behaviour == "die-after-header":  # joins, sees a version start, and is killed mid-broadcast
+        head = torch.zeros(3, dtype=torch.int64)
+        group.broadcast(head).wait()
+        os._exit(3)
+    receiver = CollectiveReceiver(group)
+    for _ in range(versions):
+        try:
+            version, tensors, _ = receiver.receive()
+        except TransferFailed as exc:
+            out.put((rank, "failed", str(exc)))
+            if group.closed:  # a broken group: nothing more can arrive through it
+                return
+            continue
+        out.put((rank, version, [(n, t.clone()) for n, t in tensors]))
+    group.close()
+
+
+def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_receiver, args=(spec, r + 1, versions, b, out), daemon=True)
+             for r, b in enumerate(behaviours)]  # fmt: skip
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def test_bucket_layout_aligns_packs_and_isolates_big_tensors() -> None:
+    specs = specs_of(version_tensors(1))
+    layout = bucket_layout(specs, 8192)
+    placed = [i for b in layout for i, _ in b.items]
+    assert placed == list(range(len(specs)))  # every tensor once, in order
+    for b in layout:
+        assert all(off % ALIGN == 0 for _, off in b.items)
+        ends = [off + specs[i].nbytes for i, off in b.items]
+        assert b.nbytes == ends[-1] and all(e <= s for e, (_, s) in zip(ends, b.items[1:], strict=False))
+        assert b.nbytes <= 8192 or len(b.items) == 1
+    assert any(len(b.items) == 1 and b.nbytes > 8192 for b in layout)
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 64"):
+        bucket_layout(specs, 16)
+
+
+def test_group_spec_names_bad_values() -> None:
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        GroupSpec("127.0.0.1", 1234, 2, backend="mpi")
+    with pytest.raises(ValueError, match="at least one receiver"):
+        GroupSpec("127.0.0.1", 1234, 1)
+    with pytest.raises(ValueError, match=r"port must be in 1\.\.65535"):
+        GroupSpec("127.0.0.1", 0, 2)
+
+
+def test_versions_reach_every_receiver_bit_exact() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=60)
+    procs, out = start_receivers(spec, ["ok"] * 3, versions=2)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    for version in (5, 6):
+        tensors = version_tensors(version)
+        stats = publisher.send(version, specs_of(tensors), iter(tensors))
+        assert stats.version == version and stats.tensors == len(tensors) and stats.buckets >= 2
+    got = [out.get(timeout=60) for _ in range(6)]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    group.close()
+    assert sorted((r, v) for r, v, _ in got) == [(r, v) for r in (1, 2, 3) for v in (5, 6)]
+    for _, version, tensors in got:
+        expected = version_tensors(version)
+        assert [n for n, _ in tensors] == [n for n, _ in expected]
+        for (_, a), (_, b) in zip(tensors, expected, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_receiver_killed_mid_broadcast_fails_the_version_everywhere() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=5)
+    procs, out = start_receivers(spec, ["ok", "die-after-header", "ok"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(7)
+    with pytest.raises(TransferFailed, match="version 7"):
+        CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    results = [out.get(timeout=60) for _ in range(2)]
+    assert sorted(r for r, *_ in results) == [1, 3]
+    assert all(status == "failed" and "version 7" in why for _, status, why in results)  # nothing applied
+    for p in procs:
+        p.join(timeout=30)
+    assert procs[1].exitcode == 3
+
+
+def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=15)
+    procs, out = start_receivers(spec, ["ok"], versions=3)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    tensors = version_tensors(8)
+    wrong = [(n, t.double() if n == "model.norm.weight" else t) for n, t in tensors]
+    with pytest.raises(TransferFailed, match=r"version 8: tensor 1 is .*float64.*header said.*bfloat16"):
+        publisher.send(8, specs_of(tensors), iter(wrong))
+    with pytest.raises(TransferFailed, match=r"version 9: the source ended at tensor 5 \('ids'\)"):
+        publisher.send(9, specs_of(tensors), iter(tensors[:-1]))
+    publisher.send(10, specs_of(version_tensors(10)), iter(version_tensors(10)))  # the same group
+    results = [out.get(timeout=60) for _ in range(3)]
+    procs[0].join(timeout=30)
+    assert [r[:2] for r in results[:2]] == [(1, "failed")] * 2
+    assert "version 8: not committed" in results[0][2]
+    assert results[2][:2] == (1, 10)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(results[2][2], version_tensors(10), strict=True))
+    group.close()
