@@ -82,7 +82,7 @@ def vllm_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
     try:
         engine = VllmEngine(
             VllmSettings(model=str(tiny_model_dir), dtype="float32", max_model_len=256,
-                         kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
+                         kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, collective_weights=True)
         )  # fmt: skip
     finally:
         os.environ.clear()

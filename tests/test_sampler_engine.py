@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -234,5 +235,75 @@ def test_a_swap_invalidates_kv_blocks_of_long_shared_prompts(
     load_into(vllm_engine, new)
     assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
     # and back: blocks of the first load are not served to a later load of other weights either
+    load_into(vllm_engine, old)
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
+
+
+def _publish(spec: dict[str, Any], weights_file: str, plan: list[tuple[int, str]], out: Any) -> None:
+    """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
+    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
+    from services.weight_broker.collective import CollectivePublisher, GroupSpec, TransferFailed, WeightGroup
+    from services.weight_broker.tensors import TensorSpec
+
+    group = WeightGroup(GroupSpec(**spec), 0)
+    publisher = CollectivePublisher(group, bucket_bytes=1 << 20)
+    weights = torch.load(weights_file)
+    for version, how in plan:
+        items = list(weights[version].items())
+        specs = [TensorSpec.of(n, t) for n, t in items]
+        source = iter(items if how == "whole" else items[: len(items) // 2])
+        try:
+            stats = publisher.send(version, specs, source)
+            out.put((version, "sent", stats.bytes))
+        except TransferFailed as exc:
+            out.put((version, "failed", str(exc)))
+    group.close()
+
+
+def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_nothing(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The collective transport into the real engine: the learner's process broadcasts through the weight
+    group into vLLM's worker (gloo), and the engine serves exactly the new weights, prefix cache included; a
+    version whose source dies part-way is voted down and the engine keeps serving the one before."""
+    import multiprocessing as mp
+
+    from services.common.redis_server import free_port
+
+    greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
+    tok = vllm_engine.tokenizer
+    prompts = [tok.encode("Solve the following problem step by step and put the answer last. " * 6 + q)
+               for q in ("12+7=", "3+4=")]  # fmt: skip
+    old, new = version_weights(tiny_model_dir, 14), version_weights(tiny_model_dir, 15)
+    load_into(vllm_engine, old)  # the broker path first: its prefix-cache blocks must not leak into the next
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
+    v_new, v_cut = next(versions), next(versions)
+    weights_file = tmp_path / "versions.pt"
+    torch.save({v_new: new, v_cut: version_weights(tiny_model_dir, 16)}, weights_file)
+    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 1,
+            "timeout_s": 60.0}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(
+        target=_publish, args=(spec, str(weights_file), [(v_new, "whole"), (v_cut, "cut")], out)
+    )
+    learner.start()
+    try:
+        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+        assert vllm_engine.receive_collective(v_new) > 0
+        assert out.get(timeout=60)[:2] == (v_new, "sent")
+        assert vllm_engine.loaded_version == v_new
+        assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
+        with pytest.raises(Exception, match=f"version {v_cut}: not committed"):
+            vllm_engine.receive_collective(v_cut)
+        version, status, why = out.get(timeout=60)
+        assert (version, status) == (v_cut, "failed") and "the source ended" in why
+        assert vllm_engine.loaded_version == v_new
+        assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
+    finally:
+        learner.join(timeout=60)
+        if learner.is_alive():
+            learner.kill()
+    # the broker path still works after a collective version, and rolls back to what it can restore
     load_into(vllm_engine, old)
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())

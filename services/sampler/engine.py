@@ -189,8 +189,9 @@ class GenerationEngine(ABC):
     def _restore(self) -> None:
         if self._current is not None:
             self._load(self._current.tensors.items())
-        else:
+        else:  # the initial weights (also after a collective version, whose tensors this process never held)
             self._load_initial()
+            self.loaded_version = None
 
     @abstractmethod
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -239,6 +240,9 @@ class VllmSettings:
     kv_cache_memory_bytes: int = 0  # 0: sized by gpu_memory_utilization
     enforce_eager: bool = False
     seed: int = 0
+    # build the engine able to join a weight group (services/sampler/weight_transfer.py): it then takes
+    # versions by ``join_weight_group`` and ``receive_collective`` besides the broker path's ``stage``/``apply``
+    collective_weights: bool = False
 
 
 class VllmEngine(GenerationEngine):
@@ -259,6 +263,11 @@ class VllmEngine(GenerationEngine):
         kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
         if settings.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        if settings.collective_weights:
+            from services.sampler.weight_transfer import BACKEND, register
+
+            register()  # in this process too: an in-process engine builds its worker here
+            kwargs["weight_transfer_config"] = {"backend": BACKEND}
         self.llm = LLM(
             model=str(model_dir),
             dtype=settings.dtype,
@@ -393,6 +402,32 @@ class VllmEngine(GenerationEngine):
 
     def _load_initial(self) -> None:
         self._reload(weights_path=str(self.model_dir))
+
+    # ------------------------------------------------------------------ the collective transport
+    def join_weight_group(self, init: dict[str, Any]) -> None:
+        """Every worker joins the weight group ``init`` names (:class:`~services.sampler.weight_transfer.
+        CollectiveInitInfo`'s fields); blocks until the whole group has joined."""
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init,))
+
+    def receive_collective(self, version: int) -> float:
+        """Take ``version`` from the broadcast the control plane announced; returns the seconds it took.
+
+        The workers receive the whole version before anything is loaded: a broadcast that fails on any member
+        raises here with the engine still on its previous version (and the group closed: join a new one). A
+        load that fails part-way leaves the version unknown (``loaded_version`` None): catch up from the broker.
+        Call between steps, after ``quiesce``, as for ``apply``."""
+        t0 = time.monotonic()
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=({"version": version},))
+        self._weights_epoch += 1  # a new prefix-cache salt before any request sees the new weights
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+        except BaseException:
+            self.loaded_version, self._current = None, None
+            raise
+        # the rollback source of a later broker-path version is the initial weights (``_restore``)
+        self.loaded_version, self._current = version, None
+        return time.monotonic() - t0
 
     def close(self) -> None:
         self.resume()

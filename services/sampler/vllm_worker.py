@@ -13,6 +13,12 @@ from typing import Any
 
 WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
 
+# every worker process imports this module before it builds its model: make the collective weight-transfer
+# backend known to vLLM there (services/sampler/weight_transfer.py)
+from services.sampler.weight_transfer import register as _register_weight_transfer  # noqa: E402
+
+_register_weight_transfer()
+
 
 class VcpoWorkerExtension:
     """Mixed into each vLLM worker; ``self`` is the worker (``self.model_runner`` is its model runner)."""

@@ -1,0 +1,128 @@
+"""The collective transport inside vLLM's workers: a weight-transfer engine registered with vLLM's factory.
+
+vLLM 0.32 builds one ``WeightTransferEngine`` per worker from ``weight_transfer_config.backend`` and drives it
+through the worker methods ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+``finish_weight_update`` (called here through ``collective_rpc``). Its own NCCL engine loads each tensor as
+it arrives; this one, ``vcpo_collective``, receives a whole version through the weight group
+(services/weight_broker/collective.py: gloo on CPU, NCCL on GPU) and loads nothing until every member voted
+to commit it, so a broadcast that fails part-way leaves the model as it was. ``finish_weight_update`` then
+loads the version in place with vLLM's own ``reload_weights`` (the broker path's loader, whose log-probs are
+tested against Hugging Face's).
+
+Each worker receives the whole version and loads its tensor-parallel share of it, as vLLM's NCCL engine does.
+Its rank in the group is ``rank_offset`` plus its rank in the engine (data-parallel index × the engine's
+world size + its parallel rank).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from services.weight_broker.collective import CollectiveReceiver, GroupSpec, WeightGroup
+
+log = logging.getLogger(__name__)
+
+BACKEND = "vcpo_collective"
+
+
+def register() -> None:
+    """Make ``weight_transfer_config={"backend": "vcpo_collective"}`` known to vLLM in this process (the worker
+    extension module calls it on import, so every worker process has it before its engine is built)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "CollectiveWeightTransferEngine")
+
+
+@dataclass
+class CollectiveInitInfo(WeightTransferInitInfo):
+    """The weight group to join (:class:`GroupSpec`'s fields) and where this engine's workers start in it."""
+
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int
+    backend: str = "gloo"
+    epoch: int = 0
+    timeout_s: float = 120.0
+
+
+@dataclass
+class CollectiveUpdateInfo(WeightTransferUpdateInfo):
+    """The version the control plane announced: a different one arriving is refused."""
+
+    version: int
+
+
+class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, CollectiveUpdateInfo]):
+    init_info_cls = CollectiveInitInfo
+    update_info_cls = CollectiveUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: WeightGroup | None = None
+        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
+        """Join the weight group (leaving any earlier one): blocks until every member has joined."""
+        self.shutdown()
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        spec = GroupSpec(init_info.host, init_info.port, init_info.world_size, init_info.backend,
+                         init_info.epoch, init_info.timeout_s)  # fmt: skip
+        self.group = WeightGroup(spec, rank, self.device if spec.backend == "nccl" else None)
+        log.info("joined weight group %s:%d epoch %d as rank %d of %d", spec.host, spec.port, spec.epoch, rank,
+                 spec.world_size)  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        self._staged = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class synchronizes torch.accelerator, which raises on a machine that has none
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: CollectiveUpdateInfo) -> None:
+        """Receive the version being broadcast; nothing is loaded yet (``finish_weight_update`` loads it)."""
+        if self.group is None or self.group.closed:
+            raise RuntimeError(
+                "not in a weight group: init_weight_transfer_engine first (or again, after a failure)"
+            )
+        version, tensors, stats = CollectiveReceiver(self.group).receive()
+        if version != update_info.version:
+            raise RuntimeError(f"the weight group delivered version {version}, the control plane announced "
+                               f"{update_info.version}")  # fmt: skip
+        self._staged = (version, tensors)
+        log.info("received version %d: %d tensors, %.1f MB in %.2f s (%.2f GB/s)", version, stats.tensors,
+                 stats.bytes / 1e6, stats.seconds, stats.gb_per_s)  # fmt: skip
+
+    def finish_weight_update(self) -> None:
+        """Load the received version in place; vLLM's reload state is finished even if loading fails."""
+        if self._staged is None:
+            raise RuntimeError("finish_weight_update without a received version")
+        _, tensors = self._staged
+        self._staged = None
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        try:
+            reload_weights(self.vllm_config, self.model, iter(tensors), None, is_checkpoint_format=True)
+        except BaseException:
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
