@@ -70,6 +70,8 @@ MiB = 1 << 20
 TARGET_BROKER_OVER_SOCKET = 0.5
 PUBLISHES = 3  # the last one is timed as the steady state
 TARGET_PEAK_RSS_OVER_MODEL = 2.5
+TARGET_COLLECTIVE_OVER_SOCKET = 0.8
+TARGET_COLLECTIVE_N_OVER_1 = 1.3
 LAYERS = 4
 
 
@@ -276,6 +278,71 @@ def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, lis
     return max(r["done"] for r in out) - released, sorted(out, key=lambda r: r["index"])
 
 
+# -------------------------------------------------------------------------------------------- collective
+
+
+def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results: Any) -> None:
+    """A sampler engine's worker: joins the weight group, then takes each version as it is broadcast (the
+    control plane would call ``receive`` on the announcement; here the receiver waits in it)."""
+    from services.weight_broker.collective import CollectiveReceiver, GroupSpec, WeightGroup
+
+    try:
+        group = WeightGroup(GroupSpec(**spec), rank)
+        receiver = CollectiveReceiver(group)
+        for _ in range(versions):
+            version, tensors, _ = receiver.receive()
+            done = time.monotonic()  # it holds the whole version, committed by every member
+            results.put({"rank": rank, "version": version, "done": done, "digest": digest_of(tensors),
+                         "bytes": sum(t.numel() * t.element_size() for _, t in tensors)})  # fmt: skip
+            del tensors
+        group.close()
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_collective(
+    named: list[tuple[str, torch.Tensor]], receivers: int, bucket_mib: int
+) -> dict[str, float]:
+    """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
+    version: the first is untimed), and how long the publisher was blocked in it."""
+    from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
+
+    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": receivers + 1, "backend": "gloo",
+            "timeout_s": 300.0}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_collective_receiver, args=(spec, r + 1, 2, results)) for r in range(receivers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        group = WeightGroup(GroupSpec(**spec), 0)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB)
+        specs = [TensorSpec.of(name, t) for name, t in named]
+        publisher.send(1, specs, iter(named))
+        _collect(results, receivers, procs, timeout_s=600)
+        t0 = time.monotonic()
+        stats = publisher.send(2, specs, iter(named))
+        blocked = time.monotonic() - t0
+        out = _collect(results, receivers, procs, timeout_s=600)
+        group.close()
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.terminate()
+                p.join()
+    errors = [r["error"] for r in out if "error" in r]
+    if errors:
+        raise RuntimeError(f"collective receivers failed: {errors}")
+    expected = digest_of(named)
+    if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out):
+        raise SystemExit(f"{receivers} collective receivers: bytes differ from the published ones")
+    return {"seconds": max(r["done"] for r in out) - t0, "blocked_s": blocked}
+
+
 # ------------------------------------------------------------------------------------------------- cases
 
 
@@ -354,6 +421,14 @@ def main() -> None:
         help="client transports to measure: the data plane (tcp, the default transport) and gRPC streaming",
     )  # fmt: skip
     parser.add_argument(
+        "--receivers",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="collective receiver processes per run (the first is the 1 of collective_N_over_1)",
+    )
+    parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
+    parser.add_argument(
         "--default-allocator", action="store_true",
         help="run the broker and fetchers without the allocator settings services get (services/common/memory.py)",
     )  # fmt: skip
@@ -366,12 +441,15 @@ def main() -> None:
     fetchers = args.fetchers or (2 if args.quick else 4)
 
     rows = []
+    collective: dict[int, dict[int, dict[str, float]]] = {}
     for size in sizes:
         named = build_model(size * MiB)
         socket = socket_gbps(named, args.socket_repeats)
         for kind in args.transports:
             rows.append(run_size(size, fetchers, named, socket, kind))
             print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
+        collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
+        print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
 
     n = fetchers
@@ -405,6 +483,18 @@ def main() -> None:
             f"{r['hwm_after_publish'] / MiB:>7.0f} {r['hwm_after_fetch'] / MiB:>6.0f} {r['hwm_after_fanout'] / MiB:>6.0f}"
         )
     print("all fetchers' digests equal the publisher's")
+    print(f"collective (gloo, {args.bucket_mib} MiB buckets): seconds from the start of a publish until every "
+          "receiver holds the version; the broker path: publish + fetch (1) or publish + fan-out")  # fmt: skip
+    print(f"{'MiB':>5} " + " ".join(f"{f'{n} recv s':>9}" for n in args.receivers) + f" {'1 GB/s':>7} "
+          f"{'blocked s':>9} {'broker 1':>8} {f'broker {n}':>9}")  # fmt: skip
+    for size in sizes:
+        c = collective[size]
+        r = next(r for r in rows if r["size_mib"] == size and r["transport"] == args.transports[0])
+        first = c[args.receivers[0]]
+        print(f"{size:>5} " + " ".join(f"{c[n]['seconds']:>9.2f}" for n in args.receivers)
+              + f" {r['bytes'] / first['seconds'] / 1e9:>7.2f} {first['blocked_s']:>9.2f} "
+              f"{r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}")  # fmt: skip
+    print("all collective receivers' digests equal the publisher's")
 
     largest = max(r["size_mib"] for r in rows)
     at_largest = {r["transport"]: r for r in rows if r["size_mib"] == largest}
@@ -416,7 +506,20 @@ def main() -> None:
 
     ratio = over_socket(big)
     peak = big["peak_over_model"]
+    coll = collective[largest]
+    one, many = args.receivers[0], args.receivers[-1]
+    collective_gbps = big["bytes"] / coll[one]["seconds"] / 1e9
     headline = {
+        "collective_over_socket": round(collective_gbps / big["socket_gbps"], 3),
+        f"collective_{many}_over_{one}": round(coll[many]["seconds"] / coll[one]["seconds"], 3),
+        f"broker_{many}_over_{one}": round(
+            (big["publish_s"] + big["fanout_s"]) / (big["publish_s"] + big["fetch_s"]), 3
+        ),
+        "collective_seconds": {str(n): round(c["seconds"], 3) for n, c in coll.items()},
+        "learner_blocked_s_per_version": round(coll[one]["blocked_s"], 3),
+        "broker_learner_blocked_s_per_version": round(big["publish_s"], 3),
+        "target_collective_over_socket": TARGET_COLLECTIVE_OVER_SOCKET,
+        "target_collective_n_over_1": TARGET_COLLECTIVE_N_OVER_1,
         "broker_over_socket": round(ratio, 3),
         "broker_over_socket_basis": f"min(steady publish, single fetch) / socket, largest size, {main_kind} transport",
         "transport": main_kind,

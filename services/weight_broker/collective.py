@@ -5,8 +5,9 @@ engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A versio
 
     header    int64 [3] (version, header bytes, buckets), then the header: JSON of the tensors' names, dtypes
               and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
-    buckets   one uint8 broadcast per bucket of packed tensors (64-byte aligned), the publisher packing the
-              next bucket while the last is in flight; receivers' tensors are views of their bucket buffers
+    buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
+              ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
+              views of their bucket buffers
     digests   int64 [buckets]: each bucket's xxh3-64 on the CPU (zeros under NCCL, whose transfer is checked)
     vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
               rank, anything else (or a failed collective) discards it on every rank
@@ -238,24 +239,41 @@ class CollectivePublisher:
     def _send_buckets(
         self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any
     ) -> tuple[list[int], Exception | None]:
-        """Pack and broadcast every bucket; returns their digests and the source's error, if any. A source
-        that fails or breaks the header does not break the group: the remaining buckets still go out (their
-        contents void) so every receiver reaches the vote, where this rank votes the version down."""
+        """Broadcast every bucket; returns their digests and the source's error, if any.
+
+        A bucket of one tensor goes out from the tensor's own bytes (no copy), and the source is not advanced
+        until it has gone (a gathered tensor is valid only until the next is requested). Packed buckets are
+        copied into one of two staging buffers, the next packed while the last travels. Digests are taken
+        while a bucket is in flight. A source that fails or breaks the header does not break the group: the
+        remaining buckets still go out (their contents void) so every receiver reaches the vote, where this
+        rank votes the version down."""
         digests: list[int] = []
         error: Exception | None = None
-        in_flight: list[Any] = [None, None]  # double buffering: pack one bucket while the other travels
+        in_flight: list[Any] = [None, None]
         for b, bucket in enumerate(layout):
+            direct = None
+            if error is None and len(bucket.items) == 1:
+                try:
+                    direct = self._take(bucket.items[0][0], specs, source)
+                except Exception as exc:  # reported after the vote
+                    error = exc
+            if direct is not None:
+                work = self.group.broadcast(direct)
+                digests.append(_digest(direct))
+                work.wait()
+                continue
             slot = b % 2
             if in_flight[slot] is not None:
                 in_flight[slot].wait()
             buf = self._buffer(slot, bucket.nbytes)
             if error is None:
                 try:
-                    self._pack(buf, bucket, specs, source)
+                    for i, offset in bucket.items:
+                        buf[offset : offset + specs[i].nbytes].copy_(self._take(i, specs, source))
                 except Exception as exc:  # reported after the vote
                     error = exc
-            digests.append(_digest(buf))
             in_flight[slot] = self.group.broadcast(buf)
+            digests.append(_digest(buf))
         for work in in_flight:
             if work is not None:
                 work.wait()
@@ -267,19 +285,17 @@ class CollectivePublisher:
                 )
         return digests, error
 
-    @staticmethod
-    def _pack(buf: torch.Tensor, bucket: Bucket, specs: Sequence[TensorSpec], source: Any) -> None:
-        for i, offset in bucket.items:
-            spec = specs[i]
-            item = next(source, None)
-            if item is None:
-                raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
-            name, tensor = item
-            got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-            if got != spec:
-                raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
-            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[offset : offset + spec.nbytes].copy_(flat)
+    def _take(self, i: int, specs: Sequence[TensorSpec], source: Any) -> torch.Tensor:
+        """The source's next tensor, checked against the header, as flat bytes on the group's device."""
+        spec = specs[i]
+        item = next(source, None)
+        if item is None:
+            raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
+        name, tensor = item
+        got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+        if got != spec:
+            raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+        return tensor.detach().to(self.group.device).contiguous().reshape(-1).view(torch.uint8)
 
 
 class CollectiveReceiver:
