@@ -308,7 +308,7 @@ def run_collective(
     version: the first is untimed), and how long the publisher was blocked in it."""
     from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
 
-    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": receivers + 1, "backend": "gloo",
+    spec: dict[str, Any] = {"host": "127.0.0.1", "port": free_port(), "world_size": receivers + 1, "backend": "gloo",
             "timeout_s": 300.0}  # fmt: skip
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
