@@ -424,8 +424,8 @@ def main() -> None:
         "--receivers",
         type=int,
         nargs="+",
-        default=[1, 2, 4],
-        help="collective receiver processes per run (the first is the 1 of collective_N_over_1)",
+        help="collective receiver processes per run, the first being the 1 of collective_N_over_1 "
+        "(default 1 2 4; quick: 1 2, at the largest size only)",
     )
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     parser.add_argument(
@@ -439,6 +439,7 @@ def main() -> None:
         os.environ.update(ALLOCATOR_ENV)
     sizes = args.sizes or ([16, 32] if args.quick else [64, 256, 1024])
     fetchers = args.fetchers or (2 if args.quick else 4)
+    args.receivers = args.receivers or ([1, 2] if args.quick else [1, 2, 4])
 
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
@@ -448,8 +449,9 @@ def main() -> None:
         for kind in args.transports:
             rows.append(run_size(size, fetchers, named, socket, kind))
             print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
-        collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
-        print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
+        if size == sizes[-1] or not args.quick:
+            collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
+            print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
 
     n = fetchers
@@ -487,7 +489,7 @@ def main() -> None:
           "receiver holds the version; the broker path: publish + fetch (1) or publish + fan-out")  # fmt: skip
     print(f"{'MiB':>5} " + " ".join(f"{f'{n} recv s':>9}" for n in args.receivers) + f" {'1 GB/s':>7} "
           f"{'blocked s':>9} {'broker 1':>8} {f'broker {n}':>9}")  # fmt: skip
-    for size in sizes:
+    for size in collective:
         c = collective[size]
         r = next(r for r in rows if r["size_mib"] == size and r["transport"] == args.transports[0])
         first = c[args.receivers[0]]
