@@ -118,3 +118,89 @@ def test_the_publish_outcome_travels_on_the_backends_device(monkeypatch: pytest.
     assert publish.collective_device() == torch.device("cuda", 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert publish.collective_device() == torch.device("cpu")
+
+
+def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any], out: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    try:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        from services.learner.publish import GatherStats, publish_collective
+        from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
+        publisher = CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000) if rank == 0 else None
+        stats = GatherStats()
+        try:
+            result = publish_collective(engine.module, publisher, 1, rank, BUCKET, stats)
+            out.put((rank, "ok", result.version if result else None, stats.buckets, stats.max_bucket_bytes))
+        except Exception as exc:
+            out.put((rank, "error", f"{type(exc).__name__}: {exc}", stats.buckets, 0))
+    except BaseException as exc:
+        out.put((rank, "crash", f"{type(exc).__name__}: {exc}", 0, 0))
+        raise
+
+
+def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
+    from services.weight_broker.collective import CollectiveReceiver, GroupSpec, TransferFailed, WeightGroup
+
+    group = WeightGroup(GroupSpec(**spec), 1)
+    if behaviour == "die-after-header":
+        group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
+        os._exit(3)
+    try:
+        version, tensors, _ = CollectiveReceiver(group).receive()
+        # numpy arrays travel by value (a tensor would be a handle into this process, gone once it exits)
+        out.put(("receiver", version, [(n, t.numpy().copy()) for n, t in tensors]))
+    except TransferFailed as exc:
+        out.put(("receiver", "failed", str(exc)))
+
+
+def run_collective(model_dir: Path, behaviour: str) -> tuple[list[tuple[Any, ...]], Any]:
+    ctx = mp.get_context("spawn")
+    out, got = ctx.Queue(), ctx.Queue()
+    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 20.0}
+    receiver = ctx.Process(target=_weight_receiver, args=(spec, behaviour, got))
+    receiver.start()
+    port = free_port()
+    procs = [ctx.Process(target=_collective_rank, args=(r, port, str(model_dir), spec, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, results
+    received = got.get(timeout=60) if behaviour == "ok" else None
+    receiver.join(60)
+    return results, received
+
+
+@pytest.mark.slow
+def test_zero3_ranks_broadcast_a_version_into_the_weight_group_bit_exact(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    results, received = run_collective(model_dir, "ok")
+    assert [r[:3] for r in results] == [(0, "ok", 1), (1, "ok", None)], results
+    assert all(buckets > 3 for *_, buckets, _ in results)  # gathered a bucket at a time on both ranks
+    reference = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    _, version, tensors = received
+    assert version == 1 and [n for n, _ in tensors] == list(reference)  # Hugging Face names, in order
+    for name, array in tensors:
+        assert torch.equal(torch.from_numpy(array), reference[name].detach()), name
+
+
+@pytest.mark.slow
+def test_a_receiver_killed_mid_broadcast_fails_every_learner_rank_without_hanging(model_dir: Path) -> None:
+    results, _ = run_collective(model_dir, "die-after-header")
+    assert [r[:2] for r in results] == [(0, "error"), (1, "error")], results
+    assert results[0][2].startswith("TransferFailed: version 1")
+    assert "rank 0's broadcast failed" in results[1][2]
+    assert results[1][3] > 3  # rank 1 took part in every bucket's gather

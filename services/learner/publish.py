@@ -27,6 +27,7 @@ from torch import nn
 
 from services.learner.grad_norms import full_shape
 from services.weight_broker.client import PublishResult, VersionExists, WeightTransport
+from services.weight_broker.collective import CollectivePublisher, TransferFailed, TransferStats
 from services.weight_broker.tensors import TensorSpec, dtype_name
 
 log = logging.getLogger(__name__)
@@ -163,3 +164,46 @@ def publish_version(
         )
         time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
+
+
+def publish_collective(
+    module: nn.Module,
+    publisher: CollectivePublisher | None,
+    version: int,
+    rank: int,
+    bucket_bytes: int = 256 << 20,
+    stats: GatherStats | None = None,
+) -> TransferStats | None:
+    """Broadcast ``module``'s weights as ``version`` into the weight group (services/weight_broker/collective.py):
+    a collective every learner rank calls, gathering bucket by bucket; rank 0 passes its publisher.
+
+    Returns rank 0's transfer stats (None elsewhere). Raises :class:`TransferFailed` on every rank if the
+    version did not reach every receiver, after all ranks finished the gathers. Nothing is retried here: a
+    failed collective broke the weight group, so the caller forms a new one or uses the broker path.
+    """
+    import torch.distributed as dist
+
+    specs = tensor_specs(module)
+    source = gathered_tensors(module, bucket_bytes, stats)
+    result: TransferStats | None = None
+    error: Exception | None = None
+    if rank == 0:
+        if publisher is None:
+            raise ValueError("rank 0 needs the weight group's publisher to broadcast with")
+        try:
+            result = publisher.send(version, specs, source)
+        except Exception as exc:  # agreed on below: every rank raises
+            error = exc
+    _drain(source)  # finish the gathers the other ranks are waiting in
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
+        dist.broadcast(flag, src=0)
+        failed = bool(flag.item())
+    if failed:
+        if isinstance(error, TransferFailed):
+            raise error
+        if error is not None:
+            raise TransferFailed(f"version {version}: {error}") from error
+        raise TransferFailed(f"version {version}: rank 0's broadcast failed; see its log")
+    return result
