@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from typing import Any
 
 import pytest
@@ -46,6 +47,8 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         group.broadcast(head).wait()
         os._exit(3)
     receiver = CollectiveReceiver(group)
+    if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
+        time.sleep(2.0)
     for _ in range(versions):
         try:
             version, tensors, _ = receiver.receive()
@@ -150,3 +153,44 @@ def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
     assert "version 8: not committed" in results[0][2]
     assert results[2] == (1, 10, True)
     group.close()
+
+
+def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes() -> None:
+    """The learner's next step overlaps the broadcast: ``send_background`` returns once the version is copied
+    into the staging buffer; changing the weights after that does not change what the receivers get."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30)
+    procs, out = start_receivers(spec, ["late", "late"], versions=2)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    for version in (11, 12):
+        tensors = version_tensors(version)
+        t0 = time.monotonic()
+        blocked = publisher.send_background(version, specs_of(tensors), iter(tensors))
+        returned = time.monotonic() - t0
+        assert blocked <= returned
+        if version == 11:  # the receivers are still 2 s away from receiving
+            assert returned < 1.0, returned
+        for _, t in tensors:  # the optimizer steps on: the staged copy is what goes out
+            t.zero_()
+    stats = publisher.wait()
+    assert stats is not None and stats.version == 12
+    got = sorted(out.get(timeout=60) for _ in range(4))
+    assert got == [(1, 11, True), (1, 12, True), (2, 11, True), (2, 12, True)]
+    publisher.close()
+    for p in procs:
+        p.join(timeout=30)
+    group.close()
+
+
+def test_a_failed_background_broadcast_is_raised_by_the_next_call() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=5)
+    procs, _ = start_receivers(spec, ["die-after-header"], versions=1)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    tensors = version_tensors(13)
+    publisher.send_background(13, specs_of(tensors), iter(tensors))
+    with pytest.raises(TransferFailed, match="version 13"):
+        publisher.send_background(14, specs_of(tensors), iter(tensors))
+    assert publisher.wait() is None  # the failure was handed over once; version 14 was never staged
+    procs[0].join(timeout=30)
+    publisher.close()

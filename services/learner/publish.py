@@ -173,13 +173,19 @@ def publish_collective(
     rank: int,
     bucket_bytes: int = 256 << 20,
     stats: GatherStats | None = None,
+    background: bool = False,
 ) -> TransferStats | None:
     """Broadcast ``module``'s weights as ``version`` into the weight group (services/weight_broker/collective.py):
     a collective every learner rank calls, gathering bucket by bucket; rank 0 passes its publisher.
 
-    Returns rank 0's transfer stats (None elsewhere). Raises :class:`TransferFailed` on every rank if the
-    version did not reach every receiver, after all ranks finished the gathers. Nothing is retried here: a
-    failed collective broke the weight group, so the caller forms a new one or uses the broker path.
+    Returns rank 0's transfer stats (None elsewhere, and with ``background``). Raises :class:`TransferFailed`
+    on every rank if the version did not reach every receiver, after all ranks finished the gathers. Nothing
+    is retried here: a failed collective broke the weight group, so the caller forms a new one or uses the
+    broker path.
+
+    ``background``: rank 0 copies the gathered version into its staging buffer and broadcasts it from a
+    thread (:meth:`CollectivePublisher.send_background`), so every rank returns once the gathers are done and
+    the next step overlaps the broadcast. Its failure is raised, on every rank, by the next call.
     """
     import torch.distributed as dist
 
@@ -191,7 +197,10 @@ def publish_collective(
         if publisher is None:
             raise ValueError("rank 0 needs the weight group's publisher to broadcast with")
         try:
-            result = publisher.send(version, specs, source)
+            if background:
+                publisher.send_background(version, specs, source)
+            else:
+                result = publisher.send(version, specs, source)
         except Exception as exc:  # agreed on below: every rank raises
             error = exc
     _drain(source)  # finish the gathers the other ranks are waiting in

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -192,6 +193,69 @@ class CollectivePublisher:
             )
         self.group, self.bucket_bytes = group, bucket_bytes
         self._buffers: list[torch.Tensor] = []
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._pending: Future[TransferStats] | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def send_background(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> float:
+        """Copy the version into a staging buffer of the model's size (host memory, pinned when CUDA is
+        there), then broadcast it from a background thread, so the learner's next step overlaps the broadcast.
+        Returns the seconds the caller was blocked (waiting for the previous broadcast, and the copy).
+
+        One version is in flight at a time: the previous one is waited for first, and its failure is raised
+        here (:class:`TransferFailed`) before anything of this one is staged. :meth:`wait` waits for the last.
+        """
+        t0 = time.monotonic()
+        self.wait()
+        staged = self._stage(specs, tensors)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
+        self._pending = self._thread.submit(self.send, version, specs, iter(staged))
+        return time.monotonic() - t0
+
+    def wait(self) -> TransferStats | None:
+        """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
+        :class:`TransferFailed` if it failed."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def _stage(
+        self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        offsets, total = [], 0
+        for spec in specs:
+            total = -(-total // ALIGN) * ALIGN
+            offsets.append(total)
+            total += spec.nbytes
+        if self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staged, source = [], iter(tensors)
+        for i, (spec, offset) in enumerate(zip(specs, offsets, strict=True)):
+            item = next(source, None)
+            if item is None:
+                raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
+            name, tensor = item
+            got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+            if got != spec:
+                raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+            view = self._staging[offset : offset + spec.nbytes]
+            view.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            staged.append((name, view.view(tensor.dtype).reshape(tensor.shape)))
+        if next(source, None) is not None:
+            raise ValueError("the source yielded more tensors than the header named")
+        return staged
+
+    def close(self) -> None:
+        """Wait for a background broadcast (its failure is logged, not raised) and stop its thread."""
+        try:
+            self.wait()
+        except TransferFailed as exc:
+            log.warning("the last background broadcast failed: %s", exc)
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
 
     def send(
         self,
