@@ -132,3 +132,26 @@ class LearnerStandIn:
                 self.consumer.ack([entry.id])
         self.publish(t + 1)
         return groups
+
+
+def broadcast_versions(
+    spec: dict[str, Any], weights_file: str, plan: list[tuple[int, str]], out: Any
+) -> None:
+    """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
+    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
+    from services.weight_broker.collective import CollectivePublisher, GroupSpec, TransferFailed, WeightGroup
+    from services.weight_broker.tensors import TensorSpec
+
+    group = WeightGroup(GroupSpec(**spec), 0)
+    publisher = CollectivePublisher(group, bucket_bytes=1 << 20)
+    weights = torch.load(weights_file)
+    for version, how in plan:
+        items = list(weights[version].items())
+        specs = [TensorSpec.of(n, t) for n, t in items]
+        source = iter(items if how == "whole" else items[: len(items) // 2])
+        try:
+            stats = publisher.send(version, specs, source)
+            out.put((version, "sent", stats.bytes))
+        except TransferFailed as exc:
+            out.put((version, "failed", str(exc)))
+    group.close()

@@ -1,7 +1,8 @@
 """Run by tests/test_sampler_engine.py in its own process: the vLLM engine core in a separate process (as on
 GPU machines). Prints one JSON line: a version applied through the staging file (greedy tokens and
 log-probs), an in-flight swap (which tokens ``quiesce`` handed back before it, which came after) and a load
-that fails inside the workers (the error raised, the version served afterwards and its tokens)."""
+that fails inside the workers (the error raised, the version served afterwards and its tokens), and a version
+broadcast through the weight group into the workers."""
 
 from __future__ import annotations
 
@@ -85,14 +86,46 @@ def failed_load(engine: Any, weights: dict[str, Any]) -> dict[str, Any]:
     return {"error": error, "serving_before": serving, "serving_after": engine.loaded_version}
 
 
+def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str) -> dict[str, Any]:
+    """A version broadcast by a learner process through the weight group into the workers' registered
+    ``vcpo_collective`` engine (each in its own process here, as on GPU machines)."""
+    import multiprocessing as mp
+
+    import torch
+
+    from services.common.redis_server import free_port
+    from tests.sampler_helpers import broadcast_versions, versions
+
+    version = next(versions)
+    path = os.path.join(tmp, "collective.pt")
+    torch.save({version: weights}, path)
+    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 0,
+            "timeout_s": 120.0}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(target=broadcast_versions, args=(spec, path, [(version, "whole")], out))
+    learner.start()
+    try:
+        engine.join_weight_group({**spec, "rank_offset": 1})
+        seconds = engine.receive_collective(version)
+        sent = out.get(timeout=120)
+    finally:
+        learner.join(timeout=60)
+    return {"sent": list(sent), "seconds": seconds, "serving": engine.loaded_version == version,
+            **greedy(engine, prompt)}  # fmt: skip
+
+
 def main() -> None:
-    model_dir, seed_a, seed_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    model_dir, seed_a, seed_b, seed_c = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    import tempfile
+
     from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into, version_weights
 
     engine = VllmEngine(VllmSettings(model=model_dir, dtype="float32", max_model_len=512,
-                                     kv_cache_memory_bytes=32 << 20, enforce_eager=True))  # fmt: skip
+                                     kv_cache_memory_bytes=32 << 20, enforce_eager=True,
+                                     collective_weights=True))  # fmt: skip
     try:
         a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
         load_into(engine, a)
@@ -103,6 +136,8 @@ def main() -> None:
         out["in_flight"] = in_flight_swap(engine, prompts, b)
         out["failed_load"] = failed_load(engine, b)
         out["after_failed_load"] = greedy(engine, prompt)
+        with tempfile.TemporaryDirectory() as tmp:
+            out["collective"] = collective(engine, version_weights(model_dir, seed_c), prompt, tmp)
         print("RESULT " + json.dumps(out), flush=True)
     finally:
         engine.close()

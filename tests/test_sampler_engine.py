@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch
-from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights, versions
+from tests.sampler_helpers import (
+    broadcast_versions,
+    hf_logprobs,
+    hf_model,
+    load_into,
+    max_abs_diff,
+    version_weights,
+    versions,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -170,14 +178,15 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     """The GPU layout (engine core and workers in other processes), run on CPU: a version loads through the
     staging file; an in-flight swap hands back every token the old weights produced before loading (the core
     had run ahead), so each token's version is known; a load failing inside the workers raises its own
-    error (not a refused serialization of the clean-up) and the previous version serves on."""
+    error (not a refused serialization of the clean-up) and the previous version serves on; a version
+    broadcast through the weight group reaches the workers and is served exactly."""
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11", "12"],
+        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11", "12", "17"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -206,6 +215,14 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     after = result["after_failed_load"]
     expected = hf_logprobs(hf_model(tiny_model_dir, b), after["prompt"], after["tokens"])
     assert len(after["tokens"]) == 8 and max_abs_diff(after["logprobs"], expected) <= 1e-3
+
+    # the collective transport into workers in their own processes: vLLM's worker there knows the
+    # vcpo_collective backend (registered by the worker extension's import) and serves the broadcast version
+    coll = result["collective"]
+    assert coll["sent"][1] == "sent" and coll["serving"] is True
+    expected = hf_logprobs(hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"],
+                           coll["tokens"])  # fmt: skip
+    assert len(coll["tokens"]) == 8 and max_abs_diff(coll["logprobs"], expected) <= 1e-3
 
 
 def test_applying_a_version_that_is_not_staged_is_refused(vllm_engine: GenerationEngine) -> None:
@@ -239,27 +256,6 @@ def test_a_swap_invalidates_kv_blocks_of_long_shared_prompts(
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
 
 
-def _publish(spec: dict[str, Any], weights_file: str, plan: list[tuple[int, str]], out: Any) -> None:
-    """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
-    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
-    from services.weight_broker.collective import CollectivePublisher, GroupSpec, TransferFailed, WeightGroup
-    from services.weight_broker.tensors import TensorSpec
-
-    group = WeightGroup(GroupSpec(**spec), 0)
-    publisher = CollectivePublisher(group, bucket_bytes=1 << 20)
-    weights = torch.load(weights_file)
-    for version, how in plan:
-        items = list(weights[version].items())
-        specs = [TensorSpec.of(n, t) for n, t in items]
-        source = iter(items if how == "whole" else items[: len(items) // 2])
-        try:
-            stats = publisher.send(version, specs, source)
-            out.put((version, "sent", stats.bytes))
-        except TransferFailed as exc:
-            out.put((version, "failed", str(exc)))
-    group.close()
-
-
 def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_nothing(
     vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -285,7 +281,7 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     learner = ctx.Process(
-        target=_publish, args=(spec, str(weights_file), [(v_new, "whole"), (v_cut, "cut")], out)
+        target=broadcast_versions, args=(spec, str(weights_file), [(v_new, "whole"), (v_cut, "cut")], out)
     )
     learner.start()
     try:
