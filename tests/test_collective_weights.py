@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from typing import Any
 
@@ -194,3 +195,90 @@ def test_a_failed_background_broadcast_is_raised_by_the_next_call() -> None:
     assert publisher.wait() is None  # the failure was handed over once; version 14 was never staged
     procs[0].join(timeout=30)
     publisher.close()
+
+
+def _announcing_publisher(spec: GroupSpec, plan: list[tuple[int, float]], out: Any) -> None:
+    """The learner's rank 0, in its own process: announces and broadcasts each version of ``plan`` after the
+    given idle seconds (the members wait on the announcements, not inside a collective)."""
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    for version, idle_s in plan:
+        time.sleep(idle_s)
+        tensors = version_tensors(version)
+        publisher.send(version, specs_of(tensors), iter(tensors))
+        out.put(version)
+    group.close()
+
+
+def test_announcements_wake_receivers_after_idling_past_the_group_timeout() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(target=_announcing_publisher, args=(spec, [(21, 0.0), (22, 3.0)], out))
+    learner.start()
+    group = WeightGroup(spec, 1)
+    receiver = CollectiveReceiver(group)
+    got = []
+    for _ in range(2):
+        version = None
+        while version is None:  # idle longer than the 2 s timeout between the two versions
+            version = group.next_announcement(timeout_s=0.5)
+        v, tensors, _ = receiver.receive()
+        assert v == version
+        got.append(
+            (v, all(torch.equal(a, b) for (_, a), (_, b) in zip(tensors, version_tensors(v), strict=True)))
+        )
+    assert got == [(21, True), (22, True)]
+    learner.join(timeout=30)
+    assert learner.exitcode == 0
+    with pytest.raises(TransferFailed, match="store is unreachable"):  # its host, the publisher, is gone
+        group.next_announcement(timeout_s=5)
+    assert group.closed
+
+
+def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: Any) -> None:
+    """The broker as one more member of the weight group: each version it receives is committed with its
+    checksums, fetchable over the broker path (a late sampler's catch-up) and announced on the weights stream."""
+    from services.common.config import RunConfig, StreamsConfig
+    from services.common.observability import Metrics, grpc_server
+    from services.common.streams import StreamProducer, StreamTail, stream_specs
+    from services.weight_broker.client import GrpcTransport
+    from services.weight_broker.member import BrokerMember
+    from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+    from services.weight_broker.store import MemoryStore
+
+    weights = stream_specs(RunConfig(run_id="member"), StreamsConfig())["weights"]
+    servicer = WeightBrokerServicer(MemoryStore(2), BrokerMetrics(Metrics("t")),
+                                    Announcer(StreamProducer(redis_client, weights), "grpc", "here"))  # fmt: skip
+    server = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(target=_announcing_publisher, args=(spec, [(31, 0.0), (32, 0.5), (30, 0.0)], out))
+    learner.start()
+    try:
+        member = BrokerMember(servicer, WeightGroup(spec, 1))
+        thread = threading.Thread(target=member.run, args=(threading.Event(), 0.2))
+        thread.start()
+        assert [out.get(timeout=60) for _ in range(3)] == [31, 32, 30]
+        learner.join(timeout=30)
+        thread.join(timeout=30)  # the learner is gone with the group's store: the broker leaves the group
+        assert not thread.is_alive() and member.group.closed
+        assert member.received == [31, 32]  # version 30 is stale: received, refused by the store, counted
+        assert len(member.failures) == 2 and "older than the latest" in member.failures[0]
+        assert "store is unreachable" in member.failures[1]
+        for version in (31, 32):
+            got: dict[str, torch.Tensor] = {}
+            manifest = GrpcTransport(f"127.0.0.1:{server.port}").fetch(
+                lambda n, t, into=got: into.__setitem__(n, t.clone()), version
+            )
+            assert manifest.checksum.startswith("xxh3_128:")  # verified by the client on the way
+            expected = version_tensors(version)
+            assert list(got) == [n for n, _ in expected]
+            assert all(torch.equal(got[n], t) for n, t in expected)
+        announced = [e.policy_version for e in StreamTail(redis_client, weights).read()]
+        assert announced == [31, 32]
+    finally:
+        server.stop(0)
+        if learner.is_alive():
+            learner.kill()

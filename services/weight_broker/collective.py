@@ -3,6 +3,8 @@
 One process group joins the publisher (rank 0, the learner's exporting rank) and every receiver (each sampler
 engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A version travels as:
 
+    announce  rank 0 sets ``announce/<n>`` = version in the group's store; receivers poll for it (no collective
+              is pending while the group is idle, so no timeout runs), then enter the broadcast
     header    int64 [3] (version, header bytes, buckets), then the header: JSON of the tensors' names, dtypes
               and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
     buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
@@ -94,6 +96,8 @@ class WeightGroup:
         self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
                                     timeout=timeout, wait_for_workers=False)  # fmt: skip
         store = dist.PrefixStore(f"vcpo-weights/{spec.epoch}", self._store)
+        self._announcements = store  # the control channel beside the collectives: rank 0 sets, others poll
+        self._seq = 0  # announcements made (rank 0) or taken (receivers)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -109,6 +113,30 @@ class WeightGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         return self._pg.broadcast([tensor], opts)
+
+    def announce(self, version: int) -> None:
+        """Rank 0, before each broadcast: tell every member a version is coming (:meth:`next_announcement`).
+        Members wait for this, not inside a collective, so an idle group never reaches its timeout."""
+        self._seq += 1
+        self._announcements.set(f"announce/{self._seq}", str(version))
+
+    def next_announcement(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
+        """A receiver: the version of the next broadcast, once rank 0 announces it (then call ``receive``);
+        None after ``timeout_s`` without one. Raises :class:`TransferFailed` (closing the group) if the
+        store is gone with its host, the publisher."""
+        key = f"announce/{self._seq + 1}"
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._announcements.check([key]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(poll_s)
+            version = int(self._announcements.get(key))
+        except Exception as exc:
+            self.close()
+            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
+        self._seq += 1
+        return version
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if every rank passed True."""
@@ -274,6 +302,7 @@ class CollectivePublisher:
                              "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs]}).encode()  # fmt: skip
         group = self.group
         try:
+            group.announce(version)
             head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
             group.broadcast(head).wait()
             group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)).wait()

@@ -111,14 +111,16 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
             log.warning("publish refused (%s): %s", exc.reason, exc)
             raise
         seconds = time.monotonic() - t0
-        self._published(stored, seconds)
+        self.published(stored, seconds)
         return weights_pb2.PublishResponse(
             policy_version=stored.manifest.policy_version,
             total_bytes=stored.manifest.total_bytes,
             seconds=seconds,
         )
 
-    def _published(self, stored: StoredVersion, seconds: float) -> None:
+    def published(self, stored: StoredVersion, seconds: float) -> None:
+        """Count a committed version and announce it on the weights stream (a publish, or a broadcast the
+        broker received as a member of the weight group)."""
         m = stored.manifest
         self.metrics.published.inc()
         self.metrics.received.inc(m.total_bytes)

@@ -1,0 +1,77 @@
+"""The broker's seat in the weight group: the fallback for samplers that join late or restart.
+
+The learner broadcasts each version once, into every sampler engine and into the broker alike
+(services/weight_broker/collective.py). The broker takes its copy as one more receiver, stores it as if it had
+been published (per-tensor and version checksums, retention, memory or disk storage) and announces it on the
+run's ``weights`` stream, so a sampler that missed the broadcast fetches the version over the broker path.
+The learner pays nothing for the fallback: it sends no second copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from services.weight_broker.collective import CollectiveReceiver, TransferFailed, WeightGroup
+from services.weight_broker.servicer import WeightBrokerServicer
+from services.weight_broker.store import PublishRejected, StoredVersion
+from services.weight_broker.tensors import TensorSpec, checksum, manifest_of, tensor_bytes, version_checksum
+from services.weight_broker.wire import Chunk
+
+log = logging.getLogger(__name__)
+
+
+class BrokerMember:
+    """Receives every version broadcast into ``group`` and commits it into the servicer's store."""
+
+    def __init__(self, servicer: WeightBrokerServicer, group: WeightGroup) -> None:
+        self.servicer, self.group = servicer, group
+        self.received: list[int] = []
+        self.failures: list[str] = []  # why versions were not stored, in order
+
+    def step(self, timeout_s: float) -> int | None:
+        """Take the next announced version, if one is announced within ``timeout_s``: receive it and store it.
+        Returns its number (None when none came). Raises :class:`TransferFailed` when the broadcast failed (the
+        group is then closed) and :class:`PublishRejected` when the store refuses the version (stale)."""
+        version = self.group.next_announcement(timeout_s)
+        if version is None:
+            return None
+        t0 = time.monotonic()
+        got, tensors, _ = CollectiveReceiver(self.group).receive()
+        if got != version:
+            raise TransferFailed(f"the weight group delivered version {got}, its announcement said {version}")
+        self.commit(version, tensors, time.monotonic() - t0)
+        self.received.append(version)
+        return version
+
+    def commit(self, version: int, tensors: list[tuple[str, torch.Tensor]], seconds: float) -> StoredVersion:
+        """Store a received version through the same writer a publish uses (checksums computed here), then
+        count and announce it."""
+        manifest = manifest_of([TensorSpec.of(n, t) for n, t in tensors], version, self.servicer.run_id)
+        writer = self.servicer.store.begin(manifest)
+        digests = []
+        for name, tensor in tensors:
+            data = tensor_bytes(tensor)  # a view of the received bucket: the store keeps it, no copy
+            digest = checksum(data)
+            writer.write(Chunk(version, name, 0, data, True, digest))
+            digests.append((name, digest))
+        stored = writer.commit(version_checksum(digests))
+        self.servicer.published(stored, seconds)
+        return stored
+
+    def run(self, stop: threading.Event, poll_s: float = 1.0) -> None:
+        """Take versions until ``stop`` is set or the group breaks (a failed broadcast: the control plane forms
+        a new group). A version the store refuses is counted and skipped."""
+        while not stop.is_set():
+            try:
+                self.step(poll_s)
+            except PublishRejected as exc:
+                self.failures.append(str(exc))
+                log.warning("a broadcast version was not stored: %s", exc)
+            except TransferFailed as exc:
+                self.failures.append(str(exc))
+                log.warning("the weight group failed; the broker leaves it: %s", exc)
+                return
