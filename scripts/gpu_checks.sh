@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 $PY -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_benchmarks.py \
+$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_benchmarks.py tests/test_collective_weights.py \
     -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
 status=${PIPESTATUS[0]}
 

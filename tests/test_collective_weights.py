@@ -47,7 +47,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         head = torch.zeros(3, dtype=torch.int64)
         group.broadcast(head).wait()
         os._exit(3)
-    receiver = CollectiveReceiver(group)
+    receiver = CollectiveReceiver(group, bounce=behaviour == "bounce")  # bounce: as a GPU worker receives
     if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
         time.sleep(2.0)
     for _ in range(versions):
@@ -105,7 +105,7 @@ def test_group_spec_names_bad_values() -> None:
 
 def test_versions_reach_every_receiver_bit_exact() -> None:
     spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=60)
-    procs, out = start_receivers(spec, ["ok"] * 3, versions=2)
+    procs, out = start_receivers(spec, ["ok", "bounce", "ok"], versions=2)
     group = WeightGroup(spec, 0)
     publisher = CollectivePublisher(group, bucket_bytes=8192)
     for version in (5, 6):
@@ -282,3 +282,30 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
         server.stop(0)
         if learner.is_alive():
             learner.kill()
+
+
+def _cuda_receiver(spec: GroupSpec, out: Any) -> None:
+    group = WeightGroup(spec, 1, device=torch.device("cuda", 0))  # gloo moves CUDA tensors through the host
+    version, tensors, _ = CollectiveReceiver(group).receive()  # bounce: two CUDA buffers, pinned host copies
+    expected = version_tensors(version)
+    same = all(t.device.type == "cpu" and t.is_pinned() and torch.equal(t, e)
+               for (_, t), (_, e) in zip(tensors, expected, strict=True))  # fmt: skip
+    out.put((version, same))
+    group.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_receiver_stages_the_version_in_pinned_host_memory() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_cuda_receiver, args=(spec, out))
+    proc.start()
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(41)
+    CollectivePublisher(group, bucket_bytes=8192).send(41, specs_of(tensors), iter(tensors))
+    assert out.get(timeout=60) == (41, True)
+    proc.join(timeout=30)
+    group.close()

@@ -240,8 +240,18 @@ class CollectivePublisher:
         staged = self._stage(specs, tensors)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
-        self._pending = self._thread.submit(self.send, version, specs, iter(staged))
+        self._pending = self._thread.submit(self._send_in_thread, version, specs, staged)
         return time.monotonic() - t0
+
+    def _send_in_thread(
+        self, version: int, specs: Sequence[TensorSpec], staged: list[tuple[str, torch.Tensor]]
+    ) -> TransferStats:
+        if (
+            self.group.device.type == "cuda"
+        ):  # the current CUDA device is per thread: this thread's is not set
+            with torch.cuda.device(self.group.device):
+                return self.send(version, specs, iter(staged))
+        return self.send(version, specs, iter(staged))
 
     def wait(self) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
@@ -394,10 +404,14 @@ class CollectivePublisher:
 class CollectiveReceiver:
     """Ranks 1..N: receive versions as they are broadcast."""
 
-    def __init__(self, group: WeightGroup) -> None:
+    def __init__(self, group: WeightGroup, bounce: bool | None = None) -> None:
+        """``bounce`` (default: when the group's device is not the CPU) receives each bucket into one of two
+        device buffers and copies it out to host memory (pinned), so a GPU worker stages a whole version in
+        host memory, not in the GPU memory its KV cache holds: GPU memory used is two buckets."""
         if group.rank == 0:
             raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
         self.group = group
+        self.bounce = group.device.type != "cpu" if bounce is None else bounce
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
         """Receive the version being broadcast; returns ``(version, [(name, tensor)] in order, stats)`` once
@@ -423,12 +437,7 @@ class CollectiveReceiver:
                 raise ValueError(
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
-            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
-            works = [group.broadcast(buf) for buf in buffers]  # queued in order: gloo runs them one by one
-            mine: list[int] = []
-            for work, buf in zip(works, buffers, strict=True):
-                work.wait()
-                mine.append(_digest(buf))  # hashes this bucket while the next is arriving
+            buffers, mine = self._bounced(layout) if self.bounce else self._direct(layout)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.broadcast(theirs).wait()
         except Exception as exc:
@@ -448,10 +457,42 @@ class CollectiveReceiver:
                 "member's bucket digests differed)"
             )
         tensors: list[tuple[str, torch.Tensor]] = []
-        for bucket, buf in zip(layout, buffers, strict=True):
+        for bucket, buf in zip(layout, buffers, strict=True):  # views: no copy
             for i, offset in bucket.items:
                 s = specs[i]
                 view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
                 tensors.append((s.name, view))
         nbytes = sum(s.nbytes for s in specs)
         return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)
+
+    def _direct(self, layout: list[Bucket]) -> tuple[list[torch.Tensor], list[int]]:
+        """Every bucket into its own buffer on the group's device, all queued at once (gloo runs them in
+        order), each hashed while the next arrives."""
+        group = self.group
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
+        works = [group.broadcast(buf) for buf in buffers]
+        mine: list[int] = []
+        for work, buf in zip(works, buffers, strict=True):
+            work.wait()
+            mine.append(_digest(buf))
+        return buffers, mine
+
+    def _bounced(self, layout: list[Bucket]) -> tuple[list[torch.Tensor], list[int]]:
+        """Each bucket into one of two device buffers, then copied to host memory. On CUDA the copy is queued
+        on the current stream, which the next broadcast into the same buffer waits for."""
+        group = self.group
+        cuda = group.device.type == "cuda"
+        biggest = max(b.nbytes for b in layout)
+        slots = [
+            torch.empty(biggest, dtype=torch.uint8, device=group.device) for _ in range(min(2, len(layout)))
+        ]
+        host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
+        mine: list[int] = []
+        for b, (bucket, out) in enumerate(zip(layout, host, strict=True)):
+            slot = slots[b % 2][: bucket.nbytes]
+            group.broadcast(slot).wait()
+            mine.append(_digest(slot))  # on the group's device, as the publisher took it
+            out.copy_(slot, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(group.device)
+        return host, mine
