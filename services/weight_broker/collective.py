@@ -88,10 +88,12 @@ class WeightGroup:
         import torch.distributed as dist
 
         self.spec, self.rank = spec, rank
+        # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA ones
+        # through the host (the GPU test of the receiver's bounce path uses that)
         if spec.backend == "nccl":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
         else:
-            self.device = torch.device("cpu")
+            self.device = device or torch.device("cpu")
         timeout = timedelta(seconds=spec.timeout_s)
         self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
                                     timeout=timeout, wait_for_workers=False)  # fmt: skip
@@ -308,7 +310,7 @@ class CollectivePublisher:
         if not specs:
             raise ValueError(f"version {version} has no tensors")
         layout = bucket_layout(specs, self.bucket_bytes)
-        header = json.dumps({"bucket_bytes": self.bucket_bytes,
+        header = json.dumps({"bucket_bytes": self.bucket_bytes, "digests": self.group.device.type == "cpu",
                              "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs]}).encode()  # fmt: skip
         group = self.group
         try:
@@ -437,7 +439,8 @@ class CollectiveReceiver:
                 raise ValueError(
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
-            buffers, mine = self._bounced(layout) if self.bounce else self._direct(layout)
+            hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
+            buffers, mine = self._bounced(layout, hashed) if self.bounce else self._direct(layout, hashed)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.broadcast(theirs).wait()
         except Exception as exc:
@@ -465,7 +468,7 @@ class CollectiveReceiver:
         nbytes = sum(s.nbytes for s in specs)
         return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)
 
-    def _direct(self, layout: list[Bucket]) -> tuple[list[torch.Tensor], list[int]]:
+    def _direct(self, layout: list[Bucket], hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Every bucket into its own buffer on the group's device, all queued at once (gloo runs them in
         order), each hashed while the next arrives."""
         group = self.group
@@ -474,10 +477,10 @@ class CollectiveReceiver:
         mine: list[int] = []
         for work, buf in zip(works, buffers, strict=True):
             work.wait()
-            mine.append(_digest(buf))
+            mine.append(_digest(buf.cpu()) if hashed else 0)
         return buffers, mine
 
-    def _bounced(self, layout: list[Bucket]) -> tuple[list[torch.Tensor], list[int]]:
+    def _bounced(self, layout: list[Bucket], hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Each bucket into one of two device buffers, then copied to host memory. On CUDA the copy is queued
         on the current stream, which the next broadcast into the same buffer waits for."""
         group = self.group
@@ -487,12 +490,10 @@ class CollectiveReceiver:
             torch.empty(biggest, dtype=torch.uint8, device=group.device) for _ in range(min(2, len(layout)))
         ]
         host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
-        mine: list[int] = []
         for b, (bucket, out) in enumerate(zip(layout, host, strict=True)):
             slot = slots[b % 2][: bucket.nbytes]
             group.broadcast(slot).wait()
-            mine.append(_digest(slot))  # on the group's device, as the publisher took it
             out.copy_(slot, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(group.device)
-        return host, mine
+        return host, [_digest(out) if hashed else 0 for out in host]  # the bytes this member keeps
