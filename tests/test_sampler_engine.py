@@ -260,8 +260,9 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The collective transport into the real engine: the learner's process broadcasts through the weight
-    group into vLLM's worker (gloo), and the engine serves exactly the new weights, prefix cache included; a
-    version whose source dies part-way is voted down and the engine keeps serving the one before."""
+    group into vLLM's worker (gloo). A staged version leaves the model alone until it is applied, a newer one
+    replaces it, and the engine then serves exactly the new weights, prefix cache included; a version whose
+    source dies part-way is voted down and the engine keeps serving the one before."""
     import multiprocessing as mp
 
     from services.common.redis_server import free_port
@@ -273,25 +274,34 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     old, new = version_weights(tiny_model_dir, 14), version_weights(tiny_model_dir, 15)
     load_into(vllm_engine, old)  # the broker path first: its prefix-cache blocks must not leak into the next
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
-    v_new, v_cut = next(versions), next(versions)
+    v_skipped, v_new, v_cut = next(versions), next(versions), next(versions)
     weights_file = tmp_path / "versions.pt"
-    torch.save({v_new: new, v_cut: version_weights(tiny_model_dir, 16)}, weights_file)
+    torch.save({v_skipped: version_weights(tiny_model_dir, 18), v_new: new, v_cut: version_weights(tiny_model_dir, 16)},
+               weights_file)  # fmt: skip
     spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 1,
             "timeout_s": 60.0}  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     learner = ctx.Process(
-        target=broadcast_versions, args=(spec, str(weights_file), [(v_new, "whole"), (v_cut, "cut")], out)
+        target=broadcast_versions,
+        args=(spec, str(weights_file), [(v_skipped, "whole"), (v_new, "whole"), (v_cut, "cut")], out),
     )
     learner.start()
     try:
         vllm_engine.join_weight_group({**spec, "rank_offset": 1})
-        assert vllm_engine.receive_collective(v_new) > 0
+        assert vllm_engine.stage_collective(v_skipped) > 0  # received into the worker, not loaded
+        assert out.get(timeout=60)[:2] == (v_skipped, "sent")
+        assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
+        vllm_engine.stage_collective(v_new)  # a newer version before the sampler applied: it replaces it
         assert out.get(timeout=60)[:2] == (v_new, "sent")
-        assert vllm_engine.loaded_version == v_new
+        with pytest.raises(RuntimeError, match=f"version {v_skipped} is not staged"):
+            vllm_engine.apply_collective(v_skipped)
+        assert vllm_engine.apply_collective(v_new) > 0
+        assert vllm_engine.loaded_version == v_new and vllm_engine.collective_staged is None
         assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
         with pytest.raises(Exception, match=f"version {v_cut}: not committed"):
             vllm_engine.receive_collective(v_cut)
+        assert vllm_engine.collective_staged is None
         version, status, why = out.get(timeout=60)
         assert (version, status) == (v_cut, "failed") and "the source ended" in why
         assert vllm_engine.loaded_version == v_new

@@ -297,6 +297,7 @@ class VllmEngine(GenerationEngine):
         # does not clear it; every load starts a new salt, so no request is ever served a block that other
         # weights computed (with in-flight swaps, running requests hold blocks and a reset would fail)
         self._weights_epoch = 0
+        self.collective_staged: int | None = None  # a version received from the weight group, not yet loaded
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
 
     def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:
@@ -409,16 +410,34 @@ class VllmEngine(GenerationEngine):
         CollectiveInitInfo`'s fields); blocks until the whole group has joined."""
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init,))
 
-    def receive_collective(self, version: int) -> float:
-        """Take ``version`` from the broadcast the control plane announced; returns the seconds it took.
+    def stage_collective(self, version: int) -> float:
+        """Receive the announced ``version`` from the broadcast into the workers' staging; returns the seconds
+        it took. The model is untouched, so the engine may go on generating under its loaded version until
+        :meth:`apply_collective` (the broadcast cannot wait for a sampler that drains its groups first).
 
-        The workers receive the whole version before anything is loaded: a broadcast that fails on any member
-        raises here with the engine still on its previous version (and the group closed: join a new one). A
-        load that fails part-way leaves the version unknown (``loaded_version`` None): catch up from the broker.
-        Call between steps, after ``quiesce``, as for ``apply``."""
+        A newer version staged before the last was applied replaces it. A broadcast that fails on any member
+        raises here, dropping whatever was staged, with the engine still on its loaded version and the weight
+        group closed (join a new one)."""
         t0 = time.monotonic()
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", args=({"version": version},))
+        if self.collective_staged is None:
+            self.llm.collective_rpc("start_weight_update")
+        try:
+            self.llm.collective_rpc("update_weights", args=({"version": version},))
+        except BaseException:
+            self.collective_staged = None  # vLLM ended the update session: nothing is staged any more
+            raise
+        self.collective_staged = version
+        return time.monotonic() - t0
+
+    def apply_collective(self, version: int) -> float:
+        """Load the staged ``version`` into the model; returns the seconds it took. Call between steps, after
+        ``quiesce``, as for ``apply``. A load that fails part-way leaves the version unknown (``loaded_version``
+        None): catch up from the broker."""
+        if self.collective_staged != version:
+            raise RuntimeError(f"version {version} is not staged from the weight group "
+                               f"(staged: {self.collective_staged})")  # fmt: skip
+        t0 = time.monotonic()
+        self.collective_staged = None
         self._weights_epoch += 1  # a new prefix-cache salt before any request sees the new weights
         try:
             self.llm.collective_rpc("finish_weight_update")
@@ -428,6 +447,10 @@ class VllmEngine(GenerationEngine):
         # the rollback source of a later broker-path version is the initial weights (``_restore``)
         self.loaded_version, self._current = version, None
         return time.monotonic() - t0
+
+    def receive_collective(self, version: int) -> float:
+        """:meth:`stage_collective` and :meth:`apply_collective` at once (in-flight updates)."""
+        return self.stage_collective(version) + self.apply_collective(version)
 
     def close(self) -> None:
         self.resume()
