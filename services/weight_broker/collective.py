@@ -9,8 +9,9 @@ engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A versio
               and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
     buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
               ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
-              views of their bucket buffers
-    digests   int64 [buckets]: each bucket's xxh3-64 on the CPU (zeros under NCCL, whose transfer is checked)
+              views of their bucket buffers (on a GPU worker: of host copies, see ``bounce``)
+    digests   int64 [buckets]: each bucket's xxh3-64 when the publisher holds its buckets on the CPU (zeros
+              when they are on a GPU: hashing there would copy every bucket to the host)
     vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
               rank, anything else (or a failed collective) discards it on every rank
 
@@ -192,7 +193,7 @@ def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket
 
 
 def _digest(buffer: torch.Tensor) -> int:
-    """xxh3-64 of a CPU byte buffer as a signed int64 (0 for device buffers: NCCL's transfer is checked)."""
+    """xxh3-64 of a CPU byte buffer as a signed int64 (0 for a device buffer: not hashed, see the header)."""
     if buffer.device.type != "cpu" or buffer.numel() == 0:
         return 0
     value = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
