@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -200,6 +200,27 @@ def _digest(buffer: torch.Tensor) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _next_checked(
+    i: int, specs: Sequence[TensorSpec], source: Iterator[tuple[str, torch.Tensor]]
+) -> torch.Tensor:
+    """The source's next tensor, which must be the header's tensor ``i`` (name, dtype, shape)."""
+    spec = specs[i]
+    item = next(source, None)
+    if item is None:
+        raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
+    name, tensor = item
+    got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+    if got != spec:
+        raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+    return tensor
+
+
+def _check_exhausted(source: Iterator[tuple[str, torch.Tensor]]) -> None:
+    leftover = next(source, None)
+    if leftover is not None:
+        raise ValueError(f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}")
+
+
 @dataclass
 class TransferStats:
     version: int
@@ -239,6 +260,8 @@ class CollectivePublisher:
         here (:class:`TransferFailed`) before anything of this one is staged. :meth:`wait` waits for the last.
         """
         t0 = time.monotonic()
+        if not specs:
+            raise ValueError(f"version {version} has no tensors")
         self.wait()
         staged = self._stage(specs, tensors)
         if self._thread is None:
@@ -265,27 +288,17 @@ class CollectivePublisher:
     def _stage(
         self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
-        offsets, total = [], 0
-        for spec in specs:
-            total = -(-total // ALIGN) * ALIGN
-            offsets.append(total)
-            total += spec.nbytes
-        if self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        """The version copied into the staging buffer, packed as one unbounded bucket; views into it."""
+        [whole] = bucket_layout(specs, 1 << 62)
+        if self._staging.numel() < whole.nbytes:
+            self._staging = torch.empty(whole.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         staged, source = [], iter(tensors)
-        for i, (spec, offset) in enumerate(zip(specs, offsets, strict=True)):
-            item = next(source, None)
-            if item is None:
-                raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
-            name, tensor = item
-            got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-            if got != spec:
-                raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
-            view = self._staging[offset : offset + spec.nbytes]
+        for i, offset in whole.items:
+            tensor = _next_checked(i, specs, source)
+            view = self._staging[offset : offset + specs[i].nbytes]
             view.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-            staged.append((name, view.view(tensor.dtype).reshape(tensor.shape)))
-        if next(source, None) is not None:
-            raise ValueError("the source yielded more tensors than the header named")
+            staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
+        _check_exhausted(source)
         return staged
 
     def close(self) -> None:
@@ -384,23 +397,15 @@ class CollectivePublisher:
             if work is not None:
                 work.wait()
         if error is None:
-            leftover = next(source, None)
-            if leftover is not None:
-                error = ValueError(
-                    f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}"
-                )
+            try:
+                _check_exhausted(source)
+            except ValueError as exc:
+                error = exc
         return digests, error
 
     def _take(self, i: int, specs: Sequence[TensorSpec], source: Any) -> torch.Tensor:
         """The source's next tensor, checked against the header, as flat bytes on the group's device."""
-        spec = specs[i]
-        item = next(source, None)
-        if item is None:
-            raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
-        name, tensor = item
-        got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-        if got != spec:
-            raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+        tensor = _next_checked(i, specs, source)
         return tensor.detach().to(self.group.device).contiguous().reshape(-1).view(torch.uint8)
 
 
