@@ -105,6 +105,18 @@ def _drain(source: Iterator[tuple[str, torch.Tensor]]) -> None:
     raise RuntimeError("the publish source stayed busy in another thread")
 
 
+def _rank0_outcome(code: int) -> int:
+    """Rank 0's outcome code on every rank (a broadcast of the learner's process group; ``code`` itself when
+    not distributed), so all ranks of a publish raise, retry or return together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    flag = torch.tensor([code], dtype=torch.int64, device=collective_device())
+    dist.broadcast(flag, src=0)
+    return int(flag.item())
+
+
 def _gathered(params: list[nn.Parameter]) -> AbstractContextManager[Any]:
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
@@ -128,9 +140,6 @@ def publish_version(
     Returns the result on rank 0 (None elsewhere). A version the broker already has counts as published
     (a restarted learner republishing). Raises on every rank if rank 0's publish fails for good.
     """
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
     specs = tensor_specs(module)
     for attempt in range(1, attempts + 1):
         source = gathered_tensors(module, bucket_bytes, stats)
@@ -146,13 +155,9 @@ def publish_version(
             except Exception as exc:
                 error = exc
         _drain(source)  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
-        outcome = (
+        outcome = _rank0_outcome(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
-        if distributed:
-            flag = torch.tensor([outcome], dtype=torch.int64, device=collective_device())
-            dist.broadcast(flag, src=0)
-            outcome = int(flag.item())
         if outcome == 0:
             return result
         if outcome == 2 or attempt == attempts:
@@ -187,8 +192,6 @@ def publish_collective(
     thread (:meth:`CollectivePublisher.send_background`), so every rank returns once the gathers are done and
     the next step overlaps the broadcast. Its failure is raised, on every rank, by the next call.
     """
-    import torch.distributed as dist
-
     specs = tensor_specs(module)
     source = gathered_tensors(module, bucket_bytes, stats)
     result: TransferStats | None = None
@@ -204,12 +207,7 @@ def publish_collective(
         except Exception as exc:  # agreed on below: every rank raises
             error = exc
     _drain(source)  # finish the gathers the other ranks are waiting in
-    failed = error is not None
-    if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
-        dist.broadcast(flag, src=0)
-        failed = bool(flag.item())
-    if failed:
+    if _rank0_outcome(int(error is not None)):
         if isinstance(error, TransferFailed):
             raise error
         if error is not None:
