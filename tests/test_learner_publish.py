@@ -20,27 +20,48 @@ from services.weight_broker.store import MemoryStore
 BUCKET = 200_000  # bytes: several buckets for the tiny model
 
 
-def _rank(rank: int, port: int, model_dir: str, broker: str, attempts: int, out: Any) -> None:
+def _zero3_module(rank: int, port: int, model_dir: str) -> Any:
+    """This spawned process as rank ``rank`` of 2 DeepSpeed ZeRO-3 ranks (gloo): the partitioned model."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
     )
-    try:
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+    import deepspeed
+    from transformers import AutoModelForCausalLM
 
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
+    return engine.module
+
+
+def _spawn_ranks(target: Any, *args: Any) -> list[tuple[Any, ...]]:
+    """``target(rank, port, *args, out)`` on 2 spawned ranks; their reports, sorted by rank, once both exited 0."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, results
+    return results
+
+
+def _rank(rank: int, port: int, model_dir: str, broker: str, attempts: int, out: Any) -> None:
+    try:
         from services.learner.publish import GatherStats, publish_version
 
-        deepspeed.init_distributed(dist_backend="gloo")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
+        module = _zero3_module(rank, port, model_dir)
         transport = GrpcTransport(broker, retry=RetryPolicy(attempts=1, timeout_s=30)) if rank == 0 else None
         stats = GatherStats()
         try:
             result = publish_version(
-                engine.module, transport, 1, rank, BUCKET, attempts=attempts, backoff_s=0.05, stats=stats
+                module, transport, 1, rank, BUCKET, attempts=attempts, backoff_s=0.05, stats=stats
             )
             out.put(
                 (rank, "ok", result.policy_version if result else None, stats.buckets, stats.max_bucket_bytes)
@@ -53,17 +74,7 @@ def _rank(rank: int, port: int, model_dir: str, broker: str, attempts: int, out:
 
 
 def run_ranks(model_dir: Path, broker: str, attempts: int = 2) -> list[tuple[Any, ...]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(model_dir), broker, attempts, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0, results
-    return results
+    return _spawn_ranks(_rank, str(model_dir), broker, attempts)
 
 
 @pytest.fixture(scope="module")
@@ -121,26 +132,15 @@ def test_the_publish_outcome_travels_on_the_backends_device(monkeypatch: pytest.
 
 
 def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any], out: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
     try:
-        import deepspeed
-        from transformers import AutoModelForCausalLM
-
         from services.learner.publish import GatherStats, publish_collective
         from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
 
-        deepspeed.init_distributed(dist_backend="gloo")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
+        module = _zero3_module(rank, port, model_dir)
         publisher = CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000) if rank == 0 else None
         stats = GatherStats()
         try:
-            result = publish_collective(engine.module, publisher, 1, rank, BUCKET, stats)
+            result = publish_collective(module, publisher, 1, rank, BUCKET, stats)
             out.put((rank, "ok", result.version if result else None, stats.buckets, stats.max_bucket_bytes))
         except Exception as exc:
             out.put((rank, "error", f"{type(exc).__name__}: {exc}", stats.buckets, 0))
@@ -166,18 +166,11 @@ def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
 
 def run_collective(model_dir: Path, behaviour: str) -> tuple[list[tuple[Any, ...]], Any]:
     ctx = mp.get_context("spawn")
-    out, got = ctx.Queue(), ctx.Queue()
+    got = ctx.Queue()
     spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 20.0}
     receiver = ctx.Process(target=_weight_receiver, args=(spec, behaviour, got))
     receiver.start()
-    port = free_port()
-    procs = [ctx.Process(target=_collective_rank, args=(r, port, str(model_dir), spec, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0, results
+    results = _spawn_ranks(_collective_rank, str(model_dir), spec)
     received = got.get(timeout=60) if behaviour == "ok" else None
     receiver.join(60)
     return results, received
