@@ -266,6 +266,7 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
         assert not thread.is_alive() and member.group.closed
         assert member.received == [31, 32]  # version 30 is stale: received, refused by the store, counted
         assert len(member.failures) == 2 and "older than the latest" in member.failures[0]
+        assert servicer.metrics.rejected.labels("stale")._value.get() == 1  # counted as a refused publish is
         assert "store is unreachable" in member.failures[1]
         for version in (31, 32):
             got: dict[str, torch.Tensor] = {}

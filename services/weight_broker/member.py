@@ -43,13 +43,13 @@ class BrokerMember:
         got, tensors, _ = CollectiveReceiver(self.group).receive()
         if got != version:
             raise TransferFailed(f"the weight group delivered version {got}, its announcement said {version}")
-        self.commit(version, tensors, time.monotonic() - t0)
+        self.servicer.commit(lambda: self._write(version, tensors), t0)  # counted and announced as a publish
         self.received.append(version)
         return version
 
-    def commit(self, version: int, tensors: list[tuple[str, torch.Tensor]], seconds: float) -> StoredVersion:
-        """Store a received version through the same writer a publish uses (checksums computed here), then
-        count and announce it."""
+    def _write(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> StoredVersion:
+        """A received version through the writer a publish uses, each tensor one chunk (checksums computed
+        here). Not through encoded publish messages: those would copy the version once more."""
         manifest = manifest_of([TensorSpec.of(n, t) for n, t in tensors], version, self.servicer.run_id)
         writer = self.servicer.store.begin(manifest)
         digests = []
@@ -58,9 +58,7 @@ class BrokerMember:
             digest = checksum(data)
             writer.write(Chunk(version, name, 0, data, True, digest))
             digests.append((name, digest))
-        stored = writer.commit(version_checksum(digests))
-        self.servicer.published(stored, seconds)
-        return stored
+        return writer.commit(version_checksum(digests))
 
     def run(self, stop: threading.Event, poll_s: float = 1.0) -> None:
         """Take versions until ``stop`` is set or the group breaks (a failed broadcast: the control plane forms
@@ -68,9 +66,8 @@ class BrokerMember:
         while not stop.is_set():
             try:
                 self.step(poll_s)
-            except PublishRejected as exc:
+            except PublishRejected as exc:  # counted and logged by the servicer
                 self.failures.append(str(exc))
-                log.warning("a broadcast version was not stored: %s", exc)
             except TransferFailed as exc:
                 self.failures.append(str(exc))
                 log.warning("the weight group failed; the broker leaves it: %s", exc)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -103,20 +103,27 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
     def publish_messages(self, messages: Iterator[Message]) -> weights_pb2.PublishResponse:
         """Commit one publish stream (serialized PublishRequests, from gRPC or the data plane); raises
         PublishRejected (counted) when it is refused."""
-        t0 = time.monotonic()
-        try:
-            stored = apply_publish(self.store, messages)
-        except PublishRejected as exc:
-            self.metrics.rejected.labels(exc.reason).inc()
-            log.warning("publish refused (%s): %s", exc.reason, exc)
-            raise
-        seconds = time.monotonic() - t0
-        self.published(stored, seconds)
+        stored, seconds = self.commit(lambda: apply_publish(self.store, messages), time.monotonic())
         return weights_pb2.PublishResponse(
             policy_version=stored.manifest.policy_version,
             total_bytes=stored.manifest.total_bytes,
             seconds=seconds,
         )
+
+    def commit(self, write: Callable[[], StoredVersion], started: float) -> tuple[StoredVersion, float]:
+        """Run ``write`` (a publish into the store, or a version the broker received from the weight group),
+        then count and announce the version; a refusal (PublishRejected) is counted and logged, and raised.
+        ``started``: when the version began to arrive (``time.monotonic()``). Returns the stored version and
+        the seconds from ``started`` until it was stored."""
+        try:
+            stored = write()
+        except PublishRejected as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            log.warning("publish refused (%s): %s", exc.reason, exc)
+            raise
+        seconds = time.monotonic() - started
+        self.published(stored, seconds)
+        return stored, seconds
 
     def published(self, stored: StoredVersion, seconds: float) -> None:
         """Count a committed version and announce it on the weights stream (a publish, or a broadcast the
