@@ -305,9 +305,14 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return decoder, head
 
 
+def _target_logprobs(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(log-softmax of logits at targets, logsumexp)`` over the last dimension."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
+
+
 def _head_chunk(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
-    logits = _acc(head(hidden))
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return _target_logprobs(_acc(head(hidden)), targets)[0]
 
 
 def _decoder_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -404,11 +409,10 @@ def head_pass(
         weight, bias = head.weight, head.bias
         lses = []
         for a, b in _slices(s_len, chunks):
-            logits = _acc(nn.functional.linear(h[:, a:b], weight, bias))
-            lse = torch.logsumexp(logits, dim=-1)
-            logp[:, a + 1 : b + 1] = logits.gather(-1, targets[:, a:b, None]).squeeze(-1) - lse
+            logp[:, a + 1 : b + 1], lse = _target_logprobs(
+                _acc(nn.functional.linear(h[:, a:b], weight, bias)), targets[:, a:b]
+            )
             lses.append(lse)
-            del logits
         logsumexp = torch.cat(lses, dim=1)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
