@@ -37,6 +37,16 @@ def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def is_version(version: int, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether ``tensors`` are exactly :func:`version_tensors` of ``version``: names, dtypes, shapes, bytes.
+    Receivers check in their own process: a tensor put on a queue is a handle into a process that may be gone."""
+    expected = version_tensors(version)
+    return [n for n, _ in tensors] == [n for n, _ in expected] and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for (_, a), (_, b) in zip(tensors, expected, strict=True)
+    )
+
+
 def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec.of(n, t) for n, t in tensors]
 
@@ -58,14 +68,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
             if group.closed:  # a broken group: nothing more can arrive through it
                 return
             continue
-        expected = version_tensors(version)  # checked here: a tensor put on the queue would be a handle into
-        same = [n for n, _ in tensors] == [
-            n for n, _ in expected
-        ] and all(  # this process, gone once it exits
-            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-            for (_, a), (_, b) in zip(tensors, expected, strict=True)
-        )
-        out.put((rank, version, same))
+        out.put((rank, version, is_version(version, tensors)))
     group.close()
 
 
@@ -225,9 +228,7 @@ def test_announcements_wake_receivers_after_idling_past_the_group_timeout() -> N
             version = group.next_announcement(timeout_s=0.5)
         v, tensors, _ = receiver.receive()
         assert v == version
-        got.append(
-            (v, all(torch.equal(a, b) for (_, a), (_, b) in zip(tensors, version_tensors(v), strict=True)))
-        )
+        got.append((v, is_version(v, tensors)))
     assert got == [(21, True), (22, True)]
     learner.join(timeout=30)
     assert learner.exitcode == 0
@@ -288,10 +289,8 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
 def _cuda_receiver(spec: GroupSpec, out: Any) -> None:
     group = WeightGroup(spec, 1, device=torch.device("cuda", 0))  # gloo moves CUDA tensors through the host
     version, tensors, _ = CollectiveReceiver(group).receive()  # bounce: two CUDA buffers, pinned host copies
-    expected = version_tensors(version)
-    same = all(t.device.type == "cpu" and t.is_pinned() and torch.equal(t, e)
-               for (_, t), (_, e) in zip(tensors, expected, strict=True))  # fmt: skip
-    out.put((version, same))
+    pinned = all(t.device.type == "cpu" and t.is_pinned() for _, t in tensors)
+    out.put((version, pinned and is_version(version, tensors)))
     group.close()
 
 
