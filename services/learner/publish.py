@@ -105,7 +105,7 @@ def _drain(source: Iterator[tuple[str, torch.Tensor]]) -> None:
     raise RuntimeError("the publish source stayed busy in another thread")
 
 
-def _rank0_outcome(code: int) -> int:
+def rank0_code(code: int) -> int:
     """Rank 0's outcome code on every rank (a broadcast of the learner's process group; ``code`` itself when
     not distributed), so all ranks of a publish raise, retry or return together."""
     import torch.distributed as dist
@@ -155,7 +155,7 @@ def publish_version(
             except Exception as exc:
                 error = exc
         _drain(source)  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
-        outcome = _rank0_outcome(
+        outcome = rank0_code(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
         if outcome == 0:
@@ -207,7 +207,7 @@ def publish_collective(
         except Exception as exc:  # agreed on below: every rank raises
             error = exc
     _drain(source)  # finish the gathers the other ranks are waiting in
-    if _rank0_outcome(int(error is not None)):
+    if rank0_code(int(error is not None)):
         if isinstance(error, TransferFailed):
             raise error
         if error is not None:

@@ -42,9 +42,11 @@ from services.common.tiny_model import run_model
 from services.learner.batching import REJECT_REASONS, place_groups, to_tensors
 from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
-from services.learner.publish import publish_version
+from services.learner.publish import publish_collective, publish_version, rank0_code
 from services.learner.trainer import StepResult, Trainer
 from services.weight_broker.client import WeightTransport, transport_from_config
+from services.weight_broker.collective import TransferFailed
+from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,19 @@ class LearnerMetrics:
         self.reward_mean = metrics.gauge(
             "vcpo_learner_reward_mean", "Mean reward of the trajectories the last step trained on"
         )
+        self.published = metrics.counter(
+            "vcpo_learner_versions_published_total",
+            "Versions published, by path: collective (broadcast into the weight group) or broker",
+            ["path"],
+        )
+        self.group_events = metrics.counter(
+            "vcpo_weight_group_events_total",
+            "The collective transport's weight group: formed, form_failed, broadcast_failed",
+            ["event"],
+        )
+        for event in ("formed", "form_failed", "broadcast_failed"):
+            self.group_events.labels(event)
+        self.group_epoch = metrics.gauge("vcpo_weight_group_epoch", "Epoch of the weight group (0: none)")
 
     def offered(self, items: list[Offered]) -> None:
         for o in items:
@@ -195,6 +210,8 @@ class LearnerRank:
         self.status = LearnerState()
         self.feed: ScoredFeed | None = None
         self.transport: WeightTransport | None = None
+        self.coordinator: GroupCoordinator | None = None  # rank 0, collective transport: the weight group
+        self.collective = cfg.weight_broker.transport == "collective"
         self.metrics: LearnerMetrics | None = None
         self.http: MetricsServer | None = None
         self.server: GrpcServer | None = None
@@ -216,12 +233,13 @@ class LearnerRank:
                 self.trainer.step,
                 self.trainer.version,
             )
-        seconds = self._publish()  # the current version: v0 at the start, the checkpoint's after a restart
+        seconds, path = (
+            self._publish()
+        )  # the current version: v0 at the start, the checkpoint's after a restart
         if self.rank == 0:
             assert self.transport is not None
-            log.info(
-                "version %d published to %s in %.2fs", self.trainer.version, self.transport.where, seconds
-            )
+            where = "the weight group" if path == "collective" else self.transport.where
+            log.info("version %d published to %s in %.2fs", self.trainer.version, where, seconds)
         self.status.state = common_pb2.ServiceStatus.READY
         self.status.detail = "training"
 
@@ -244,6 +262,11 @@ class LearnerRank:
         self.transport = transport_from_config(
             self.cfg.weight_broker, self.run, self.cfg.streams, publisher=True
         )
+        if self.collective:
+            self.coordinator = coordinator_from_config(
+                self.cfg.weight_broker, self.run.redis_url, self.run.run_id, client, self.trainer.device,
+                on_event=self._group_event,
+            )  # fmt: skip
         self.http = serve_metrics(metrics, port=self.learner.metrics_port)
         servicer = StatusServicer(self.status, self.run.run_id)
 
@@ -305,7 +328,7 @@ class LearnerRank:
     def _step(self, groups: list[rollout_pb2.TrajectoryGroup]) -> None:
         mine = [groups[i] for i in place_groups(groups, self.world)[self.rank]]
         result = self.trainer.train_step(to_tensors(mine))
-        publish_s = self._publish()
+        publish_s, path = self._publish()
         if self.rank != 0:
             return
         assert self.metrics is not None
@@ -324,6 +347,7 @@ class LearnerRank:
             "dropped": [{"group_id": o.group_id, "lag": o.lag, "reason": o.reason}
                         for o in self._offered if o.outcome != "kept"],
             "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s),
+            "publish_path": path,
         }  # fmt: skip
         self._offered = []
         if rewards:
@@ -337,15 +361,38 @@ class LearnerRank:
             result.timings["step_s"], publish_s,
         )  # fmt: skip
 
-    def _publish(self) -> float:
+    def _publish(self) -> tuple[float, str]:
+        """Publish the current version (every rank: the gathers are collectives); returns the seconds this
+        rank was blocked and the path: ``collective`` (staged, then broadcast into the weight group while the
+        next step runs) or ``broker`` (the broker's path: no transport configured as collective, no group
+        formed yet, or the group's last broadcast failed, which is counted and forms a new group)."""
         t0 = time.perf_counter()
-        publish_version(
-            self.trainer.module, self.transport, self.trainer.version, self.rank,
-            self.learner.publish_bucket_mb << 20,
-        )  # fmt: skip
+        version, path = self.trainer.version, "broker"
+        if self.collective:
+            publisher = self.coordinator.publisher() if self.coordinator is not None else None
+            if rank0_code(int(publisher is not None)):
+                try:
+                    publish_collective(self.trainer.module, publisher, version, self.rank,
+                                       self.learner.publish_bucket_mb << 20, background=True)  # fmt: skip
+                    path = "collective"
+                except TransferFailed as exc:  # the previous version's broadcast: nothing of this one left
+                    if self.coordinator is not None:
+                        self.coordinator.failed(exc)
+                    log.warning("version %d goes through the broker: %s", version, exc)
+        if path == "broker":
+            publish_version(
+                self.trainer.module, self.transport, version, self.rank, self.learner.publish_bucket_mb << 20
+            )
         if self.clock is not None:
-            self.clock.published(self.trainer.version)
-        return time.perf_counter() - t0
+            self.clock.published(version)
+        if self.metrics is not None:
+            self.metrics.published.labels(path).inc()
+        return time.perf_counter() - t0, path
+
+    def _group_event(self, event: str) -> None:
+        if self.metrics is not None and self.coordinator is not None:
+            self.metrics.group_events.labels(event).inc()
+            self.metrics.group_epoch.set(self.coordinator.epoch if event == "formed" else 0)
 
     def checkpoint(self) -> None:
         """Checkpoint weights, optimizer and the feed state (a collective), then acknowledge what it covers."""
@@ -374,6 +421,8 @@ class LearnerRank:
             torch.distributed.destroy_process_group()
 
     def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()  # waits for the last broadcast
         if self.server is not None:
             self.server.stop(grace=1)
         if self.http is not None:

@@ -48,6 +48,18 @@ class SamplerMetrics:
         self.weight_errors = metrics.counter(
             "vcpo_sampler_weight_load_errors_total", "Versions that could not be loaded", r
         )
+        self.weight_versions = metrics.counter(
+            "vcpo_sampler_weight_versions_total",
+            "Versions loaded, by path: collective (the learner's broadcast) or broker",
+            ["replica", "path"],
+        )
+        self.broadcast_failures = metrics.counter(
+            "vcpo_sampler_weight_broadcast_failures_total",
+            "Weight-group broadcasts or joins that failed here (the engine kept its version)", r,
+        )  # fmt: skip
+        for path in ("collective", "broker"):
+            self.weight_versions.labels(replica, path)
+        self.broadcast_failures.labels(replica)
         self.task_errors = metrics.counter(
             "vcpo_sampler_task_errors_total",
             "Tasks rejected before generation, by reason",

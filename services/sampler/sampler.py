@@ -161,6 +161,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ 1. weights
     def _update_weights(self) -> None:
+        self.sync.pump()  # the collective transport receives a broadcast version here, between engine steps
         version = self.sync.ready()
         if version is None:
             return
@@ -185,8 +186,9 @@ class Sampler:
         finally:
             self.engine.resume()
         self._draining = False
-        self.metrics.weight_fetch.labels(self.replica_id).observe(self.sync.loader.fetch_seconds)
+        self.metrics.weight_fetch.labels(self.replica_id).observe(self.sync.fetch_seconds)
         self.metrics.weight_load.labels(self.replica_id).observe(seconds)
+        self.metrics.weight_versions.labels(self.replica_id, self.sync.last_path).inc()
         self.metrics.version.labels(self.replica_id).set(version)
         self.status.policy_version = version
         if self.evaluator is not None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from typing import Any
 
 import grpc
 import redis
+import torch
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
@@ -36,8 +38,9 @@ from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
 from services.sampler.servicer import RegistryServicer, StatusServicer
 from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError, load_dataset
-from services.sampler.weights import WeightSync
+from services.sampler.weights import CollectiveWeightSync, WeightSync
 from services.weight_broker.client import transport_from_config
+from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat
 from vcpo.v1 import common_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             kv_cache_memory_bytes=s.kv_cache_memory_bytes, enforce_eager=s.enforce_eager,
             seed=run.seed * 1000 + replica,
+            collective_weights=cfg.weight_broker.transport == "collective",
         )
     )  # fmt: skip
 
@@ -157,10 +161,22 @@ class SamplerService:
             self.evaluator, self._pool = make_evaluator(
                 cfg, self.engine, encoder, self.registry, client, self.replica_id, "shared", self.environments
             )
-        sync = WeightSync(
-            self.engine, self.transport, StreamTail(client, specs["weights"], metrics=stream_metrics),
-            s.weight_poll_interval_s,
-        )  # fmt: skip
+        announcements = StreamTail(client, specs["weights"], metrics=stream_metrics)
+        sync: WeightSync
+        if cfg.weight_broker.transport == "collective" and hasattr(self.engine, "join_weight_group"):
+            wb = cfg.weight_broker
+            member = Member(f"{self.replica_id}.{uuid.uuid4().hex[:8]}", s.tensor_parallel_size, "sampler",
+                            "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+            seat = MemberSeat(GroupRegistry(client, run.run_id, wb.group_member_ttl_s), member)
+            sync = CollectiveWeightSync(
+                self.engine, self.transport, announcements, seat, s.weight_poll_interval_s,
+                on_failure=self.metrics.broadcast_failures.labels(self.replica_id).inc,
+            )  # fmt: skip
+        else:
+            if cfg.weight_broker.transport == "collective":
+                log.warning("%s: this engine cannot join the weight group; weights come through the broker",
+                            self.replica_id)  # fmt: skip
+            sync = WeightSync(self.engine, self.transport, announcements, s.weight_poll_interval_s)
         self.sampler = Sampler(
             self.engine, self.feed, AdmissionCounter(client, run.run_id, run.k, run.groups_per_step),
             StreamProducer(client, specs["rollouts"], stream_metrics, cfg.streams.producer_wait_timeout_s),

@@ -54,6 +54,7 @@ class CollectiveInitInfo(WeightTransferInitInfo):
     backend: str = "gloo"
     epoch: int = 0
     timeout_s: float = 120.0
+    form_timeout_s: float = 30.0
 
 
 @dataclass
@@ -79,7 +80,7 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         spec = GroupSpec(init_info.host, init_info.port, init_info.world_size, init_info.backend,
-                         init_info.epoch, init_info.timeout_s)  # fmt: skip
+                         init_info.epoch, init_info.timeout_s, init_info.form_timeout_s)  # fmt: skip
         self.group = WeightGroup(spec, rank, self.device if spec.backend == "nccl" else None)
         log.info("joined weight group %s:%d epoch %d as rank %d of %d", spec.host, spec.port, spec.epoch, rank,
                  spec.world_size)  # fmt: skip

@@ -20,7 +20,9 @@ from services.common.admission import Admission
 from services.common.streams import StreamTail
 from services.sampler.engine import GenerationEngine
 from services.weight_broker.client import WeightTransport
+from services.weight_broker.collective import AnnouncementWatch, TransferFailed
 from services.weight_broker.follower import WeightFollower
+from services.weight_broker.group_control import MemberSeat, Seat
 from services.weight_broker.protocol import Sink
 from vcpo.v1 import weights_pb2
 
@@ -61,6 +63,7 @@ class WeightSync:
         self.loader = _StagingLoader(engine)
         self.follower = WeightFollower(transport, self.loader, announcements, wanted=wanted)
         self.error = ""  # why the last fetch or apply failed ("" after a success)
+        self.last_path = "broker"  # how the version last applied arrived
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,6 +77,15 @@ class WeightSync:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def pump(self) -> None:
+        """The loop's turn between engine steps (the collective transport receives here; nothing to do on the
+        broker's path, whose fetches run in the background)."""
+
+    @property
+    def fetch_seconds(self) -> float:
+        """How long the version last made ready took to fetch and stage."""
+        return self.loader.fetch_seconds
 
     def poll_now(self) -> None:
         """Look for a newer version without waiting for the next poll."""
@@ -113,6 +125,7 @@ class WeightSync:
         except Exception as exc:
             self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
             raise
+        self.last_path = "broker"
         log.info("serving version %d (fetched in %.2fs, loaded in %.2fs)", version, self.loader.fetch_seconds,
                  seconds)  # fmt: skip
         return seconds
@@ -128,3 +141,139 @@ class WeightSync:
         if newest is not None and loaded is not None and newest > loaded:
             return f"{why}; loading version {newest}"
         return f"{why}; the learner has not published a newer version yet"
+
+
+class CollectiveWeightSync(WeightSync):
+    """Weight sync with the collective transport: versions the learner broadcasts are received into the
+    engine's workers between engine steps, and applied at the loop's safe points like fetched ones.
+
+        seat thread:  registration heartbeat; an epoch naming this engine ─► every member arrived ─► take()
+        sampler loop: pump(): join a formed epoch (engine.join_weight_group), leave a superseded or broken one;
+                      an announced version ─► engine.stage_collective(v)   the broadcast cannot wait: received
+                                                                           now, the model untouched
+                      ready() ─► apply(v)                                  in the weight_update mode's time
+        fetch thread: the broker's path for what the group did not carry (published while it formed, or after
+                      a failed broadcast, or before this replica joined); versions the group delivered are
+                      not fetched again
+
+    A broadcast that fails leaves the engine on its version (nothing was loaded before the group's vote),
+    is counted in ``broadcast_failures``, and the engine leaves the group until the learner forms a new one.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        transport: WeightTransport,
+        announcements: StreamTail[weights_pb2.WeightAnnouncement] | None,
+        seat: MemberSeat,
+        poll_interval_s: float = 0.2,
+        announce_poll_s: float = 0.005,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(engine, transport, announcements, poll_interval_s, wanted=self._fetch_wanted)
+        self.seat, self.announce_poll_s = seat, announce_poll_s
+        self.on_failure = on_failure or (lambda: None)
+        self.watch: AnnouncementWatch | None = None
+        self.epoch = 0  # of the group this engine is in (0: none)
+        self.received: int | None = None  # the newest version the group delivered
+        self.broadcast_failures = 0
+        self.received_total = 0
+        self._receive_seconds = 0.0
+        self._last_look = 0.0
+
+    def start(self) -> None:
+        super().start()
+        self.seat.start()
+
+    def stop(self) -> None:
+        self.seat.stop()
+        super().stop()
+        self.watch = None
+
+    def _fetch_wanted(self, version: int) -> bool:
+        return self.received is None or version > self.received
+
+    def pump(self) -> None:
+        seat = self.seat.take()
+        if seat is not None:
+            self._join(seat)
+        if self.watch is None:
+            return
+        if self.seat.superseded(self.epoch):
+            self._leave(f"epoch {self.epoch} was superseded by {self.seat.newest_epoch}", failed=False)
+            return
+        now = time.monotonic()
+        if now - self._last_look < self.announce_poll_s:
+            return
+        self._last_look = now
+        try:
+            version = self.watch.next(0)
+        except TransferFailed as exc:
+            self._leave(str(exc))
+            return
+        if version is None:
+            return
+        try:
+            self._receive_seconds = self.engine.stage_collective(version)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._leave(f"version {version}: {type(exc).__name__}: {exc}")
+            return
+        self.received = version
+        self.received_total += 1
+
+    def _join(self, seat: Seat) -> None:
+        try:
+            self.engine.join_weight_group(seat.init_info())  # type: ignore[attr-defined]
+            self.watch = AnnouncementWatch.of(seat.spec)
+        except Exception as exc:
+            self.watch = None
+            self.error = f"could not join weight group epoch {seat.spec.epoch}: {type(exc).__name__}: {exc}"
+            self.broadcast_failures += 1
+            self.on_failure()
+            log.warning("%s; weights come through the broker", self.error)
+            return
+        self.epoch = seat.spec.epoch
+        log.info("joined weight group epoch %d as ranks from %d", self.epoch, seat.rank_offset)
+
+    def _leave(self, why: str, failed: bool = True) -> None:
+        self.watch = None
+        if failed:
+            self.broadcast_failures += 1
+            self.on_failure()
+            self.error = f"weight group epoch {self.epoch} failed: {why}"
+            log.warning("%s; weights come through the broker until a new group forms", self.error)
+        else:
+            log.info("leaving weight group: %s", why)
+        self.epoch = 0
+        self.poll_now()  # what the group would have carried may be on the broker already
+
+    def ready(self) -> int | None:
+        staged = getattr(self.engine, "collective_staged", None)
+        fetched = super().ready()
+        loaded = self.engine.loaded_version
+        if (
+            staged is not None
+            and (loaded is None or staged > loaded)
+            and (fetched is None or staged >= fetched)
+        ):
+            return int(staged)
+        return fetched
+
+    def apply(self, version: int) -> float:
+        if getattr(self.engine, "collective_staged", None) != version:
+            return super().apply(version)
+        try:
+            seconds = float(self.engine.apply_collective(version))  # type: ignore[attr-defined]
+        except Exception as exc:
+            self.received = None  # the broker's copy is wanted again
+            self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
+            raise
+        self.error, self.last_path = "", "collective"
+        log.info("serving version %d (broadcast in %.2fs, loaded in %.2fs)", version, self._receive_seconds,
+                 seconds)  # fmt: skip
+        return seconds
+
+    @property
+    def fetch_seconds(self) -> float:
+        return self._receive_seconds if self.received is not None and \
+            self.received == self.engine.loaded_version else self.loader.fetch_seconds  # fmt: skip

@@ -408,7 +408,8 @@ class FilesystemTransport(WeightTransport):
 def transport_from_config(
     wb: WeightBrokerConfig, run: RunConfig, streams: StreamsConfig, publisher: bool = False
 ) -> WeightTransport:
-    """The run's transport from its ``[weight_broker]`` section: ``tcp`` or ``grpc`` through the broker at
+    """The run's broker-path transport from its ``[weight_broker]`` section (with ``collective``, the path for
+    what the weight group does not carry: ``tcp``): ``tcp`` or ``grpc`` through the broker at
     ``advertise_host`` (127.0.0.1 when empty), or ``filesystem`` on the shared path (a publisher announces
     each version on the run's ``weights`` stream itself, as the broker would)."""
     retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
@@ -425,6 +426,6 @@ def transport_from_config(
         )
     host = broker_host(wb)
     address = f"{host}:{wb.grpc_port}"
-    if wb.transport == "tcp":
+    if wb.transport in ("tcp", "collective"):  # collective: the broker's path is the TCP data plane
         return TcpTransport(address, f"{host}:{wb.data_port}", retry, wb.chunk_bytes, run.run_id)
     return GrpcTransport(address, retry, wb.chunk_bytes, run.run_id)

@@ -61,6 +61,7 @@ class GroupSpec:
     backend: str = "gloo"  # "gloo" | "nccl"
     epoch: int = 0
     timeout_s: float = 120.0
+    form_timeout_s: float = 30.0  # how long every rank waits for all the others to arrive at the rendezvous
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -71,19 +72,99 @@ class GroupSpec:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"weight group port must be in 1..65535, got {self.port}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"weight group timeout_s must be > 0, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.form_timeout_s <= 0:
+            raise ValueError(
+                f"weight group timeouts must be > 0, got timeout_s={self.timeout_s}, "
+                f"form_timeout_s={self.form_timeout_s}"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "world_size": self.world_size, "backend": self.backend,
-                "epoch": self.epoch, "timeout_s": self.timeout_s}  # fmt: skip
+                "epoch": self.epoch, "timeout_s": self.timeout_s, "form_timeout_s": self.form_timeout_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
+        return cls(str(d["host"]), int(d["port"]), int(d["world_size"]), str(d.get("backend", "gloo")),
+                   int(d.get("epoch", 0)), float(d.get("timeout_s", 120.0)),
+                   float(d.get("form_timeout_s", 30.0)))  # fmt: skip
+
+    def prefix(self) -> str:
+        """The key prefix of this epoch's rendezvous and announcements in the group's store."""
+        return f"vcpo-weights/{self.epoch}"
+
+
+def open_store(spec: GroupSpec, master: bool = False, port: int | None = None) -> Any:
+    """A TCP store client of ``spec``'s rendezvous (or, ``master``, the store itself, listening on ``port``:
+    0 binds a free one, read back from ``.port``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(spec.host, spec.port if port is None else port, spec.world_size, is_master=master,
+                         timeout=timedelta(seconds=spec.form_timeout_s), wait_for_workers=False)  # fmt: skip
+
+
+def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float = 0.02) -> int:
+    """Count this process in at ``key`` of ``store`` and wait until ``expected`` have arrived; returns how many
+    had arrived (fewer than ``expected`` after ``timeout_s``)."""
+    arrived = int(store.add(key, 1))
+    deadline = time.monotonic() + timeout_s
+    while arrived < expected and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        arrived = int(store.add(key, 0))
+    return arrived
+
+
+class AnnouncementWatch:
+    """A receiver's view of rank 0's announcements (``announce/<n>`` = version, in order) in one epoch's
+    store: the weight group's own, or a client of the store held by a process that is not a rank itself (a
+    sampler's driver, whose engine workers are the ranks)."""
+
+    def __init__(self, store: Any, closed: Any = None) -> None:
+        self._store = store
+        self._on_failure = closed  # called once the store is gone (e.g. to close the group)
+        self.seq = 0  # announcements taken
+
+    @classmethod
+    def of(cls, spec: GroupSpec) -> AnnouncementWatch:
+        import torch.distributed as dist
+
+        try:
+            return cls(dist.PrefixStore(spec.prefix(), open_store(spec)))
+        except Exception as exc:
+            raise TransferFailed(
+                f"the weight group's store at {spec.host}:{spec.port} is unreachable: {exc}"
+            ) from exc
+
+    def next(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
+        """The version of the next broadcast once rank 0 announced it (then receive it); None after
+        ``timeout_s`` (0: look once) without one. Raises :class:`TransferFailed` if the store is gone with its
+        host, the publisher."""
+        key = f"announce/{self.seq + 1}"
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._store.check([key]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(poll_s)
+            version = int(self._store.get(key))
+        except Exception as exc:
+            if self._on_failure is not None:
+                self._on_failure()
+            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
+        self.seq += 1
+        return version
 
 
 class WeightGroup:
     """This process's membership of the weight group: a process group outside torch.distributed's default
     one (which ZeRO-3 or vLLM's tensor parallelism may own), formed over its own TCP store."""
 
-    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self, spec: GroupSpec, rank: int, device: torch.device | None = None, store: Any = None
+    ) -> None:
+        """Join as ``rank``: rank 0 hosts the store (or passes ``store``, a master it opened already, to learn a
+        free port before announcing the spec). Every rank first waits, up to ``form_timeout_s``, until all
+        ``world_size`` have arrived (:class:`TransferFailed` otherwise), so a member that never comes costs the
+        others that long, not the collective timeout."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
         import torch.distributed as dist
@@ -96,17 +177,26 @@ class WeightGroup:
         else:
             self.device = device or torch.device("cpu")
         timeout = timedelta(seconds=spec.timeout_s)
-        self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
-                                    timeout=timeout, wait_for_workers=False)  # fmt: skip
-        store = dist.PrefixStore(f"vcpo-weights/{spec.epoch}", self._store)
-        self._announcements = store  # the control channel beside the collectives: rank 0 sets, others poll
-        self._seq = 0  # announcements made (rank 0) or taken (receivers)
+        try:
+            self._store = store if store is not None else open_store(spec, master=rank == 0)
+            prefixed = dist.PrefixStore(spec.prefix(), self._store)
+            arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
+        except Exception as exc:
+            raise TransferFailed(
+                f"weight group epoch {spec.epoch} at {spec.host}:{spec.port}: {exc}"
+            ) from exc
+        if arrived < spec.world_size:
+            raise TransferFailed(f"weight group epoch {spec.epoch}: {arrived} of {spec.world_size} ranks arrived "
+                                 f"within {spec.form_timeout_s:.0f}s")  # fmt: skip
+        self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
+        self._announcements = prefixed  # rank 0 sets announce/<n>
+        self._seq = 0  # announcements made (rank 0)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._pg: Any = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
         else:
-            self._pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
         self._closed = False
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
@@ -127,19 +217,7 @@ class WeightGroup:
         """A receiver: the version of the next broadcast, once rank 0 announces it (then call ``receive``);
         None after ``timeout_s`` without one. Raises :class:`TransferFailed` (closing the group) if the
         store is gone with its host, the publisher."""
-        key = f"announce/{self._seq + 1}"
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self._announcements.check([key]):
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(poll_s)
-            version = int(self._announcements.get(key))
-        except Exception as exc:
-            self.close()
-            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
-        self._seq += 1
-        return version
+        return self.watch.next(timeout_s, poll_s)
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if every rank passed True."""

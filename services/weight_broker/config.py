@@ -12,10 +12,13 @@ from services.common.config import Section, ServiceConfig
 class WeightBrokerConfig(Section):
     """Transport, retention and memory bounds of versioned weight distribution."""
 
-    transport: Literal["tcp", "grpc", "filesystem"] = Field(
+    transport: Literal["tcp", "grpc", "filesystem", "collective"] = Field(
         "tcp",
         description="Through the broker with weight bytes on its TCP data plane (tcp), all on gRPC streams "
-        "(grpc), or safetensors files on a shared path (filesystem).",
+        "(grpc), safetensors files on a shared path (filesystem), or broadcast by the learner into every "
+        "sampler engine's workers and the broker over a process group (collective: NCCL on GPU, gloo on CPU; "
+        "the broker's TCP path carries what the group did not: versions published while it forms, late "
+        "joiners' catch-up).",
     )
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
@@ -34,6 +37,29 @@ class WeightBrokerConfig(Section):
         "the launcher fills in the broker's node IP on a Ray cluster (launcher.ray_address) and 127.0.0.1 "
         "with a local Ray; a broker started on its own, and its clients, use 127.0.0.1 (set it when they run "
         "on other machines; the Helm chart sets the head pod's IP).",
+    )
+    group_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="collective: the weight group's rendezvous port on learner rank 0: the first free of "
+        "group_port .. group_port+7 (a new epoch binds while the last one's store may linger); 0 = a free port.",
+    )
+    group_host: str = Field(
+        "",
+        description="collective: the address receivers reach learner rank 0 at; empty: the address of the "
+        "interface that routes to the run's Redis (127.0.0.1 when Redis is local).",
+    )
+    group_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="collective: the group's backend; auto = nccl when the learner is on a GPU."
+    )
+    group_timeout_s: float = Field(120.0, gt=0, description="collective: timeout of one broadcast's steps.")
+    group_form_timeout_s: float = Field(
+        30.0, gt=0, description="collective: how long members wait for each other when a group forms."
+    )
+    group_bucket_mb: int = Field(256, ge=1, description="collective: MiB per broadcast bucket.")
+    group_member_ttl_s: float = Field(
+        10.0, gt=0, description="collective: a member whose heartbeat is this old has left the group."
     )
     metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
     ray_resources: dict[str, PositiveFloat] = Field(

@@ -9,13 +9,16 @@ The learner pays nothing for the fallback: it sends no second copy.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from services.weight_broker.collective import CollectiveReceiver, TransferFailed, WeightGroup
+from services.weight_broker.group_control import MemberSeat
 from services.weight_broker.servicer import WeightBrokerServicer
 from services.weight_broker.store import PublishRejected, StoredVersion
 from services.weight_broker.tensors import TensorSpec, checksum, manifest_of, tensor_bytes, version_checksum
@@ -60,10 +63,13 @@ class BrokerMember:
             digests.append((name, digest))
         return writer.commit(version_checksum(digests))
 
-    def run(self, stop: threading.Event, poll_s: float = 1.0) -> None:
-        """Take versions until ``stop`` is set or the group breaks (a failed broadcast: the control plane forms
-        a new group). A version the store refuses is counted and skipped."""
-        while not stop.is_set():
+    def run(
+        self, stop: threading.Event, poll_s: float = 1.0, superseded: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Take versions until ``stop`` is set, the group breaks (a failed broadcast: the control plane forms
+        a new group) or ``superseded()`` (a newer epoch formed). A version the store refuses is counted and
+        skipped."""
+        while not stop.is_set() and not superseded():
             try:
                 self.step(poll_s)
             except PublishRejected as exc:  # counted and logged by the servicer
@@ -72,3 +78,28 @@ class BrokerMember:
                 self.failures.append(str(exc))
                 log.warning("the weight group failed; the broker leaves it: %s", exc)
                 return
+
+
+def serve_seat(
+    servicer: WeightBrokerServicer, seat: MemberSeat, stop: threading.Event, poll_s: float = 0.5
+) -> None:
+    """The broker's member thread: join each epoch the control plane forms with the broker in it, take its
+    versions until it breaks or a newer one forms, and so on until ``stop``."""
+    seat.start()
+    try:
+        while not stop.is_set():
+            formed = seat.take()
+            if formed is None:
+                stop.wait(0.1)
+                continue
+            try:
+                group = WeightGroup(formed.spec, formed.rank_offset)
+            except TransferFailed as exc:
+                log.warning("could not join weight group epoch %d: %s", formed.spec.epoch, exc)
+                continue
+            log.info("joined weight group epoch %d as rank %d", formed.spec.epoch, formed.rank_offset)
+            superseded = functools.partial(seat.superseded, formed.spec.epoch)
+            BrokerMember(servicer, group).run(stop, poll_s, superseded=superseded)
+            group.close()
+    finally:
+        seat.stop()

@@ -6,12 +6,18 @@ Used by the plain entry point (``python -m services.weight_broker``) and the Ray
 from __future__ import annotations
 
 import logging
+import threading
+import uuid
 from typing import Any
+
+import torch
 
 from services.common.observability import Metrics, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
 from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
 from services.weight_broker.dataplane import DataPlaneServer
+from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat
+from services.weight_broker.member import serve_seat
 from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import make_store
 
@@ -39,6 +45,17 @@ class BrokerService:
             self.servicer.announcer = Announcer(producer, "grpc", f"{self.host}:{self.server.port}")
         else:
             log.warning("run.redis_url is empty: versions will not be announced on the weights stream")
+        self._stop = threading.Event()
+        self._member: threading.Thread | None = None
+        if wb.transport == "collective" and run.redis_url:  # one more receiver of the learner's broadcasts
+            member = Member(f"broker.{uuid.uuid4().hex[:8]}", 1, "broker",
+                            "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+            seat = MemberSeat(
+                GroupRegistry(connect(run.redis_url), run.run_id, wb.group_member_ttl_s), member
+            )
+            self._member = threading.Thread(target=serve_seat, args=(self.servicer, seat, self._stop),
+                                            name="weight-group-member", daemon=True)  # fmt: skip
+            self._member.start()
         self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
         self.http = serve_metrics(self.metrics, port=wb.metrics_port)
         log.info("serving on gRPC port %d, data plane on TCP port %d, metrics on %s (storage: %s)",
@@ -49,6 +66,9 @@ class BrokerService:
                 "advertise_host": self.host}  # fmt: skip
 
     def close(self) -> None:
+        self._stop.set()
+        if self._member is not None:
+            self._member.join(timeout=10)
         self.server.stop(grace=5)
         self.plane.stop()
         self.http.close()

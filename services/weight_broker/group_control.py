@@ -1,0 +1,427 @@
+"""The collective transport's control plane: who is in the weight group, and when it is formed again.
+
+    receivers (each sampler engine, the broker)          Redis (the run's)                learner rank 0
+    MemberSeat ── heartbeat every ttl/3 ─────────► vcpo:<run>:wg:member:<id> (expires)
+                                                   vcpo:<run>:wg:members (set) ◄─── live(): who is there
+                                                   vcpo:<run>:wg:epoch (counter)
+    MemberSeat ◄── a spec naming this member ───── vcpo:<run>:wg:spec  ◄──────────── GroupCoordinator._form
+         │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
+         └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
+
+The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
+no group and some receiver is alive, or when the live members differ from the group's: one joined, one's
+heartbeat expired, or one restarted (a restarted process registers under a new id). Forming runs in a
+background thread; until it is done the learner publishes through the broker, so it never waits for a group.
+A broadcast that fails closes the group on every member; the next publish goes through the broker and forms
+a new epoch. Members that did not arrive in time are left out of the next attempts for a while (they are
+counted back in once they arrive in time again, or restart). Epochs come from a Redis counter, so a
+restarted learner never reuses an epoch's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+import torch
+
+from services.weight_broker.collective import (
+    DEFAULT_BUCKET_BYTES,
+    CollectivePublisher,
+    GroupSpec,
+    TransferFailed,
+    WeightGroup,
+    arrive,
+    open_store,
+)
+
+log = logging.getLogger(__name__)
+
+PUBLISHER = "publisher"  # the rendezvous name of rank 0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A receiver: ``workers`` ranks (an engine's tensor-parallel workers; 1 for the broker) that can use
+    ``devices`` ("cuda": NCCL or gloo; "cpu": gloo only)."""
+
+    id: str
+    workers: int = 1
+    kind: str = "sampler"
+    devices: str = "cpu"
+
+    def as_json(self) -> str:
+        return json.dumps({"workers": self.workers, "kind": self.kind, "devices": self.devices})
+
+
+@dataclass(frozen=True)
+class Seat:
+    """An epoch of the group that names this member, every member arrived: join it as ranks
+    ``rank_offset`` .. ``rank_offset + workers - 1``."""
+
+    spec: GroupSpec
+    rank_offset: int
+    bucket_bytes: int
+
+    def init_info(self) -> dict[str, Any]:
+        """What a vLLM engine's ``init_weight_transfer_engine`` takes (services/sampler/weight_transfer.py)."""
+        return {**self.spec.as_dict(), "rank_offset": self.rank_offset}
+
+
+class GroupRegistry:
+    """The Redis keys of the control plane (one run's)."""
+
+    def __init__(self, client: redis.Redis, run_id: str, ttl_s: float = 10.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"member ttl must be > 0, got {ttl_s}")
+        self.client, self.ttl_s = client, ttl_s
+        self.prefix = f"vcpo:{run_id}:wg"
+
+    def heartbeat(self, member: Member) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(f"{self.prefix}:member:{member.id}", member.as_json(), px=int(self.ttl_s * 1000))
+        pipe.sadd(f"{self.prefix}:members", member.id)
+        pipe.execute()
+
+    def leave(self, member_id: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(f"{self.prefix}:member:{member_id}")
+        pipe.srem(f"{self.prefix}:members", member_id)
+        pipe.execute()
+
+    def live(self) -> dict[str, Member]:
+        """Every member whose heartbeat has not expired (expired ones are removed from the set)."""
+        ids = sorted(m.decode() if isinstance(m, bytes) else str(m)
+                     for m in self.client.smembers(f"{self.prefix}:members"))  # fmt: skip
+        if not ids:
+            return {}
+        values = self.client.mget([f"{self.prefix}:member:{i}" for i in ids])
+        out, gone = {}, []
+        for member_id, raw in zip(ids, values, strict=True):
+            if raw is None:
+                gone.append(member_id)
+                continue
+            d = json.loads(raw)
+            out[member_id] = Member(member_id, int(d["workers"]), str(d["kind"]), str(d["devices"]))
+        if gone:
+            self.client.srem(f"{self.prefix}:members", *gone)
+        return out
+
+    def next_epoch(self) -> int:
+        return int(self.client.incr(f"{self.prefix}:epoch"))
+
+    def write_spec(self, spec: GroupSpec, ranks: dict[str, int], bucket_bytes: int) -> None:
+        body = {**spec.as_dict(), "ranks": ranks, "bucket_bytes": bucket_bytes}
+        self.client.set(f"{self.prefix}:spec", json.dumps(body))
+
+    def spec(self) -> tuple[GroupSpec, dict[str, int], int] | None:
+        """The newest epoch's spec, the members' rank offsets and the bucket size (None before the first)."""
+        raw = self.client.get(f"{self.prefix}:spec")
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return GroupSpec.from_dict(d), {k: int(v) for k, v in d["ranks"].items()}, int(d["bucket_bytes"])
+
+
+def reachable_host(redis_url: str) -> str:
+    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
+    address of the interface that routes there (what receivers on other nodes reach the publisher at)."""
+    host = urlparse(redis_url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the route is looked up
+        return str(s.getsockname()[0])
+
+
+class MemberSeat:
+    """A receiver's place in the control plane: keeps its registration alive and, when an epoch names it,
+    arrives at that epoch's rendezvous from a background thread. :meth:`take` hands the epoch over once every
+    member has arrived, to the thread that owns the engine (which then joins without waiting for others)."""
+
+    def __init__(self, registry: GroupRegistry, member: Member, poll_s: float = 0.25) -> None:
+        self.registry, self.member, self.poll_s = registry, member, poll_s
+        self.newest_epoch = (
+            0  # the newest epoch the control plane formed (a holder of an older one leaves it)
+        )
+        self.failures = 0  # epochs that named this member but did not form
+        self._seen = 0
+        self._ready: Seat | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.registry.heartbeat(self.member)
+        # two threads: waiting at a rendezvous (up to form_timeout_s) must not let the registration expire
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._beat, self.registry.ttl_s / 3),
+                             name=f"weight-seat-beat-{self.member.kind}", daemon=True),
+            threading.Thread(target=self._loop, args=(self._check, self.poll_s),
+                             name=f"weight-seat-{self.member.kind}", daemon=True),
+        ]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        try:
+            self.registry.leave(self.member.id)
+        except redis.RedisError as exc:
+            log.warning("could not leave the weight group's registry: %s", exc)
+
+    def take(self) -> Seat | None:
+        """A formed epoch to join, once (None when there is none new)."""
+        with self._lock:
+            seat, self._ready = self._ready, None
+        return seat
+
+    def superseded(self, epoch: int) -> bool:
+        """Whether the control plane formed an epoch after ``epoch`` (its members left that one)."""
+        return self.newest_epoch > epoch
+
+    def _loop(self, work: Callable[[], None], every_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                work()
+            except redis.RedisError as exc:
+                log.warning("weight group registry unreachable: %s", exc)
+            self._stop.wait(every_s)
+
+    def _beat(self) -> None:
+        self.registry.heartbeat(self.member)
+
+    def _check(self) -> None:
+        current = self.registry.spec()
+        if current is None:
+            return
+        spec, ranks, bucket_bytes = current
+        self.newest_epoch = max(self.newest_epoch, spec.epoch)
+        if spec.epoch <= self._seen or self.member.id not in ranks:
+            return
+        self._seen = spec.epoch
+        try:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore(spec.prefix(), open_store(spec))
+            store.set(f"arrived/{self.member.id}", "1")
+            arrived = arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
+        except Exception as exc:
+            self.failures += 1
+            log.warning("weight group epoch %d: could not reach its rendezvous: %s", spec.epoch, exc)
+            return
+        if arrived < len(ranks) + 1:
+            self.failures += 1
+            log.warning("weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
+                        spec.epoch, arrived, len(ranks) + 1, spec.form_timeout_s)  # fmt: skip
+            return
+        with self._lock:
+            self._ready = Seat(spec, ranks[self.member.id], bucket_bytes)
+
+
+class FormFailed(RuntimeError):
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass
+class _Formed:
+    group: WeightGroup
+    publisher: CollectivePublisher
+    members: frozenset[str]
+
+
+class GroupCoordinator:
+    """Learner rank 0's side: forms the weight group in the background and hands out its publisher.
+
+    Call :meth:`publisher` before each publish (between steps): the formed group's publisher, or None while
+    there is none (publish through the broker). Call :meth:`failed` when a broadcast failed."""
+
+    def __init__(
+        self,
+        registry: GroupRegistry,
+        host: str,
+        backend: str = "gloo",
+        port: int = 0,
+        port_range: int = 8,
+        timeout_s: float = 120.0,
+        form_timeout_s: float = 30.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
+        self.registry, self.host, self.backend = registry, host, backend
+        self.port, self.port_range = port, port_range
+        self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
+        self.device = device
+        self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
+        self.epoch = 0  # of the formed group (0: none yet)
+        self.backoff_s = 1.0
+        self._formed: _Formed | None = None
+        self._forming: Future[_Formed] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-group-form")
+        self._excluded: dict[str, float] = {}  # member -> monotonic time it may be named again
+        self._next_attempt = 0.0
+        self._closing = False
+
+    @property
+    def members(self) -> frozenset[str]:
+        return self._formed.members if self._formed is not None else frozenset()
+
+    def publisher(self) -> CollectivePublisher | None:
+        self._reap()
+        formed = self._formed
+        if formed is not None and formed.group.closed:
+            self._drop("its group is closed")
+            formed = None
+        if self._forming is None and time.monotonic() >= self._next_attempt:
+            live = self._eligible()
+            if formed is not None and not live:
+                self._drop("no receiver is alive")
+            elif live and (formed is None or set(live) != formed.members):
+                if formed is not None:
+                    added, gone = set(live) - formed.members, formed.members - set(live)
+                    self._drop(f"members changed (joined: {sorted(added)}, left: {sorted(gone)})")
+                self._forming = self._pool.submit(self._form, live)
+        return self._formed.publisher if self._formed is not None else None
+
+    def failed(self, error: BaseException) -> None:
+        """A broadcast failed: the group is dropped; the next :meth:`publisher` forms a new one."""
+        log.warning("weight group epoch %d failed: %s", self.epoch, error)
+        self.on_event("broadcast_failed")
+        self._drop("a broadcast failed")
+
+    def wait_formed(self, timeout_s: float) -> bool:
+        """Tests and benchmarks: form a group now if there is a member, and wait until it is formed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.publisher() is not None:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        """Wait for the last broadcast and leave the group."""
+        self._closing = True
+        self._drop("the learner stops")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ internals
+    def _eligible(self) -> dict[str, Any]:
+        now = time.monotonic()
+        live = self.registry.live()
+        out = {}
+        for member_id, member in live.items():
+            if self._excluded.get(member_id, 0.0) > now:
+                continue
+            if self.backend == "nccl" and member.devices != "cuda":
+                continue  # e.g. a broker without a GPU: it gets versions over the broker path
+            out[member_id] = member
+        return out
+
+    def _drop(self, why: str) -> None:
+        formed, self._formed = self._formed, None
+        if formed is None:
+            return
+        log.info("leaving weight group epoch %d: %s", self.epoch, why)
+        formed.publisher.close()  # waits for a broadcast in flight (its failure is logged)
+        formed.group.close()
+
+    def _reap(self) -> None:
+        forming = self._forming
+        if forming is None or not forming.done():
+            return
+        self._forming = None
+        try:
+            formed = forming.result()
+        except FormFailed as exc:
+            until = time.monotonic() + 3 * self.registry.ttl_s
+            for member_id in exc.missing:
+                self._excluded[member_id] = until
+            self._failed_forming(exc)
+            return
+        except Exception as exc:
+            self._failed_forming(exc)
+            return
+        if self._closing:
+            formed.publisher.close()
+            formed.group.close()
+            return
+        self._formed = formed
+        self.epoch = formed.group.spec.epoch
+        self.backoff_s = 1.0
+        self.on_event("formed")
+        log.info("weight group epoch %d formed: %d ranks (%s)", self.epoch, formed.group.spec.world_size,
+                 ", ".join(sorted(formed.members)))  # fmt: skip
+
+    def _failed_forming(self, exc: BaseException) -> None:
+        self.on_event("form_failed")
+        self._next_attempt = time.monotonic() + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, 30.0)
+        log.warning("the weight group did not form (next attempt in %.0fs): %s", self.backoff_s, exc)
+
+    def _bind(self, epoch: int, world: int) -> Any:
+        """The rendezvous store, listening: on a free port, or the first free one of the configured range."""
+        spec = GroupSpec(self.host, 1, world, self.backend, epoch, self.timeout_s, self.form_timeout_s)
+        if self.port == 0:
+            return open_store(spec, master=True, port=0)
+        error: Exception | None = None
+        for port in range(self.port, self.port + self.port_range):
+            try:
+                return open_store(spec, master=True, port=port)
+            except Exception as exc:  # in use (an earlier epoch's store not yet gone, another run)
+                error = exc
+        raise RuntimeError(f"no free port in {self.port}..{self.port + self.port_range - 1}: {error}")
+
+    def _form(self, live: dict[str, Member]) -> _Formed:
+        import torch.distributed as dist
+
+        ranks, offset = {}, 1
+        for member_id in sorted(live):
+            ranks[member_id] = offset
+            offset += live[member_id].workers
+        epoch = self.registry.next_epoch()
+        store = self._bind(epoch, offset)
+        spec = GroupSpec(self.host, int(store.port), offset, self.backend, epoch, self.timeout_s,
+                         self.form_timeout_s)  # fmt: skip
+        self.registry.write_spec(spec, ranks, self.bucket_bytes)
+        prefixed = dist.PrefixStore(spec.prefix(), store)
+        arrived = arrive(prefixed, "members_arrived", len(ranks) + 1, self.form_timeout_s)
+        if arrived < len(ranks) + 1:
+            missing = [m for m in ranks if not prefixed.check([f"arrived/{m}"])]
+            raise FormFailed(f"epoch {epoch}: {arrived} of {len(ranks) + 1} members arrived within "
+                             f"{self.form_timeout_s:.0f}s; missing: {missing}", missing)  # fmt: skip
+        try:
+            group = WeightGroup(spec, 0, self.device, store=store)
+        except TransferFailed as exc:
+            raise FormFailed(str(exc), []) from exc
+        return _Formed(group, CollectivePublisher(group, self.bucket_bytes), frozenset(ranks))
+
+
+def coordinator_from_config(
+    wb: Any, redis_url: str, run_id: str, client: redis.Redis, device: torch.device,
+    on_event: Callable[[str], None] | None = None,
+) -> GroupCoordinator:  # fmt: skip
+    """Learner rank 0's coordinator from the ``[weight_broker]`` section (``wb``: a WeightBrokerConfig); the
+    backend follows ``device`` when ``group_backend`` is auto."""
+    backend = (
+        wb.group_backend if wb.group_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    )
+    return GroupCoordinator(
+        GroupRegistry(client, run_id, wb.group_member_ttl_s), wb.group_host or reachable_host(redis_url),
+        backend, wb.group_port, timeout_s=wb.group_timeout_s, form_timeout_s=wb.group_form_timeout_s,
+        bucket_bytes=wb.group_bucket_mb << 20, device=device if backend == "nccl" else None, on_event=on_event,
+    )  # fmt: skip

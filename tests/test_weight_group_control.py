@@ -1,0 +1,210 @@
+"""The collective transport's control plane over real Redis and real gloo groups: members register, the
+coordinator (learner rank 0) forms epochs in the background, re-forms them when members join, leave or never
+arrive, and after a failed broadcast; the broker, one more member, stores every version broadcast."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.common.observability import Metrics
+from services.weight_broker.collective import CollectiveReceiver, TransferFailed, WeightGroup
+from services.weight_broker.group_control import (
+    GroupCoordinator,
+    GroupRegistry,
+    Member,
+    MemberSeat,
+    reachable_host,
+)
+from services.weight_broker.member import serve_seat
+from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
+from services.weight_broker.store import make_store
+from tests.test_collective_weights import is_version, specs_of, version_tensors
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s"
+        time.sleep(0.05)
+
+
+class Receiver(threading.Thread):
+    """A receiving member as a sampler's loop is one: join what the seat hands over, leave a superseded or
+    broken epoch, receive every announced version. ``refuse``: leave the group at the next announcement
+    instead of receiving it (a member gone mid-broadcast)."""
+
+    def __init__(self, registry: GroupRegistry, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.seat = MemberSeat(registry, Member(name), poll_s=0.05)
+        self.got: list[tuple[int, int, bool]] = []  # (epoch, version, exactly the version's tensors)
+        self.failures: list[str] = []
+        self.refuse = False
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        self.seat.start()
+        group: WeightGroup | None = None
+        while not self.halt.is_set():
+            formed = self.seat.take()
+            if formed is not None:
+                if group is not None:
+                    group.close()
+                group = WeightGroup(formed.spec, formed.rank_offset)
+            if group is None or group.closed or self.seat.superseded(group.spec.epoch):
+                time.sleep(0.02)
+                continue
+            try:
+                version = group.next_announcement(0.05)
+                if version is None:
+                    continue
+                if self.refuse:
+                    self.refuse = False
+                    group.close()
+                    continue
+                got, tensors, _ = CollectiveReceiver(group).receive()
+                self.got.append((group.spec.epoch, got, got == version and is_version(got, tensors)))
+            except TransferFailed as exc:
+                self.failures.append(str(exc))
+        if group is not None:
+            group.close()
+        self.seat.stop()
+
+    def versions(self) -> list[int]:
+        return [v for _, v, _ in self.got]
+
+
+@pytest.fixture
+def registry(redis_client: redis.Redis) -> GroupRegistry:
+    return GroupRegistry(redis_client, f"wg-{time.monotonic_ns()}", ttl_s=1.0)
+
+
+@pytest.fixture
+def coordinator(registry: GroupRegistry) -> Iterator[GroupCoordinator]:
+    c = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=3, bucket_bytes=8192)
+    yield c
+    c.close()
+
+
+def _publish(coordinator: GroupCoordinator, version: int) -> None:
+    publisher = coordinator.publisher()
+    assert publisher is not None
+    tensors = version_tensors(version)
+    publisher.send(version, specs_of(tensors), iter(tensors))
+
+
+def test_the_registry_sees_members_until_they_leave_or_their_heartbeat_expires(
+    registry: GroupRegistry,
+) -> None:
+    registry.heartbeat(Member("a", 2, "sampler", "cuda"))
+    registry.heartbeat(Member("b"))
+    assert registry.live() == {"a": Member("a", 2, "sampler", "cuda"), "b": Member("b")}
+    registry.leave("b")
+    assert set(registry.live()) == {"a"}
+    time.sleep(1.2)  # ttl 1 s, no heartbeat
+    assert registry.live() == {}
+    assert registry.next_epoch() + 1 == registry.next_epoch()  # epochs never repeat
+    assert reachable_host("redis://127.0.0.1:6379/0") == "127.0.0.1"
+    with pytest.raises(ValueError, match="ttl"):
+        GroupRegistry(registry.client, "x", ttl_s=0)
+
+
+def test_epochs_form_in_the_background_and_follow_joins_leaves_and_failures(
+    registry: GroupRegistry, coordinator: GroupCoordinator, tmp_path: Path
+) -> None:
+    assert coordinator.publisher() is None  # nobody to send to: the learner publishes through the broker
+
+    servicer = WeightBrokerServicer(
+        make_store("memory", 5, tmp_path), BrokerMetrics(Metrics("t")), run_id="wg"
+    )
+
+    def stored() -> list[int]:
+        return [int(m.policy_version) for m in servicer.store.manifests()]
+
+    stop_broker = threading.Event()
+    broker = threading.Thread(
+        target=serve_seat,
+        args=(
+            servicer,
+            MemberSeat(registry, Member("broker.x", 1, "broker"), poll_s=0.05),
+            stop_broker,
+            0.05,
+        ),
+        daemon=True,
+    )
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    for t in (broker, a, b):
+        t.start()
+    try:
+        _until("a formed group", lambda: coordinator.wait_formed(0.1))
+        assert coordinator.members == {"broker.x", "sampler-0.a", "sampler-1.b"}
+        first = coordinator.epoch
+        _publish(coordinator, 1)
+        _until("version 1 everywhere", lambda: a.versions() == [1] and b.versions() == [1]
+               and stored() == [1])  # fmt: skip
+        assert all(exact for _, _, exact in a.got + b.got)
+        assert servicer.metrics.published._value.get() == 1  # counted and announced like a publish
+
+        # a sampler joins: the next publish finds the members changed, goes through the broker while the new
+        # epoch forms, and the epoch after carries every member
+        c = Receiver(registry, "sampler-2.c")
+        c.start()
+        _until("the new member registered", lambda: "sampler-2.c" in registry.live())
+        assert coordinator.publisher() is None  # forming: this version takes the broker's path
+        _until("the re-formed group", lambda: coordinator.wait_formed(0.1))
+        assert coordinator.epoch > first and "sampler-2.c" in coordinator.members
+        _publish(coordinator, 2)
+        _until("version 2 everywhere", lambda: all(r.versions()[-1:] == [2] for r in (a, b, c)))
+        assert stored() == [1, 2]
+
+        # a member drops out mid-broadcast: the version fails on every member, none keeps it
+        b.refuse = True
+        with pytest.raises(TransferFailed):
+            _publish(coordinator, 3)
+        coordinator.failed(TransferFailed("version 3"))
+        time.sleep(0.5)
+        assert 3 not in a.versions() + c.versions() and 3 not in stored()
+        # it forms again (b is still alive and rejoins), and the run goes on
+        _until("the group after the failure", lambda: coordinator.wait_formed(0.1))
+        _publish(coordinator, 4)
+        _until("version 4 everywhere", lambda: all(r.versions()[-1:] == [4] for r in (a, b, c)))
+        assert stored() == [1, 2, 4]
+
+        # a member leaves: re-formed without it
+        c.halt.set()
+        c.join(10)
+        _until("the group without the member that left",
+               lambda: coordinator.wait_formed(0.1) and "sampler-2.c" not in coordinator.members)  # fmt: skip
+        _publish(coordinator, 5)
+        _until("version 5", lambda: a.versions()[-1:] == [5] and b.versions()[-1:] == [5])
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        stop_broker.set()
+        for t in (a, b, broker):
+            t.join(10)
+
+
+def test_a_member_that_never_arrives_is_left_out_and_the_rest_form(
+    registry: GroupRegistry, coordinator: GroupCoordinator
+) -> None:
+    registry.heartbeat(Member("sampler-9.ghost"))  # registered, then never at the rendezvous
+    registry.ttl_s = 30.0  # the ghost stays "alive" through the attempts
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    events: list[str] = []
+    coordinator.on_event = events.append
+    try:
+        _until("a group without the ghost", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        assert coordinator.members == {"sampler-0.a"}
+        assert events[0] == "form_failed" and events[-1] == "formed"
+        _publish(coordinator, 7)
+        _until("version 7", lambda: a.versions() == [7])
+    finally:
+        a.halt.set()
+        a.join(10)
