@@ -3,9 +3,11 @@
 One run directory, two launches:
 1. train until Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it): it stops every
    service, checkpoints, balances the ledger and writes the report;
-2. the same command again: it resumes from that checkpoint; mid-run a sampler replica and the reward replica
-   are killed with SIGKILL; Ray restarts both, the run reaches launcher.max_steps, and the ledger still
-   balances: no group lost, none trained twice, every trained group within the lag bound.
+2. the same command again, with the collective weight transport: it resumes from that checkpoint; versions
+   are broadcast into the sampler's engine and the broker; mid-run a sampler replica and the reward replica
+   are killed with SIGKILL; Ray restarts both, the new sampler catches up from the broker and joins a new
+   epoch of the weight group, the run reaches launcher.max_steps, and the ledger still balances: no group
+   lost, none trained twice, every trained group within the lag bound.
 Over both launches the reward rises, and so does held-out accuracy: measured as it trains (evaluation on the
 sampler, in metrics.jsonl and the report) and by the `eval` command on the base model and the last checkpoint.
 """
@@ -139,7 +141,9 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_a_balanced_ledger_and_a_report(r
 def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir: Path) -> None:
     first = max(_steps(run_dir), default=0)
     assert first >= FIRST_STOP, "the Ctrl-C test runs first and leaves its run directory"
-    launch = Launch(run_dir, "--launcher.max_steps", str(FINAL_STEP))
+    launch = Launch(
+        run_dir, "--launcher.max_steps", str(FINAL_STEP), "--weight_broker.transport", "collective"
+    )
     launch.wait_for(f"step {KILL_AT}", _reached(run_dir, KILL_AT), timeout_s=720)
     assert "resuming from its last checkpoint" in launch.output
     sampler_pid = _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
@@ -159,6 +163,7 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     replaced = [p for p in (run_dir / "reward").glob("*.endpoints.json") if _pid(p) != reward_pid]
     assert replaced, "Serve started no new reward replica"
     _report_ok(run_dir)
+    _check_collective(run_dir, steps, first)
 
     rewards_by_step = [float(steps[s]["reward_mean"]) for s in sorted(steps)]
     early, late = rewards_by_step[:WINDOW], rewards_by_step[-WINDOW:]
@@ -170,6 +175,33 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     rise = statistics.fmean(late) - statistics.fmean(early)
     stderr = math.sqrt((statistics.variance(late) + statistics.variance(early)) / WINDOW)
     assert rise > 0.1 and rise > 4 * stderr, (rise, stderr, rewards_by_step)
+
+
+def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: int) -> None:
+    """The resumed launch's versions went through the weight group before the sampler was killed and after
+    its replacement joined a new epoch. In between, versions took the broker's path (nothing waited for the
+    group) only until the killed member's heartbeat expired (group_member_ttl_s, 10 s) and the rest of the
+    group (the broker) formed again: not for the whole restart of the sampler."""
+    path = {s: steps[s].get("publish_path") for s in steps if s > first}
+    before = [path[s] for s in sorted(path) if s <= KILL_AT]
+    assert before[2:].count("collective") >= len(before[2:]) - 2, before  # a re-form or two at most
+    after = [s for s in sorted(path) if s > KILL_AT]
+    assert all(path[s] == "collective" for s in after[-20:]), [path[s] for s in after]
+    stretches, start = [], None  # wall-clock spans of consecutive versions through the broker
+    for s in after:
+        if path[s] == "broker" and start is None:
+            start = steps[s]["time"]
+        elif path[s] == "collective" and start is not None:
+            stretches.append(steps[s]["time"] - start)
+            start = None
+    assert stretches and max(stretches) < 25, stretches  # the failure was noticed; ~10 s ttl, then re-formed
+    log = (run_dir / "logs" / "sampler-0.log").read_text()
+    joins = [
+        line for line in log.splitlines() if "joined weight group epoch" in line and "ranks from" in line
+    ]
+    epochs = [int(line.split("epoch ")[1].split()[0]) for line in joins]
+    assert len(epochs) >= 2 and epochs[-1] > epochs[0], joins  # the replacement joined a later epoch
+    assert "broadcast in" in log.split(joins[-1])[-1]  # and was served versions through it
 
 
 def _eval_command(run_dir: Path, *args: str) -> dict[str, Any]:

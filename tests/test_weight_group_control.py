@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import torch
 
 from services.common.observability import Metrics
-from services.weight_broker.collective import CollectiveReceiver, TransferFailed, WeightGroup
+from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
+from services.sampler.weights import CollectiveWeightSync
+from services.weight_broker.client import WeightTransport
+from services.weight_broker.collective import CollectiveReceiver, GroupSpec, TransferFailed, WeightGroup
 from services.weight_broker.group_control import (
     GroupCoordinator,
     GroupRegistry,
@@ -25,6 +30,7 @@ from services.weight_broker.member import serve_seat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
 from tests.test_collective_weights import is_version, specs_of, version_tensors
+from vcpo.v1 import weights_pb2
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -208,3 +214,156 @@ def test_a_member_that_never_arrives_is_left_out_and_the_rest_form(
     finally:
         a.halt.set()
         a.join(10)
+
+
+# ---------------------------------------------------------------------------------------------- the sampler side
+class GroupEngine(GenerationEngine):
+    """An engine whose "model" is a dict of tensors, with the collective methods of VllmEngine over a real
+    weight group joined in this process (the real engine: tests/test_sampler_engine.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[str, torch.Tensor] = {}
+        self.group: WeightGroup | None = None
+        self.collective_staged: int | None = None
+        self._received: list[tuple[str, torch.Tensor]] = []
+
+    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None: ...
+
+    def step(self) -> list[TokenDelta]:
+        return []
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model = dict(tensors)
+
+    def _load_initial(self) -> None:
+        self.model = {}
+
+    def join_weight_group(self, init: dict[str, Any]) -> None:
+        if self.group is not None:
+            self.group.close()
+        fields = {k: v for k, v in init.items() if k != "rank_offset"}
+        self.group = WeightGroup(GroupSpec(**fields), int(init["rank_offset"]))
+
+    def stage_collective(self, version: int) -> float:
+        assert self.group is not None
+        try:
+            got, self._received, stats = CollectiveReceiver(self.group).receive()
+        except TransferFailed:
+            self.collective_staged = None
+            raise
+        assert got == version
+        self.collective_staged = version
+        return stats.seconds
+
+    def apply_collective(self, version: int) -> float:
+        assert self.collective_staged == version
+        self.collective_staged, self.model, self.loaded_version = None, dict(self._received), version
+        return 0.0
+
+
+class BrokerPath(WeightTransport):
+    """The broker's path as the follower sees it: the versions it holds, each fetch counted."""
+
+    where = "test broker"
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self.fetched: list[int] = []
+
+    def latest(self) -> int | None:
+        return max(self.held, default=None)
+
+    def fetch(self, sink: Any, version: int | None = None, start_tensor: str = "") -> Any:
+        version = self.latest() if version is None else version
+        assert version in self.held
+        self.fetched.append(version)
+        for name, tensor in version_tensors(version):
+            sink(name, tensor)
+        return weights_pb2.VersionManifest(policy_version=version, total_bytes=1)
+
+    def publish_once(self, version: int, specs: Any, tensors: Any) -> Any:
+        raise NotImplementedError
+
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Any:
+        raise NotImplementedError
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
+
+    def versions(self) -> list[Any]:
+        return []
+
+
+def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
+    registry: GroupRegistry, coordinator: GroupCoordinator
+) -> None:
+    engine, broker = GroupEngine(), BrokerPath()
+    failures: list[int] = []
+    sync = CollectiveWeightSync(engine, broker, None, MemberSeat(registry, Member("sampler-0.s"), poll_s=0.05),
+                                poll_interval_s=0.05, on_failure=lambda: failures.append(1))  # fmt: skip
+    halt, errors = threading.Event(), []
+
+    def loop() -> None:  # the sampler loop's weight step: pump, then apply what is ready
+        while not halt.is_set():
+            try:
+                sync.pump()
+                version = sync.ready()
+                if version is not None:
+                    sync.apply(version)
+            except Exception as exc:  # pragma: no cover - reported by the assertion below
+                errors.append(exc)
+            time.sleep(0.005)
+
+    def serving(version: int) -> Callable[[], bool]:
+        return lambda: engine.loaded_version == version and is_version(version, list(engine.model.items()))
+
+    broker.held.append(1)  # published through the broker before any group exists
+    sync.start()
+    looper = threading.Thread(target=loop, daemon=True)
+    looper.start()
+    try:
+        _until("version 1 over the broker's path", serving(1))
+        assert sync.last_path == "broker" and broker.fetched == [1]
+
+        _until("a group with the sampler", lambda: coordinator.wait_formed(0.1))
+        _until("the sampler joined", lambda: sync.epoch == coordinator.epoch)
+        _publish(coordinator, 2)
+        broker.held.append(2)  # the broker, a member too, announces what it received
+        _until("version 2 through the group", serving(2))
+        assert sync.last_path == "collective" and sync.received == 2
+        time.sleep(0.3)
+        assert broker.fetched == [1]  # what the group delivered is not fetched again
+
+        # a broadcast voted down (its source broke): the sampler leaves the epoch, keeps version 2, counts it
+        publisher = coordinator.publisher()
+        assert publisher is not None
+        tensors = version_tensors(3)
+        with pytest.raises(TransferFailed):
+            publisher.send(3, specs_of(tensors), iter(tensors[:-1]))
+        _until("the sampler left the failed epoch", lambda: sync.epoch == 0)
+        assert failures == [1] and sync.broadcast_failures == 1 and "failed" in sync.error
+        assert engine.loaded_version == 2 and engine.collective_staged is None
+        first = coordinator.epoch
+        coordinator.failed(TransferFailed("version 3"))
+
+        broker.held.append(4)  # the learner's next version goes through the broker meanwhile
+        _until("version 4 over the broker's path", serving(4))
+        assert sync.last_path == "broker"
+
+        _until("a new epoch", lambda: coordinator.wait_formed(0.1) and coordinator.epoch > first)
+        _until("the sampler rejoined", lambda: sync.epoch == coordinator.epoch)
+        _publish(coordinator, 5)
+        _until("version 5 through the new epoch", serving(5))
+        assert sync.last_path == "collective" and not errors
+    finally:
+        halt.set()
+        looper.join(10)
+        sync.stop()
+        if engine.group is not None:
+            engine.group.close()

@@ -226,8 +226,41 @@ class WeightGroup:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self._pg.allreduce([t], opts).wait()
+        self.wait(self._pg.allreduce([t], opts))
         return bool(t.item() == 1)
+
+    def wait(self, work: Any, check_every_s: float = 0.05) -> None:
+        """Wait for a collective of this group. Rank 0 just waits (a dead peer fails its sends at once). A
+        receiver gives up (:class:`TransferFailed`, the group closed) as soon as rank 0 has declared the
+        broadcast failed or its store is gone: a receiver waiting for bytes that will never come would
+        otherwise wait out the whole timeout, since closing a gloo group does not wake its peers."""
+        if self.rank == 0:
+            work.wait()
+            return
+        nap, last = 5e-5, time.monotonic()
+        while not work.is_completed():
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+            if time.monotonic() - last < check_every_s:
+                continue
+            last = time.monotonic()
+            try:
+                failed = self._announcements.check(["failed"])
+                why = "rank 0 declared the broadcast failed"
+            except Exception as exc:
+                failed, why = True, f"the weight group's store is unreachable: {exc}"
+            if failed:
+                self.close()
+                raise TransferFailed(why)
+        work.wait()  # raises the collective's own error, if it had one
+
+    def abort(self) -> None:
+        """Rank 0, after a failed broadcast: tell every receiver still waiting in it to give up, then close."""
+        try:
+            self._announcements.set("failed", "1")
+        except Exception:
+            log.debug("could not mark the broadcast failed", exc_info=True)
+        self.close()
 
     @property
     def closed(self) -> bool:
@@ -414,7 +447,7 @@ class CollectivePublisher:
             group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)).wait()
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
-            group.close()
+            group.abort()
             raise TransferFailed(f"version {version}: broadcast failed: {exc}") from exc
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
@@ -507,7 +540,7 @@ class CollectiveReceiver:
         group = self.group
         head = torch.zeros(3, dtype=torch.int64, device=group.device)
         try:
-            group.broadcast(head).wait()
+            group.wait(group.broadcast(head))
         except Exception as exc:
             group.close()
             raise TransferFailed(f"no version arrived: {exc}") from exc
@@ -515,7 +548,7 @@ class CollectiveReceiver:
         version, header_len, n_buckets = (int(x) for x in head.tolist())
         try:
             raw = torch.empty(header_len, dtype=torch.uint8, device=group.device)
-            group.broadcast(raw).wait()
+            group.wait(group.broadcast(raw))
             header = json.loads(bytes(raw.cpu().numpy()))
             specs = [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in header["tensors"]]
             layout = bucket_layout(specs, int(header["bucket_bytes"]))
@@ -526,7 +559,7 @@ class CollectiveReceiver:
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
             buffers, mine = self._bounced(layout, hashed) if self.bounce else self._direct(layout, hashed)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
-            group.broadcast(theirs).wait()
+            group.wait(group.broadcast(theirs))
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
@@ -560,7 +593,7 @@ class CollectiveReceiver:
         works = [group.broadcast(buf) for buf in buffers]
         mine: list[int] = []
         for work, buf in zip(works, buffers, strict=True):
-            work.wait()
+            group.wait(work)
             mine.append(_digest(buf.cpu()) if hashed else 0)
         return buffers, mine
 
@@ -576,7 +609,7 @@ class CollectiveReceiver:
         host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
         for b, (bucket, out) in enumerate(zip(layout, host, strict=True)):
             slot = slots[b % 2][: bucket.nbytes]
-            group.broadcast(slot).wait()
+            group.wait(group.broadcast(slot))
             out.copy_(slot, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(group.device)

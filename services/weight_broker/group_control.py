@@ -284,8 +284,8 @@ class GroupCoordinator:
     def publisher(self) -> CollectivePublisher | None:
         self._reap()
         formed = self._formed
-        if formed is not None and formed.group.closed:
-            self._drop("its group is closed")
+        if formed is not None and formed.group.closed:  # a background broadcast failed and closed it
+            self.failed(TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
             formed = None
         if self._forming is None and time.monotonic() >= self._next_attempt:
             live = self._eligible()
@@ -303,6 +303,9 @@ class GroupCoordinator:
         log.warning("weight group epoch %d failed: %s", self.epoch, error)
         self.on_event("broadcast_failed")
         self._drop("a broadcast failed")
+        # a member that died is still registered until its heartbeat expires: form again after that, or the
+        # next epoch would wait form_timeout_s for it
+        self._next_attempt = max(self._next_attempt, time.monotonic() + self.registry.ttl_s)
 
     def wait_formed(self, timeout_s: float) -> bool:
         """Tests and benchmarks: form a group now if there is a member, and wait until it is formed."""

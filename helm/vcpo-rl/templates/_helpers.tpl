@@ -222,6 +222,10 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "transport" $v.weightBroker.transport
     "retain_versions" (int $v.weightBroker.retainVersions)
     "storage" $v.weightBroker.storage
+    "group_port" (int $v.weightBroker.group.port)
+    "group_timeout_s" (float64 $v.weightBroker.group.timeoutSeconds)
+    "group_form_timeout_s" (float64 $v.weightBroker.group.formTimeoutSeconds)
+    "group_bucket_mb" (int $v.weightBroker.group.bucketMiB)
     "grpc_port" (int $p.brokerGrpc)
     "data_port" (int $p.brokerData)
     "metrics_port" (int $p.brokerMetrics)
@@ -250,7 +254,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
   "sampler" (list "replicas" "gpus_per_replica" "tensor_parallel_size" "grpc_port" "metrics_port" "port_per_replica" "ray_resources" "api_token" "api_token_file")
   "learner" (list "num_ranks" "gpus_per_rank" "grpc_port" "metrics_port" "ray_resources")
   "reward" (list "min_replicas" "max_replicas" "grpc_port" "metrics_port" "serve_ports" "ray_resources")
-  "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host")
+  "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host" "group_port")
   "evaluation" (list "placement" "gpus" "metrics_port" "ray_resources")
   "launcher" (list "ray_address")
 -}}

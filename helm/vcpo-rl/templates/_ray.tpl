@@ -39,6 +39,10 @@ Secret) and the API token; Ray's workers inherit it, so the hub token reaches ev
 - name: HF_HOME
   value: {{ printf "%s/hf-cache" (trimSuffix "/" .Values.sharedStorage.mountPath) | quote }}
 {{- end }}
+{{- range $name, $value := .Values.weightBroker.group.ncclEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -197,7 +201,7 @@ workerGroupSpecs:
     resources:
       vcpo_learner: {{ int $v.learner.ranksPerPod | toString | quote }}
     template:
-      {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.learnerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.learnerMetrics)) }}
+      {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.learnerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.learnerMetrics)) (dict "name" "weight-group" "containerPort" (int $v.weightBroker.group.port)) }}
       {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" $v.learner "grace" 0) | nindent 6 }}
   - groupName: reward
     replicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
