@@ -184,7 +184,11 @@ def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: in
     group (the broker) formed again: not for the whole restart of the sampler."""
     path = {s: steps[s].get("publish_path") for s in steps if s > first}
     before = [path[s] for s in sorted(path) if s <= KILL_AT]
-    assert before[2:].count("collective") >= len(before[2:]) - 2, before  # a re-form or two at most
+    # the group forms in the background while the learner goes on through the broker (about 8 steps of
+    # 0.2 s here, the broker and the sampler registering a moment apart); from then on every version until
+    # the kill goes through it
+    formed = before.index("collective") if "collective" in before else len(before)
+    assert formed < 30 and all(p == "collective" for p in before[formed:]), before
     after = [s for s in sorted(path) if s > KILL_AT]
     assert all(path[s] == "collective" for s in after[-20:]), [path[s] for s in after]
     stretches, start = [], None  # wall-clock spans of consecutive versions through the broker
