@@ -3,11 +3,12 @@
 One run directory, two launches:
 1. train until Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it): it stops every
    service, checkpoints, balances the ledger and writes the report;
-2. the same command again, with the collective weight transport: it resumes from that checkpoint; versions
-   are broadcast into the sampler's engine and the broker; mid-run a sampler replica and the reward replica
-   are killed with SIGKILL; Ray restarts both, the new sampler catches up from the broker and joins a new
-   epoch of the weight group, the run reaches launcher.max_steps, and the ledger still balances: no group
-   lost, none trained twice, every trained group within the lag bound.
+2. the same command again: it resumes from that checkpoint; mid-run a sampler replica and the reward replica
+   are killed with SIGKILL; Ray restarts both, the run reaches launcher.max_steps, and the ledger still
+   balances: no group lost, none trained twice, every trained group within the lag bound.
+A third, separate launch runs with the collective weight transport: versions are broadcast into the sampler's
+engine and the broker; the sampler is killed; its replacement catches up from the broker and joins a new epoch
+of the weight group; the ledger balances.
 Over both launches the reward rises, and so does held-out accuracy: measured as it trains (evaluation on the
 sampler, in metrics.jsonl and the report) and by the `eval` command on the base model and the last checkpoint.
 """
@@ -163,7 +164,6 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     replaced = [p for p in (run_dir / "reward").glob("*.endpoints.json") if _pid(p) != reward_pid]
     assert replaced, "Serve started no new reward replica"
     _report_ok(run_dir)
-    _check_collective(run_dir, steps, first)
 
     rewards_by_step = [float(steps[s]["reward_mean"]) for s in sorted(steps)]
     early, late = rewards_by_step[:WINDOW], rewards_by_step[-WINDOW:]
@@ -177,19 +177,43 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     assert rise > 0.1 and rise > 4 * stderr, (rise, stderr, rewards_by_step)
 
 
-def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: int) -> None:
-    """The resumed launch's versions went through the weight group before the sampler was killed and after
+COLLECTIVE_KILL_AT, COLLECTIVE_FINAL = 60, 160
+
+
+@pytest.mark.timeout(900)
+def test_the_collective_transport_carries_versions_and_a_killed_sampler_rejoins(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    run_dir = tmp_path_factory.mktemp("e2e-collective") / "run"
+    launch = Launch(run_dir, "--launcher.max_steps", str(COLLECTIVE_FINAL), "--weight_broker.transport",
+                    "collective")  # fmt: skip
+    launch.wait_for(f"step {COLLECTIVE_KILL_AT}", _reached(run_dir, COLLECTIVE_KILL_AT), timeout_s=600)
+    sampler_pid = _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
+    os.kill(sampler_pid, signal.SIGKILL)
+    launch.wait_for("a restarted sampler", lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
+                    != sampler_pid, timeout_s=300)  # fmt: skip
+    assert launch.finish(timeout_s=600) == 0, launch.output[-6000:]
+    steps = _steps(run_dir)
+    assert sorted(steps) == list(range(1, COLLECTIVE_FINAL + 1))
+    ledger = _ledger(run_dir)
+    assert ledger["balanced"], ledger
+    assert ledger["trained"] == COLLECTIVE_FINAL * 4 and ledger["max_trained_lag"] <= 4
+    _check_collective(run_dir, steps, 0, COLLECTIVE_KILL_AT)
+
+
+def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: int, kill_at: int) -> None:
+    """The launch's versions went through the weight group before the sampler was killed and after
     its replacement joined a new epoch. In between, versions took the broker's path (nothing waited for the
     group) only until the killed member's heartbeat expired (group_member_ttl_s, 10 s) and the rest of the
     group (the broker) formed again: not for the whole restart of the sampler."""
     path = {s: steps[s].get("publish_path") for s in steps if s > first}
-    before = [path[s] for s in sorted(path) if s <= KILL_AT]
+    before = [path[s] for s in sorted(path) if s <= kill_at]
     # the group forms in the background while the learner goes on through the broker (about 8 steps of
     # 0.2 s here, the broker and the sampler registering a moment apart); from then on every version until
     # the kill goes through it
     formed = before.index("collective") if "collective" in before else len(before)
     assert formed < 30 and all(p == "collective" for p in before[formed:]), before
-    after = [s for s in sorted(path) if s > KILL_AT]
+    after = [s for s in sorted(path) if s > kill_at]
     assert all(path[s] == "collective" for s in after[-20:]), [path[s] for s in after]
     stretches, start = [], None  # wall-clock spans of consecutive versions through the broker
     for s in after:

@@ -313,3 +313,53 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     # the broker path still works after a collective version, and rolls back to what it can restore
     load_into(vllm_engine, old)
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
+
+
+def test_consecutive_collective_versions_each_serve_exactly_their_weights(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A run applies version after version from the weight group, with generation between stage and apply
+    (the sampler keeps generating under its loaded version while the next one is received): every apply serves
+    exactly its version's weights, and every generation before an apply its loaded version's."""
+    import multiprocessing as mp
+
+    from services.common.redis_server import free_port
+
+    sampling = Sampling(temperature=1.0, max_tokens=8, seed=5)
+    tok = vllm_engine.tokenizer
+    # longer than a KV block (128 tokens on CPU): the prefix cache holds them across versions
+    prompts = [
+        tok.encode("Add the numbers and answer with the sum only. " * 8 + q) for q in ("5+9=", "21+4=")
+    ]
+    assert min(len(p) for p in prompts) > 128 and max(len(p) for p in prompts) < 240
+    plan = [next(versions) for _ in range(4)]
+    weights = {v: version_weights(tiny_model_dir, 30 + i) for i, v in enumerate(plan)}
+    weights_file = tmp_path / "versions.pt"
+    torch.save(weights, weights_file)
+    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 1,
+            "timeout_s": 60.0}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(
+        target=broadcast_versions, args=(spec, str(weights_file), [(v, "whole") for v in plan], out)
+    )
+    learner.start()
+    try:
+        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+        serving: int | None = None
+        for version in plan:
+            vllm_engine.stage_collective(version)
+            assert out.get(timeout=60)[:2] == (version, "sent")
+            if serving is not None:  # received, not yet applied: still the loaded version
+                assert_matches(
+                    tiny_model_dir, weights[serving], generate(vllm_engine, prompts, sampling).values()
+                )
+            vllm_engine.apply_collective(version)
+            serving = version
+            assert_matches(
+                tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
+            )
+    finally:
+        learner.join(timeout=60)
+        if learner.is_alive():
+            learner.kill()
