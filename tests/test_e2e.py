@@ -142,9 +142,7 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_a_balanced_ledger_and_a_report(r
 def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir: Path) -> None:
     first = max(_steps(run_dir), default=0)
     assert first >= FIRST_STOP, "the Ctrl-C test runs first and leaves its run directory"
-    launch = Launch(
-        run_dir, "--launcher.max_steps", str(FINAL_STEP), "--weight_broker.transport", "collective"
-    )
+    launch = Launch(run_dir, "--launcher.max_steps", str(FINAL_STEP))
     launch.wait_for(f"step {KILL_AT}", _reached(run_dir, KILL_AT), timeout_s=720)
     assert "resuming from its last checkpoint" in launch.output
     sampler_pid = _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
