@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from typing import Any
 
 import grpc
 import redis
-import torch
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
@@ -165,8 +163,7 @@ class SamplerService:
         sync: WeightSync
         if cfg.weight_broker.transport == "collective" and hasattr(self.engine, "join_weight_group"):
             wb = cfg.weight_broker
-            member = Member(f"{self.replica_id}.{uuid.uuid4().hex[:8]}", s.tensor_parallel_size, "sampler",
-                            "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+            member = Member.here(self.replica_id, s.tensor_parallel_size, "sampler")
             seat = MemberSeat(GroupRegistry(client, run.run_id, wb.group_member_ttl_s), member)
             sync = CollectiveWeightSync(
                 self.engine, self.transport, announcements, seat, s.weight_poll_interval_s,

@@ -25,6 +25,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +62,14 @@ class Member:
 
     def as_json(self) -> str:
         return json.dumps({"workers": self.workers, "kind": self.kind, "devices": self.devices})
+
+    @classmethod
+    def here(cls, name: str, workers: int, kind: str) -> Member:
+        """This process as a member: ``name`` plus a fresh incarnation (a restarted process is a new member),
+        with the devices this machine has."""
+        return cls(
+            f"{name}.{uuid.uuid4().hex[:8]}", workers, kind, "cuda" if torch.cuda.is_available() else "cpu"
+        )
 
 
 @dataclass(frozen=True)

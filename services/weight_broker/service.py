@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from typing import Any
-
-import torch
 
 from services.common.observability import Metrics, grpc_server, serve_metrics
 from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
@@ -48,8 +45,7 @@ class BrokerService:
         self._stop = threading.Event()
         self._member: threading.Thread | None = None
         if wb.transport == "collective" and run.redis_url:  # one more receiver of the learner's broadcasts
-            member = Member(f"broker.{uuid.uuid4().hex[:8]}", 1, "broker",
-                            "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+            member = Member.here("broker", 1, "broker")
             seat = MemberSeat(
                 GroupRegistry(connect(run.redis_url), run.run_id, wb.group_member_ttl_s), member
             )
