@@ -620,7 +620,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
         # pods too small for the model's weights (templates/_sizing.tpl)
-        (["sampler.resources.limits.memory=16Gi"], "sampler.resources.limits.memory = 16Gi is below the 18Gi"),
+        (["sampler.resources.limits.memory=16Gi"], "sampler.resources.limits.memory = 16Gi is below the 21Gi"),
         (["run.model=/data/models/ckpt"], "set modelSize.parameters"),
 
     ],
@@ -684,13 +684,21 @@ GIB = 2**30
 
 
 def minimums(
-    billions: float, gpus: int = 1, dtype_bytes: int = 2, retain: int = 2, in_memory: bool = True
+    billions: float,
+    gpus: int = 1,
+    dtype_bytes: int = 2,
+    retain: int = 2,
+    in_memory: bool = True,
+    collective: bool = True,
 ) -> dict[str, int]:
     """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version."""
     w = billions * 1e9 * dtype_bytes / GIB
+    broker_path = (3 if gpus else 2) * w + 6 + 2 * max(1, gpus)
     return {
-        # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes
-        "sampler": math.ceil((3 if gpus else 2) * w + 6 + 2 * max(1, gpus)),
+        # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes;
+        # with the collective transport, one more per engine worker: the broadcast received in host memory
+        "sampler": math.ceil(broker_path + (max(1, gpus) * w if collective else 0)),
+        "evaluator": math.ceil(broker_path),  # a dedicated evaluator takes its versions from the broker
         "shm": math.ceil(w + 4) if gpus else 0,  # the file vLLM's workers read + NCCL, vLLM, Ray
         # the broker's retained versions + the one being published, in memory; the launcher, Ray
         "head": math.ceil((retain + 1) * w + 8) if in_memory else 8,
@@ -699,12 +707,17 @@ def minimums(
 
 def test_minimums_of_the_documented_examples() -> None:
     # the examples docs/deploy.md gives, from the rule above
-    assert minimums(1.5 * 1.1) == {"sampler": 18, "shm": 8, "head": 18}  # Qwen2.5-1.5B, size from its name
-    assert minimums(7 * 1.1) == {"sampler": 52, "shm": 19, "head": 52}  # Qwen2.5-7B, size from its name
-    assert minimums(7.62) == {"sampler": 51, "shm": 19, "head": 51}  # Qwen2.5-7B, modelSize.parameters=7.62
-    assert minimums(7 * 1.1, gpus=2)["sampler"] == 54  # tensor parallelism 2: one more GPU worker process
+    # (the collective transport, the chart's default; the evaluator's figure is the tcp transport's sampler's)
+    m15, m7, m762 = minimums(1.5 * 1.1), minimums(7 * 1.1), minimums(7.62)
+    assert m15 == {"sampler": 21, "evaluator": 18, "shm": 8, "head": 18}  # Qwen2.5-1.5B, size from its name
+    assert m7 == {"sampler": 66, "evaluator": 52, "shm": 19, "head": 52}  # Qwen2.5-7B, size from its name
+    assert m762 == {"sampler": 65, "evaluator": 51, "shm": 19, "head": 51}  # modelSize.parameters=7.62
+    assert minimums(7 * 1.1, collective=False)["sampler"] == 52
+    # tensor parallelism 2: one more GPU worker process, which receives a broadcast version too
+    assert minimums(7 * 1.1, gpus=2)["sampler"] == 82
+    assert minimums(7 * 1.1, gpus=2, collective=False)["sampler"] == 54
     guide = (ROOT / "docs" / "deploy.md").read_text()
-    for figure in ("18Gi", "52Gi", "54Gi", "19Gi", "51Gi"):
+    for figure in ("21Gi", "18Gi", "66Gi", "52Gi", "82Gi", "54Gi", "19Gi", "65Gi", "51Gi"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
 
 
@@ -734,6 +747,9 @@ SIZING_CASES = {  # name: (flags, minimums, head key is checked)
     "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),
     "4 retained": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.retainVersions=4"), minimums(7 * 1.1, retain=4)),
     "broker on disk": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.storage=disk"), minimums(7 * 1.1, in_memory=False)),
+    "tcp transport": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.transport=tcp"), minimums(7 * 1.1, collective=False)),
+    "tcp, tensor parallel 2": (("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "weightBroker.transport=tcp"),
+                               minimums(7 * 1.1, gpus=2, collective=False)),
 }  # fmt: skip
 SIZED_KEYS = {  # the minimum's name -> the values it checks
     "sampler": ("sampler.resources.requests.memory", "sampler.resources.limits.memory"),
@@ -766,14 +782,15 @@ def test_pod_sizes_follow_the_model_size(case: str) -> None:
 
 
 def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
-    # quantities in other units are compared in bytes: 18Gi = 19327352832 = 18432Mi; 17.9Gi's G is 10^9
-    for value in ("19327352832", "18432Mi", "20G"):
+    # quantities in other units are compared in bytes: 21Gi = 22548578304 = 21504Mi; 22G = 20.5Gi
+    for value in ("22548578304", "21504Mi", "23G"):
         render("--set", f"sampler.resources.limits.memory={value}")
-    out = helm("template", "r", str(CHART), "--set", "sampler.resources.limits.memory=19G")
-    assert "sampler.resources.limits.memory = 19G is below the 18Gi" in errors(out)  # 19G = 17.7Gi
-    # without GPUs vLLM runs in the sampler's process: no /dev/shm file, two copies; the tiny built-in model
-    cpu = minimums(1.5 * 1.1, gpus=0)["sampler"]  # 2 × 3.1GiB + 8Gi
-    assert cpu == 15
+    out = helm("template", "r", str(CHART), "--set", "sampler.resources.limits.memory=22G")
+    assert "sampler.resources.limits.memory = 22G is below the 21Gi" in errors(out)  # 22G = 20.5Gi
+    # without GPUs vLLM runs in the sampler's process: no /dev/shm file, two copies, and the broadcast its one
+    # worker receives (gloo); the tiny built-in model
+    cpu = minimums(1.5 * 1.1, gpus=0)["sampler"]  # 3 × 3.1GiB + 8Gi
+    assert cpu == 18
     for memory, ok in ((cpu, True), (cpu - 1, False)):
         out = helm("template", "r", str(CHART), "--set", "sampler.gpusPerReplica=0", "--set", "rayCluster.shmSize=64Mi",
                    "--set", f"sampler.resources.limits.memory={memory}Gi",
@@ -785,7 +802,9 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
 
 def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
     evaluation = ("-f", str(CHART / "ci" / "evaluation-values.yaml"))
-    need = minimums(7 * 1.1, gpus=2)["sampler"]  # the evaluator's engine is the samplers' (2 GPUs)
+    # the evaluator's engine is the samplers' (2 GPUs); it takes its versions from the broker, not the group
+    need = minimums(7 * 1.1, gpus=2)["evaluator"]
+    assert need == 54
     render(*evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need}Gi")
     out = helm("template", "r", str(CHART), *evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need - 1}Gi")  # fmt: skip
     assert f"raise evaluation.evaluator.resources.limits.memory to at least {need}Gi" in errors(out), errors(

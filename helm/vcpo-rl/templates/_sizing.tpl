@@ -9,6 +9,11 @@ the value to raise, instead of being OOM-killed at its first weight update (docs
                                                                       it from (tmpfs counts as the pod's
                                                                       memory); the engine's processes
                                                                       (without GPUs: 2 W, no file, + 8Gi)
+    with transport collective, a sampler's  + W per GPU (1 without)   each engine worker receives the
+                                                                      broadcast version into (pinned) host
+                                                                      memory before it loads its share; the
+                                                                      evaluator takes its versions from the
+                                                                      broker
   /dev/shm (rayCluster.shmSize)              W + 4Gi                  that file, and NCCL's, vLLM's and
                                                                       Ray's own segments
   head pod                                   (retain + 1) W + 8Gi     the broker's retained versions and the
@@ -62,7 +67,7 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- end -}}
 {{- end -}}
 
-{{/* The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, shm, head, volume. */}}
+{{/* The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, evaluator, shm, head, volume. */}}
 {{- define "vcpo-rl.sizing" -}}
 {{- $v := .Values -}}
 {{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
@@ -70,6 +75,7 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- $w := divf (mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes)) 1073741824.0 -}}
 {{- $gpus := int $v.sampler.gpusPerReplica -}}
 {{- $copies := ternary 3 2 (gt $gpus 0) -}}
+{{- $received := ternary (max 1 $gpus) 0 (eq $wb.transport "collective") -}}
 {{- $engine := add (include "vcpo-rl.sizing.engineGi" .) (mul (include "vcpo-rl.sizing.perGpuGi" .) (max 1 $gpus)) -}}
 {{- $retained := add1 (int $wb.retain_versions) -}}
 {{- $inMemory := and (eq $wb.storage "memory") (ne $wb.transport "filesystem") -}}
@@ -77,10 +83,12 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- dict
   "weightsGi" $w
   "copies" $copies
+  "received" $received
   "engineGi" $engine
   "retained" $retained
   "inMemory" $inMemory
-  "sampler" (ceil (addf (mulf $copies $w) $engine) | int)
+  "sampler" (ceil (addf (mulf (add $copies $received) $w) $engine) | int)
+  "evaluator" (ceil (addf (mulf $copies $w) $engine) | int)
   "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
   "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
   "volume" (ternary 0 (ceil (mulf $retained $w) | int) $inMemory)
@@ -108,9 +116,10 @@ the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made o
 {{- $model := printf "run.model %q (%.3gB parameters from %s; × %v bytes = %.1fGiB per version)" $v.run.model (float64 (include "vcpo-rl.sizing.billions" .)) $source $v.modelSize.dtypeBytes (float64 $s.weightsGi) -}}
 {{- $copies := ternary "3 copies of the weights (the staged version, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of the weights (the staged version, the previous one)" (eq (int $s.copies) 3) -}}
 {{- $why := printf "a sampler pod needs for %s: %s + %dGi for the engine's processes" $model $copies (int $s.engineGi) -}}
-{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" $why) -}}
+{{- $received := ternary (printf " + %d more, the weight group's broadcast as each engine worker receives it into host memory (weightBroker.transport collective)" (int $s.received)) "" (gt (int $s.received) 0) -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" (printf "%s%s" $why $received)) -}}
 {{- if and (include "vcpo-rl.dedicatedEvaluator" .) $v.evaluation.evaluator.resources -}}
-{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "evaluation.evaluator.resources" "resources" $v.evaluation.evaluator.resources "min" $s.sampler "why" (replace "a sampler pod" "the evaluator's pod" $why)) -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "evaluation.evaluator.resources" "resources" $v.evaluation.evaluator.resources "min" $s.evaluator "why" (replace "a sampler pod" "the evaluator's pod" $why)) -}}
 {{- end -}}
 {{- if and (gt (int $s.shm) 0) (lt (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $s.shm)) -}}
 {{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm)) -}}
