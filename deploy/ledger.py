@@ -3,12 +3,17 @@
 Taken after every service has stopped (the learner's last checkpoint acknowledged what it consumed), from
 three independent records that must agree:
 
-    Redis streams   rollouts: entries ever added, still there, dead-lettered; the same for scored
+    Redis streams   rollouts: entries ever added, how many of them the samplers wrote (<key>:produced, raised
+                    with each XADD), still there, dead-lettered; the same for scored (written by the reward
+                    service)
     the learner     its checkpointed feed state: entries consumed, groups trained, rejected, dropped by lag
     the audit log   learner/steps.jsonl, last line per step: the id of every group trained on, and its lag
 
-    nothing lost:      rollouts added = scored added + rollouts left + rollouts dead-lettered
+    nothing lost:      rollouts added = scored by the reward service + rollouts left + rollouts dead-lettered
                        scored added   = learner consumed + scored left + scored dead-lettered
+    counted apart:     foreign entries (added - produced: written by anything but the services, e.g. a
+                       person's XADD), which the consumers dead-letter when malformed; "groups sampled" is
+                       what the samplers produced
     nothing counted twice: consumed = trained + rejected + dropped; the audit log's trained group ids are all
                        distinct and as many as the learner's trained count
     the lag bound:     every trained group's lag is at most k
@@ -22,6 +27,7 @@ from typing import Any
 import redis
 
 from deploy.progress import entries_added
+from services.common.streams import produced_key
 
 
 def take_ledger(
@@ -35,16 +41,24 @@ def take_ledger(
     """The ledger as a JSON-able dict; ``balanced`` is True only when every check holds, ``problems`` says
     which did not."""
     counts: dict[str, Any] = {}
+    problems: list[str] = []
     for name in ("rollouts", "scored"):
-        counts[f"{name}_added"] = entries_added(client, stream_keys[name])
+        added = entries_added(client, stream_keys[name])
+        raw = client.get(produced_key(stream_keys[name]))
+        # no counter: a stream written before the services counted what they produced (all of it theirs)
+        produced = added if raw is None else int(raw)
+        counts[f"{name}_added"] = added
+        counts[f"{name}_produced"] = produced
+        counts[f"{name}_foreign"] = added - produced
         counts[f"{name}_left"] = int(client.xlen(stream_keys[name]))
         counts[f"{name}_dead_lettered"] = int(client.xlen(dead_letter_keys[name]))
-    problems: list[str] = []
-    scored_out = counts["scored_added"] + counts["rollouts_left"] + counts["rollouts_dead_lettered"]
+        if produced > added:
+            problems.append(f"{name}: the services counted {produced} entries written, the stream {added}")
+    scored_out = counts["scored_produced"] + counts["rollouts_left"] + counts["rollouts_dead_lettered"]
     if counts["rollouts_added"] != scored_out:
         problems.append(
-            f"rollouts added {counts['rollouts_added']} != scored {counts['scored_added']} + left in rollouts "
-            f"{counts['rollouts_left']} + dead-lettered {counts['rollouts_dead_lettered']}"
+            f"rollouts added {counts['rollouts_added']} != scored {counts['scored_produced']} + left in "
+            f"rollouts {counts['rollouts_left']} + dead-lettered {counts['rollouts_dead_lettered']}"
         )
     trained_ids = [g for s in steps.values() for g in s.get("groups", [])]
     lags = [int(x) for s in steps.values() for x in s.get("lags", [])]

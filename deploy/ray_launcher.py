@@ -490,8 +490,10 @@ class RayLauncher:
         self.summary["ledger"] = ledger
         (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
         verdict = "balanced" if ledger["balanced"] else "NOT balanced: " + "; ".join(ledger["problems"])
-        self._say("ledger", f"{ledger['rollouts_added']} groups sampled, {ledger.get('trained', 0)} trained, "
-                  f"max lag {ledger['max_trained_lag']} (k={self.cfg.run.k}): {verdict}")  # fmt: skip
+        foreign = ledger["rollouts_foreign"] + ledger["scored_foreign"]
+        apart = f", {foreign} foreign entries in the queues (counted apart)" if foreign else ""
+        self._say("ledger", f"{ledger['rollouts_produced']} groups sampled, {ledger.get('trained', 0)} trained, "
+                  f"max lag {ledger['max_trained_lag']} (k={self.cfg.run.k}){apart}: {verdict}")  # fmt: skip
 
     # ------------------------------------------------------------------ all of it
     def run(self) -> int:

@@ -83,3 +83,44 @@ def test_the_step_log_reads_whole_lines_only_and_the_last_line_per_step_wins(tmp
     assert log.steps[1]["groups"] == ["c"] and log.unreadable == 1
     latest = log.latest()
     assert latest is not None and latest["step"] == 2
+
+
+def test_foreign_entries_are_counted_apart_and_the_run_still_balances(redis_client: redis.Redis) -> None:
+    """Entries written into the queues by anything but the services (here: a person's XADD, malformed) are
+    dead-lettered by the consumers and counted as foreign; the groups the samplers produced still balance
+    (the seen failure: 'rollouts added 530 != scored 530 + ... + dead-lettered 30', an exit 3 for a run that
+    lost nothing)."""
+    from services.common.handoff import forward
+    from services.common.streams import StreamConsumer, StreamProducer, StreamSpec
+    from vcpo.v1 import rollout_pb2
+
+    spec = {n: StreamSpec(n, KEYS[n], rollout_pb2.TrajectoryGroup, 64, "queue", f"{n}-readers")
+            for n in ("rollouts", "scored")}  # fmt: skip
+    sampler = StreamProducer(redis_client, spec["rollouts"])
+    reward = StreamConsumer(redis_client, spec["rollouts"], "reward-0")
+    learner = StreamConsumer(redis_client, spec["scored"], "learner-0")
+    sampler.put_many([(rollout_pb2.TrajectoryGroup(group_id=f"g{i}"), 0) for i in range(5)])
+    for key in KEYS.values():  # foreign: not ours, not even well-formed
+        redis_client.xadd(key, {"junk": "x"})
+        redis_client.xadd(
+            key, {"policy_version": "1", "type": "vcpo.v1.TrajectoryGroup", "payload": b"\xff\xfe"}
+        )
+    entries = reward.read(count=10)
+    assert len(entries) == 5  # the foreign two were dead-lettered on the way
+    for entry in entries[:4]:  # one rollout is still being scored
+        assert forward(reward, entry.id, StreamProducer(redis_client, spec["scored"]), entry.message, 0)
+    consumed = learner.read(count=10)
+    assert len(consumed) == 4
+    learner.ack([e.id for e in consumed])  # the last checkpoint covers them
+    feed = {"consumed": 4, "trained_groups": 4, "rejected": {}, "dropped_by_lag": {}}
+    steps = _steps([[f"g{i}" for i in range(4)]], [[0, 0, 0, 0]])
+    ledger = take_ledger(redis_client, KEYS, DEAD, feed, steps, k=1)
+    assert ledger["balanced"], ledger["problems"]
+    assert (ledger["rollouts_added"], ledger["rollouts_produced"], ledger["rollouts_foreign"]) == (7, 5, 2)
+    assert (ledger["scored_added"], ledger["scored_produced"], ledger["scored_foreign"]) == (6, 4, 2)
+    assert (ledger["rollouts_left"], ledger["rollouts_dead_lettered"]) == (1, 2)
+    assert (ledger["scored_left"], ledger["scored_dead_lettered"]) == (0, 2)
+    # a rollout that vanished is still a problem, foreign entries or not
+    redis_client.xdel(KEYS["rollouts"], entries[4].id)
+    ledger = take_ledger(redis_client, KEYS, DEAD, feed, steps, k=1)
+    assert "rollouts added 7 != scored 4 + left in rollouts 0 + dead-lettered 2" in ledger["problems"]

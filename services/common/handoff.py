@@ -26,14 +26,16 @@ from services.common.streams import StreamConsumer, StreamProducer
 M = TypeVar("M", bound=Message)
 N = TypeVar("N", bound=Message)
 
-# KEYS: input stream, output stream. ARGV: group, consumer, entry id, output cap (0 = none), type,
-# policy_version, payload. Returns {0} not ours any more, {1} output full, {2, id} written and acked.
+# KEYS: input stream, output stream, the output's produced counter. ARGV: group, consumer, entry id, output cap
+# (0 = none), type, policy_version, payload. Returns {0} not ours any more, {1} output full, {2, id} written
+# (and counted) and acked.
 _FORWARD_LUA = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return {0} end
 local cap = tonumber(ARGV[4])
 if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return {1} end
 local id = redis.call('XADD', KEYS[2], '*', 'policy_version', ARGV[6], 'type', ARGV[5], 'payload', ARGV[7])
+redis.call('INCR', KEYS[3])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return {2, id}
@@ -64,7 +66,7 @@ def forward(
     ]  # fmt: skip
     wait = producer.full_wait()
     while True:
-        reply = script(keys=[consumer.spec.key, producer.spec.key], args=args)
+        reply = script(keys=[consumer.spec.key, producer.spec.key, producer.spec.produced_key], args=args)
         status = int(reply[0])
         if status != 1:  # 1: the output queue is full
             break

@@ -4,6 +4,7 @@ Data flow of one hop (``tasks``, ``rollouts``, ``scored`` are *queues*; ``weight
 
     StreamProducer.put(msg, policy_version)
         │  Lua, atomically: XLEN < maxlen ? XADD : refuse      (a refused producer waits and retries)
+        │                   INCRBY <key>:produced               (what the ledger tells foreign entries by)
         ▼
     stream  vcpo:<run_id>:<name>   fields: policy_version, type, payload (protobuf bytes)
         │  XREADGROUP (consumer group, one per queue)
@@ -91,6 +92,17 @@ class StreamSpec(Generic[M]):
     @property
     def dead_letter_key(self) -> str:
         return f"{self.key}:dead"
+
+    @property
+    def produced_key(self) -> str:
+        return produced_key(self.key)
+
+
+def produced_key(stream: str) -> str:
+    """The counter of entries this system's producers wrote to ``stream`` (raised in the same script as each
+    XADD), so that the ledger tells them from entries written by anything else: the stream's entries-added
+    minus this is what came from outside."""
+    return f"{stream}:produced"
 
 
 def connect(url: str, retries: int = 5) -> redis.Redis:
@@ -304,6 +316,7 @@ for i = 4, #ARGV, 2 do
   ids[#ids + 1] = id
   room = room - 1
 end
+if #ids > 0 then redis.call('INCRBY', KEYS[2], #ids) end
 return ids
 """
 
@@ -366,7 +379,9 @@ class StreamProducer(Generic[M]):
         wait = self.full_wait()
         while pending:
             batch = pending[: 2 * self.max_batch]
-            added = self._put(keys=[self.spec.key], args=[self._cap, self._trim, self._type, *batch])
+            added = self._put(
+                keys=[self.spec.key, self.spec.produced_key], args=[self._cap, self._trim, self._type, *batch]
+            )
             ids += [i.decode() if isinstance(i, bytes) else str(i) for i in added]
             pending = pending[2 * len(added) :]
             if not pending:
