@@ -28,7 +28,10 @@ class LauncherConfig(Section):
     max_minutes: float = Field(0.0, ge=0, description="Stop after this much wall time; 0 = no limit.")
     progress_interval_s: float = Field(5.0, gt=0, description="Seconds between live progress lines.")
     max_restarts: int = Field(
-        10, ge=0, description="Times Ray restarts a sampler replica that died before the run fails."
+        10,
+        ge=0,
+        description="Times Ray restarts a sampler replica that died, and the launcher a local redis-server "
+        "(from its append-only file), before the run fails.",
     )
     stop_timeout_s: float = Field(
         120.0,

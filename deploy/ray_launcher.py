@@ -146,9 +146,22 @@ class RayLauncher:
         self.evaluator_run: Any = None
         self.metrics_log: MetricsLog | None = None
         self.summary: dict[str, Any] = {}
+        self.redis_failure: str | None = None  # the local redis-server died for good (its restarts spent)
         self.broker_metrics_url = ""
 
     # ------------------------------------------------------------------ helpers
+    def _redis_restarted(self, code: int, restart: int) -> None:
+        restarts = self.summary.setdefault("restarts", {})
+        restarts["redis"] = restart
+        assert self.local_redis is not None
+        print(f"  [!!] redis          redis-server exited ({code}); restarted from its append-only file, pid "
+              f"{self.local_redis.process.pid} (restart {restart} of {self.cfg.launcher.max_restarts})", flush=True)  # fmt: skip
+
+    def _redis_lost(self, code: int) -> None:
+        self.redis_failure = (f"the local redis-server exited ({code}) and its {self.cfg.launcher.max_restarts} "
+                              "restarts (launcher.max_restarts) are spent")  # fmt: skip
+        self.stopping.stop(self.redis_failure)
+
     def _say(self, name: str, detail: str) -> None:
         print(f"  [ok] {name:<14} {detail}  ({time.monotonic() - self.t0:.1f}s)", flush=True)
 
@@ -177,8 +190,10 @@ class RayLauncher:
             url, where = cfg.run.redis_url, cfg.run.redis_url
         else:
             self.local_redis = LocalRedis(data_dir=self.run_dir / "redis", persistent=True)
+            self.local_redis.supervise(cfg.launcher.max_restarts, self._redis_restarted, self._redis_lost)
             url = self.local_redis.url
-            where = f"{url} (local redis-server, pid {self.local_redis.process.pid})"
+            where = (f"{url} (local redis-server, pid {self.local_redis.process.pid}; append-only file, "
+                     "fsynced every second; restarted from it if it dies)")  # fmt: skip
         self.client = connect(url)
         self._say("redis", where)
         self._say("ray", self._ray())
@@ -382,6 +397,8 @@ class RayLauncher:
                     self.stopping.stop("the evaluator finished")
             if deadline and time.monotonic() > deadline:
                 self.stopping.stop(f"max_minutes ({la.max_minutes:g})")
+        if self.redis_failure is not None:
+            raise RuntimeError(self.redis_failure)
 
     def _sampler_figures(self) -> tuple[float | None, float | None, float | None]:
         """The replicas' tokens/s, busy seconds and evaluation rounds abandoned so far (None while one is being
