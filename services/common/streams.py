@@ -297,8 +297,9 @@ class StreamMetrics:
         self.lengths.watch(client, spec)
 
 
-# KEYS[1] stream; ARGV: cap (0 = none), trim (0 = none), type, then (policy_version, payload) pairs.
-# Adds entries while the stream holds fewer than `cap`; returns the ids added (maybe fewer than asked).
+# KEYS[1] stream, KEYS[2] its produced counter; ARGV: cap (0 = none), trim (0 = none), type, then
+# (policy_version, payload) pairs. Adds entries while the stream holds fewer than `cap` and counts them in
+# KEYS[2]; returns the ids added (maybe fewer than asked).
 _PUT_LUA = """
 local key, cap, trim, typ = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local room = -1
