@@ -321,3 +321,30 @@ def test_connect_names_an_unreachable_redis() -> None:
 def test_connect_gives_a_working_client(redis_url: str) -> None:
     client = connect(redis_url)
     assert client.ping()
+
+
+def test_a_write_id_makes_a_retried_write_return_the_first_entry(redis_client: redis.Redis) -> None:
+    """A client that retries a write whose reply a Redis restart cut off sends the same script again: with a
+    write id (the sampler passes the group id) the second call returns the first entry's id and adds nothing,
+    so no group reaches the learner twice. Without one, both land (the producer's plain behaviour)."""
+    spec = specs("dedup", rollouts_maxlen=3)["rollouts"]
+    producer = StreamProducer(redis_client, spec, remember_writes_s=60)
+    first = producer.put(make_group(0, n=1, response_len=8), 0, write_id="r0.a-1")
+    again = producer.put(make_group(0, n=1, response_len=8), 0, write_id="r0.a-1")
+    assert again == first
+    assert redis_client.xlen(spec.key) == 1
+    assert int(redis_client.get(spec.produced_key)) == 1
+    assert 0 < redis_client.ttl(f"{spec.key}:written:r0.a-1") <= 60
+
+    # a batch mixing a repeat, new ids and an id-less write; the repeat takes no room in the capped queue
+    ids = producer.put_many(
+        [(make_group(i, n=1, response_len=8), 0) for i in range(3)], ["r0.a-1", "r0.a-2", ""]
+    )
+    assert ids[0] == first and len(set(ids)) == 3
+    assert redis_client.xlen(spec.key) == 3  # the cap: 1 + 2 new
+    assert int(redis_client.get(spec.produced_key)) == 3
+    assert (
+        producer.put(make_group(9, n=1, response_len=8), 0, write_id="r0.a-2") == ids[1]
+    )  # full, yet answered
+    with pytest.raises(ValueError, match="2 write ids for 1 items"):
+        producer.put_many([(make_group(0, n=1, response_len=8), 0)], ["a", "b"])

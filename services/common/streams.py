@@ -108,8 +108,8 @@ def produced_key(stream: str) -> str:
 def connect(url: str, retries: int = 5) -> redis.Redis:
     """A Redis client that rides out short outages: each command is retried with bounded exponential backoff.
 
-    A retried write whose first attempt did land can add an entry twice; the streams are at-least-once by
-    design (consumers key their work on group ids), never at-most-once.
+    A retried write whose first attempt did land would add an entry twice: producers give such writes a write
+    id (:meth:`StreamProducer.put`), which makes the retry return the first entry instead.
     """
     client = redis.Redis.from_url(
         url,
@@ -297,27 +297,38 @@ class StreamMetrics:
         self.lengths.watch(client, spec)
 
 
-# KEYS[1] stream, KEYS[2] its produced counter; ARGV: cap (0 = none), trim (0 = none), type, then
-# (policy_version, payload) pairs. Adds entries while the stream holds fewer than `cap` and counts them in
-# KEYS[2]; returns the ids added (maybe fewer than asked).
+# KEYS[1] stream, KEYS[2] its produced counter; ARGV: cap (0 = none), trim (0 = none), type, the seconds a
+# write's id is remembered, then (policy_version, payload, write id) triples. Adds entries while the stream
+# holds fewer than `cap` and counts them in KEYS[2]; returns the ids added (maybe fewer than asked). A write
+# id ('' = none) makes the write idempotent: `<stream>:written:<id>` holds the entry id it got, and a second
+# write with the same id (a client retrying a call whose reply a Redis restart cut off) returns that entry id
+# and adds nothing. Marker and entry are written by one script, so they reach the append-only file together.
 _PUT_LUA = """
-local key, cap, trim, typ = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local key, cap, trim, typ, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local room = -1
 if cap > 0 then room = cap - redis.call('XLEN', key) end
-local ids = {}
-for i = 4, #ARGV, 2 do
-  if cap > 0 and room <= 0 then break end
-  local id
-  if trim > 0 then
-    id = redis.call('XADD', key, 'MAXLEN', '~', trim, '*',
-                    'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
-  else
-    id = redis.call('XADD', key, '*', 'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
+local ids, added = {}, 0
+for i = 5, #ARGV, 3 do
+  local marker, id = nil, nil
+  if ARGV[i + 2] ~= '' then
+    marker = key .. ':written:' .. ARGV[i + 2]
+    id = redis.call('GET', marker)
+  end
+  if not id then
+    if cap > 0 and room <= 0 then break end
+    if trim > 0 then
+      id = redis.call('XADD', key, 'MAXLEN', '~', trim, '*',
+                      'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
+    else
+      id = redis.call('XADD', key, '*', 'policy_version', ARGV[i], 'type', typ, 'payload', ARGV[i + 1])
+    end
+    if marker then redis.call('SET', marker, id, 'EX', ttl) end
+    room = room - 1
+    added = added + 1
   end
   ids[#ids + 1] = id
-  room = room - 1
 end
-if #ids > 0 then redis.call('INCRBY', KEYS[2], #ids) end
+if added > 0 then redis.call('INCRBY', KEYS[2], added) end
 return ids
 """
 
@@ -346,8 +357,10 @@ class StreamProducer(Generic[M]):
         metrics: StreamMetrics | None = None,
         wait_timeout_s: float = 0.0,
         max_batch: int = 256,
+        remember_writes_s: int = 86400,
     ) -> None:
         self.client, self.spec, self.metrics = client, spec, metrics
+        self.remember_writes_s = remember_writes_s  # how long a write id keeps a retried write from repeating
         self.wait_timeout_s = wait_timeout_s
         self.max_batch = max_batch
         self._put = client.register_script(_PUT_LUA)
@@ -360,31 +373,37 @@ class StreamProducer(Generic[M]):
             for counter in (metrics.written, metrics.wait):  # exported at 0 until the first write or wait
                 counter.labels(spec.name)
 
-    def put(self, message: M, policy_version: int) -> str:
-        """Append one message; blocks while the queue is full. Returns the entry id."""
-        return self.put_many([(message, policy_version)])[0]
+    def put(self, message: M, policy_version: int, write_id: str = "") -> str:
+        """Append one message; blocks while the queue is full. Returns the entry id. With a ``write_id``
+        (a group id, say) the write is idempotent: writing the same id again returns the first entry's id and
+        adds nothing, so a retry across a Redis restart cannot duplicate it."""
+        return self.put_many([(message, policy_version)], [write_id])[0]
 
-    def put_many(self, items: Sequence[tuple[M, int]]) -> list[str]:
-        """Append messages in order (batched through one script call); blocks while the queue is full."""
-        args: list[bytes | int] = []
-        for message, version in items:
+    def put_many(self, items: Sequence[tuple[M, int]], write_ids: Sequence[str] | None = None) -> list[str]:
+        """Append messages in order (batched through one script call); blocks while the queue is full.
+        ``write_ids``: one per item ('' for none), as in :meth:`put`."""
+        if write_ids is not None and len(write_ids) != len(items):
+            raise ValueError(f"{len(write_ids)} write ids for {len(items)} items")
+        args: list[bytes | int | str] = []
+        for n, (message, version) in enumerate(items):
             if not isinstance(message, self.spec.message_type):
                 raise TypeError(
                     f"stream {self.spec.name!r} carries {self._type}, got {type(message).__name__}"
                 )
             if version < 0:
                 raise ValueError(f"policy_version must be >= 0, got {version}")
-            args += [version, message.SerializeToString()]
+            args += [version, message.SerializeToString(), write_ids[n] if write_ids is not None else ""]
         ids: list[str] = []
         pending = args
         wait = self.full_wait()
         while pending:
-            batch = pending[: 2 * self.max_batch]
+            batch = pending[: 3 * self.max_batch]
             added = self._put(
-                keys=[self.spec.key, self.spec.produced_key], args=[self._cap, self._trim, self._type, *batch]
+                keys=[self.spec.key, self.spec.produced_key],
+                args=[self._cap, self._trim, self._type, self.remember_writes_s, *batch],
             )
             ids += [i.decode() if isinstance(i, bytes) else str(i) for i in added]
-            pending = pending[2 * len(added) :]
+            pending = pending[3 * len(added) :]
             if not pending:
                 break
             if len(added) == 0:  # full: wait for consumers to acknowledge

@@ -290,7 +290,7 @@ class Sampler:
             return
         self._forget(group)
         message = group.to_proto(self.run_id, self.replica_id, self.engine.decode)
-        self.rollouts.put(message, int(message.policy_version_start))
+        self.rollouts.put(message, int(message.policy_version_start), write_id=message.group_id)
         self.admission.settle(self.replica_id)  # after the write: a crash between gives back, never loses
         self.feed.done(group.source)
         self.emitted += 1
