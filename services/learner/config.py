@@ -80,6 +80,12 @@ class LearnerConfig(Section):
         256, ge=1, description="ZeRO-3 parameters gathered at once while publishing a version."
     )
     read_block_ms: int = Field(1000, ge=1, description="Longest wait on the scored stream per read.")
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest wait of one collective between the ranks (the process group's timeout): a rank "
+        "that hangs past it fails the group, which the launcher restarts from its checkpoint.",
+    )
     master_port: int = Field(
         0, ge=0, le=65535, description="torch.distributed rendezvous port; 0 = a free one."
     )

@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -196,7 +197,9 @@ class Trainer:
         self.precision = resolve_precision(learner)
         if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        deepspeed.init_distributed(dist_backend=self.backend)
+        deepspeed.init_distributed(
+            dist_backend=self.backend, timeout=timedelta(seconds=learner.collective_timeout_s)
+        )  # a hung collective (a rank stuck or gone) raises after it, instead of holding the group forever
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         torch.manual_seed(seed)

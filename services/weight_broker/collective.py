@@ -38,6 +38,7 @@ from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
 
 log = logging.getLogger(__name__)
 
+_RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -275,6 +276,12 @@ class WeightGroup:
             self._pg.shutdown()
         except Exception:  # a broken group may refuse a clean shutdown; it is dropped anyway
             log.debug("weight group shutdown raised", exc_info=True)
+        # Never let a closed group be destroyed: ~ProcessGroupGloo joins its worker threads, which may still
+        # wait on a peer that died, and the garbage collector runs that destructor on whichever thread
+        # allocates next. A chaos run saw the broker's receiving thread stuck 75 s in it (the learner's next
+        # broadcast waited as long). A closed group keeps a few idle threads and sockets until the process
+        # exits; there is one per failed or re-formed epoch.
+        _RETIRED.append(self._pg)
 
 
 @dataclass(frozen=True)
