@@ -197,3 +197,48 @@ def test_a_receiver_killed_mid_broadcast_fails_every_learner_rank_without_hangin
     assert results[0][2].startswith("TransferFailed: version 1")
     assert "rank 0's broadcast failed" in results[1][2]
     assert results[1][3] > 3  # rank 1 took part in every bucket's gather
+
+
+class _FlakyTransport:
+    """A broker-path transport whose first ``fail`` publishes find nobody listening (a broker being
+    restarted), and which then answers with ``then`` (None: takes the version)."""
+
+    where = "flaky"
+
+    def __init__(self, fail: int, then: Exception | None = None) -> None:
+        self.fail, self.then, self.calls = fail, then, 0
+
+    def publish_once(self, version: int, specs: Any, tensors: Any) -> Any:
+        from services.weight_broker.client import PublishResult
+
+        self.calls += 1
+        for _ in tensors:  # consumes the gathered buckets as a real transport does
+            pass
+        if self.calls <= self.fail:
+            raise ConnectionRefusedError("nobody listens")
+        if self.then is not None:
+            raise self.then
+        return PublishResult(version, 1, 0.0)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError)
+
+
+def test_a_publish_rides_out_a_broker_restart_and_a_redone_version_counts_as_published() -> None:
+    """The broker's restart (Ray brings it back on its ports) outlasts the plain attempts: the publish goes on
+    retrying for ``retry_s``. A learner group restarted from its checkpoint redoes steps whose versions the
+    broker already holds, or has moved past: both count as published, so the run goes on."""
+    from services.learner.publish import publish_version
+    from services.weight_broker.client import StalePublish, VersionExists
+
+    module = torch.nn.Linear(4, 4)
+    flaky = _FlakyTransport(fail=5)
+    result = publish_version(module, flaky, 7, 0, attempts=2, backoff_s=0.01, retry_s=30.0)
+    assert result is not None and result.policy_version == 7 and flaky.calls == 6
+    for answer in (VersionExists("version 7 is already published"), StalePublish("7 is older than 9")):
+        result = publish_version(module, _FlakyTransport(0, answer), 7, 0)
+        assert result is not None and result.policy_version == 7
+    down = _FlakyTransport(fail=1 << 30)
+    with pytest.raises(ConnectionRefusedError):  # no retry window: the plain attempts, then the error
+        publish_version(module, down, 7, 0, attempts=3, backoff_s=0.01)
+    assert down.calls == 3

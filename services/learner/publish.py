@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from services.learner.grad_norms import full_shape
-from services.weight_broker.client import PublishResult, VersionExists, WeightTransport
+from services.weight_broker.client import PublishResult, StalePublish, VersionExists, WeightTransport
 from services.weight_broker.collective import CollectivePublisher, TransferFailed, TransferStats
 from services.weight_broker.tensors import TensorSpec, dtype_name
 
@@ -134,14 +134,27 @@ def publish_version(
     attempts: int = 3,
     backoff_s: float = 1.0,
     stats: GatherStats | None = None,
+    retry_s: float = 0.0,
+    max_backoff_s: float = 10.0,
 ) -> PublishResult | None:
     """Publish ``module``'s weights as ``version``: a collective every rank calls; rank 0 passes the transport.
 
-    Returns the result on rank 0 (None elsewhere). A version the broker already has counts as published
-    (a restarted learner republishing). Raises on every rank if rank 0's publish fails for good.
+    Returns the result on rank 0 (None elsewhere). A version the broker already has, or one older than its
+    latest, counts as published: a learner group restarted from its checkpoint redoes the steps the failed
+    group took since, from the same groups in the same order, and the broker keeps the versions those published
+    (the samplers may already serve them; the sampled log-probs travel with every group, so its importance
+    weights stay exact even where a redone step's weights differ in the last bits).
+
+    A transient failure (the broker unreachable) is retried by all ranks together, with exponential backoff
+    (``backoff_s`` doubling up to ``max_backoff_s``), at least ``attempts`` times and for ``retry_s`` seconds
+    since the first failure (a broker being restarted comes back on the same ports). Raises on every rank if
+    rank 0's publish fails for good.
     """
     specs = tensor_specs(module)
-    for attempt in range(1, attempts + 1):
+    first_failure: float | None = None
+    attempt = 0
+    while True:
+        attempt += 1
         source = gathered_tensors(module, bucket_bytes, stats)
         result: PublishResult | None = None
         error: BaseException | None = None
@@ -150,7 +163,8 @@ def publish_version(
                 raise ValueError("rank 0 needs a transport to publish with")
             try:
                 result = transport.publish_once(version, specs, source)
-            except VersionExists:
+            except (VersionExists, StalePublish) as exc:  # a restarted learner redoing its steps
+                log.info("version %d: %s; the broker keeps its copy", version, exc)
                 result = PublishResult(version, sum(s.nbytes for s in specs), 0.0)
             except Exception as exc:
                 error = exc
@@ -159,16 +173,20 @@ def publish_version(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
         if outcome == 0:
+            if first_failure is not None:
+                log.info("version %d published after %d attempts (%.1fs)", version, attempt,
+                         time.monotonic() - first_failure)  # fmt: skip
             return result
-        if outcome == 2 or attempt == attempts:
+        first_failure = first_failure if first_failure is not None else time.monotonic()
+        spent = rank0_code(int(attempt >= attempts and time.monotonic() - first_failure >= retry_s))
+        if outcome == 2 or spent:  # rank 0's clock decides, so every rank stops retrying together
             if error is not None:
                 raise error
             raise RuntimeError(f"rank 0 failed to publish version {version}; see its log")
-        log.warning(
-            "publish of version %d failed (attempt %d/%d): %s; retrying", version, attempt, attempts, error
-        )
-        time.sleep(backoff_s * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")
+        delay = min(backoff_s * 2 ** (attempt - 1), max_backoff_s)
+        log.warning("publish of version %d failed (attempt %d): %s; retrying in %.1fs", version, attempt,
+                    error, delay)  # fmt: skip
+        time.sleep(delay)
 
 
 def publish_collective(

@@ -4,6 +4,7 @@
                         rank 0 also: ScoredFeed.resume, /metrics, gRPC Status + health
     loop:
       rank 0:     feed.poll(version) ─► ("step", groups) | ("idle",) | ("stop",)  ─┐ broadcast to all ranks
+                  idle, every 10 s: does the broker still hold the current version? ─► ("republish",)
       all ranks:  ◄──────────────────────────────────────────────────────────────┘
                   step: place whole groups on ranks ─ train_step ─ publish v+1 (bucketed gathers)
                   every M steps: checkpoint (weights, optimizer, feed state), then rank 0 acknowledges
@@ -219,6 +220,8 @@ class LearnerRank:
         self.last_checkpoint_step = 0
         self.audit: Path = self.run.run_dir / "learner" / "steps.jsonl"
         self._offered: list[Offered] = []  # consumed by rank 0 since the last step's audit line
+        self._broker_checked = time.monotonic()  # when rank 0 last asked the broker for its latest version
+        self._superseded = -1  # versions up to this one are on the broker already (see start)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -233,13 +236,21 @@ class LearnerRank:
                 self.trainer.step,
                 self.trainer.version,
             )
+        latest = self._broker_latest() if self.rank == 0 else None
+        self._superseded = int(_broadcast(-1 if latest is None else latest))
+        if self._superseded > self.trainer.version:
+            log.info("the broker holds versions up to %d, which a failed learner group published after this "
+                     "checkpoint: the steps up to it are redone without publishing again", self._superseded)  # fmt: skip
         seconds, path = (
             self._publish()
         )  # the current version: v0 at the start, the checkpoint's after a restart
         if self.rank == 0:
             assert self.transport is not None
             where = "the weight group" if path == "collective" else self.transport.where
-            log.info("version %d published to %s in %.2fs", self.trainer.version, where, seconds)
+            if path == "superseded":
+                log.info("version %d is on the broker already (%s)", self.trainer.version, where)
+            else:
+                log.info("version %d published to %s in %.2fs", self.trainer.version, where, seconds)
         self.status.state = common_pb2.ServiceStatus.READY
         self.status.detail = "training"
 
@@ -294,6 +305,10 @@ class LearnerRank:
                 break
             if message[0] == "idle":
                 continue
+            if message[0] == "republish":  # the broker lost the current version (restarted, memory storage)
+                self._superseded = -1  # whatever it held before, it does not hold now
+                self._publish()
+                continue
             groups = [rollout_pb2.TrajectoryGroup.FromString(b) for b in message[1]]
             self._step(groups)
             if crash_after_step and self.trainer.step == crash_after_step:
@@ -319,6 +334,8 @@ class LearnerRank:
         self.metrics.offered(offered)
         self._offered.extend(offered)
         if groups is None:
+            if self._broker_lost_version():
+                return ("republish",)
             self.status.state = common_pb2.ServiceStatus.WAITING
             self.status.detail = f"waiting for scored groups ({len(self.feed.assembler.groups)} of " \
                 f"{self.run.groups_per_step} for the step from version {self.trainer.version})"  # fmt: skip
@@ -365,9 +382,12 @@ class LearnerRank:
         """Publish the current version (every rank: the gathers are collectives); returns the seconds this
         rank was blocked and the path: ``collective`` (staged, then broadcast into the weight group while the
         next step runs) or ``broker`` (the broker's path: no transport configured as collective, no group
-        formed yet, or the group's last broadcast failed, which is counted and forms a new group)."""
+        formed yet, or the group's last broadcast failed, which is counted and forms a new group), or
+        ``superseded`` (a step redone after a restart whose version the broker already holds: not sent again)."""
         t0 = time.perf_counter()
         version, path = self.trainer.version, "broker"
+        if version <= self._superseded:  # a redone step: the broker holds this version already
+            return 0.0, "superseded"
         if self.collective:
             publisher = self.coordinator.publisher() if self.coordinator is not None else None
             if rank0_code(int(publisher is not None)):
@@ -381,13 +401,42 @@ class LearnerRank:
                     log.warning("version %d goes through the broker: %s", version, exc)
         if path == "broker":
             publish_version(
-                self.trainer.module, self.transport, version, self.rank, self.learner.publish_bucket_mb << 20
-            )
+                self.trainer.module, self.transport, version, self.rank, self.learner.publish_bucket_mb << 20,
+                retry_s=self.cfg.weight_broker.publish_retry_s,
+            )  # fmt: skip
         if self.clock is not None:
             self.clock.published(version)
         if self.metrics is not None:
             self.metrics.published.labels(path).inc()
         return time.perf_counter() - t0, path
+
+    def _broker_lost_version(self, every_s: float = 10.0) -> bool:
+        """Rank 0, while it waits for groups (at most every ``every_s``): whether the broker no longer holds
+        the current version, as after a restart with memory storage. Samplers that start then could get no
+        weights until the next step; the learner republishes at once instead. A broker that does not answer
+        is not asked again until ``every_s`` has passed (its clients retry on their own)."""
+        now = time.monotonic()
+        if self.transport is None or now - self._broker_checked < every_s:
+            return False
+        self._broker_checked = now
+        latest = self._broker_latest()
+        if latest == -1:
+            return False
+        if latest is None or latest < self.trainer.version:
+            log.warning("the broker holds version %s, not the current %d (restarted?): republishing",
+                        latest, self.trainer.version)  # fmt: skip
+            return True
+        return False
+
+    def _broker_latest(self) -> int | None:
+        """Rank 0: the broker's latest version (None: it has none), -1 when it did not answer."""
+        if self.transport is None:
+            return -1
+        try:
+            return self.transport.latest()
+        except Exception as exc:
+            log.info("the broker did not say its latest version: %s", exc)
+            return -1
 
     def _group_event(self, event: str) -> None:
         if self.metrics is not None and self.coordinator is not None:

@@ -27,6 +27,12 @@ class WeightBrokerConfig(Section):
     )
     chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
     rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
+    publish_retry_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long the learner retries a publish the broker did not take because it could not be "
+        "reached (a broker being restarted comes back on its ports) before the learner fails.",
+    )
     grpc_port: int = Field(50052, ge=0, le=65535, description="Broker gRPC port; 0 = a free port.")
     data_port: int = Field(
         50053, ge=0, le=65535, description="Broker TCP data-plane port (weight bytes); 0 = a free port."
