@@ -11,6 +11,7 @@ the plain entry point (``python -m services.learner``), so both run the same cod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -29,6 +30,7 @@ class LearnerRankActor:
         self.cfg = LearnerServiceConfig.model_validate_json(cfg_json)
         self.rank = rank
         self.stop_event = threading.Event()
+        self.published: int | None = None  # the version this rank published at start, once it has
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (asked of rank 0 for the rendezvous)."""
@@ -50,11 +52,16 @@ class LearnerRankActor:
         learner = LearnerRank(self.cfg, self.stop_event)
         try:
             learner.start()
+            self.published = learner.trainer.version
             summary = learner.serve(max_steps)
             learner.leave()
             return summary
         finally:
             learner.close()
+
+    def started(self) -> int | None:
+        """The version this rank published at start (its checkpoint's after a restart); None until then."""
+        return self.published
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -63,7 +70,9 @@ class LearnerRankActor:
 class LearnerGroup:
     """The learner's ranks as Ray actors in one placement group; :meth:`run` blocks until they finish."""
 
-    def __init__(self, cfg: LearnerServiceConfig) -> None:
+    def __init__(self, cfg: LearnerServiceConfig, generation: int = 0) -> None:
+        """``generation``: how many groups this run started before this one (a restart's actors take new
+        names, since a killed actor's name is released asynchronously)."""
         from services.common.tiny_model import run_model
 
         run_model(cfg.run)  # build the tiny model once, before the ranks load it
@@ -81,7 +90,8 @@ class LearnerGroup:
                 num_cpus=1,
                 num_gpus=cfg.learner.gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                name=f"vcpo-learner-{cfg.run.run_id}-rank{i}",
+                name=f"vcpo-learner-{cfg.run.run_id}-rank{i}"
+                + (f"-restart{generation}" if generation else ""),
             ).remote(payload, i)
             for i in range(n)
         ]
@@ -97,6 +107,10 @@ class LearnerGroup:
         """The ranks' ``run`` refs (ready once a rank has finished or failed)."""
         return self._runs
 
+    def started(self) -> int | None:
+        """The version rank 0 published at start, once it has (the group is up and training); else None."""
+        return ray.get(self.actors[0].started.remote(), timeout=60)
+
     def wait(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Every rank's summary, once all have finished (an error in any rank is raised here)."""
         return list(ray.get(self._runs, timeout=timeout_s))
@@ -106,6 +120,9 @@ class LearnerGroup:
         ray.get(self.actors[0].stop.remote())
 
     def shutdown(self) -> None:
+        """Kill every rank (also the ones still waiting in a collective for a rank that died) and free the
+        placement group."""
         for a in self.actors:
-            ray.kill(a)
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(a)
         remove_placement_group(self.pg)

@@ -9,6 +9,7 @@ the deployment's ``score_batch`` through a Serve handle, or any replica's gRPC p
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -16,11 +17,14 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from services.common.observability import actor_logging
+from services.common.starts import record_start_quietly, record_stop
+from services.common.streams import connect
 from services.reward.autoscaling import QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from services.reward.config import RewardServiceConfig
 from vcpo.v1 import reward_pb2
 
 APP_NAME = "vcpo-reward"
+log = logging.getLogger(__name__)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, health_check_period_s=5)
@@ -36,6 +40,8 @@ class RewardDeployment:
             )
         name = f"reward-serve-{serve.get_replica_context().replica_id.unique_id}"
         actor_logging(name, cfg.run.run_dir)
+        self._name, self._run_cfg = name, cfg.run
+        record_start_quietly(cfg.run.redis_url, cfg.run.run_id, "reward", name)
         self.service = RewardService(cfg, name)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -68,6 +74,12 @@ class RewardDeployment:
         self._stop.set()
         self._thread.join(timeout=60)
         self.service.close()
+        try:  # stopped on request (scaled down, or the run's end): not a death
+            client = connect(self._run_cfg.redis_url)
+            record_stop(client, self._run_cfg.run_id, "reward", self._name)
+            client.close()
+        except Exception:
+            log.warning("could not record the stop of %s", self._name, exc_info=True)
 
 
 def reward_app(

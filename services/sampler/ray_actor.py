@@ -14,6 +14,7 @@ import ray
 from pydantic import SecretStr
 
 from services.common.observability import actor_logging
+from services.common.starts import record_start_quietly
 from services.sampler.config import SamplerServiceConfig
 
 
@@ -33,6 +34,9 @@ class SamplerActor:
         from services.sampler.service import SamplerService
 
         actor_logging(f"sampler-{self.replica}", self.cfg.run.run_dir)
+        record_start_quietly(
+            self.cfg.run.redis_url, self.cfg.run.run_id, "sampler", f"sampler-{self.replica}"
+        )
         self.service = SamplerService(self.cfg, self.replica)
         try:
             return self.service.serve(self.stop_event, max_groups)

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 
 from services.common.observability import actor_logging
+from services.common.starts import record_start_quietly
 from services.weight_broker.config import WeightBrokerConfig, WeightBrokerServiceConfig, broker_host
 
 
@@ -28,6 +29,7 @@ class WeightBrokerActor:
 
         cfg = WeightBrokerServiceConfig.model_validate_json(cfg_json)
         actor_logging("weight_broker", cfg.run.run_dir)
+        record_start_quietly(cfg.run.redis_url, cfg.run.run_id, "weight_broker", "weight_broker")
         host = advertised_host(cfg.weight_broker, local_ray, ray.util.get_node_ip_address())
         wb = cfg.weight_broker.model_copy(update={"advertise_host": host})
         self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}))
@@ -41,10 +43,15 @@ class WeightBrokerActor:
         self.broker.close()
 
 
-def start_broker(cfg: WeightBrokerServiceConfig, local_ray: bool = True) -> tuple[Any, dict[str, Any]]:
+def start_broker(
+    cfg: WeightBrokerServiceConfig, local_ray: bool = True, max_restarts: int = 0
+) -> tuple[Any, dict[str, Any]]:
     """Start the broker actor and wait until it serves; returns the actor and its endpoints. ``local_ray``:
-    the Ray cluster is this machine alone (see :func:`advertised_host`)."""
+    the Ray cluster is this machine alone (see :func:`advertised_host`). With ``max_restarts``, Ray restarts
+    a broker whose process dies, on the same ports (give the config concrete ones): its clients retry across
+    the restart; versions survive it with disk storage, else the learner publishes its current one again."""
     actor = WeightBrokerActor.options(  # type: ignore[attr-defined]
-        name=f"vcpo-weight-broker-{cfg.run.run_id}", resources=dict(cfg.weight_broker.ray_resources)
-    ).remote(cfg.model_dump_json(), local_ray)
+        name=f"vcpo-weight-broker-{cfg.run.run_id}", resources=dict(cfg.weight_broker.ray_resources),
+        max_restarts=max_restarts, max_task_retries=max_restarts,
+    ).remote(cfg.model_dump_json(), local_ray)  # fmt: skip
     return actor, ray.get(actor.endpoints.remote(), timeout=120)
