@@ -30,8 +30,17 @@ class LauncherConfig(Section):
     max_restarts: int = Field(
         10,
         ge=0,
-        description="Times Ray restarts a sampler replica that died, and the launcher a local redis-server "
-        "(from its append-only file), before the run fails.",
+        description="Times a service whose process died is restarted before the run fails: each sampler "
+        "replica and the weight broker (by Ray), the learner group (by the launcher, from its last checkpoint) "
+        "and a local redis-server (from its append-only file).",
+    )
+    restart_backoff_s: float = Field(
+        2.0,
+        ge=0,
+        description="Wait before the learner group's first restart; doubled for each one after (at most 60 s).",
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="The launcher's /metrics (restarts by service); 0 = a free port."
     )
     stop_timeout_s: float = Field(
         120.0,

@@ -27,9 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,10 @@ from services.common.admission import AdmissionCounter
 from services.common.clock import RunClock
 from services.common.config import write_resolved
 from services.common.memory import ALLOCATOR_ENV
+from services.common.observability import Metrics, MetricsServer, serve_metrics
 from services.common.redis_server import LocalRedis, free_port
+from services.common.starts import clear as clear_starts
+from services.common.starts import restarts as restarts_by_service
 from services.common.streams import StreamConsumer, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
@@ -58,15 +63,14 @@ def needed_cpus(cfg: SystemConfig) -> int:
 
 def with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
     """Concrete ports instead of 0 for the services that run once (the replicas take free ones themselves),
-    and the Redis actually used."""
+    and the Redis actually used. The learner's rendezvous port stays as configured: 0 lets rank 0 take a free
+    one on its own node, each time the group starts."""
     wb, lr = cfg.weight_broker, cfg.learner
     return cfg.model_copy(
         update={
             "run": cfg.run.model_copy(update={"redis_url": redis_url}),
             "learner": lr.model_copy(
-                update={
-                    p: getattr(lr, p) or free_port() for p in ("grpc_port", "metrics_port", "master_port")
-                }
+                update={p: getattr(lr, p) or free_port() for p in ("grpc_port", "metrics_port")}
             ),
             "weight_broker": wb.model_copy(
                 update={p: getattr(wb, p) or free_port() for p in ("grpc_port", "data_port", "metrics_port")}
@@ -96,6 +100,38 @@ def prepare_model(cfg: SystemConfig) -> tuple[SystemConfig, str]:
         what += f", warm-started {la.warm_start_steps} steps on {s.dataset} -> {out}"
         base = str(out)
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"model": base})}), what
+
+
+SERVICES = ("learner", "sampler", "reward", "weight_broker", "redis", "evaluator")
+
+
+class LauncherMetrics:
+    """What only the launcher sees, on its own ``/metrics`` (a scrape target like the services'): restarts by
+    service, and the seconds the learner stood still while its group was restarted."""
+
+    def __init__(self, port: int = 0) -> None:
+        metrics = Metrics("launcher")
+        self.restarts = metrics.counter(
+            "vcpo_service_restarts_total",
+            "Restarts of a service's processes after they died: learner (the whole group, from its checkpoint), "
+            "sampler and weight_broker (by Ray), reward (replaced by Serve), redis (the local redis-server)",
+            ["service"],
+        )
+        for service in SERVICES:
+            self.restarts.labels(service)
+        self.stalled = metrics.counter(
+            "vcpo_learner_stalled_seconds_total",
+            "Seconds the learner stood still between a failure the launcher saw and its restarted group's "
+            "first published version",
+        )
+        self.server: MetricsServer = serve_metrics(metrics, port=port)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self.server.close()
 
 
 class Stopping:
@@ -148,11 +184,13 @@ class RayLauncher:
         self.summary: dict[str, Any] = {}
         self.redis_failure: str | None = None  # the local redis-server died for good (its restarts spent)
         self.broker_metrics_url = ""
+        self.restarts: Counter[str] = Counter()  # restarts the launcher made (learner, redis)
+        self.stalls: list[dict[str, Any]] = []  # each learner restart: why, from when, how long it stood
+        self.metrics: LauncherMetrics | None = None
 
     # ------------------------------------------------------------------ helpers
     def _redis_restarted(self, code: int, restart: int) -> None:
-        restarts = self.summary.setdefault("restarts", {})
-        restarts["redis"] = restart
+        self.restarts["redis"] = restart
         assert self.local_redis is not None
         print(f"  [!!] redis          redis-server exited ({code}); restarted from its append-only file, pid "
               f"{self.local_redis.process.pid} (restart {restart} of {self.cfg.launcher.max_restarts})", flush=True)  # fmt: skip
@@ -209,6 +247,8 @@ class RayLauncher:
             if spec.mode == "queue":
                 StreamConsumer(self.client, spec, "launcher")  # creates the stream and its consumer group
         RunClock(self.client, cfg.run.run_id).set_gpus(cfg.gpus())  # for the GPU-hours of the metrics log
+        clear_starts(self.client, cfg.run.run_id)  # this launch counts its own restarts
+        self.metrics = LauncherMetrics(cfg.launcher.metrics_port)
         self.metrics_log = MetricsLog(self.run_dir, self.client, cfg.run.run_id)
         admission = AdmissionCounter(self.client, cfg.run.run_id, cfg.run.k, cfg.run.groups_per_step)
         returned = admission.reclaim()  # no sampler runs yet: whatever is still held was held by dead ones
@@ -225,7 +265,9 @@ class RayLauncher:
         from services.weight_broker.ray_actor import start_broker
 
         local_ray = not cfg.launcher.ray_address
-        self.broker, ends = start_broker(section(cfg, WeightBrokerServiceConfig), local_ray)
+        self.broker, ends = start_broker(
+            section(cfg, WeightBrokerServiceConfig), local_ray, max_restarts=cfg.launcher.max_restarts
+        )
         self.broker_metrics_url = str(ends.get("metrics_url", ""))
         # the learner and the samplers reach the broker where it advertises itself (on clusters: its node IP)
         wb = cfg.weight_broker.model_copy(update={"advertise_host": ends["advertise_host"]})
@@ -239,7 +281,7 @@ class RayLauncher:
 
         self.learner = LearnerGroup(section(cfg, LearnerServiceConfig))
         self.learner.start(self.cfg.launcher.max_steps)
-        version = self._wait_for_version()
+        version = self._wait_learner()
         self._say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
 
         deploy_reward(section(cfg, RewardServiceConfig))
@@ -275,7 +317,14 @@ class RayLauncher:
 
     def _scrape_targets(self, stopped: bool = False) -> None:
         groups = (
-            [] if stopped else prometheus_targets(self.run_dir, self.cfg.run.run_id, self.broker_metrics_url)
+            []
+            if stopped
+            else prometheus_targets(
+                self.run_dir,
+                self.cfg.run.run_id,
+                self.broker_metrics_url,
+                self.metrics.url if self.metrics is not None else "",
+            )
         )
         write_prometheus_targets(self.run_dir, groups)
 
@@ -329,21 +378,20 @@ class RayLauncher:
         raise TimeoutError(f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
                            f"{self.run_dir / 'logs' / 'evaluator.log'}")  # fmt: skip
 
-    def _wait_for_version(self, timeout_s: float = 600.0) -> int:
-        """The version the learner published at start (0, or its checkpoint's after a restart)."""
+    def _wait_learner(self, timeout_s: float = 600.0) -> int:
+        """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
+        returns it."""
         import ray
 
         deadline = time.monotonic() + timeout_s
-        key = self.specs["weights"].key
-        checkpoint_version = self._checkpoint_version()
         while time.monotonic() < deadline:
             done, _ = ray.wait(self.learner.runs, timeout=0)
             if done:
                 ray.get(done)  # a rank that failed at start raises here
                 raise RuntimeError("the learner finished before it published a version")
-            last: Any = self.client.xrevrange(key, count=1)
-            if last and int(last[0][1][b"policy_version"]) >= checkpoint_version:
-                return int(last[0][1][b"policy_version"])
+            version = self.learner.started()
+            if version is not None:
+                return int(version)
             if self.stopping.event.is_set():
                 raise KeyboardInterrupt
             time.sleep(0.5)
@@ -382,9 +430,16 @@ class RayLauncher:
             record = self.progress.sample(tokens_per_s, busy_s, evaluation, abandoned)
             print(progress_line(record), flush=True)
             self._scrape_targets()  # a restarted replica serves /metrics on another port
+            self._count_restarts()
             done, _ = ray.wait(self.learner.runs, timeout=0)
             if done:
-                ray.get(done)  # raises what failed
+                try:
+                    ray.get(done)
+                except Exception as exc:  # a rank died or failed (a hung collective times out into this)
+                    if self.stopping.event.is_set():
+                        raise
+                    self._restart_learner(exc)
+                    continue
                 self.stopping.stop(f"max_steps ({la.max_steps})" if la.max_steps else "learner finished")
             done, _ = ray.wait(self.sampler_runs, timeout=0)
             if done:
@@ -399,6 +454,82 @@ class RayLauncher:
                 self.stopping.stop(f"max_minutes ({la.max_minutes:g})")
         if self.redis_failure is not None:
             raise RuntimeError(self.redis_failure)
+
+    def _restart_learner(self, failure: BaseException) -> None:
+        """Tear the learner group down and start it again from its last checkpoint (with the stream positions
+        in it: the new group re-forms the steps the old one took since, from the same groups), after a
+        backoff; a group that fails again, also while it starts, is restarted again, up to
+        ``launcher.max_restarts`` times in all, then the run fails. The samplers go on generating meanwhile,
+        as far as the lag bound lets them."""
+        from services.learner.config import LearnerServiceConfig
+        from services.learner.ray_group import LearnerGroup
+
+        la = self.cfg.launcher
+        since = time.monotonic()
+        while True:
+            self.restarts["learner"] += 1
+            n = self.restarts["learner"]
+            reason = _first_line(failure)
+            if n > la.max_restarts:
+                raise RuntimeError(f"the learner failed again after {la.max_restarts} restarts "
+                                   f"(launcher.max_restarts): {reason}") from failure  # fmt: skip
+            step = self._checkpoint_version()
+            print(f"  [!!] learner        {reason}; restarting the group from its checkpoint at step {step} "
+                  f"(restart {n} of {la.max_restarts})", flush=True)  # fmt: skip
+            if self.learner is not None:
+                self.learner.shutdown()
+                self.learner = None
+            if self.stopping.event.wait(min(la.restart_backoff_s * 2 ** (n - 1), 60.0)):
+                return  # stopping meanwhile: nothing left to stop (the ledger says it has no feed state)
+            try:
+                self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=n)
+                self.learner.start(la.max_steps)
+                version = self._wait_learner()
+                break
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # the new group failed while it started
+                failure = exc
+        stood = time.monotonic() - since
+        self.stalls.append({"restart": n, "reason": reason, "from_step": step, "seconds": round(stood, 2)})
+        if self.metrics is not None:
+            self.metrics.stalled.inc(stood)
+        self._say("learner", f"restarted from its checkpoint at step {step} (version {version}), training "
+                  f"again {stood:.1f}s after the failure was seen")  # fmt: skip
+
+    def _count_restarts(self) -> None:
+        """Restarts so far, by service (the launcher's own, and those Ray and Serve made: services.common.starts)
+        into the metrics, the summary, and a line for each new one."""
+        try:
+            counted = restarts_by_service(
+                self.client, self.cfg.run.run_id, {"reward": self._reward_running()}
+            )
+        except Exception:
+            log.warning("could not count the services' restarts", exc_info=True)
+            return
+        counted.update(self.restarts)
+        before = Counter(self.summary.get("restarts", {}))
+        for service, n in counted.items():
+            if n > before[service] and service not in self.restarts:
+                print(f"  [!!] {service:<14} restarted (restart {n} of this launch)", flush=True)
+            if self.metrics is not None and n > before[service]:
+                self.metrics.restarts.labels(service).inc(n - before[service])
+        self.summary["restarts"] = {s: max(n, before[s]) for s, n in (before | counted).items()}
+
+    def _reward_running(self) -> int:
+        """Reward replicas Serve reports running or starting (what its restarts are counted against)."""
+        from ray import serve
+
+        from services.reward.serve_app import APP_NAME
+
+        if not self.reward_up:
+            return 0
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            return 0
+        states = [d.replica_states for d in app.deployments.values()]
+        return sum(n for s in states for state, n in s.items() if str(state) in ("RUNNING", "STARTING")
+                   or getattr(state, "value", "") in ("RUNNING", "STARTING"))  # fmt: skip
 
     def _sampler_figures(self) -> tuple[float | None, float | None, float | None]:
         """The replicas' tokens/s, busy seconds and evaluation rounds abandoned so far (None while one is being
@@ -419,17 +550,23 @@ class RayLauncher:
     def down(self) -> None:
         """Stop every service in order; a stage that fails is logged and the later ones still run, so Ray and
         Redis never outlive the launcher."""
-        stages = [("evaluator", self._stop_evaluator), ("samplers", self._stop_samplers),
+        stages = [("restarts", self._count_restarts), ("evaluator", self._stop_evaluator),
+                  ("samplers", self._stop_samplers),
                   ("reward", self._stop_reward), ("learner", self._stop_learner), ("ledger", self._ledger),
                   ("metrics log", self._metrics_log), ("broker", self._stop_broker),
                   ("ray", self._stop_ray), ("redis", self._stop_redis),
-                  ("prometheus targets", lambda: self._scrape_targets(stopped=True))]  # fmt: skip
+                  ("prometheus targets", lambda: self._scrape_targets(stopped=True)),
+                  ("launcher metrics", self._close_metrics)]  # fmt: skip
         for name, stage in stages:
             try:
                 stage()
             except Exception:
                 log.exception("stopping %s failed; going on with the rest", name)
                 self.summary.setdefault("stop_errors", []).append(name)
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _stop_evaluator(self) -> None:
         if self.evaluator is not None:
@@ -540,7 +677,8 @@ class RayLauncher:
         from deploy.report import write_report
 
         self.summary.update(run_id=self.cfg.run.run_id, k=self.cfg.run.k, groups_per_step=self.cfg.run.groups_per_step,
-                            wall_s=time.monotonic() - self.t0, stopped_by=self.stopping.reason)  # fmt: skip
+                            wall_s=time.monotonic() - self.t0, stopped_by=self.stopping.reason,
+                            learner_restarts=self.stalls)  # fmt: skip
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
         written = write_report(self.run_dir, self.summary)
         print(f"report: {written.markdown} (plots and report.json beside it)", flush=True)
@@ -555,3 +693,14 @@ def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:
     except Exception:
         log.exception("%s did not stop cleanly in %.0fs", what, timeout_s)
         return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """What failed, in one line: the exception's type and its message's first line; for an error raised in
+    a Ray task, the remote exception itself (Ray's wrapper starts with the task's name and carries the remote
+    traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -29,6 +29,7 @@ and named in report.md. What it decides:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import Counter
@@ -226,6 +227,22 @@ def summarize(steps: JsonlFile, progress: JsonlFile, summary: Mapping[str, Any],
         "ledger": dict(ledger) if isinstance(ledger, Mapping) else None,
         "ledger_source": ledger_source,
         "progress": {"samples": len(progress.rows), "unparseable_lines": progress.bad_lines},
+        "faults": faults(rows, summary),
+    }
+
+
+def faults(rows: list[Json], summary: Mapping[str, Any]) -> Json:
+    """Restarts by service (the launcher's summary), each learner restart, and the longest wall-clock gap
+    between two consecutive learner steps (the longest the run made no progress, waiting included; a redone
+    step's last line counts, so the time a failed group spent on steps its successor redid counts too)."""
+    times = [t for r in rows if (t := finite(r.get("time"))) is not None]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    restarts = summary.get("restarts")
+    learner = summary.get("learner_restarts")
+    return {
+        "restarts": {str(s): int(n) for s, n in restarts.items()} if isinstance(restarts, Mapping) else {},
+        "learner_restarts": list(learner) if isinstance(learner, list) else [],
+        "longest_step_gap_s": max(gaps) if gaps else None,
     }
 
 
@@ -379,6 +396,16 @@ def _staleness(stal: Json, k: int | None) -> list[str]:
     return lines
 
 
+def _faults(f: Json) -> list[str]:
+    gap = "n/a" if f["longest_step_gap_s"] is None else f"{f['longest_step_gap_s']:.1f} s"
+    restarts = ", ".join(f"{s}: {n}" for s, n in sorted(f["restarts"].items()) if n) or "none"
+    lines = [f"- Restarts by service: {restarts}.", f"- Longest gap between two learner steps: {gap}."]
+    lines += [f"- Learner restart {r.get('restart')}: {r.get('reason')}; from the checkpoint at step "
+              f"{r.get('from_step')}, {r.get('seconds')} s until its version was published again."
+              for r in f["learner_restarts"] if isinstance(r, Mapping)]  # fmt: skip
+    return lines
+
+
 def _ledger(ledger: Json | None, source: str | None) -> list[str]:
     if ledger is None:
         return ["No ledger was given (neither in the summary nor in progress.jsonl)."]
@@ -430,6 +457,7 @@ def render_markdown(
         ["## Staleness", "", *_staleness(s["staleness"], k)],
         ["## Throughput (mean over progress samples)", "", *table(("service", "mean"), throughput)],
         ["## Ledger", "", *_ledger(s["ledger"], s["ledger_source"])],
+        ["## Faults and restarts", "", *_faults(s["faults"])],
         ["## Plots", "", *plots],
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"

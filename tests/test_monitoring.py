@@ -91,10 +91,10 @@ def _metric_names(expr: str) -> set[str]:
 
 
 def _registered() -> tuple[set[str], set[str]]:
-    """Metric names the services register (string literals), and which of them are histograms."""
+    """Metric names the services and the launcher register (string literals), and which are histograms."""
     names: set[str] = set()
     histograms: set[str] = set()
-    for path in (ROOT / "services").rglob("*.py"):
+    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "ray_launcher.py"]:
         text = path.read_text()
         names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
         histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))
@@ -229,9 +229,10 @@ def test_prometheus_targets_list_live_replicas_with_their_labels(tmp_path: Path)
     endpoints(tmp_path / "reward" / "reward-serve-a.endpoints.json", 9003, dead.pid)  # replaced by Serve
     endpoints(tmp_path / "reward" / "reward-serve-b.endpoints.json", 9004, os.getpid())
     endpoints(tmp_path / "evaluator" / "evaluator.endpoints.json", 9005, os.getpid())  # a dedicated evaluator
-    groups = prometheus_targets(tmp_path, "r1", "http://127.0.0.1:9000")
+    groups = prometheus_targets(tmp_path, "r1", "http://127.0.0.1:9000", "http://127.0.0.1:9010")
     assert [(g["targets"], g["labels"]["service"], g["labels"]["replica"]) for g in groups] == [
         (["127.0.0.1:9000"], "weight_broker", "weight_broker"),
+        (["127.0.0.1:9010"], "launcher", "launcher"),  # restarts by service
         (["127.0.0.1:9001"], "learner", "learner-rank0"),
         (["127.0.0.1:9002"], "sampler", "sampler-0"),
         (["127.0.0.1:9004"], "reward", "reward-serve-b"),
@@ -332,10 +333,10 @@ def test_a_real_prometheus_scrapes_a_local_run_and_every_panel_has_data(tmp_path
                     "--launcher.warm_start_steps", "0", "--evaluation.max_delay_s", "120")  # fmt: skip
     prom: Prometheus | None = None
     try:
-        listed = lambda: targets.exists() and len(json.loads(targets.read_text())) >= 4  # noqa: E731
+        listed = lambda: targets.exists() and len(json.loads(targets.read_text())) >= 5  # noqa: E731
         launch.wait_for("the scrape targets", listed, timeout_s=180)
         services = {g["labels"]["service"] for g in json.loads(targets.read_text())}
-        assert services == {"weight_broker", "learner", "sampler", "reward"}
+        assert services == {"weight_broker", "learner", "sampler", "reward", "launcher"}
         (tmp_path / "prom").mkdir()
         prom = Prometheus(tmp_path / "prom", targets)
         prom.wait_ready()

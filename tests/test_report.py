@@ -506,3 +506,23 @@ def test_the_progress_line_shows_each_sets_newest_accuracy_and_the_rounds_abando
     assert line.endswith("| held mean@4 0.250 (v100) | eval rounds abandoned 2 (evaluation.max_delay_s)"), (
         line
     )
+
+
+def test_faults_name_the_restarts_and_the_longest_stand_still(tmp_path: Path) -> None:
+    rows = [step_line(s, 0.1, [0]) for s in range(1, 9)]  # 3 s apart
+    rows += [
+        step_line(s, 0.1, [0], time=1100.0 + s) for s in (6, 7, 8, 9)
+    ]  # restarted at step 5's checkpoint
+    write_lines(tmp_path / "learner" / "steps.jsonl", rows)
+    stall = {"restart": 1, "reason": "ActorDiedError: rank 1 died", "from_step": 5, "seconds": 12.5}
+    md, figures = report(tmp_path, k=1, restarts={"learner": 1, "sampler": 2, "reward": 0},
+                         learner_restarts=[stall])  # fmt: skip
+    assert figures["faults"]["restarts"] == {"learner": 1, "sampler": 2, "reward": 0}
+    assert figures["faults"]["longest_step_gap_s"] == pytest.approx(1106.0 - 1015.0)  # step 5 -> redone 6
+    assert "- Restarts by service: learner: 1, sampler: 2." in md
+    assert "- Longest gap between two learner steps: 91.0 s." in md
+    assert "Learner restart 1: ActorDiedError: rank 1 died; from the checkpoint at step 5, 12.5 s" in md
+    (tmp_path / "none").mkdir()
+    md, figures = report(tmp_path / "none")
+    assert figures["faults"] == {"restarts": {}, "learner_restarts": [], "longest_step_gap_s": None}
+    assert "- Restarts by service: none." in md and "- Longest gap between two learner steps: n/a." in md
