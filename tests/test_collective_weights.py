@@ -52,10 +52,28 @@ def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
 
 
 def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: Any) -> None:  # a process
-    group = WeightGroup(spec, rank)
+    if behaviour == "arrive-and-die":  # counted in at the rendezvous, then killed before it connects
+        import torch.distributed as dist
+
+        from services.weight_broker.collective import arrive, open_store
+
+        arrive(dist.PrefixStore(spec.prefix(), open_store(spec)), "ranks_arrived", spec.world_size, 30)
+        os._exit(3)
+    try:
+        group = WeightGroup(spec, rank)
+    except TransferFailed as exc:
+        out.put((rank, "failed", str(exc)))
+        return
     if behaviour == "die-after-header":  # joins, sees a version start, and is killed mid-broadcast
         head = torch.zeros(3, dtype=torch.int64)
         group.broadcast(head).wait()
+        os._exit(3)
+    if behaviour == "fail-and-linger":  # its part fails (as when its link to a dead peer breaks), it stays up
+        group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
+        group._mark_failed("rank 1's part failed: Connection reset by peer")
+        time.sleep(120)
+        os._exit(0)
+    if behaviour == "die-idle":  # joins, then is killed between broadcasts (as a sampler replica may be)
         os._exit(3)
     receiver = CollectiveReceiver(group, bounce=behaviour == "bounce")  # bounce: as a GPU worker receives
     if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
@@ -144,6 +162,66 @@ def test_a_receiver_killed_mid_broadcast_fails_the_version_everywhere() -> None:
     assert all(status == "failed" and "version 7" in why for _, status, why in results)  # nothing applied
     for p in procs:
         p.join(timeout=30)
+    assert procs[1].exitcode == 3
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_receiver_killed_between_broadcasts_fails_the_next_one_fast(world: int) -> None:
+    """A member dies while the group is idle; the next version's broadcast fails on every rank within seconds,
+    not after the group's timeout: the rank that meets the dead peer (rank 0, or a receiver whose link to it
+    breaks while rank 0 waits on another) marks the broadcast failed in the store, which rank 0 watches. A
+    chaos run saw rank 0 wait the whole 120 s timeout here, the samplers starved of versions meanwhile."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=world, timeout_s=90)
+    behaviours = ["ok", "die-idle", "ok"][: world - 1]
+    procs, out = start_receivers(spec, behaviours, versions=1)
+    group = WeightGroup(spec, 0)
+    procs[1].join(timeout=30)
+    assert procs[1].exitcode == 3
+    tensors = version_tensors(7)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="version 7"):
+        CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    assert time.monotonic() - t0 < 15, time.monotonic() - t0
+    results = [out.get(timeout=30) for _ in range(world - 2)]
+    assert all(status == "failed" and "version 7" in why for _, status, why in results), results
+    assert time.monotonic() - t0 < 20  # the survivors gave up too
+
+
+def test_a_receiver_whose_part_failed_stops_every_rank_at_once() -> None:
+    """A receiver whose part of a collective failed marks it in the store; rank 0 (in the commit vote, which
+    would wait for that receiver until the group's timeout) and the other receivers give up within a second of
+    their next check. Seen in a chaos run: the broker's link to a killed sampler broke at once, but rank 0
+    waited the whole 120 s in the vote."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90)
+    procs, out = start_receivers(spec, ["fail-and-linger", "ok"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(7)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="rank 1's part failed: Connection reset by peer"):
+        CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    rank, status, why = out.get(timeout=30)
+    assert (rank, status) == (2, "failed") and "version 7" in why
+    assert time.monotonic() - t0 < 15
+    for p in procs:
+        p.kill()
+
+
+def test_a_member_that_dies_while_the_group_connects_fails_it_within_the_forming_timeout() -> None:
+    """Every rank arrived, then one died before connecting: the others give up after the forming timeout
+    (3 s here), not the collective timeout (90 s), which a chaos run saw a sampler's join wait out (its engine
+    stood still meanwhile)."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90, form_timeout_s=3)
+    procs, out = start_receivers(spec, ["ok", "arrive-and-die"], versions=1)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="the ranks did not connect within 3s"):
+        WeightGroup(spec, 0)
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
+    rank, status, _ = out.get(timeout=30)
+    assert (rank, status) == (1, "failed")
+    assert time.monotonic() - t0 < 20
+    for p in procs:
+        p.join(timeout=10)
     assert procs[1].exitcode == 3
 
 

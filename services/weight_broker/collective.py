@@ -197,7 +197,20 @@ class WeightGroup:
             options._timeout = timeout
             self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
         else:
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+            # connecting (every rank's address through the store) is bounded by the forming timeout, as the
+            # arrival is: a member that arrived and then died would otherwise hold every other rank here for
+            # the whole collective timeout (a chaos run saw a sampler's join wait 120 s for a killed broker)
+            try:
+                self._pg = dist.ProcessGroupGloo(
+                    prefixed,
+                    rank,
+                    spec.world_size,
+                    timedelta(seconds=min(spec.form_timeout_s, spec.timeout_s)),
+                )
+            except Exception as exc:
+                raise TransferFailed(f"weight group epoch {spec.epoch}: the ranks did not connect within "
+                                     f"{spec.form_timeout_s:.0f}s: {exc}") from exc  # fmt: skip
+            self._pg.set_timeout(timeout)
         self._closed = False
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
@@ -231,13 +244,12 @@ class WeightGroup:
         return bool(t.item() == 1)
 
     def wait(self, work: Any, check_every_s: float = 0.05) -> None:
-        """Wait for a collective of this group. Rank 0 just waits (a dead peer fails its sends at once). A
-        receiver gives up (:class:`TransferFailed`, the group closed) as soon as rank 0 has declared the
-        broadcast failed or its store is gone: a receiver waiting for bytes that will never come would
-        otherwise wait out the whole timeout, since closing a gloo group does not wake its peers."""
-        if self.rank == 0:
-            work.wait()
-            return
+        """Wait for a collective of this group, giving up (:class:`TransferFailed`, the group closed) as soon
+        as another rank has declared it failed in the store: rank 0 after a failed broadcast, or a receiver
+        whose own part failed (a peer died). Without it a rank waiting for bytes that will never come waits
+        out the whole timeout, since neither a closed gloo group nor a dead peer wakes every rank: a chaos run
+        saw rank 0 wait 120 s in a commit vote whose failure the broker had seen at once. A rank whose
+        collective fails marks it so, before raising the collective's own error."""
         nap, last = 5e-5, time.monotonic()
         while not work.is_completed():
             time.sleep(nap)
@@ -247,20 +259,29 @@ class WeightGroup:
             last = time.monotonic()
             try:
                 failed = self._announcements.check(["failed"])
-                why = "rank 0 declared the broadcast failed"
+                why = self._announcements.get("failed").decode(errors="replace") if failed else ""
+                why = why if why and why != "1" else "rank 0 declared the broadcast failed"
             except Exception as exc:
                 failed, why = True, f"the weight group's store is unreachable: {exc}"
             if failed:
                 self.close()
                 raise TransferFailed(why)
-        work.wait()  # raises the collective's own error, if it had one
+        try:
+            work.wait()  # raises the collective's own error, if it had one
+        except Exception as exc:
+            self._mark_failed(f"rank {self.rank}'s part failed: {str(exc).splitlines()[0][:300]}")
+            raise
+
+    def _mark_failed(self, why: str) -> None:
+        """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
+        try:
+            self._announcements.compare_set("failed", "", why)
+        except Exception:
+            log.debug("could not mark the collective failed", exc_info=True)
 
     def abort(self) -> None:
         """Rank 0, after a failed broadcast: tell every receiver still waiting in it to give up, then close."""
-        try:
-            self._announcements.set("failed", "1")
-        except Exception:
-            log.debug("could not mark the broadcast failed", exc_info=True)
+        self._mark_failed("rank 0 declared the broadcast failed")
         self.close()
 
     @property
@@ -448,10 +469,12 @@ class CollectivePublisher:
         try:
             group.announce(version)
             head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
-            group.broadcast(head).wait()
-            group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)).wait()
+            group.wait(group.broadcast(head))
+            group.wait(
+                group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
+            )
             digests, source_error = self._send_buckets(layout, specs, iter(tensors))
-            group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)).wait()
+            group.wait(group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)))
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
             group.abort()
@@ -497,11 +520,11 @@ class CollectivePublisher:
             if direct is not None:
                 work = self.group.broadcast(direct)
                 digests.append(_digest(direct))
-                work.wait()
+                self.group.wait(work)
                 continue
             slot = b % 2
             if in_flight[slot] is not None:
-                in_flight[slot].wait()
+                self.group.wait(in_flight[slot])
             buf = self._buffer(slot, bucket.nbytes)
             if error is None:
                 try:
@@ -513,7 +536,7 @@ class CollectivePublisher:
             digests.append(_digest(buf))
         for work in in_flight:
             if work is not None:
-                work.wait()
+                self.group.wait(work)
         if error is None:
             try:
                 _check_exhausted(source)
