@@ -239,12 +239,16 @@ class Chaos:
         (self.run_dir / "chaos" / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"chaos: {len(self.done)} kills ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}) in "
               f"{wall_s / 60:.1f} min; restarts {result['restarts']}; longest gap between learner steps "
-              f"{result['longest_step_gap_s']}", flush=True)  # fmt: skip
+              f"{_seconds(result['longest_step_gap_s'])}", flush=True)  # fmt: skip
         for name, ok in checks.items():
             print(f"  [{'ok' if ok else 'FAIL'}] {name}", flush=True)
         if not result["passed"]:
             print("\n".join(lines[-40:]), flush=True)
         return result
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.1f} s" if isinstance(value, (int, float)) else "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,8 @@ class LauncherConfig(Section):
     restart_backoff_s: float = Field(
         2.0,
         ge=0,
-        description="Wait before the learner group's first restart; doubled for each one after (at most 60 s).",
+        description="Wait before restarting the learner group; doubled for each of its failures in the last 10 "
+        "minutes (at most 60 s).",
     )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="The launcher's /metrics (restarts by service); 0 = a free port."

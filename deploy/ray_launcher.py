@@ -185,6 +185,7 @@ class RayLauncher:
         self.redis_failure: str | None = None  # the local redis-server died for good (its restarts spent)
         self.broker_metrics_url = ""
         self.restarts: Counter[str] = Counter()  # restarts the launcher made (learner, redis)
+        self._learner_failures: list[float] = []  # when the learner failed, for the last 10 minutes' backoff
         self.stalls: list[dict[str, Any]] = []  # each learner restart: why, from when, how long it stood
         self.metrics: LauncherMetrics | None = None
 
@@ -458,7 +459,7 @@ class RayLauncher:
     def _restart_learner(self, failure: BaseException) -> None:
         """Tear the learner group down and start it again from its last checkpoint (with the stream positions
         in it: the new group re-forms the steps the old one took since, from the same groups), after a
-        backoff; a group that fails again, also while it starts, is restarted again, up to
+        backoff (``launcher.restart_backoff_s`` doubled for each failure of the last 10 minutes); a group that fails again, also while it starts, is restarted again, up to
         ``launcher.max_restarts`` times in all, then the run fails. The samplers go on generating meanwhile,
         as far as the lag bound lets them."""
         from services.learner.config import LearnerServiceConfig
@@ -479,7 +480,10 @@ class RayLauncher:
             if self.learner is not None:
                 self.learner.shutdown()
                 self.learner = None
-            if self.stopping.event.wait(min(la.restart_backoff_s * 2 ** (n - 1), 60.0)):
+            now = time.monotonic()
+            self._learner_failures = [t for t in self._learner_failures if now - t < 600] + [now]
+            backoff = min(la.restart_backoff_s * 2 ** (len(self._learner_failures) - 1), 60.0)
+            if self.stopping.event.wait(backoff):
                 return  # stopping meanwhile: nothing left to stop (the ledger says it has no feed state)
             try:
                 self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=n)

@@ -83,7 +83,11 @@ class LearnerGroup:
             bundle["GPU"] = cfg.learner.gpus_per_rank
         bundle.update(cfg.learner.ray_resources)
         self.pg: PlacementGroup = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=600)
+        try:
+            ray.get(self.pg.ready(), timeout=600)
+        except BaseException:  # no room for the ranks (e.g. a node lost): give the reservation back
+            remove_placement_group(self.pg)
+            raise
         payload = cfg.model_dump_json()
         self.actors = [
             LearnerRankActor.options(  # type: ignore[attr-defined]
