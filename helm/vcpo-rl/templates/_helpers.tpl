@@ -46,7 +46,7 @@ vcpo.io/component: {{ .component }}
 
 {{/* Ports the services bind in their pods (written into the run file; one service per pod). */}}
 {{- define "vcpo-rl.ports" -}}
-{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 "evaluatorMetrics" 9105 | toJson -}}
+{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 "evaluatorMetrics" 9105 "launcherMetrics" 9106 | toJson -}}
 {{- end -}}
 
 {{/* Secret names and keys. */}}
@@ -242,7 +242,10 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "ray_resources" (dict "vcpo_evaluator" 1.0))
   "launcher" (dict
     "max_steps" (int $v.run.maxSteps)
-    "max_minutes" (float64 $v.run.maxMinutes))
+    "max_minutes" (float64 $v.run.maxMinutes)
+    "max_restarts" (int $v.run.maxRestarts)
+    "restart_backoff_s" (float64 $v.run.restartBackoffSeconds)
+    "metrics_port" (int $p.launcherMetrics))
 -}}
 {{- with $v.extraConfig -}}
 {{- $extra := fromToml . -}}
@@ -256,7 +259,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
   "reward" (list "min_replicas" "max_replicas" "grpc_port" "metrics_port" "serve_ports" "ray_resources")
   "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host" "group_port")
   "evaluation" (list "placement" "gpus" "metrics_port" "ray_resources")
-  "launcher" (list "ray_address")
+  "launcher" (list "ray_address" "metrics_port")
 -}}
 {{- range $section, $keys := $owned -}}
 {{- $given := get $extra $section -}}
