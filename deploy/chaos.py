@@ -19,7 +19,8 @@
                longest gap between two learner steps (the report's)
 
 The verdict is printed and written to <run_dir>/chaos/result.json; the exit status is 0 only when every check
-held. ``launcher.max_restarts`` is raised to the number of kills (each kind could be hit that often).
+held. ``launcher.max_restarts`` is set to the number of kills + 2 (each kind could be hit that often), and
+``launcher.max_minutes`` to 0 unless given (the run is judged at its ``max_steps``).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(args.run_dir)
     if (run_dir / "learner" / "steps.jsonl").exists():
         parser.error(f"{run_dir} holds a run already: chaos judges a fresh run; give a new --run.run_dir")
-    launcher_args = [*rest, "--launcher.max_steps", str(args.max_steps),
+    launcher_args = ["--launcher.max_minutes", "0", *rest, "--launcher.max_steps", str(args.max_steps),
                      "--launcher.max_restarts", str(max(args.kills, 1) + 2)]  # fmt: skip
     chaos = Chaos(
         run_dir, kinds, args.kills, args.minutes, (low, high), args.seed, args.max_steps, args.verbose
