@@ -1,13 +1,16 @@
-"""Kill the local system's processes at random while it trains, then judge the run by its ledger.
+"""Kill (or hang) the local system's processes at random while it trains, then judge the run by its ledger.
 
     python -m deploy.chaos --config deploy/presets/local.toml --run.run_dir runs/chaos \\
-        --kills 50 --minutes 30 --kinds sampler,reward,learner,weight_broker,redis --max-steps 3000
+        --kills 50 --minutes 30 --kinds sampler,reward,learner,weight_broker,redis,learner_hang --max-steps 3000
 
     launcher   ``python -m deploy.launch`` with the rest of the arguments, in its own session; its output goes
                to <run_dir>/chaos/launcher.log (and here, with --verbose)
     kills      after the first learner step, then every --gap-s seconds (random within the range): a kind at
                random (each kind in turn, in a shuffled order, so every kind is hit alike), one process of
-               that kind at random, SIGKILL by PID. A kill waits for the learner to have taken a step since
+               that kind at random, SIGKILL by PID; ``learner_hang`` SIGSTOPs a learner rank instead (a rank
+               that hangs, as one stuck in a driver call or swapped out does: alive, answering nothing; its
+               peer's next collective times out after learner.collective_timeout_s, which chaos sets to 30 s
+               unless given, and the launcher tears the group down, the stopped rank with it). A kill waits for the learner to have taken a step since
                the last one, so each kill meets a running system rather than one still recovering; none
                comes in the last 10% of the steps, so every kill's restart is seen before the run ends.
     processes  found among the launcher's descendants by the titles Ray gives its workers:
@@ -19,7 +22,8 @@
                longest gap between two learner steps (the report's)
 
 The verdict is printed and written to <run_dir>/chaos/result.json; the exit status is 0 only when every check
-held. ``launcher.max_restarts`` is set to the number of kills + 2 (each kind could be hit that often), and
+held. A ``learner_hang`` counts as a learner kill in the judge (the learner group must be restarted for it).
+``launcher.max_restarts`` is set to the number of kills + 2 (each kind could be hit that often), and
 ``launcher.max_minutes`` to 0 unless given (the run is judged at its ``max_steps``).
 """
 
@@ -49,6 +53,13 @@ KINDS: dict[str, tuple[str, ...]] = {  # kind -> process-title prefixes (Ray nam
 }
 
 
+FAULTS: dict[str, tuple[str, signal.Signals]] = {  # kind -> (the process kind it hits, the signal)
+    **{kind: (kind, signal.SIGKILL) for kind in KINDS},
+    "learner_hang": ("learner", signal.SIGSTOP),
+}
+HANG_TIMEOUT_S = 30  # learner.collective_timeout_s of a run with learner_hang, unless given
+
+
 def classify(title: str) -> str | None:
     """The kind of a process from its command line (Ray's title for its workers), or None."""
     words = title.split()
@@ -72,7 +83,7 @@ def processes(root: int) -> dict[str, list[int]]:
             kind = classify(" ".join(p.cmdline()))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if kind is not None and p.status() != psutil.STATUS_ZOMBIE:
+        if kind is not None and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
             found[kind].append(p.pid)
     return found
 
@@ -103,7 +114,13 @@ def judge(
     kills_by_kind: dict[str, int],
 ) -> dict[str, bool]:
     """The checks a chaos run must pass: the launcher's exit status and last step, the ledger (nothing lost,
-    nothing trained twice, the lag bound), and a restart of its service counted for every kill."""
+    nothing trained twice, the lag bound), and a restart of its service counted for every kill (a
+    ``learner_hang`` is one of the learner's)."""
+    by_service: dict[str, int] = {}
+    for kind, n in kills_by_kind.items():
+        service = FAULTS[kind][0] if kind in FAULTS else kind
+        by_service[service] = by_service.get(service, 0) + n
+    kills_by_kind = by_service
     trained_twice = int(ledger.get("trained_in_audit_log", 0)) - int(ledger.get("distinct_trained", 0))
     unanswered = {
         k: n - int(restarts.get(k, 0)) for k, n in kills_by_kind.items() if int(restarts.get(k, 0)) < n
@@ -188,21 +205,22 @@ class Chaos:
             if not order:
                 order = rng.sample(self.kinds, len(self.kinds))
             kind = order.pop()
-            pids = processes(launcher.pid)[kind]
+            target, sig = FAULTS[kind]
+            pids = processes(launcher.pid)[target]
             if not pids:
                 print(f"chaos: no {kind} process to kill now; skipped", flush=True)
                 continue
             pid = rng.choice(pids)
             step = last_step(self.run_dir)
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 continue
             since_step = step
             self.done.append(
                 {"kind": kind, "pid": pid, "at_s": round(time.monotonic() - t0, 1), "step": step}
             )
-            print(f"chaos: kill {len(self.done)}/{self.kills}: SIGKILL {kind} pid {pid} at step {step} "
+            print(f"chaos: kill {len(self.done)}/{self.kills}: {sig.name} {kind} pid {pid} at step {step} "
                   f"({time.monotonic() - t0:.0f}s)", flush=True)  # fmt: skip
 
     def _verdict(self, code: int, wall_s: float, lines: list[str]) -> dict[str, Any]:
@@ -262,16 +280,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kills", type=int, default=5, help="processes to kill (default 5)")
     parser.add_argument("--minutes", type=float, default=0, help="stop killing after this long (0: no limit)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"kinds to kill, of {', '.join(KINDS)}")
+    parser.add_argument("--kinds", default=",".join(FAULTS), help=f"kinds to kill, of {', '.join(FAULTS)}")
     parser.add_argument("--gap-s", default="15,40", help="seconds between kills: MIN,MAX (default 15,40)")
     parser.add_argument("--max-steps", type=int, required=True, help="launcher.max_steps of the run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="print every line of the launcher's output")
     args, rest = parser.parse_known_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = sorted(set(kinds) - set(KINDS))
+    unknown = sorted(set(kinds) - set(FAULTS))
     if unknown or not kinds:
-        parser.error(f"--kinds: unknown {unknown or 'none given'}; choose from {', '.join(KINDS)}")
+        parser.error(f"--kinds: unknown {unknown or 'none given'}; choose from {', '.join(FAULTS)}")
     try:
         low, high = (float(x) for x in args.gap_s.split(","))
     except ValueError:
@@ -283,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{run_dir} holds a run already: chaos judges a fresh run; give a new --run.run_dir")
     launcher_args = ["--launcher.max_minutes", "0", *rest, "--launcher.max_steps", str(args.max_steps),
                      "--launcher.max_restarts", str(max(args.kills, 1) + 2)]  # fmt: skip
+    if "learner_hang" in kinds and not any("collective_timeout_s" in a for a in rest):
+        launcher_args = ["--learner.collective_timeout_s", str(HANG_TIMEOUT_S), *launcher_args]
     chaos = Chaos(
         run_dir, kinds, args.kills, args.minutes, (low, high), args.seed, args.max_steps, args.verbose
     )

@@ -40,6 +40,13 @@ class LauncherConfig(Section):
         description="Wait before restarting the learner group; doubled for each of its failures in the last 10 "
         "minutes (at most 60 s).",
     )
+    learner_hang_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="A learner rank that answers no call from the launcher this long is hung (stopped, or "
+        "stuck holding its interpreter): the group is restarted from its checkpoint as if it had died. A hang "
+        "inside a collective is seen sooner by its peers (learner.collective_timeout_s). 0 = no watch.",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="The launcher's /metrics (restarts by service); 0 = a free port."
     )

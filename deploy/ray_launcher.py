@@ -186,6 +186,7 @@ class RayLauncher:
         self.broker_metrics_url = ""
         self.restarts: Counter[str] = Counter()  # restarts the launcher made (learner, redis)
         self._learner_failures: list[float] = []  # when the learner failed, for the last 10 minutes' backoff
+        self._learner_watch: Any = None  # a RankWatch (services.learner.ray_group): is a rank hung?
         self.stalls: list[dict[str, Any]] = []  # each learner restart: why, from when, how long it stood
         self.metrics: LauncherMetrics | None = None
 
@@ -283,6 +284,7 @@ class RayLauncher:
         self.learner = LearnerGroup(section(cfg, LearnerServiceConfig))
         self.learner.start(self.cfg.launcher.max_steps)
         version = self._wait_learner()
+        self._watch_learner()
         self._say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
 
         deploy_reward(section(cfg, RewardServiceConfig))
@@ -400,6 +402,10 @@ class RayLauncher:
             f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
         )
 
+    def _watch_learner(self) -> None:
+        timeout = self.cfg.launcher.learner_hang_timeout_s
+        self._learner_watch = self.learner.watch(timeout) if timeout and self.learner is not None else None
+
     def _queue_keys(self) -> dict[str, str]:
         """The Redis keys of the two queues the progress line and the ledger count."""
         return {n: self.specs[n].key for n in ("rollouts", "scored")}
@@ -442,6 +448,10 @@ class RayLauncher:
                     self._restart_learner(exc)
                     continue
                 self.stopping.stop(f"max_steps ({la.max_steps})" if la.max_steps else "learner finished")
+            hung = self._learner_watch.check() if self._learner_watch is not None else None
+            if hung is not None and not self.stopping.event.is_set():
+                self._restart_learner(RuntimeError(hung))
+                continue
             done, _ = ray.wait(self.sampler_runs, timeout=0)
             if done:
                 ray.get(done)  # a sampler out of restarts raises here
@@ -480,6 +490,7 @@ class RayLauncher:
             if self.learner is not None:
                 self.learner.shutdown()
                 self.learner = None
+                self._learner_watch = None
             now = time.monotonic()
             self._learner_failures = [t for t in self._learner_failures if now - t < 600] + [now]
             backoff = min(la.restart_backoff_s * 2 ** (len(self._learner_failures) - 1), 60.0)
@@ -489,6 +500,7 @@ class RayLauncher:
                 self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=n)
                 self.learner.start(la.max_steps)
                 version = self._wait_learner()
+                self._watch_learner()
                 break
             except KeyboardInterrupt:
                 raise

@@ -4,6 +4,7 @@ and its refusals of bad arguments. The tool itself runs in tests/test_e2e_chaos.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,11 @@ def test_descendants_are_found_by_kind(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert processes(os.getpid())["weight_broker"] == [child.pid]
         assert processes(child.pid)["weight_broker"] == []  # not among its own descendants
+        os.kill(child.pid, signal.SIGSTOP)  # a process chaos hung already is not a target again
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and processes(os.getpid())["weight_broker"]:
+            time.sleep(0.1)
+        assert processes(os.getpid())["weight_broker"] == []
     finally:
         child.kill()
         child.wait()
@@ -107,3 +113,30 @@ def test_the_judge_fails_a_run_that_lost_or_repeated_a_group_or_missed_a_restart
     assert [name for name, ok in missed.items() if not ok] == [
         "a restart counted for every kill (missing: {'learner': 1, 'redis': 1})"
     ]
+    # a hung learner rank is one of the learner's faults: its group must have been restarted for it too
+    hangs = {"learner": 1, "learner_hang": 1}
+    assert all(judge(0, 300, 300, ledger, {"learner": 2}, hangs).values())
+    assert not all(judge(0, 300, 300, ledger, {"learner": 1}, hangs).values())
+
+
+def test_a_hang_shortens_the_collective_timeout_unless_one_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With learner_hang among the kinds, the run's learner.collective_timeout_s is 30 s (a hung rank's peer
+    gives up after it, and the launcher restarts the group), unless the arguments set one."""
+    import deploy.chaos as chaos
+
+    seen: list[list[str]] = []
+
+    def run(self: chaos.Chaos, launcher_args: list[str]) -> dict[str, bool]:
+        seen.append(launcher_args)
+        return {"passed": True}
+
+    monkeypatch.setattr(chaos.Chaos, "run", run)
+    for n, extra in enumerate(([], ["--learner.collective_timeout_s", "45"], ["--kinds", "sampler"])):
+        with pytest.raises(SystemExit):
+            main(["--run.run_dir", str(tmp_path / f"run{n}"), "--max-steps", "10", *extra])
+    default, given, no_hang = seen
+    assert default[:2] == ["--learner.collective_timeout_s", str(chaos.HANG_TIMEOUT_S)]
+    assert given.count("--learner.collective_timeout_s") == 1 and "45" in given
+    assert "--learner.collective_timeout_s" not in no_hang

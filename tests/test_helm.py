@@ -427,9 +427,11 @@ def test_services_select_the_pods_that_serve_them(scenario: str) -> None:
 
 
 def test_restart_settings_reach_the_launcher_and_its_metrics_are_served(tmp_path: Path) -> None:
-    docs = render("--set", "run.maxRestarts=3", "--set", "run.restartBackoffSeconds=5")
+    docs = render("--set", "run.maxRestarts=3", "--set", "run.restartBackoffSeconds=5",
+                  "--set", "run.learnerHangTimeoutSeconds=90")  # fmt: skip
     _, cfg = run_config(docs, tmp_path)
     assert (cfg.launcher.max_restarts, cfg.launcher.restart_backoff_s) == (3, 5.0)
+    assert cfg.launcher.learner_hang_timeout_s == 90.0
     assert cfg.launcher.metrics_port == 9106
     svc = one(docs, "Service", "r-vcpo-rl-launcher-metrics")
     assert svc["spec"]["selector"]["vcpo.io/component"] == "head"
@@ -437,6 +439,7 @@ def test_restart_settings_reach_the_launcher_and_its_metrics_are_served(tmp_path
                                             "protocol": "TCP"}  # fmt: skip
     _, defaults = run_config(render(), tmp_path)
     assert (defaults.launcher.max_restarts, defaults.launcher.restart_backoff_s) == (10, 2.0)
+    assert defaults.launcher.learner_hang_timeout_s == 300.0
 
 
 def test_environments_are_registered_from_values(tmp_path: Path) -> None:

@@ -4,6 +4,9 @@
     rank 0's actor picks the rendezvous address (its node's IP, a free port) → every actor sets
     MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and runs LearnerRank (service.py) in a thread
     stop(): rank 0 stops at the next poll, checkpoints and tells the other ranks; run() returns summaries
+    RankWatch: the launcher calls every rank (its second thread answers while run() trains); a rank that
+    answers nothing for launcher.learner_hang_timeout_s is hung (stopped, or stuck holding the interpreter),
+    which no collective timeout sees in a group of one rank
 
 Ray only places and restarts the processes; the ranks talk through torch.distributed, Redis and gRPC as in
 the plain entry point (``python -m services.learner``), so both run the same code.
@@ -15,6 +18,8 @@ import contextlib
 import os
 import socket
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -63,6 +68,9 @@ class LearnerRankActor:
         """The version this rank published at start (its checkpoint's after a restart); None until then."""
         return self.published
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self) -> None:
         self.stop_event.set()
 
@@ -101,6 +109,10 @@ class LearnerGroup:
         ]
         self._runs: list[Any] = []
 
+    def watch(self, timeout_s: float) -> RankWatch:
+        """A :class:`RankWatch` over this group's ranks."""
+        return RankWatch(self.actors, timeout_s)
+
     def start(self, max_steps: int = 0) -> None:
         master = ray.get(self.actors[0].address.remote())
         world = len(self.actors)
@@ -130,3 +142,36 @@ class LearnerGroup:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a)
         remove_placement_group(self.pg)
+
+
+class RankWatch:
+    """Calls every rank in turn and names those that answer nothing within ``timeout_s``: a hung process.
+
+    :meth:`check` never blocks: it sends a call to every rank's ``started`` (answered by the actor's second
+    thread, whatever run() is doing), and on later checks sees whether all have answered; once they have it
+    sends the next. A rank killed outright answers with an error (its run ref says why); one that is alive but
+    answers nothing (SIGSTOPped, swapped out, stuck in C code holding the interpreter) is reported once its
+    call is ``timeout_s`` old.
+    """
+
+    def __init__(self, actors: Sequence[Any], timeout_s: float) -> None:
+        self.actors = list(actors)
+        self.timeout_s = timeout_s
+        self._sent = 0.0
+        self._calls: list[Any] = []
+
+    def check(self, now: float | None = None) -> str | None:
+        """None while every rank answers; else what is hung and for how long."""
+        now = time.monotonic() if now is None else now
+        if self._calls:
+            ready, _ = ray.wait(self._calls, num_returns=len(self._calls), timeout=0)
+            if len(ready) < len(self._calls):
+                if now - self._sent <= self.timeout_s:
+                    return None
+                silent = [i for i, call in enumerate(self._calls) if call not in ready]
+                return (f"learner rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} answered "
+                        f"nothing for {now - self._sent:.0f}s (launcher.learner_hang_timeout_s = "
+                        f"{self.timeout_s:g}): hung")  # fmt: skip
+        self._calls = [a.started.remote() for a in self.actors]
+        self._sent = now
+        return None

@@ -222,12 +222,15 @@ class CollectiveWeightSync(WeightSync):
         self.received_total += 1
 
     def _join(self, seat: Seat) -> None:
+        log.info("joining weight group epoch %d", seat.spec.epoch)
+        t0 = time.monotonic()
         try:
             self.engine.join_weight_group(seat.init_info())  # type: ignore[attr-defined]
             self.watch = AnnouncementWatch.of(seat.spec)
         except Exception as exc:
             self.watch = None
-            self.error = f"could not join weight group epoch {seat.spec.epoch}: {type(exc).__name__}: {exc}"
+            self.error = (f"could not join weight group epoch {seat.spec.epoch} (tried for "
+                          f"{time.monotonic() - t0:.1f}s): {type(exc).__name__}: {exc}")  # fmt: skip
             self.broadcast_failures += 1
             self.on_failure()
             log.warning("%s; weights come through the broker", self.error)

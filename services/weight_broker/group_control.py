@@ -220,6 +220,9 @@ class MemberSeat:
         if spec.epoch <= self._seen or self.member.id not in ranks:
             return
         self._seen = spec.epoch
+        log.info("weight group epoch %d names this member (rank %d of %d): arriving at %s:%d", spec.epoch,
+                 ranks[self.member.id], spec.world_size, spec.host, spec.port)  # fmt: skip
+        t0 = time.monotonic()
         try:
             import torch.distributed as dist
 
@@ -235,6 +238,8 @@ class MemberSeat:
             log.warning("weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
                         spec.epoch, arrived, len(ranks) + 1, spec.form_timeout_s)  # fmt: skip
             return
+        log.info("weight group epoch %d: all %d members arrived (%.1fs)", spec.epoch, arrived,
+                 time.monotonic() - t0)  # fmt: skip
         with self._lock:
             self._ready = Seat(spec, ranks[self.member.id], bucket_bytes)
 

@@ -245,6 +245,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "max_minutes" (float64 $v.run.maxMinutes)
     "max_restarts" (int $v.run.maxRestarts)
     "restart_backoff_s" (float64 $v.run.restartBackoffSeconds)
+    "learner_hang_timeout_s" (float64 $v.run.learnerHangTimeoutSeconds)
     "metrics_port" (int $p.launcherMetrics))
 -}}
 {{- with $v.extraConfig -}}
