@@ -20,8 +20,9 @@ gRPC, Ray, vLLM, DeepSpeed ZeRO-3):
 It decides: ``lag`` is the staleness of every step once ``t ≥ lag`` (the worst case a bound of k allows, and
 what a saturated asynchronous run shows at steady state: the samplers run ahead until the lag bound stops
 them); before that the sampler uses version 0, the only policy that exists, as the real system does at
-start-up. A step whose pre-clip gradient norm is not finite leaves the weights unchanged (counted in the
-record as ``update_skipped``) so one bad step cannot poison the rest of a measurement.
+start-up. A step whose pre-clip gradient norm is not finite, or that the objective skipped (ρ not finite, nothing
+valid), leaves the weights and AdamW's state unchanged (counted in the record as ``update_skipped``) so one bad
+step cannot poison the rest of a measurement.
 
 ``benchmarks/warm_start_rl.py`` (the local preset's recipe) and ``experiments/stability.py`` (stability under
 lag) both run this loop; with the same arguments it consumes the random streams in the same order as the
@@ -140,7 +141,10 @@ class Replay:
             group["lr"] = s.lr * metrics["lr_scale"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
         finite = math.isfinite(grad_norm)
-        if finite:
+        update = (
+            finite and not metrics["step_skipped"]
+        )  # a skipped step leaves AdamW alone, as the learner's does
+        if update:
             self.optimizer.step()
         self.t += 1
         self.versions.append(copy.deepcopy(self.model.state_dict()))
@@ -152,7 +156,7 @@ class Replay:
             "lag": float(lag),
             "reward": statistics.fmean(rewards),
             "grad_norm": grad_norm,
-            "update_skipped": float(not finite),
+            "update_skipped": float(not update),
             "zero_signal_groups": float(sum(max(g) == min(g) for g in groups)),
             "response_tokens": float(response_mask.sum()) / len(rows),
             "seconds": time.monotonic() - started,

@@ -212,3 +212,87 @@ def test_one_rank_steps_publishes_checkpoints_and_resumes(
     # embedding's index_add) may differ in the last bits
     assert math.isclose(out["again"]["loss"], out["second"]["loss"], rel_tol=1e-3, abs_tol=1e-6)
     assert out["resumed_diff"] <= (0.0 if gpus == 0 else 1e-2 * out["moved"])
+
+
+def _skip_in_the_middle(
+    rank: int, model_dir: str, steps: list[Any], bad: list[Any], gpus: int
+) -> dict[str, Any]:
+    """Trainer A takes a step, a skipped one (every behaviour log-prob NaN: nothing valid, ρ not finite), and
+    another step; trainer B takes the two steps alone. The optimizer state around the skipped step, byte for
+    byte, and the end weights of both."""
+    from services.learner.batching import place_groups, to_tensors
+    from services.learner.publish import gathered_tensors
+    from services.learner.trainer import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+
+    def mine(groups: list[Any]) -> Any:
+        return to_tensors([groups[i] for i in place_groups(groups, world)[rank]])
+
+    def optimizer_state(t: Trainer) -> list[tuple[str, bytes]]:
+        # ZeRO-3 steps its AdamW on one fp32 partition (sub-group) at a time; the state is keyed by those
+        zero = t.engine.optimizer
+        out = []
+        for g, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            out.append((f"{g}.param", flat.detach().cpu().numpy().tobytes()))
+            for key, value in sorted(zero.optimizer.state.get(flat, {}).items()):
+                raw = (
+                    value.detach().cpu().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode()
+                )
+                out.append((f"{g}.{key}", raw))
+        return out
+
+    def weights(t: Trainer) -> dict[str, torch.Tensor]:
+        return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}
+
+    cfg = LearnerConfig(gpus_per_rank=gpus, micro_batch_size=2, lr=1e-3, weight_decay=0.01, grad_clip=1e6)
+    a = Trainer(cfg, model_dir, seed=0)
+    first = a.train_step(mine(steps[0]))
+    before = optimizer_state(a)
+    skipped = a.train_step(mine(bad))
+    after = optimizer_state(a)
+    last = a.train_step(mine(steps[1]))
+    end_a = weights(a)
+    b = Trainer(cfg, model_dir, seed=0)
+    b.train_step(mine(steps[0]))
+    b.train_step(mine(steps[1]))
+    end_b = weights(b)
+    return {
+        "skipped": skipped.metrics, "first": first.metrics, "last": last.metrics,
+        "versions": [first.version, skipped.version, last.version],
+        "entries": len(before), "state_unchanged": before == after,
+        "has_moments": any(k.endswith("exp_avg_sq") for k, _ in before),
+        "skipped_steps": a.engine.skipped_steps,
+        "end_diff": max(float((end_a[n] - end_b[n]).abs().max()) for n in end_b),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world", "gpus"),
+    [(2, 0), pytest.param(1, 1, marks=pytest.mark.gpu)],
+    ids=["cpu-2-ranks", "gpu-nccl-bf16"],
+)
+def test_a_skipped_step_leaves_the_optimizer_state_byte_identical(
+    model_dir: Path, world: int, gpus: int
+) -> None:
+    """A step skipped for a ρ that is not finite (here: no valid trajectory) calls no optimizer step: AdamW's
+    step count, moments and fp32 weights are byte-identical before and after it, and the steps around it end
+    exactly where the same two steps end without it (nothing of the skipped step was left to add to the next)."""
+    if gpus and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    steps = [scored_groups(model_dir, sizes, seed=s) for s, sizes in enumerate(SIZES)]
+    bad = scored_groups(model_dir, [4, 4], seed=7)
+    for g in bad:
+        for t in g.trajectories:
+            t.behaviour_logprobs[:] = [math.nan] * len(t.behaviour_logprobs)
+    outs = run_ranks(_skip_in_the_middle, world, str(model_dir), steps, bad, gpus)
+    for out in outs:
+        s = out["skipped"]
+        assert s["step_skipped"] == 1 and s["num_valid"] == 0 and s["lr_scale"] == 0 and s["grad_norm"] == 0
+        assert not math.isfinite(s["ess_ratio"])
+        assert out["first"]["step_skipped"] == 0 and out["last"]["step_skipped"] == 0
+        assert out["versions"] == [1, 2, 3]  # a skipped step still makes a version (the same weights)
+        assert out["entries"] > 0 and out["has_moments"] and out["state_unchanged"]
+        assert out["skipped_steps"] == 1
+        # CPU: bit for bit; a GPU's kernels may sum in another order from one launch to the next
+        assert out["end_diff"] <= (1e-6 if gpus else 0.0), out["end_diff"]

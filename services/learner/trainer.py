@@ -267,11 +267,15 @@ class Trainer:
         torch.distributed.all_gather_object(gathered, (metrics, self.collectives.log_weights, tokens))
         per_rank = [(m, lw) for m, lw, _ in gathered]
         merged = merge_metrics(per_rank, self.collectives.ess, metrics["ess_ratio"], self.config)
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = self.config.lr * merged["lr_scale"]
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        merged["grad_norm"] = math.nan if norm is None else float(norm)
+        if merged["step_skipped"]:
+            self._skip_optimizer_step()
+            merged["grad_norm"] = 0.0  # nothing was applied (the skipped step's loss is 0·Σ log π)
+        else:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = self.config.lr * merged["lr_scale"]
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            merged["grad_norm"] = math.nan if norm is None else float(norm)
         merged["lr"] = self.config.lr * merged["lr_scale"]
         merged["recompute"] = float(memory.mode == "recompute")
         t2 = time.perf_counter()
@@ -280,6 +284,22 @@ class Trainer:
         timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens,
                    "tokens_all_ranks": sum(t for *_, t in gathered)}  # fmt: skip
         return StepResult(self.version, self.step, merged, timings)
+
+    def _skip_optimizer_step(self) -> None:
+        """End a skipped step (ρ not finite, nothing valid, an overflowing coefficient) without touching the
+        optimizer: no AdamW step, so its step count and moments stay as they were (a step at learning rate 0
+        would advance the one and decay the others). The step's gradients are dropped as DeepSpeed drops an
+        overflowed step's, and its engine counts the step as skipped; the next backward starts afresh."""
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "_overflow_clean_up"):  # ZeRO-3: what its step() does after an overflow
+            optimizer._pre_step()  # the micro-step count (the next backward copies, not adds)
+            optimizer._partition_all_parameters()
+            optimizer._overflow_clean_up(optimizer.loss_scale)  # the gradients and their partitions
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        self.engine.skipped_steps += 1
+        self.engine.global_steps += 1
+        self.engine.micro_steps += 1
 
     def _memory_mode(self, batch: TrajectoryTensors) -> Literal["saved", "recompute"]:
         """This step's memory mode, the same on every rank (the modes run different numbers of forwards)."""
