@@ -124,7 +124,25 @@ class SystemConfig(ServiceConfig):
                 f"{s.tensor_parallel_size}: the dedicated evaluator's engine has the samplers' engine settings, "
                 "so it needs as many GPUs as a sampler replica"
             )
+        self._scorers_exist()
         return self
+
+    def _scorers_exist(self) -> None:
+        """Every scorer the run names is registered (with reward.plugins, their scorers are known only where
+        the reward service loads them: not checked here)."""
+        if self.reward.plugins:
+            return
+        from services.reward.scorers import scorer_names
+
+        known = set(scorer_names())
+        named = [(f"sampler.scorer_by_source[{source!r}]", scorer)
+                 for source, scorer in self.sampler.scorer_by_source.items()]  # fmt: skip
+        named += [(f"evaluation.sets {spec.name!r} scorer", spec.scorer) for spec in self.evaluation.sets]
+        named.append(("reward.default_scorer", self.reward.default_scorer))
+        for where, scorer in named:
+            if scorer and scorer not in known:
+                raise ValueError(f"{where} = {scorer!r} is not a registered scorer; registered: "
+                                 f"{', '.join(sorted(known))}")  # fmt: skip
 
     def gpus(self) -> float:
         """GPUs the run holds while it trains (the GPU-hours of its evaluation records are these x hours)."""

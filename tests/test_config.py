@@ -223,3 +223,77 @@ def test_placement_settings_default_to_the_single_machine_behaviour() -> None:
     assert cfg.sampler.ray_resources == {"vcpo_sampler": 1.0} and cfg.reward.serve_ports == "configured"
     with pytest.raises(ConfigError, match=r"learner\.ray_resources\.vcpo_learner = -1 .*greater than 0"):
         load_config(SystemConfig, [], env={"VCPO_LEARNER__RAY_RESOURCES": "{vcpo_learner = -1}"})
+
+
+# --------------------------------------------------------------- the paper's data and the released settings
+
+PAPER = {"qwen2.5-1.5b-gsm8k": "gsm8k", "qwen2.5-7b-math": "math", "qwen2.5-7b-simpletir": "multiturn"}
+PRESET_DIR = Path(__file__).parent.parent / "deploy" / "presets"
+UPDATE_FIELDS = ("objective", "importance_weighting", "truncation", "ess_rule", "rho_base", "baseline_weighting",
+                 "loss_aggregation", "std_normalize", "ppo_clip", "lr", "weight_decay", "grad_clip", "betas")  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(PAPER))
+def test_paper_presets_read_the_published_files_as_downloaded(preset: str, tmp_path: Path) -> None:
+    """The paper presets name the published files (veRL layout) and score each row as the authors' code: the
+    same presets with their paths pointed at small files in that layout load every set, each task scored by
+    the rule its data_source picks."""
+    pytest.importorskip("pyarrow.parquet")
+    from services.reward.scorers.verl_rules import VERL_SCORERS
+    from services.sampler.tasks import load_dataset
+    from tests.verl_layout import gsm8k_rows, math_rows, write_parquet
+
+    cfg = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml"], env={})
+    s = cfg.sampler
+    assert (s.prompt_field, s.answer_field, s.source_field) == (
+        "prompt",
+        "reward_model.ground_truth",
+        "data_source",
+    )
+    assert s.scorer_by_source == VERL_SCORERS
+    paths = [s.dataset] + [spec.dataset for spec in cfg.evaluation.sets]
+    assert all(p.startswith("/data/vcpo/") and p.endswith(".parquet") for p in paths), paths
+    rows = gsm8k_rows() if "gsm8k" in preset else [dict(r, data_source=src) for r, src in
+                                                    zip(math_rows(3), ["math-500", "dapo_filter", "aime25"], strict=True)]  # fmt: skip
+    expected = {
+        "openai/gsm8k": "gsm8k",
+        "math-500": "math_verl",
+        "dapo_filter": "math_verl",
+        "aime25": "math_dapo",
+    }
+    for path in paths:
+        local = write_parquet(tmp_path / path.removeprefix("/data/vcpo/"), rows)
+        tasks = load_dataset(str(local), s.prompt_field, s.answer_field, scorer_by_source=s.scorer_by_source,
+                             source_field=s.source_field)  # fmt: skip
+        assert [t.scorer for t in tasks] == [expected[r["data_source"]] for r in rows]
+        assert [t.reference for t in tasks] == [r["reward_model"]["ground_truth"] for r in rows]
+        assert all(t.messages and not t.prompt for t in tasks)
+
+
+@pytest.mark.parametrize("preset", sorted(PAPER))
+def test_released_settings_differ_from_the_paper_form_in_the_baseline_weighting_only(preset: str) -> None:
+    """deploy/presets/released/<task>.toml on its paper preset: the released scripts' lag, batch and update
+    (mit-han-lab/vcpo recipe/fully_async_policy/shell/vcpo/<task>/vcpo_k=*.sh); of the update's settings only
+    the OPOB weighting differs from the paper form."""
+    paper = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml"], env={})
+    released = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml",
+                                          PRESET_DIR / "released" / f"{PAPER[preset]}.toml"], env={})  # fmt: skip
+    differ = [f for f in UPDATE_FIELDS if getattr(paper.learner, f) != getattr(released.learner, f)]
+    assert differ == ["baseline_weighting"]
+    assert (paper.learner.baseline_weighting, released.learner.baseline_weighting) == ("paper", "released")
+    lr = released.learner
+    assert (lr.objective, lr.importance_weighting, lr.truncation, lr.ess_rule) == (
+        "vcpo",
+        "truncated",
+        8.0,
+        "sqrt",
+    )
+    assert (lr.loss_aggregation, lr.std_normalize, lr.ppo_clip) == ("seq-mean-token-mean", True, 0.0)
+    assert (lr.lr, lr.weight_decay, lr.grad_clip) == (1e-6, 0.1, 1.0)
+    script = {  # k, prompts per step, rollout.n, base ESS ratio, model (from the released scripts)
+        "gsm8k": (12, 8, 8, 1.0, "Qwen/Qwen2-1.5B"),
+        "math": (10, 32, 16, 1.0, "Qwen/Qwen2.5-7B"),
+        "multiturn": (2, 128, 16, 0.55, "Qwen/Qwen2.5-7B"),
+    }[PAPER[preset]]
+    r = released
+    assert (r.run.k, r.run.groups_per_step, r.sampler.n, lr.rho_base, r.run.model) == script

@@ -31,7 +31,8 @@ def test_make_targets_named_in_the_readme_exist() -> None:
 
 
 def test_run_section_table_matches_the_config() -> None:
-    rows = re.findall(r"^\| `([a-z_]+)` \| `?([^|`]*?)`? \|", README, re.M)
+    table = README.split("The shared `[run]` section:", 1)[1].split("\n\n", 2)[1]  # the table under it
+    rows = re.findall(r"^\| `([a-z_]+)` \| `?([^|`]*?)`? \|", table, re.M)
     keys = {key for key, _ in rows}
     assert keys == set(RunConfig.model_fields), "README's [run] table and RunConfig disagree"
     defaults = RunConfig().model_dump(mode="json")

@@ -180,7 +180,9 @@ def test_math_long_hostile_responses_are_fast() -> None:
     assert time.perf_counter() - started < 5.0
 
 
-# --- countdown -----------------------------------------------------------------------------------------
+# --- countdown ----------------------------------------------------------------------------------------
+# ``countdown_lenient`` (this system's earlier rule, kept as an option) here; the paper's rule (``countdown``)
+# against the seed's own results in tests/test_reward_verl_rules.py
 
 TASK = json.dumps({"target": 50, "numbers": [6, 4, 5, 2]})
 
@@ -216,25 +218,41 @@ TASK = json.dumps({"target": 50, "numbers": [6, 4, 5, 2]})
         ("<answer>1234567890123*0+50</answer>", 0.0, 0.0),
     ],
 )
-def test_countdown(response: str, value: float, valid: float) -> None:
-    assert score("countdown", response, TASK) == Score(value, {"valid_equation": valid})
+def test_countdown_lenient(response: str, value: float, valid: float) -> None:
+    assert score("countdown_lenient", response, TASK) == Score(value, {"valid_equation": valid})
 
 
 def test_countdown_exact_fractions_and_repeated_numbers() -> None:
     task = json.dumps({"target": 24, "numbers": [3, 3, 8, 8]})
-    assert score("countdown", "<answer>8/(3-8/3)</answer>", task).value == 1.0  # 8/(1/3), exactly
-    assert score("countdown", "<answer>8*3</answer>", task).value == 1.0  # need not use all numbers
-    assert score("countdown", "<answer>8/3*3*3</answer>", task).value == 0.0  # 3 given twice, used thrice
+    assert score("countdown_lenient", "<answer>8/(3-8/3)</answer>", task).value == 1.0  # 8/(1/3), exactly
+    assert score("countdown_lenient", "<answer>8*3</answer>", task).value == 1.0  # need not use all numbers
+    assert score("countdown_lenient", "<answer>8/3*3*3</answer>", task).value == 0.0  # 3 given twice, used 3x
+    # the paper's rule: every number exactly once, the same exact arithmetic
+    assert score("countdown", "\\boxed{8/(3-8/3)}", task).value == 1.0
+    assert score("countdown", "<answer>8*3</answer>", task).value == 0.0  # a 3 and an 8 left unused
 
 
-def test_countdown_reads_payload_when_reference_is_empty() -> None:
-    assert score("countdown", "<answer>(6+4)*5</answer>", "", payload_json=TASK).value == 1.0
+@pytest.mark.parametrize("scorer", ["countdown", "countdown_lenient"])
+def test_countdown_reads_payload_when_reference_is_empty(scorer: str) -> None:
+    task = json.dumps({"target": 24, "numbers": [2, 3, 4]})
+    assert score(scorer, "<answer>2*3*4</answer>", "", payload_json=task).value == 1.0
 
 
-def test_countdown_hostile_input_is_rejected_fast() -> None:
+@pytest.mark.parametrize("scorer", ["countdown", "countdown_lenient"])
+def test_countdown_hostile_input_is_rejected_fast(scorer: str) -> None:
     started = time.perf_counter()
-    for response in ["<answer>9**9**9**9</answer>", "(" * 100_000, "1" * 1_000_000, "<answer>" * 10_000]:
-        assert score("countdown", response, TASK).value == 0.0
+    nines = json.dumps({"target": 50, "numbers": [9, 9, 9, 9]})  # lets the power tower past the number check
+    for response, task in [
+        ("<answer>9**9**9**9</answer>", nines),
+        ("<answer>(9**9)**(9**9)</answer>", nines),
+        ("\\boxed{" + "-" * 50_000 + "9*9*9*9}", nines),
+        ("(" * 100_000, TASK),
+        ("1" * 1_000_000, TASK),
+        ("<answer>" * 10_000, TASK),
+        ("<answer>" * 10_000 + "</answer>", TASK),
+        ("\\boxed{" * 10_000, TASK),
+    ]:
+        assert score(scorer, response, task).value == 0.0, response[:40]
     assert time.perf_counter() - started < 2.0
 
 
@@ -254,4 +272,5 @@ def test_countdown_hostile_input_is_rejected_fast() -> None:
     ],
 )
 def test_countdown_bad_reference(reference: str, payload: str, needle: str) -> None:
-    assert_bad_reference("countdown", reference, needle, payload_json=payload)
+    for scorer in ("countdown", "countdown_lenient"):
+        assert_bad_reference(scorer, reference, needle, payload_json=payload)

@@ -425,3 +425,73 @@ def test_task_error_fields_and_copies() -> None:
     assert str(error) == "task 't:9': no environment named 'chess'"
     clone = copy.copy(error)
     assert (clone.reason, clone.task_id, str(clone)) == (error.reason, error.task_id, str(error))
+
+
+# ------------------------------------------------------------------- the paper's published (veRL) layout
+
+VERL_SCORERS = {"openai/gsm8k": "gsm8k", "lighteval/MATH": "math_verl", "countdown": "countdown"}
+
+
+def test_verl_parquet_loads_as_downloaded_with_nested_answers_and_scorers_by_source(tmp_path: Path) -> None:
+    """Files in the published layout load with answer_field = reward_model.ground_truth, each row's scorer
+    from its data_source; the rest of the row (ability, reward_model, extra_info) stays in the metadata."""
+    pytest.importorskip("pyarrow.parquet")
+    from tests.verl_layout import countdown_rows, gsm8k_rows, math_rows, write_parquet
+
+    loaded = {}
+    for name, rows in (("gsm8k", gsm8k_rows()), ("math", math_rows()), ("countdown", countdown_rows())):
+        path = write_parquet(tmp_path / name / "train.parquet", rows)
+        loaded[name] = load_dataset(str(path), "prompt", "reward_model.ground_truth",
+                                    scorer_by_source=VERL_SCORERS)  # fmt: skip
+    gsm8k, math_, countdown = loaded["gsm8k"], loaded["math"], loaded["countdown"]
+    assert [t.reference for t in gsm8k] == ["17", "25", "33"] and {t.scorer for t in gsm8k} == {"gsm8k"}
+    assert gsm8k[0].messages[0].role == "user" and "####" in gsm8k[0].messages[0].content
+    assert not gsm8k[0].prompt
+    assert [t.reference for t in math_] == ["\\frac{1}{2}", "3\\sqrt{2}"]
+    assert {t.scorer for t in math_} == {"math_verl"}
+    assert [json.loads(t.reference) for t in countdown] == [
+        {"target": 24, "numbers": [2, 3, 4]},
+        {"target": 10, "numbers": [1, 2, 7]},
+    ]
+    assert {t.scorer for t in countdown} == {"countdown"}
+    meta = dict(gsm8k[0].metadata)
+    assert meta["data_source"] == "openai/gsm8k" and meta["ability"] == "math"
+    assert json.loads(meta["reward_model"]) == {"style": "rule", "ground_truth": "17"}
+    assert json.loads(meta["extra_info"])["index"] == 0
+    # a key ending in * matches by prefix, the longest first; an exact name wins over any prefix
+    aime = write_parquet(tmp_path / "aime.parquet", [dict(r, data_source=src) for r, src in
+                         zip(math_rows(3), ["aime25", "aime2025-hard", "aime"], strict=True)])  # fmt: skip
+    by_prefix = {"aime*": "math_dapo", "aime2025*": "math_verl", "aime": "gsm8k"}
+    tasks = load_dataset(str(aime), answer_field="reward_model.ground_truth", scorer_by_source=by_prefix)
+    assert [t.scorer for t in tasks] == ["math_dapo", "math_verl", "gsm8k"]
+    # without a mapping the tasks name no scorer (reward.default_scorer judges them)
+    path = tmp_path / "gsm8k" / "train.parquet"
+    assert {t.scorer for t in load_dataset(str(path), answer_field="reward_model.ground_truth")} == {""}
+
+
+def test_a_column_named_with_dots_wins_over_the_path(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "a.b": "flat", "a": {"b": "nested"}}])
+    assert load_dataset(str(path), answer_field="a.b")[0].reference == "flat"
+
+
+@pytest.mark.parametrize(
+    ("row", "fields", "match"),
+    [
+        ({"prompt": "p", "reward_model": {"style": "rule"}}, {"answer_field": "reward_model.ground_truth"},
+         r"d\.jsonl line 1: no 'reward_model\.ground_truth' field \(no 'ground_truth' in it"),
+        ({"prompt": "p"}, {"answer_field": "reward_model.ground_truth"},
+         r"no 'reward_model\.ground_truth' field \(no 'reward_model' in it"),
+        ({"q": {"text": "p"}}, {"prompt_field": "q.messages"}, r"no 'q\.messages' field \(no 'messages' in it"),
+        ({"prompt": "p", "data_source": "aime"}, {"scorer_by_source": VERL_SCORERS},
+         r"data_source 'aime' has no scorer in scorer_by_source \(it maps 'countdown', 'lighteval/MATH', "
+         r"'openai/gsm8k'\); add it"),
+        ({"prompt": "p"}, {"scorer_by_source": VERL_SCORERS}, r"no 'data_source' field to choose its scorer by"),
+    ],
+    ids=["nested-answer-part", "nested-answer-column", "nested-prompt", "unmapped-source", "no-source"],
+)  # fmt: skip
+def test_missing_paths_and_unmapped_sources_are_named(
+    tmp_path: Path, row: dict[str, Any], fields: dict[str, Any], match: str
+) -> None:
+    path = _write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(TaskError, match=match):
+        load_dataset(str(path), **fields)

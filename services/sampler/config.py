@@ -85,8 +85,24 @@ class SamplerConfig(Section):
         default_factory=list,
         description="Environments registered at start-up (clients may register more over gRPC).",
     )
-    prompt_field: str = Field("prompt", description="Dataset column holding the prompt.")
-    answer_field: str = Field("answer", description="Dataset column holding the reference answer.")
+    prompt_field: str = Field(
+        "prompt", description="Dataset column holding the prompt (a dotted path reaches into nested columns)."
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Dataset column holding the reference answer; a dotted path reaches into nested columns "
+        "(veRL's parquet: 'reward_model.ground_truth').",
+    )
+    source_field: str = Field(
+        "data_source", description="The column whose value scorer_by_source maps to a task's scorer."
+    )
+    scorer_by_source: dict[str, str] = Field(
+        default_factory=dict,
+        description="Each dataset row's scorer, by its source_field value (veRL's data_source names, e.g. "
+        "{'openai/gsm8k' = 'gsm8k', 'lighteval/MATH' = 'math_verl', countdown = 'countdown'}); applies to the "
+        "evaluation sets too. A row whose source it lacks fails the load. Empty: tasks name no scorer "
+        "(reward.default_scorer, or an evaluation set's own).",
+    )
     api_token: SecretStr = Field(
         SecretStr(""),
         description="Bearer token every client-facing call (EnvironmentRegistry) must carry. Set it from the "

@@ -101,9 +101,10 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
         environment = eval_set_environment(s, spec)
         prompt_field, answer_field = spec.prompt_field or s.prompt_field, spec.answer_field or s.answer_field
         try:
-            tasks = load_dataset(
-                spec.dataset, prompt_field, answer_field, split=spec.split, seed=cfg.run.seed
-            )
+            # a set's own scorer judges all its tasks; else each task's from sampler.scorer_by_source
+            by_source = {} if spec.scorer else s.scorer_by_source
+            tasks = load_dataset(spec.dataset, prompt_field, answer_field, split=spec.split, seed=cfg.run.seed,
+                                 scorer_by_source=by_source, source_field=s.source_field)  # fmt: skip
             tasks = tasks[: spec.limit] if spec.limit else tasks
             prompts = [encoder.encode(task) for task in tasks]
         except (TaskError, ValueError) as exc:

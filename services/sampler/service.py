@@ -134,7 +134,8 @@ class SamplerService:
         self.environments = environment_registry(cfg, client, self.replica_id)
         dataset = None
         if s.dataset:
-            tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed)
+            tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed,
+                                 scorer_by_source=s.scorer_by_source, source_field=s.source_field)  # fmt: skip
             if s.dataset_environment:
                 handle = self.environments.get(s.dataset_environment)
                 if handle is None:

@@ -10,6 +10,13 @@ What it decides:
   ``<file stem>:<row index>``; the prompt column fills ``prompt``, or ``messages`` when it holds a list of
   ``{role, content}`` dicts; the answer column is the ``reference``; every other column goes to ``metadata``
   as a string (lists and dicts as JSON, so nothing is dropped), ``None`` values are left out.
+- A field may be a dotted path into nested columns (``reward_model.ground_truth``: veRL's parquet layout, whose
+  ``reward_model`` column is a struct); a column whose own name holds the dots wins. A dotted path that a row
+  lacks is an error naming the row and the missing part (a flat answer column may be absent: reference "").
+  A structured answer (Countdown's ``{target, numbers}``) becomes its JSON.
+- ``scorer_by_source`` (veRL's ``data_source`` names -> scorer names): each row's ``source_field`` value picks
+  its task's ``scorer`` (a key ending in ``*`` matches by prefix: ``aime*``); a row without the field, or
+  with a value the mapping lacks, is an error naming both.
 - A bad file or row fails the load with a :class:`ValueError` naming the file, the line or row and the field;
   rows are never skipped silently.
 - A task that cannot be sampled raises :class:`TaskError`, whose ``reason`` is a short, bounded label for a
@@ -165,12 +172,17 @@ def load_dataset(
     answer_field: str = "answer",
     split: str = "train",
     seed: int = 0,
+    scorer_by_source: Mapping[str, str] | None = None,
+    source_field: str = "data_source",
 ) -> list[rollout_pb2.Task]:
     """Load a ``.jsonl`` or ``.parquet`` file, or ``builtin:<name>``, as Tasks labelled with ``split``.
 
     ``seed`` only drives builtin generators (shuffling is :class:`DatasetTasks`' job). Builtins always use
-    their own ``prompt``/``answer`` fields. Raises ValueError naming the file, line or row, and field.
+    their own ``prompt``/``answer`` fields. Fields may be dotted paths into nested columns. With
+    ``scorer_by_source``, each task's scorer is the mapping's value for its row's ``source_field``. Raises
+    ValueError naming the file, line or row, and field.
     """
+    sources = _Sources(dict(scorer_by_source or {}), source_field)
     if source.startswith(BUILTIN_PREFIX):
         name = source[len(BUILTIN_PREFIX) :]
         generator = BUILTIN_DATASETS.get(name)
@@ -181,7 +193,7 @@ def load_dataset(
         rows: Iterator[tuple[str, dict[str, Any]]] = (
             (f"{source} row {i}", row) for i, row in enumerate(generator(split, seed))
         )
-        return _to_tasks(rows, name, "prompt", "answer", split)
+        return _to_tasks(rows, name, "prompt", "answer", split, sources)
 
     path = Path(source)
     suffix = path.suffix.lower()
@@ -193,7 +205,7 @@ def load_dataset(
     if not path.is_file():
         raise ValueError(f"dataset file {source!r} does not exist (or is not a file)")
     rows = _jsonl_rows(path) if suffix == ".jsonl" else _parquet_rows(path)
-    return _to_tasks(rows, path.stem, prompt_field, answer_field, split)
+    return _to_tasks(rows, path.stem, prompt_field, answer_field, split, sources)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -263,29 +275,78 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class _Sources:
+    """Which scorer a row's source names (``scorer_by_source``; empty: the task names none)."""
+
+    def __init__(self, scorers: dict[str, str], field: str) -> None:
+        self.scorers, self.field = scorers, field
+
+    def scorer(self, row: Mapping[str, Any], where: str, task_id: str) -> str:
+        if not self.scorers:
+            return ""
+        found, source = field_value(row, self.field)
+        if not found or source in (None, ""):
+            raise TaskError("bad_row", task_id, f"{where}: no {self.field!r} field to choose its scorer by "
+                            f"(scorer_by_source maps {', '.join(map(repr, sorted(self.scorers)))})")  # fmt: skip
+        scorer = self.scorers.get(str(source))
+        if scorer is None:  # "aime*": any source that starts with "aime" (the longest such prefix wins)
+            prefixes = [k for k in self.scorers if k.endswith("*") and str(source).startswith(k[:-1])]
+            scorer = self.scorers[max(prefixes, key=len)] if prefixes else None
+        if scorer is None:
+            raise TaskError("bad_row", task_id, f"{where}: {self.field} {source!r} has no scorer in "
+                            f"scorer_by_source (it maps {', '.join(map(repr, sorted(self.scorers)))}); "
+                            "add it")  # fmt: skip
+        return scorer
+
+
+def field_value(row: Mapping[str, Any], path: str) -> tuple[bool, Any]:
+    """``(True, value)`` of ``path`` in ``row``: the column of that name, else a dotted path into nested
+    columns (``reward_model.ground_truth``); ``(False, <the part that is missing>)`` when there is none."""
+    if path in row:
+        return True, row[path]
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return False, part
+        value = value[part]
+    return True, value
+
+
 def _to_tasks(
-    rows: Iterator[tuple[str, dict[str, Any]]], stem: str, prompt_field: str, answer_field: str, split: str
+    rows: Iterator[tuple[str, dict[str, Any]]],
+    stem: str,
+    prompt_field: str,
+    answer_field: str,
+    split: str,
+    sources: _Sources,
 ) -> list[rollout_pb2.Task]:
     return [
-        _row_to_task(row, where, f"{stem}:{i}", prompt_field, answer_field, split)
+        _row_to_task(row, where, f"{stem}:{i}", prompt_field, answer_field, split, sources)
         for i, (where, row) in enumerate(rows)
     ]
 
 
 def _row_to_task(
-    row: Mapping[str, Any], where: str, default_id: str, prompt_field: str, answer_field: str, split: str
+    row: Mapping[str, Any],
+    where: str,
+    default_id: str,
+    prompt_field: str,
+    answer_field: str,
+    split: str,
+    sources: _Sources,
 ) -> rollout_pb2.Task:
     id_field = next((f for f in ID_FIELDS if row.get(f) not in (None, "")), None)
     task_id = str(row[id_field]) if id_field is not None else default_id
-    if prompt_field not in row:
+    found, prompt = field_value(row, prompt_field)
+    if not found:
+        missing = "" if prompt_field in row or "." not in prompt_field else f" (no {prompt!r} in it)"
         raise TaskError(
             "bad_row",
             task_id,
-            f"{where}: no {prompt_field!r} field (fields: {', '.join(map(str, row)) or 'none'}); "
+            f"{where}: no {prompt_field!r} field{missing} (fields: {', '.join(map(str, row)) or 'none'}); "
             "set prompt_field to the column that holds the prompt",
         )
-    task = rollout_pb2.Task(task_id=task_id, split=split)
-    prompt = row[prompt_field]
+    task = rollout_pb2.Task(task_id=task_id, split=split, scorer=sources.scorer(row, where, task_id))
     if isinstance(prompt, str):
         task.prompt = prompt
     elif isinstance(prompt, list):
@@ -297,7 +358,15 @@ def _row_to_task(
             f"{where}: field {prompt_field!r} must be a string or a list of {{role, content}} messages, "
             f"got {type(prompt).__name__}",
         )
-    task.reference = _text(row.get(answer_field))
+    found, answer = field_value(row, answer_field)
+    if not found and "." in answer_field and answer_field not in row:
+        raise TaskError(
+            "bad_row",
+            task_id,
+            f"{where}: no {answer_field!r} field (no {answer!r} in it; fields: {', '.join(map(str, row))}); "
+            "set answer_field to the path of the reference answer",
+        )
+    task.reference = _text(answer if found else None)
     skip = {prompt_field, answer_field, *ID_FIELDS}
     for key, value in row.items():
         if key not in skip and value is not None:

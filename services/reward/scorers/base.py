@@ -116,6 +116,7 @@ _BUILTINS = (
     "services.reward.scorers.exact",
     "services.reward.scorers.math_answer",
     "services.reward.scorers.countdown",
+    "services.reward.scorers.verl_rules",
     "services.reward.scorers.code_tests",
     "services.reward.scorers.environment",
 )

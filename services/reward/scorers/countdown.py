@@ -1,22 +1,34 @@
-"""The ``countdown`` scorer: does the response's equation reach the target from the given numbers?
+"""The Countdown scorers: does the response's equation reach the target from the given numbers?
 
 The Countdown game (TinyZero's task): given ``numbers`` and a ``target``, write an arithmetic expression with
-``+ - * /`` and parentheses, using each given number at most as often as it is given, that equals the target.
+``+ - * /`` and parentheses that equals the target.
 
-What it decides:
+The task (both scorers): the reference, or ``payload_json`` when the reference is empty, is JSON
+``{"target": int, "numbers": [int, ...]}`` (``target_number`` and ``nums`` are read too, as the seed reads
+them); anything else cannot be judged (``bad_reference``).
 
-- The task: the reference, or ``payload_json`` when the reference is empty, is JSON
-  ``{"target": int, "numbers": [int, ...]}``; anything else cannot be judged (``bad_reference``).
-- The equation: the content of the last ``<answer>...</answer>`` (TinyZero's convention), else the last line of
-  the response that holds a digit. ``×`` and ``÷`` are read as ``*`` and ``/``. When it holds ``=``, every side
-  that is not just the target is checked (``(6+4)*5 = 50`` checks ``(6+4)*5``); there must be at least one.
-- Checking never runs the text: it is parsed with ``ast.parse`` and walked here, allowing only integer
-  literals, parentheses and binary ``+ - * /``, computed exactly with ``Fraction``. Unary minus, powers, names,
-  calls and anything else make the equation invalid, as do a literal that is not a given number (or is used
-  more often than given), division by zero, more than 1000 characters or a literal of more than 12 digits.
-  So hostile text is rejected in time linear in its length.
-- Value 1 iff the equation is valid and equals the target exactly; component ``valid_equation`` says
-  whether it was a well-formed use of the given numbers at all.
+``countdown`` is the paper's rule, as the authors' code (mit-han-lab/vcpo ``countdown.py``) scores:
+
+- The equation: text before the response's first ``Assistant:`` (or ``<|im_start|>assistant``) is dropped;
+  then the last ``\\boxed{...}`` (no nested braces: it ends at the first ``}``), else the last
+  ``<answer>...</answer>`` within one line; neither is reward 0.
+- It must use every given number exactly once: the integers in it (every run of digits) are, as a multiset,
+  the given numbers; it may hold only digits, ``+ - * / ( ) .`` and white space (so ``=`` is not allowed).
+- Value 1 iff its value is within 1e-5 of the target, else 0 (the seed's format score, 0 by default).
+- The seed evaluates with ``eval``; here it is parsed with ``ast.parse`` and computed exactly with ``Fraction``
+  (``+ - * / // **``, unary signs, decimal literals: what the seed's character set lets through), bounded: at
+  most 1000 characters, literals of at most 12 digits, exponents of at most 64 and results of at most 1000
+  digits, so hostile text is rejected in time linear in its length.
+
+``countdown_lenient`` is this system's earlier rule, kept as an explicit option:
+
+- The equation: the content of the last ``<answer>...</answer>``, else the last line of the response that holds
+  a digit. ``×`` and ``÷`` are read as ``*`` and ``/``. When it holds ``=``, every side that is not just the
+  target is checked (``(6+4)*5 = 50`` checks ``(6+4)*5``); there must be at least one.
+- Integer literals, parentheses and binary ``+ - * /`` only; each given number at most as often as it is given
+  (numbers may be left unused); exact equality with the target.
+
+Both: component ``valid_equation`` says whether the response held a well-formed use of the numbers at all.
 """
 
 from __future__ import annotations
@@ -78,7 +90,8 @@ def parse_task(item: ScoreInput) -> CountdownTask:
         raise bad(f"is not JSON ({exc})") from None
     if not isinstance(spec, dict):
         raise bad('is not a JSON object {"target": int, "numbers": [int, ...]}')
-    target, numbers = spec.get("target"), spec.get("numbers")
+    target = spec.get("target") if spec.get("target") is not None else spec.get("target_number")
+    numbers = spec.get("numbers") if spec.get("numbers") is not None else spec.get("nums")
     if not _is_int(target):
         raise bad(f'"target" must be an integer, got {target!r}')
     if not isinstance(numbers, list) or not numbers or not all(_is_int(n) for n in numbers):
@@ -159,8 +172,8 @@ def equation_values(equation: str, task: CountdownTask) -> list[Fraction] | None
     return values or None
 
 
-@register("countdown")
-def countdown(item: ScoreInput) -> Score:
+@register("countdown_lenient")
+def countdown_lenient(item: ScoreInput) -> Score:
     task = parse_task(item)
     equation = equation_text(item.response)
     values = equation_values(equation, task) if equation is not None else None
@@ -168,3 +181,105 @@ def countdown(item: ScoreInput) -> Score:
         return Score(0.0, {"valid_equation": 0.0})
     reached = all(value == task.target for value in values)
     return Score(1.0 if reached else 0.0, {"valid_equation": 1.0})
+
+
+# ------------------------------------------------------------------------------------ the paper's rule
+
+_SEED_CHARS = re.compile(r"[\d+\-*/().\s]+")
+_DIGITS = re.compile(r"\d+")
+MAX_EXPONENT = 64
+MAX_RESULT_DIGITS = 1000
+TOLERANCE = Fraction(1, 100000)
+
+
+def seed_equation(response: str) -> str | None:
+    """The equation as the seed extracts it: after the first ``Assistant:``, the last flat ``\\boxed{}``, else the
+    last ``<answer>...</answer>`` that opens and closes on one line; None without either."""
+    for marker in ("Assistant:", "<|im_start|>assistant"):
+        if marker in response:
+            response = response.split(marker, 1)[1]
+            break
+    last = (
+        None  # the seed's regex \\boxed\{([^}]*)\}, its matches in order, by str.find: linear, not quadratic
+    )
+    at = 0
+    while (start := response.find("\\boxed{", at)) >= 0:
+        end = response.find("}", start + len("\\boxed{"))
+        if end < 0:
+            break
+        last, at = response[start + len("\\boxed{") : end], end + 1
+    if last is not None:
+        return last.strip()
+    for line in response.split("\n"):  # str.find, not a lazy regex: linear however many tags there are
+        at = 0
+        while (start := line.find("<answer>", at)) >= 0:
+            end = line.find("</answer>", start + len("<answer>"))
+            if end < 0:
+                break
+            last, at = line[start + len("<answer>") : end], end + len("</answer>")
+    return last.strip() if last is not None else None
+
+
+def _seed_value(node: ast.expr) -> Fraction | None:
+    """The exact value of the seed's arithmetic, or None where the seed's eval fails (or would be unbounded)."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return Fraction(value) if isinstance(value, int) else Fraction(repr(value))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
+        inner = _seed_value(node.operand)
+        return None if inner is None else (inner if isinstance(node.op, ast.UAdd) else -inner)
+    if not isinstance(node, ast.BinOp):
+        return None
+    left = _seed_value(node.left)
+    right = _seed_value(node.right) if left is not None else None
+    if left is None or right is None:
+        return None
+    op = node.op
+    if isinstance(op, ast.Add | ast.Sub | ast.Mult):
+        result: Fraction = left + right if isinstance(op, ast.Add) else left - right if isinstance(op, ast.Sub) \
+            else left * right  # fmt: skip
+    elif isinstance(op, ast.Div | ast.FloorDiv):
+        if right == 0:
+            return None
+        result = left / right if isinstance(op, ast.Div) else Fraction(left // right)
+    elif isinstance(op, ast.Pow):
+        # an integer exponent is exact; a fractional one (a root) is left out, as are huge powers
+        if right.denominator != 1 or abs(right) > MAX_EXPONENT or (left == 0 and right < 0):
+            return None
+        result = left ** int(right)
+    else:
+        return None
+    if max(len(str(result.numerator)), len(str(result.denominator))) > MAX_RESULT_DIGITS:
+        return None
+    return result
+
+
+def seed_uses_every_number_once(equation: str, numbers: tuple[int, ...]) -> bool:
+    found = _DIGITS.findall(equation)
+    if any(len(n) > MAX_LITERAL_DIGITS for n in found):
+        return False
+    return sorted(int(n) for n in found) == sorted(numbers)
+
+
+def seed_value(equation: str) -> Fraction | None:
+    if len(equation) > MAX_EXPRESSION_CHARS or not _SEED_CHARS.fullmatch(equation):
+        return None
+    try:
+        tree = ast.parse(equation.strip(), mode="eval")
+        return _seed_value(tree.body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError, ZeroDivisionError):
+        return None
+
+
+@register("countdown")
+def countdown(item: ScoreInput) -> Score:
+    task = parse_task(item)
+    equation = seed_equation(item.response)
+    if equation is None or not seed_uses_every_number_once(equation, task.numbers):
+        return Score(0.0, {"valid_equation": 0.0})
+    value = seed_value(equation)
+    if value is None:
+        return Score(0.0, {"valid_equation": 0.0})
+    return Score(1.0 if abs(value - task.target) < TOLERANCE else 0.0, {"valid_equation": 1.0})
