@@ -205,7 +205,9 @@ def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: in
     """The launch's versions went through the weight group before the sampler was killed and after
     its replacement joined a new epoch. In between, versions took the broker's path (nothing waited for the
     group) only until the killed member's heartbeat expired (group_member_ttl_s, 10 s) and the rest of the
-    group (the broker) formed again: not for the whole restart of the sampler."""
+    group (the broker) formed again, or while a new epoch was forming: not for the whole restart of the
+    sampler. (The learner may publish nothing for a while meanwhile: with its only sampler restarting it runs
+    out of groups, so wall-clock between versions says nothing about the group; a CI run saw 37 s of that.)"""
     path = {s: steps[s].get("publish_path") for s in steps if s > first}
     before = [path[s] for s in sorted(path) if s <= kill_at]
     # the group forms in the background while the learner goes on through the broker (about 8 steps of
@@ -215,14 +217,17 @@ def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: in
     assert formed < 30 and all(p == "collective" for p in before[formed:]), before
     after = [s for s in sorted(path) if s > kill_at]
     assert all(path[s] == "collective" for s in after[-20:]), [path[s] for s in after]
-    stretches, start = [], None  # wall-clock spans of consecutive versions through the broker
-    for s in after:
-        if path[s] == "broker" and start is None:
-            start = steps[s]["time"]
-        elif path[s] == "collective" and start is not None:
-            stretches.append(steps[s]["time"] - start)
-            start = None
-    assert stretches and max(stretches) < 25, stretches  # the failure was noticed; ~10 s ttl, then re-formed
+    broker = [s for s in after if path[s] == "broker"]
+    assert broker, [
+        path[s] for s in after
+    ]  # the failure was noticed: the next versions took the broker's path
+    seen = steps[broker[0]]["time"]
+    collective = [steps[s]["time"] for s in after if path[s] == "collective"]
+    # a version through the broker later than the ttl (10 s) and a forming after the failure was seen must
+    # have been published while an epoch formed (a collective version follows within seconds)
+    late = [(s, round(steps[s]["time"] - seen, 1)) for s in broker if steps[s]["time"] - seen >= 25
+            and not any(0 <= t - steps[s]["time"] < 5 for t in collective)]  # fmt: skip
+    assert not late, (late, [(s, path[s], round(steps[s]["time"] - seen, 1)) for s in after])
     log = (run_dir / "logs" / "sampler-0.log").read_text()
     joins = [
         line for line in log.splitlines() if "joined weight group epoch" in line and "ranks from" in line

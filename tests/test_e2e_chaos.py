@@ -25,7 +25,7 @@ def test_one_kill_of_each_kind_and_the_run_goes_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
     cmd = [sys.executable, "-m", "deploy.chaos", "--config", str(ROOT / "deploy" / "presets" / "local.toml"),
            "--run.run_dir", str(run_dir), "--kills", str(len(KINDS)), "--kinds", ",".join(KINDS),
-           "--gap-s", "5,10", "--max-steps", "300", "--seed", "3",
+           "--gap-s", "5,10", "--max-steps", "200", "--seed", "3",
            "--weight_broker.transport", "collective", "--launcher.progress_interval_s", "2",
            "--set", "evaluation.sets=[]"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)

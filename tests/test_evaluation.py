@@ -140,6 +140,44 @@ def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> 
         sets(dataset=str(tmp_path / "empty.jsonl"))
 
 
+def test_sets_take_each_tasks_scorer_from_its_source_unless_the_set_names_one(tmp_path: Path) -> None:
+    """sampler.scorer_by_source applies to evaluation sets as to training data: each task is scored by the rule
+    its data_source picks; a set that names its own scorer judges all its tasks with it (and needs no table)."""
+    from services.common.tiny_model import build_tokenizer
+    from services.sampler.config import SamplerServiceConfig
+    from services.sampler.evaluation import load_eval_sets
+    from services.sampler.tasks import PromptEncoder
+
+    rows = [{"prompt": f"What is {i}+1?", "data_source": src, "reward_model": {"ground_truth": str(i + 1)}}
+            for i, src in enumerate(["openai/gsm8k", "math-500", "unmapped"])]  # fmt: skip
+    (tmp_path / "mapped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    encoder = PromptEncoder(build_tokenizer(), max_model_len=256, max_tokens=16)
+
+    def sets(name: str, **spec: Any) -> Any:
+        cfg = SamplerServiceConfig.model_validate({
+            "sampler": {"max_tokens": 16, "answer_field": "reward_model.ground_truth",
+                        "scorer_by_source": {"openai/gsm8k": "gsm8k", "math-500": "math_verl"}},
+            "evaluation": {"sets": [{"name": "val", "dataset": str(tmp_path / name), **spec}]},
+        })  # fmt: skip
+        return load_eval_sets(cfg, encoder)
+
+    (val,) = sets("mapped.jsonl")
+    assert [t.scorer for t in val.tasks] == ["gsm8k", "math_verl"] and [t.reference for t in val.tasks] == [
+        "1",
+        "2",
+    ]
+    assert [val.scorer_of(t, None) for t in val.tasks] == ["gsm8k", "math_verl"]
+    (own,) = sets(
+        "mixed.jsonl", scorer="exact_match"
+    )  # the unmapped row is fine: the set's scorer judges all
+    assert {t.scorer for t in own.tasks} == {""} and {own.scorer_of(t, None) for t in own.tasks} == {
+        "exact_match"
+    }
+    with pytest.raises(ValueError, match=r"evaluation set 'val': .*data_source 'unmapped' has no scorer"):
+        sets("mixed.jsonl")
+
+
 class FakeEngine:
     """Answers every request with a scripted response, one token per step (the logic under test is the
     evaluator's)."""
