@@ -442,6 +442,18 @@ def test_restart_settings_reach_the_launcher_and_its_metrics_are_served(tmp_path
     assert defaults.launcher.learner_hang_timeout_s == 300.0
 
 
+def test_the_papers_data_layout_and_scorers_by_source_reach_the_sampler(tmp_path: Path) -> None:
+    docs = render("--set", "data.answerField=reward_model.ground_truth",
+                  "--set-json", 'data.scorerBySource={"openai/gsm8k": "gsm8k", "aime*": "math_dapo"}')  # fmt: skip
+    _, cfg = run_config(docs, tmp_path)
+    assert (
+        cfg.sampler.answer_field == "reward_model.ground_truth" and cfg.sampler.source_field == "data_source"
+    )
+    assert cfg.sampler.scorer_by_source == {"openai/gsm8k": "gsm8k", "aime*": "math_dapo"}
+    _, defaults = run_config(render(), tmp_path)
+    assert defaults.sampler.scorer_by_source == {}
+
+
 def test_environments_are_registered_from_values(tmp_path: Path) -> None:
     docs = render(*scenario_args("environments-values.yaml"))
     _, cfg = run_config(docs, tmp_path)

@@ -191,6 +191,8 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "dataset" $v.data.dataset
     "prompt_field" $v.data.promptField
     "answer_field" $v.data.answerField
+    "source_field" $v.data.sourceField
+    "scorer_by_source" ($v.data.scorerBySource | default dict)
     "system_prompt" $v.data.systemPrompt
     "dataset_environment" $v.datasetEnvironment
     "environments" $envs
