@@ -92,24 +92,21 @@ DAPO = [
 ]
 
 
-@pytest.mark.parametrize(("response", "reference", "seed"), COUNTDOWN)
-def test_countdown_scores_as_the_seed(response: str, reference: str, seed: float) -> None:
-    assert get_scorer("countdown")(ScoreInput(response, reference)).value == seed
+SEED_CASES = [
+    pytest.param(scorer, *case, id=f"{scorer}-{n}")
+    for scorer, cases in (
+        ("countdown", COUNTDOWN),
+        ("gsm8k", GSM8K),
+        ("math_verl", MATH),
+        ("math_dapo", DAPO),
+    )
+    for n, case in enumerate(cases)
+]
 
 
-@pytest.mark.parametrize(("response", "reference", "seed"), GSM8K)
-def test_gsm8k_scores_as_the_seed(response: str, reference: str, seed: float) -> None:
-    assert get_scorer("gsm8k")(ScoreInput(response, reference)).value == seed
-
-
-@pytest.mark.parametrize(("response", "reference", "seed"), MATH)
-def test_math_verl_scores_as_the_seed(response: str, reference: str, seed: float) -> None:
-    assert get_scorer("math_verl")(ScoreInput(response, reference)).value == seed
-
-
-@pytest.mark.parametrize(("response", "reference", "seed"), DAPO)
-def test_math_dapo_scores_as_the_seed(response: str, reference: str, seed: float) -> None:
-    assert get_scorer("math_dapo")(ScoreInput(response, reference)).value == seed
+@pytest.mark.parametrize(("scorer", "response", "reference", "seed"), SEED_CASES)
+def test_each_rule_scores_as_the_seed(scorer: str, response: str, reference: str, seed: float) -> None:
+    assert get_scorer(scorer)(ScoreInput(response, reference)).value == seed
 
 
 def test_the_lenient_countdown_rule_stays_an_explicit_option() -> None:

@@ -339,7 +339,7 @@ def _row_to_task(
     task_id = str(row[id_field]) if id_field is not None else default_id
     found, prompt = field_value(row, prompt_field)
     if not found:
-        missing = "" if prompt_field in row or "." not in prompt_field else f" (no {prompt!r} in it)"
+        missing = f" (no {prompt!r} in it)" if "." in prompt_field else ""
         raise TaskError(
             "bad_row",
             task_id,
@@ -359,7 +359,7 @@ def _row_to_task(
             f"got {type(prompt).__name__}",
         )
     found, answer = field_value(row, answer_field)
-    if not found and "." in answer_field and answer_field not in row:
+    if not found and "." in answer_field:
         raise TaskError(
             "bad_row",
             task_id,

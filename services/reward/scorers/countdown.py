@@ -192,6 +192,19 @@ MAX_RESULT_DIGITS = 1000
 TOLERANCE = Fraction(1, 100000)
 
 
+def _last_enclosed(text: str, opening: str, closing: str) -> str | None:
+    """What the last of the non-overlapping ``opening ... closing`` spans of ``text`` encloses, each closing at
+    the first ``closing`` after its opening (a lazy regex's matches, found with str.find: linear, however many
+    unclosed openings there are)."""
+    last, at = None, 0
+    while (start := text.find(opening, at)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break
+        last, at = text[start + len(opening) : end], end + len(closing)
+    return last
+
+
 def seed_equation(response: str) -> str | None:
     """The equation as the seed extracts it: after the first ``Assistant:``, the last flat ``\\boxed{}``, else the
     last ``<answer>...</answer>`` that opens and closes on one line; None without either."""
@@ -199,24 +212,10 @@ def seed_equation(response: str) -> str | None:
         if marker in response:
             response = response.split(marker, 1)[1]
             break
-    last = (
-        None  # the seed's regex \\boxed\{([^}]*)\}, its matches in order, by str.find: linear, not quadratic
-    )
-    at = 0
-    while (start := response.find("\\boxed{", at)) >= 0:
-        end = response.find("}", start + len("\\boxed{"))
-        if end < 0:
-            break
-        last, at = response[start + len("\\boxed{") : end], end + 1
-    if last is not None:
-        return last.strip()
-    for line in response.split("\n"):  # str.find, not a lazy regex: linear however many tags there are
-        at = 0
-        while (start := line.find("<answer>", at)) >= 0:
-            end = line.find("</answer>", start + len("<answer>"))
-            if end < 0:
-                break
-            last, at = line[start + len("<answer>") : end], end + len("</answer>")
+    last = _last_enclosed(response, "\\boxed{", "}")  # the seed's \\boxed\{([^}]*)\}
+    if last is None:  # the seed's <answer>(.*?)</answer>, whose "." stops at a line's end
+        tags = (_last_enclosed(line, "<answer>", "</answer>") for line in response.split("\n"))
+        last = next((tag for tag in reversed(list(tags)) if tag is not None), None)
     return last.strip() if last is not None else None
 
 
@@ -237,13 +236,12 @@ def _seed_value(node: ast.expr) -> Fraction | None:
     if left is None or right is None:
         return None
     op = node.op
-    if isinstance(op, ast.Add | ast.Sub | ast.Mult):
-        result: Fraction = left + right if isinstance(op, ast.Add) else left - right if isinstance(op, ast.Sub) \
-            else left * right  # fmt: skip
-    elif isinstance(op, ast.Div | ast.FloorDiv):
-        if right == 0:
-            return None
-        result = left / right if isinstance(op, ast.Div) else Fraction(left // right)
+    if isinstance(op, ast.Div | ast.FloorDiv) and right == 0:
+        return None
+    if type(op) in _OPERATORS:  # + - * /, as the lenient rule computes them
+        result: Fraction = _OPERATORS[type(op)](left, right)
+    elif isinstance(op, ast.FloorDiv):
+        result = Fraction(left // right)
     elif isinstance(op, ast.Pow):
         # an integer exponent is exact; a fractional one (a root) is left out, as are huge powers
         if right.denominator != 1 or abs(right) > MAX_EXPONENT or (left == 0 and right < 0):
