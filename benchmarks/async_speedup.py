@@ -59,10 +59,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = (
-    "sampler.grpc_port", "sampler.metrics_port", "reward.grpc_port", "reward.metrics_port",
-    "learner.grpc_port", "learner.metrics_port", "weight_broker.grpc_port", "weight_broker.data_port",
+    "sampler.grpc_port",
+    "sampler.metrics_port",
+    "reward.grpc_port",
+    "reward.metrics_port",
+    "learner.grpc_port",
+    "learner.metrics_port",
+    "weight_broker.grpc_port",
+    "weight_broker.data_port",
     "weight_broker.metrics_port",
-)  # fmt: skip
+)
 SERVICES = ("sampler", "reward", "learner")
 SHOWN = ("  [ok]", "stopping", "report:")  # the launcher's lines worth showing (besides progress), not Ray's
 
@@ -94,18 +100,38 @@ def launch(
     back: not what a step-time comparison of k is about). Returns the process's wall seconds."""
     run_dir.mkdir(parents=True)
     command = [
-        sys.executable, "-m", "deploy.launch", "--config", str(preset), "--run.run_dir", str(run_dir),
-        "--k", str(k), "--launcher.max_steps", str(steps), "--launcher.max_minutes", "0",
+        sys.executable,
+        "-m",
+        "deploy.launch",
+        "--config",
+        str(preset),
+        "--run.run_dir",
+        str(run_dir),
+        "--k",
+        str(k),
+        "--launcher.max_steps",
+        str(steps),
+        "--launcher.max_minutes",
+        "0",
         *(arg for port in PORTS for arg in (f"--{port}", "0")),
-        *([] if evaluation else ["--set", "evaluation.sets=[]"]), *extra,
-    ]  # fmt: skip
+        *([] if evaluation else ["--set", "evaluation.sets=[]"]),
+        *extra,
+    ]
     t0 = time.monotonic()
     with (run_dir / "launch.log").open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         # past the deadline: Ctrl-C (the launcher stops every service and Ray), then SIGKILL if that hangs
-        timers = [threading.Timer(timeout_s, _signal, (proc, signal.SIGINT)),
-                  threading.Timer(timeout_s + 300, _signal, (proc, signal.SIGKILL))]  # fmt: skip
+        timers = [
+            threading.Timer(timeout_s, _signal, (proc, signal.SIGINT)),
+            threading.Timer(timeout_s + 300, _signal, (proc, signal.SIGKILL)),
+        ]
         for timer in timers:
             timer.start()
         try:
@@ -195,10 +221,16 @@ def measure(run_dir: Path, k: int, steps: int, launch_s: float) -> Run:
         "learner": statistics.fmean(r["timings"]["step_s"] + r["timings"]["publish_s"] for r in window),
     }
     return Run(
-        k=k, steps=steps, launch_s=launch_s, window_s=window_s, step_s=window_s / (steps - 1), busy=busy,
+        k=k,
+        steps=steps,
+        launch_s=launch_s,
+        window_s=window_s,
+        step_s=window_s / (steps - 1),
+        busy=busy,
         reward_mean=statistics.fmean(float(r["reward_mean"]) for r in window),
-        lag_mean=statistics.fmean(float(lag) for r in window for lag in r["lags"]), aborted=aborted,
-    )  # fmt: skip
+        lag_mean=statistics.fmean(float(lag) for r in window for lag in r["lags"]),
+        aborted=aborted,
+    )
 
 
 def main() -> None:
@@ -230,27 +262,44 @@ def main() -> None:
     speedup = sync.step_s / fast.step_s
     fraction = speedup / ideal
     shown = f" with {' '.join(overrides)}" if overrides else ""
-    print(f"\npreset {args.preset}{shown}, {steps} learner steps per run; window = step 1's line to step {steps}'s "
-          f"(steps 2..{steps}: start-up and step 1 left out); seconds per step unless marked")  # fmt: skip
-    print(f"{'run':<6}{'k':>3}{'launch_s':>10}{'window_s':>10}{'step_s':>8}{'sampler':>9}{'reward':>8}"
-          f"{'learner':>9}{'busy_sum':>10}{'aborted':>9}{'reward':>8}{'lag':>6}")  # fmt: skip
+    print(
+        f"\npreset {args.preset}{shown}, {steps} learner steps per run; window = step 1's line to step {steps}'s "
+        f"(steps 2..{steps}: start-up and step 1 left out); seconds per step unless marked"
+    )
+    print(
+        f"{'run':<6}{'k':>3}{'launch_s':>10}{'window_s':>10}{'step_s':>8}{'sampler':>9}{'reward':>8}"
+        f"{'learner':>9}{'busy_sum':>10}{'aborted':>9}{'reward':>8}{'lag':>6}"
+    )
     for name, r in (("sync", sync), ("async", fast)):
-        print(f"{name:<6}{r.k:>3}{r.launch_s:>10.1f}{r.window_s:>10.2f}{r.step_s:>8.3f}{r.busy['sampler']:>9.3f}"
-              f"{r.busy['reward']:>8.3f}{r.busy['learner']:>9.3f}{sum(r.busy.values()):>10.3f}{r.aborted:>9}"
-              f"{r.reward_mean:>8.3f}{r.lag_mean:>6.2f}")  # fmt: skip
-    print("busy: sampler = engine-step s x groups_per_step / groups started (aborted counted whole) / replicas;"
-          " reward = scoring s x groups_per_step / groups scored; learner = step_s + publish_s")  # fmt: skip
-    print(f"ideal speedup: sync step {sync.step_s:.3f}s / busiest sync service ({busiest}) "
-          f"{sync.busy[busiest]:.3f}s = {ideal:.2f}")  # fmt: skip
+        print(
+            f"{name:<6}{r.k:>3}{r.launch_s:>10.1f}{r.window_s:>10.2f}{r.step_s:>8.3f}{r.busy['sampler']:>9.3f}"
+            f"{r.busy['reward']:>8.3f}{r.busy['learner']:>9.3f}{sum(r.busy.values()):>10.3f}{r.aborted:>9}"
+            f"{r.reward_mean:>8.3f}{r.lag_mean:>6.2f}"
+        )
+    print(
+        "busy: sampler = engine-step s x groups_per_step / groups started (aborted counted whole) / replicas;"
+        " reward = scoring s x groups_per_step / groups scored; learner = step_s + publish_s"
+    )
+    print(
+        f"ideal speedup: sync step {sync.step_s:.3f}s / busiest sync service ({busiest}) "
+        f"{sync.busy[busiest]:.3f}s = {ideal:.2f}"
+    )
     print(f"async (k={args.k_async}) over sync speedup: {speedup:.2f}")
     print(f"fraction of ideal: {fraction:.2f} (target >= 0.8)")
     figures = {
-        "async_over_sync_speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": fraction,
-        "sync_step_s": sync.step_s, "async_step_s": fast.step_s, "steps": steps, "k_async": args.k_async,
-        "busiest_sync_service": busiest, "overrides": " ".join(overrides),
-        "sync_busy_s": sync.busy, "async_busy_s": fast.busy,
+        "async_over_sync_speedup": speedup,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": fraction,
+        "sync_step_s": sync.step_s,
+        "async_step_s": fast.step_s,
+        "steps": steps,
+        "k_async": args.k_async,
+        "busiest_sync_service": busiest,
+        "overrides": " ".join(overrides),
+        "sync_busy_s": sync.busy,
+        "async_busy_s": fast.busy,
         "reward_mean": {"sync": sync.reward_mean, "async": fast.reward_mean},
-    }  # fmt: skip
+    }
     print(json.dumps(_rounded(figures)))
 
 

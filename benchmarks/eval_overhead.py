@@ -70,8 +70,15 @@ def main() -> None:
         for name, evaluation in (("without", False), ("with", True)):
             run_dir = out / name
             print(f"{name} evaluation: {steps} steps on {args.preset}, run directory {run_dir}", flush=True)
-            launch(args.preset.resolve(), run_dir, args.k, steps, extra + (with_eval if evaluation else []),
-                   args.timeout, evaluation=evaluation)  # fmt: skip
+            launch(
+                args.preset.resolve(),
+                run_dir,
+                args.k,
+                steps,
+                extra + (with_eval if evaluation else []),
+                args.timeout,
+                evaluation=evaluation,
+            )
             figures[f"step_s_{name}"] = window_step_s(run_dir, steps, f"{name}-evaluation")
         summary = json.loads((out / "with" / "summary.json").read_text())
         samplers = summary.get("samplers") or []
@@ -91,22 +98,38 @@ def main() -> None:
     slowdown = figures["step_s_with"] / figures["step_s_without"]
     round_s = statistics.fmean(r["eval_seconds"] for r in evals)
     tasks = evals[0]["tasks"] * evals[0]["n"]
-    print(f"\npreset {args.preset}, k = {args.k}, {steps} learner steps per run, shared evaluation every {every} "
-          f"versions ({tasks} responses a round); window = step 1's line to step {steps}'s")  # fmt: skip
+    print(
+        f"\npreset {args.preset}, k = {args.k}, {steps} learner steps per run, shared evaluation every {every} "
+        f"versions ({tasks} responses a round); window = step 1's line to step {steps}'s"
+    )
     print(f"{'run':<9}{'step_s':>8}{'rounds':>8}{'abandoned':>11}{'hold_s':>8}{'round_s':>9}")
     print(f"{'without':<9}{figures['step_s_without']:>8.3f}{'-':>8}{'-':>11}{'-':>8}{'-':>9}")
-    print(f"{'with':<9}{figures['step_s_with']:>8.3f}{rounds['done']:>8}{rounds['abandoned']:>11}{hold_s:>8.2f}"
-          f"{round_s:>9.2f}")  # fmt: skip
+    print(
+        f"{'with':<9}{figures['step_s_with']:>8.3f}{rounds['done']:>8}{rounds['abandoned']:>11}{hold_s:>8.2f}"
+        f"{round_s:>9.2f}"
+    )
     held_fraction = hold_s / (figures["step_s_with"] * (steps - 1))
-    print(f"slowdown with evaluation: {slowdown:.3f}x; newer versions held {hold_s:.1f}s over {rounds['done']} "
-          f"round(s) (at most max_delay_s = {max_delay:g}s each), {held_fraction:.1%} of the run's window")  # fmt: skip
+    print(
+        f"slowdown with evaluation: {slowdown:.3f}x; newer versions held {hold_s:.1f}s over {rounds['done']} "
+        f"round(s) (at most max_delay_s = {max_delay:g}s each), {held_fraction:.1%} of the run's window"
+    )
     result = {
-        **figures, "slowdown": slowdown, "rounds_done": rounds["done"], "rounds_abandoned": rounds["abandoned"],
-        "hold_s": hold_s, "hold_s_per_round": hold_s / rounds["done"], "held_fraction": held_fraction,
-        "round_s": round_s, "steps": steps,
-        "every": every, "k": args.k, "max_delay_s": max_delay, "responses_per_round": tasks,
-        "eval_versions": [r["version"] for r in evals], "overrides": " ".join(overrides),
-    }  # fmt: skip
+        **figures,
+        "slowdown": slowdown,
+        "rounds_done": rounds["done"],
+        "rounds_abandoned": rounds["abandoned"],
+        "hold_s": hold_s,
+        "hold_s_per_round": hold_s / rounds["done"],
+        "held_fraction": held_fraction,
+        "round_s": round_s,
+        "steps": steps,
+        "every": every,
+        "k": args.k,
+        "max_delay_s": max_delay,
+        "responses_per_round": tasks,
+        "eval_versions": [r["version"] for r in evals],
+        "overrides": " ".join(overrides),
+    }
     print(json.dumps(_rounded(result)))
 
 

@@ -50,16 +50,44 @@ from services.learner.vcpo import ObjectiveConfig
 TARGETS = {"vcpo_peak_over_grpo": 1.25, "peak_growth_over_microbatches": 1.1, "recompute_time_over_grpo": 1.6}
 # Qwen2 configs (random weights): the CPU's, the quick one, and Qwen2.5-0.5B's and -1.5B's shapes (tied
 # embeddings, as those models have)
-SPEC_CPU = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=704, vocab_size=8192, tie_word_embeddings=False)  # fmt: skip
-SPEC_QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=128, vocab_size=2048, tie_word_embeddings=False)  # fmt: skip
+SPEC_CPU = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=704,
+    vocab_size=8192,
+    tie_word_embeddings=False,
+)
+SPEC_QUICK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=128,
+    vocab_size=2048,
+    tie_word_embeddings=False,
+)
 SPECS_GPU = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
 PATHS = ("grpo", "saved", "recompute")
 
 
@@ -136,9 +164,11 @@ def main() -> None:
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     drop_gradients_as_zero3(model)
-    print(f"model: {sum({id(p): p.numel() for p in model.parameters()}.values()) / 1e6:.1f}M parameters, {spec['num_hidden_layers']} layers, width "
-          f"{spec['hidden_size']}, vocabulary {spec['vocab_size']}, {str(dtype).removeprefix('torch.')} on {args.device}; "
-          f"{rows} rows per micro-batch; checkpointing {args.checkpointing}")  # fmt: skip
+    print(
+        f"model: {sum({id(p): p.numel() for p in model.parameters()}.values()) / 1e6:.1f}M parameters, {spec['num_hidden_layers']} layers, width "
+        f"{spec['hidden_size']}, vocabulary {spec['vocab_size']}, {str(dtype).removeprefix('torch.')} on {args.device}; "
+        f"{rows} rows per micro-batch; checkpointing {args.checkpointing}"
+    )
     print(f"{'tokens':>6} {'micro':>5} {'path':>9} {'peak MiB':>9} {'bytes/token':>11} {'step s':>8}")
     peaks: dict[tuple[int, int, str], int] = {}
     times: dict[tuple[int, int, str], float] = {}
@@ -159,10 +189,19 @@ def main() -> None:
             for path in PATHS:
                 times[length, n, path] = statistics.median(samples[path])
                 tokens = rows * n * length
-                print(f"{length:>6} {n:>5} {path:>9} {peaks[length, n, path] / 2**20:>9.1f} "
-                      f"{peaks[length, n, path] / tokens:>11.0f} {times[length, n, path]:>8.3f}")  # fmt: skip
-        estimates[length] = step_memory(hf_config, mode="recompute", rows=rows, tokens=length, dtype=dtype,
-                                        checkpointing=args.checkpointing, logit_chunk_tokens=chunk).peak  # fmt: skip
+                print(
+                    f"{length:>6} {n:>5} {path:>9} {peaks[length, n, path] / 2**20:>9.1f} "
+                    f"{peaks[length, n, path] / tokens:>11.0f} {times[length, n, path]:>8.3f}"
+                )
+        estimates[length] = step_memory(
+            hf_config,
+            mode="recompute",
+            rows=rows,
+            tokens=length,
+            dtype=dtype,
+            checkpointing=args.checkpointing,
+            logit_chunk_tokens=chunk,
+        ).peak
     longest, few, many = max(lengths), micro[0], micro[-1]
     figures = {
         "vcpo_peak_over_grpo": max(

@@ -78,8 +78,13 @@ def _rank(
             if r:
                 times[name].append(t1 - t0)
                 times["publish"].append(t2 - t1)
-    return {"times": times, "tokens": float(batch.attention_mask.sum()), "rows": len(batch),
-            "backend": trainer.backend, "precision": trainer.precision}  # fmt: skip
+    return {
+        "times": times,
+        "tokens": float(batch.attention_mask.sum()),
+        "rows": len(batch),
+        "backend": trainer.backend,
+        "precision": trainer.precision,
+    }
 
 
 def main() -> None:
@@ -94,9 +99,11 @@ def main() -> None:
         "--micro-batch", type=int, default=8, help="trajectories per micro-batch on each rank"
     )
     parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu",
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
         help="cuda: one GPU per rank, NCCL and bf16 (the learner's GPU settings); cpu: gloo and fp32",
-    )  # fmt: skip
+    )
     parser.add_argument("--ranks", type=int, default=0, help="learner ranks (default: 2 on CPU, 1 on CUDA)")
     parser.add_argument("--size", choices=list(SPECS), default="10m", help="the model (without --quick)")
     args = parser.parse_args()

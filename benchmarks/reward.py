@@ -45,17 +45,21 @@ def math_group(i: int, rng: random.Random) -> rollout_pb2.TrajectoryGroup:
     a, b, c = rng.randint(10, 999), rng.randint(10, 999), rng.randint(2, 9)
     answer = (a + b) * c
     task = rollout_pb2.Task(
-        task_id=f"gsm8k:{i}", scorer="math", prompt=f"({a}+{b})*{c}?",
+        task_id=f"gsm8k:{i}",
+        scorer="math",
+        prompt=f"({a}+{b})*{c}?",
         reference=f"First {a}+{b}={a + b}, then times {c}.\n#### {answer:,}",
-    )  # fmt: skip
+    )
     group = rollout_pb2.TrajectoryGroup(group_id=f"math-{i}", task=task)
     for j in range(N):
         guess = answer if j % 2 == 0 else answer + rng.randint(1, 50)
         form = j % 4
         endings = (
-            f"The answer is \\boxed{{{guess}}}.", f"The answer is {guess:,}.", f"So {a + b} x {c} = {guess}",
+            f"The answer is \\boxed{{{guess}}}.",
+            f"The answer is {guess:,}.",
+            f"So {a + b} x {c} = {guess}",
             f"#### {guess}",
-        )  # fmt: skip
+        )
         text = f"We add {a} and {b} to get {a + b}. Multiplying by {c} gives {guess}. {endings[form]}"
         group.trajectories.add(text=text, response_tokens=list(range(64)), behaviour_logprobs=[-0.5] * 64)
     return group
@@ -93,9 +97,11 @@ def run_case(
         f"[reward]\nworkers = {workers}\ngrpc_port = 0\nmetrics_port = 0\n"
     )
     cfg = RewardServiceConfig.model_validate(
-        {"run": {"run_id": run_id, "redis_url": url}, "streams": {"rollouts_maxlen": groups + 1,
-                                                                   "scored_maxlen": groups + 1}}
-    )  # fmt: skip
+        {
+            "run": {"run_id": run_id, "redis_url": url},
+            "streams": {"rollouts_maxlen": groups + 1, "scored_maxlen": groups + 1},
+        }
+    )
     specs = stream_specs(cfg.run, cfg.streams)
     client = redis.Redis.from_url(url)
     StreamConsumer(client, specs["rollouts"], "bench")  # the consumer group exists before the replicas
@@ -168,8 +174,14 @@ def main() -> None:
     scaling = {w: rates[f"{w}_2"] / rates[f"{w}_1"] for w in MAKERS}
     for workload, ratio in scaling.items():
         print(f"{workload}: 2 replicas over 1 = {ratio:.2f}")
-    print(json.dumps({"groups_per_s": {k: round(v, 2) for k, v in rates.items()},
-                      "scaling_2_over_1": {k: round(v, 3) for k, v in scaling.items()}}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "groups_per_s": {k: round(v, 2) for k, v in rates.items()},
+                "scaling_2_over_1": {k: round(v, 3) for k, v in scaling.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -126,9 +126,15 @@ class Bench:
         self.n, self.max_tokens, self.refill = n, max_tokens, refill
         # without CUDA, VllmEngine keeps vLLM's engine core in this process: both paths run in one process
         self.engine = VllmEngine(
-            VllmSettings(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                         kv_cache_memory_bytes=kv_bytes, enforce_eager=True, seed=0)
-        )  # fmt: skip
+            VllmSettings(
+                model=str(model_dir),
+                dtype="float32",
+                max_model_len=MAX_MODEL_LEN,
+                kv_cache_memory_bytes=kv_bytes,
+                enforce_eager=True,
+                seed=0,
+            )
+        )
         self.redis = LocalRedis()
         self.client: redis.Redis = self.redis.client()
         self.dataset = work / "prompts.jsonl"
@@ -140,8 +146,14 @@ class Bench:
                 )
         encoder = PromptEncoder(self.engine.tokenizer, MAX_MODEL_LEN, max_tokens)
         self.prompts = [encoder.encode(task) for task in load_dataset(str(self.dataset))]
-        self.run = RunConfig(run_id=RUN_ID, k=0, groups_per_step=1, model=str(model_dir),
-                             redis_url=self.redis.url, run_dir=work / "run")  # fmt: skip
+        self.run = RunConfig(
+            run_id=RUN_ID,
+            k=0,
+            groups_per_step=1,
+            model=str(model_dir),
+            redis_url=self.redis.url,
+            run_dir=work / "run",
+        )
         self.specs = stream_specs(self.run, StreamsConfig())
         # the broker as services/weight_broker/main.py wires it, in this process, announcing each version
         servicer = WeightBrokerServicer(
@@ -160,13 +172,29 @@ class Bench:
     def service_config(self, groups: int) -> SamplerServiceConfig:
         # version 0, one group per step: the lag bound admits k + 1 groups (the counter is reset per run)
         run = self.run.model_copy(update={"k": REFILL_K if self.refill else groups - 1})
-        sampler = {"n": self.n, "max_tokens": self.max_tokens, "temperature": 1.0, "max_model_len": MAX_MODEL_LEN,
-                   "dtype": "float32", "enforce_eager": True, "dataset": str(self.dataset),
-                   "max_groups_in_flight": groups, "grpc_port": 0, "metrics_port": 0}  # fmt: skip
+        sampler = {
+            "n": self.n,
+            "max_tokens": self.max_tokens,
+            "temperature": 1.0,
+            "max_model_len": MAX_MODEL_LEN,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "dataset": str(self.dataset),
+            "max_groups_in_flight": groups,
+            "grpc_port": 0,
+            "metrics_port": 0,
+        }
         return SamplerServiceConfig.model_validate(
-            {"run": run.model_dump(), "sampler": sampler,
-             "weight_broker": {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": self.broker.port}}
-        )  # fmt: skip
+            {
+                "run": run.model_dump(),
+                "sampler": sampler,
+                "weight_broker": {
+                    "transport": "grpc",
+                    "advertise_host": "127.0.0.1",
+                    "grpc_port": self.broker.port,
+                },
+            }
+        )
 
     def engine_run(self, groups: int, profile: cProfile.Profile | None = None) -> Measurement:
         return self._generate(groups, profile, detokenize=True)
@@ -177,8 +205,9 @@ class Bench:
     def _generate(self, groups: int, profile: cProfile.Profile | None, detokenize: bool) -> Measurement:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=self.n, temperature=1.0, max_tokens=self.max_tokens, logprobs=0,
-                                detokenize=detokenize)  # fmt: skip
+        params = SamplingParams(
+            n=self.n, temperature=1.0, max_tokens=self.max_tokens, logprobs=0, detokenize=detokenize
+        )
         prompts = [{"prompt_token_ids": list(p)} for p in self.prompts[:groups]]
         if profile:
             profile.enable()
@@ -280,15 +309,22 @@ def main() -> None:
                 ]:
                     m = run(groups)
                     runs[m.path].append(m)
-                    print(f"# round {r}: {m.path:<7} {m.tokens} tokens in {m.seconds:.3f}s = "
-                          f"{m.tokens_per_s:.0f} tokens/s", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"# round {r}: {m.path:<7} {m.tokens} tokens in {m.seconds:.3f}s = "
+                        f"{m.tokens_per_s:.0f} tokens/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             load.append(os.getloadavg()[0])
             if args.profile:
                 for name, fn in (("engine", bench.engine_run), ("service", bench.service_run)):
                     profile = cProfile.Profile()
                     m = fn(groups, profile)
-                    print(f"# profiled {name}: {m.tokens} tokens in {m.seconds:.3f}s (timed as above, "
-                          "with cProfile's overhead)", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"# profiled {name}: {m.tokens} tokens in {m.seconds:.3f}s (timed as above, "
+                        "with cProfile's overhead)",
+                        file=sys.stderr,
+                    )
                     print_profile(name, profile, 40)
         finally:
             bench.close()
@@ -299,17 +335,23 @@ def main() -> None:
     rate = {path: med(path, lambda m: m.tokens_per_s) for path in runs}
     ratio = rate["service"] / rate["engine"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"model: {model_dir.name if args.model else 'tiny Qwen2'} ({params / 1e6:.2f}M parameters, float32) "
-          f"on {device} ({os.cpu_count()} CPUs, 1-min load average {max(load):.1f} at most); {groups} prompts "
-          f"of {min(prompt_lens)}-{max(prompt_lens)} tokens, n={n}, max_tokens={max_tokens}, temperature 1, "
-          f"logprobs 0; medians of {repeats} rounds")  # fmt: skip
+    print(
+        f"model: {model_dir.name if args.model else 'tiny Qwen2'} ({params / 1e6:.2f}M parameters, float32) "
+        f"on {device} ({os.cpu_count()} CPUs, 1-min load average {max(load):.1f} at most); {groups} prompts "
+        f"of {min(prompt_lens)}-{max(prompt_lens)} tokens, n={n}, max_tokens={max_tokens}, temperature 1, "
+        f"logprobs 0; medians of {repeats} rounds"
+    )
     print(f"{'path':<9}{'groups':>7}{'n':>4}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}")
     for path in ("engine", "engine_raw", "service"):
-        print(f"{path:<9}{groups:>7}{n:>4}{med(path, lambda m: m.tokens):>8.0f}"
-              f"{med(path, lambda m: m.seconds):>9.3f}{rate[path]:>10.0f}")  # fmt: skip
-    print("engine: the llm.generate call; engine_raw: the same with detokenize=False (vLLM then skips its "
-          "incremental detokenizing, as the service does: it decodes each response once); service: from version 0 loaded (its first groups admitted) until the "
-          f"last group is on the rollouts stream; k = {'huge (--refill)' if args.refill else 'G - 1'}")  # fmt: skip
+        print(
+            f"{path:<9}{groups:>7}{n:>4}{med(path, lambda m: m.tokens):>8.0f}"
+            f"{med(path, lambda m: m.seconds):>9.3f}{rate[path]:>10.0f}"
+        )
+    print(
+        "engine: the llm.generate call; engine_raw: the same with detokenize=False (vLLM then skips its "
+        "incremental detokenizing, as the service does: it decodes each response once); service: from version 0 loaded (its first groups admitted) until the "
+        f"last group is on the rollouts stream; k = {'huge (--refill)' if args.refill else 'G - 1'}"
+    )
     figures = {
         "service_over_engine": round(ratio, 3),
         "service_over_engine_raw": round(rate["service"] / rate["engine_raw"], 3),

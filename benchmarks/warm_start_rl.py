@@ -69,8 +69,9 @@ def rl_run(
     and drives the task order and the sampling; ``lag`` is how many versions behind the learner the sampling
     policy is."""
     config = objective_config(LearnerConfig(objective=objective))
-    settings = ReplaySettings(groups_per_step=GROUPS_PER_STEP, n=N, max_tokens=MAX_TOKENS,
-                              max_model_len=MAX_MODEL_LEN, lr=lr)  # fmt: skip
+    settings = ReplaySettings(
+        groups_per_step=GROUPS_PER_STEP, n=N, max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN, lr=lr
+    )
     replay = Replay(model_dir, dataset, config, seed=seed, lag=lag, settings=settings)
     rewards_per_step = [replay.step()["reward"] for _ in range(steps)]
     replay.model.eval()
@@ -127,8 +128,16 @@ def main() -> None:
             held_out = load_dataset(args.dataset, split="test", seed=seed)[:eval_prompts]
             for steps in ws_steps:
                 t0 = time.monotonic()
-                ws_dir = warm_start(base, Path(tmp) / f"ws{seed}-{steps}", args.dataset, steps=steps,
-                                    lr=args.ws_lr, batch_size=args.ws_batch, seed=seed, threads=args.threads)  # fmt: skip
+                ws_dir = warm_start(
+                    base,
+                    Path(tmp) / f"ws{seed}-{steps}",
+                    args.dataset,
+                    steps=steps,
+                    lr=args.ws_lr,
+                    batch_size=args.ws_batch,
+                    seed=seed,
+                    threads=args.threads,
+                )
                 ws_s = time.monotonic() - t0
                 model, tokenizer = _load(ws_dir)
                 warm[seed, steps] = {
@@ -138,52 +147,94 @@ def main() -> None:
                 }
                 for lr in rl_lrs:
                     t0 = time.monotonic()
-                    rewards, model, tokenizer = rl_run(ws_dir, args.dataset, steps=rl_steps, lr=lr, seed=seed,
-                                                       lag=args.lag, objective=args.objective)  # fmt: skip
+                    rewards, model, tokenizer = rl_run(
+                        ws_dir,
+                        args.dataset,
+                        steps=rl_steps,
+                        lr=lr,
+                        seed=seed,
+                        lag=args.lag,
+                        objective=args.objective,
+                    )
                     first, last = statistics.fmean(rewards[:window]), statistics.fmean(rewards[-window:])
-                    runs.setdefault((steps, lr), []).append({
-                        "first": first, "last": last, "rise": last - first, "rl_s": time.monotonic() - t0,
-                        "final": policy_reward(model, tokenizer, train, n_samples=N, seed=seed),
-                    })  # fmt: skip
+                    runs.setdefault((steps, lr), []).append(
+                        {
+                            "first": first,
+                            "last": last,
+                            "rise": last - first,
+                            "rl_s": time.monotonic() - t0,
+                            "final": policy_reward(model, tokenizer, train, n_samples=N, seed=seed),
+                        }
+                    )
                     curves.setdefault((steps, lr), []).append(rewards)
-                    print(f"# seed {seed} warm start {steps} steps (reward {warm[seed, steps]['train']:.3f}) "
-                          f"RL lr {lr:g}: {first:.3f} -> {last:.3f}", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"# seed {seed} warm start {steps} steps (reward {warm[seed, steps]['train']:.3f}) "
+                        f"RL lr {lr:g}: {first:.3f} -> {last:.3f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
-    print(f"warm start on {args.dataset}: lr {args.ws_lr:g}, batch {args.ws_batch}; sampled reward at "
-          f"temperature 1, {N} samples per prompt; mean over seeds {seeds}")  # fmt: skip
+    print(
+        f"warm start on {args.dataset}: lr {args.ws_lr:g}, batch {args.ws_batch}; sampled reward at "
+        f"temperature 1, {N} samples per prompt; mean over seeds {seeds}"
+    )
     print(f"{'ws_steps':>8} {'seconds':>7} {'train':>6} {'held_out':>8} {'min_train':>9} {'max_train':>9}")
     for steps in ws_steps:
         rows = [warm[s, steps] for s in seeds]
         trains = [r["train"] for r in rows]
-        print(f"{steps:>8} {_mean(rows, 'seconds'):>7.1f} {statistics.fmean(trains):>6.3f} "
-              f"{_mean(rows, 'held_out'):>8.3f} {min(trains):>9.3f} {max(trains):>9.3f}")  # fmt: skip
-    print(f"\nRL ({args.objective}, lag {args.lag}, {rl_steps} steps of {GROUPS_PER_STEP} x {N}): mean training "
-          f"reward of the first and last {window} steps; mean over seeds, min_rise the smallest")  # fmt: skip
-    print(f"{'ws_steps':>8} {'rl_lr':>7} {'first':>6} {'last':>6} {'rise':>6} {'min_rise':>8} {'final':>6} "
-          f"{'rl_s':>5}")  # fmt: skip
+        print(
+            f"{steps:>8} {_mean(rows, 'seconds'):>7.1f} {statistics.fmean(trains):>6.3f} "
+            f"{_mean(rows, 'held_out'):>8.3f} {min(trains):>9.3f} {max(trains):>9.3f}"
+        )
+    print(
+        f"\nRL ({args.objective}, lag {args.lag}, {rl_steps} steps of {GROUPS_PER_STEP} x {N}): mean training "
+        f"reward of the first and last {window} steps; mean over seeds, min_rise the smallest"
+    )
+    print(
+        f"{'ws_steps':>8} {'rl_lr':>7} {'first':>6} {'last':>6} {'rise':>6} {'min_rise':>8} {'final':>6} "
+        f"{'rl_s':>5}"
+    )
     for (steps, lr), rows in runs.items():
-        print(f"{steps:>8} {lr:>7g} {_mean(rows, 'first'):>6.3f} {_mean(rows, 'last'):>6.3f} "
-              f"{_mean(rows, 'rise'):>+6.3f} {min(r['rise'] for r in rows):>+8.3f} {_mean(rows, 'final'):>6.3f} "
-              f"{_mean(rows, 'rl_s'):>5.1f}")  # fmt: skip
+        print(
+            f"{steps:>8} {lr:>7g} {_mean(rows, 'first'):>6.3f} {_mean(rows, 'last'):>6.3f} "
+            f"{_mean(rows, 'rise'):>+6.3f} {min(r['rise'] for r in rows):>+8.3f} {_mean(rows, 'final'):>6.3f} "
+            f"{_mean(rows, 'rl_s'):>5.1f}"
+        )
 
     key = (RECOMMENDED["ws_steps"], RECOMMENDED["rl_lr"])
     if key not in runs:  # e.g. --quick: report the best case measured instead
         key = max(runs, key=lambda k: _mean(runs[k], "rise"))
     curve = [statistics.fmean(values) for values in zip(*curves[key], strict=True)]
     windows = [statistics.fmean(curve[i : i + CURVE_WINDOW]) for i in range(0, len(curve), CURVE_WINDOW)]
-    print(f"\ncurve (ws_steps {key[0]}, rl_lr {key[1]:g}), mean reward per {CURVE_WINDOW}-step window: "
-          + " ".join(f"{w:.2f}" for w in windows))  # fmt: skip
+    print(
+        f"\ncurve (ws_steps {key[0]}, rl_lr {key[1]:g}), mean reward per {CURVE_WINDOW}-step window: "
+        + " ".join(f"{w:.2f}" for w in windows)
+    )
     rows = runs[key]
     ws_rows = [warm[s, key[0]] for s in seeds]
-    print(json.dumps({
-        "dataset": args.dataset, "ws_steps": key[0], "ws_lr": args.ws_lr, "ws_batch": args.ws_batch,
-        "rl_lr": key[1], "objective": args.objective, "lag": args.lag, "rl_steps": rl_steps, "seeds": seeds,
-        "ws_seconds": round(_mean(ws_rows, "seconds"), 2), "ws_reward": round(_mean(ws_rows, "train"), 4),
-        "ws_held_out_reward": round(_mean(ws_rows, "held_out"), 4),
-        "rl_first": round(_mean(rows, "first"), 4), "rl_last": round(_mean(rows, "last"), 4),
-        "rl_rise": round(_mean(rows, "rise"), 4), "rl_min_rise": round(min(r["rise"] for r in rows), 4),
-        "seconds": round(time.monotonic() - started, 1),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "dataset": args.dataset,
+                "ws_steps": key[0],
+                "ws_lr": args.ws_lr,
+                "ws_batch": args.ws_batch,
+                "rl_lr": key[1],
+                "objective": args.objective,
+                "lag": args.lag,
+                "rl_steps": rl_steps,
+                "seeds": seeds,
+                "ws_seconds": round(_mean(ws_rows, "seconds"), 2),
+                "ws_reward": round(_mean(ws_rows, "train"), 4),
+                "ws_held_out_reward": round(_mean(ws_rows, "held_out"), 4),
+                "rl_first": round(_mean(rows, "first"), 4),
+                "rl_last": round(_mean(rows, "last"), 4),
+                "rl_rise": round(_mean(rows, "rise"), 4),
+                "rl_min_rise": round(min(r["rise"] for r in rows), 4),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        )
+    )
 
 
 def _load(model_dir: Path) -> tuple[Any, Any]:

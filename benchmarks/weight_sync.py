@@ -179,14 +179,27 @@ def start_broker(run_dir: Path) -> tuple[ServiceProcess, str, str]:
     """A broker process on free ports (memory storage, retain 1), healthy; its gRPC and data-plane addresses."""
     port, data_port = free_port(), free_port()
     broker = ServiceProcess(
-        "broker", "services.weight_broker",
-        ["--set", f"weight_broker.grpc_port={port}", "--set", "weight_broker.metrics_port=0",
-         "--set", f"weight_broker.data_port={data_port}",
-         "--set", "weight_broker.storage=memory", "--set", "weight_broker.retain_versions=1",
-         "--set", f"run.run_dir={run_dir}", "--set", "run.redis_url="],
+        "broker",
+        "services.weight_broker",
+        [
+            "--set",
+            f"weight_broker.grpc_port={port}",
+            "--set",
+            "weight_broker.metrics_port=0",
+            "--set",
+            f"weight_broker.data_port={data_port}",
+            "--set",
+            "weight_broker.storage=memory",
+            "--set",
+            "weight_broker.retain_versions=1",
+            "--set",
+            f"run.run_dir={run_dir}",
+            "--set",
+            "run.redis_url=",
+        ],
         run_dir / "broker.log",
         env=dict(os.environ),  # main() decided whether the allocator settings are in it
-    )  # fmt: skip
+    )
     address = f"127.0.0.1:{port}"
     try:
         broker.wait_healthy(address, "", timeout_s=60)
@@ -231,8 +244,17 @@ def _fetcher(kind: str, address: str, data: str, index: int, ready: Any, go: Any
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         transport.close()
         cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-        results.put({"index": index, "done": done, "digest": hasher.hexdigest(), **counts,
-                     "sink_s": sink_seconds, "cpu_s": cpu, "maxrss": cpu1.ru_maxrss * 1024})  # fmt: skip
+        results.put(
+            {
+                "index": index,
+                "done": done,
+                "digest": hasher.hexdigest(),
+                **counts,
+                "sink_s": sink_seconds,
+                "cpu_s": cpu,
+                "maxrss": cpu1.ru_maxrss * 1024,
+            }
+        )
     except BaseException as exc:
         results.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -292,8 +314,15 @@ def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results
         for _ in range(versions):
             version, tensors, _ = receiver.receive()
             done = time.monotonic()  # it holds the whole version, committed by every member
-            results.put({"rank": rank, "version": version, "done": done, "digest": digest_of(tensors),
-                         "bytes": sum(t.numel() * t.element_size() for _, t in tensors)})  # fmt: skip
+            results.put(
+                {
+                    "rank": rank,
+                    "version": version,
+                    "done": done,
+                    "digest": digest_of(tensors),
+                    "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+                }
+            )
             del tensors
         group.close()
     except BaseException as exc:
@@ -309,8 +338,13 @@ def run_collective(
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer)."""
     from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
 
-    spec: dict[str, Any] = {"host": "127.0.0.1", "port": free_port(), "world_size": receivers + 1, "backend": "gloo",
-            "timeout_s": 300.0}  # fmt: skip
+    spec: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": receivers + 1,
+        "backend": "gloo",
+        "timeout_s": 300.0,
+    }
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
@@ -363,8 +397,13 @@ def run_size(
 ) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     expected = digest_of(named)
-    row: dict[str, Any] = {"size_mib": size_mib, "bytes": nbytes, "tensors": len(named), "transport": kind,
-                           "largest_tensor_mib": max(t.numel() * 4 for _, t in named) / MiB}  # fmt: skip
+    row: dict[str, Any] = {
+        "size_mib": size_mib,
+        "bytes": nbytes,
+        "tensors": len(named),
+        "transport": kind,
+        "largest_tensor_mib": max(t.numel() * 4 for _, t in named) / MiB,
+    }
     row["socket_gbps"] = socket
 
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
@@ -429,9 +468,12 @@ def main() -> None:
     parser.add_argument("--fetchers", type=int, default=0, help="concurrent fetchers (default 4; quick: 2)")
     parser.add_argument("--socket-repeats", type=int, default=3, help="socket copies per size (best is kept)")
     parser.add_argument(
-        "--transports", nargs="+", choices=["tcp", "grpc"], default=["tcp", "grpc"],
+        "--transports",
+        nargs="+",
+        choices=["tcp", "grpc"],
+        default=["tcp", "grpc"],
         help="client transports to measure: the data plane (tcp, the default transport) and gRPC streaming",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--receivers",
         type=int,
@@ -441,9 +483,10 @@ def main() -> None:
     )
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     parser.add_argument(
-        "--default-allocator", action="store_true",
+        "--default-allocator",
+        action="store_true",
         help="run the broker and fetchers without the allocator settings services get (services/common/memory.py)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if (
         not args.default_allocator
@@ -468,12 +511,18 @@ def main() -> None:
 
     n = fetchers
     allocator = "default glibc allocator" if args.default_allocator else "service allocator settings"
-    print(f"float32 model, broker in memory storage; {n} concurrent fetchers; GB/s = 1e9 bytes/s; "
-          f"{os.cpu_count()} CPUs; {allocator}")  # fmt: skip
-    print(f"{'MiB':>5} {'via':>4} {'tensors':>7} {'socket':>7} {'1st pub':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
-          f"{'base':>6} {'+pub':>6} {'peak':>6} {'peak-base':>9}")  # fmt: skip
-    print(f"{'':>5} {'':>4} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "
-          f"{'MiB':>6} {'/ model':>9}")  # fmt: skip
+    print(
+        f"float32 model, broker in memory storage; {n} concurrent fetchers; GB/s = 1e9 bytes/s; "
+        f"{os.cpu_count()} CPUs; {allocator}"
+    )
+    print(
+        f"{'MiB':>5} {'via':>4} {'tensors':>7} {'socket':>7} {'1st pub':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
+        f"{'base':>6} {'+pub':>6} {'peak':>6} {'peak-base':>9}"
+    )
+    print(
+        f"{'':>5} {'':>4} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "
+        f"{'MiB':>6} {'/ model':>9}"
+    )
     for r in rows:
         print(
             f"{r['size_mib']:>5} {r['transport']:>4} {r['tensors']:>7} {r['socket_gbps']:>7.2f} "
@@ -482,12 +531,16 @@ def main() -> None:
             f"{(r['rss_after_publish'] - r['rss_base']) / MiB:>6.0f} {r['rss_peak'] / MiB:>6.0f} "
             f"{r['peak_over_model']:>9.2f}"
         )
-    print("1st pub: the first publish into a fresh broker; publish: the third (steady state); base: broker RSS "
-          "after start-up; +pub: its RSS growth by the publishes; peak: its VmHWM over the publishes, the single "
-          "fetch and the fan-out")  # fmt: skip
+    print(
+        "1st pub: the first publish into a fresh broker; publish: the third (steady state); base: broker RSS "
+        "after start-up; +pub: its RSS growth by the publishes; peak: its VmHWM over the publishes, the single "
+        "fetch and the fan-out"
+    )
     print("where the time goes (CPU seconds; fetcher figures are the slowest fetcher's):")
-    print(f"{'MiB':>5} {'via':>4} {'pub s':>6} {'pubCPU':>6} {'brkCPU':>6} | {'fetch s':>7} {'brkCPU':>6} {'fchCPU':>6} "
-          f"{'sink':>5} | {f'{n}x s':>6} {'brkCPU':>6} {'fchCPU':>6} | {'HWM pub':>7} {'fetch':>6} {f'{n}x':>6}")  # fmt: skip
+    print(
+        f"{'MiB':>5} {'via':>4} {'pub s':>6} {'pubCPU':>6} {'brkCPU':>6} | {'fetch s':>7} {'brkCPU':>6} {'fchCPU':>6} "
+        f"{'sink':>5} | {f'{n}x s':>6} {'brkCPU':>6} {'fchCPU':>6} | {'HWM pub':>7} {'fetch':>6} {f'{n}x':>6}"
+    )
     for r in rows:
         print(
             f"{r['size_mib']:>5} {r['transport']:>4} {r['publish_s']:>6.2f} {r['publisher_cpu_s']:>6.2f} "
@@ -497,19 +550,26 @@ def main() -> None:
             f"{r['hwm_after_publish'] / MiB:>7.0f} {r['hwm_after_fetch'] / MiB:>6.0f} {r['hwm_after_fanout'] / MiB:>6.0f}"
         )
     print("all fetchers' digests equal the publisher's")
-    print(f"collective (gloo, {args.bucket_mib} MiB buckets): seconds from the start of a publish until every "
-          "receiver holds the version; blocked: the publisher's wait in it; staged: its wait when it copies into a "
-          "staging buffer and broadcasts in the background; the broker path: publish + fetch (1) or publish + "
-          "fan-out")  # fmt: skip
-    print(f"{'MiB':>5} " + " ".join(f"{f'{n} recv s':>9}" for n in args.receivers) + f" {'1 GB/s':>7} "
-          f"{'blocked s':>9} {'staged s':>8} {'broker 1':>8} {f'broker {n}':>9}")  # fmt: skip
+    print(
+        f"collective (gloo, {args.bucket_mib} MiB buckets): seconds from the start of a publish until every "
+        "receiver holds the version; blocked: the publisher's wait in it; staged: its wait when it copies into a "
+        "staging buffer and broadcasts in the background; the broker path: publish + fetch (1) or publish + "
+        "fan-out"
+    )
+    print(
+        f"{'MiB':>5} " + " ".join(f"{f'{n} recv s':>9}" for n in args.receivers) + f" {'1 GB/s':>7} "
+        f"{'blocked s':>9} {'staged s':>8} {'broker 1':>8} {f'broker {n}':>9}"
+    )
     for size in collective:
         c = collective[size]
         r = next(r for r in rows if r["size_mib"] == size and r["transport"] == args.transports[0])
         first = c[args.receivers[0]]
-        print(f"{size:>5} " + " ".join(f"{c[n]['seconds']:>9.2f}" for n in args.receivers)
-              + f" {r['bytes'] / first['seconds'] / 1e9:>7.2f} {first['blocked_s']:>9.2f} {first['staged_blocked_s']:>8.2f} "
-              f"{r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}")  # fmt: skip
+        print(
+            f"{size:>5} "
+            + " ".join(f"{c[n]['seconds']:>9.2f}" for n in args.receivers)
+            + f" {r['bytes'] / first['seconds'] / 1e9:>7.2f} {first['blocked_s']:>9.2f} {first['staged_blocked_s']:>8.2f} "
+            f"{r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}"
+        )
     print("all collective receivers' digests equal the publisher's")
 
     largest = max(r["size_mib"] for r in rows)

@@ -130,9 +130,11 @@ def judge(
         f"reached max_steps ({max_steps})": bool(max_steps) and steps == max_steps,
         "ledger balanced (no group lost)": bool(ledger.get("balanced")),
         "no group trained twice": bool(ledger) and trained_twice == 0,
-        "max trained lag <= k": bool(ledger) and ledger.get("max_trained_lag", 1 << 30) <= ledger.get("k", -1),
-        "a restart counted for every kill" + (f" (missing: {unanswered})" if unanswered else ""): not unanswered,
-    }  # fmt: skip
+        "max trained lag <= k": bool(ledger)
+        and ledger.get("max_trained_lag", 1 << 30) <= ledger.get("k", -1),
+        "a restart counted for every kill"
+        + (f" (missing: {unanswered})" if unanswered else ""): not unanswered,
+    }
 
 
 @dataclass
@@ -153,8 +155,9 @@ class Chaos:
         log = (out / "launcher.log").open("w")
         cmd = [sys.executable, "-m", "deploy.launch", "--run.run_dir", str(self.run_dir), *launcher_args]
         print(f"chaos: {' '.join(cmd)}", flush=True)
-        launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
+        launcher = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         lines: list[str] = []
         reader = threading.Thread(target=self._copy, args=(launcher, log, lines), daemon=True)
         reader.start()
@@ -191,8 +194,11 @@ class Chaos:
             if deadline is not None and time.monotonic() > deadline:
                 break
             if self.max_steps and last_step(self.run_dir) >= 0.9 * self.max_steps:
-                print("chaos: the run is in its last 10% of steps: no more kills (each one's restart is "
-                      "to be seen before the end)", flush=True)  # fmt: skip
+                print(
+                    "chaos: the run is in its last 10% of steps: no more kills (each one's restart is "
+                    "to be seen before the end)",
+                    flush=True,
+                )
                 break
             wait = rng.uniform(*self.gap_s)
             end = time.monotonic() + wait
@@ -220,8 +226,11 @@ class Chaos:
             self.done.append(
                 {"kind": kind, "pid": pid, "at_s": round(time.monotonic() - t0, 1), "step": step}
             )
-            print(f"chaos: kill {len(self.done)}/{self.kills}: {sig.name} {kind} pid {pid} at step {step} "
-                  f"({time.monotonic() - t0:.0f}s)", flush=True)  # fmt: skip
+            print(
+                f"chaos: kill {len(self.done)}/{self.kills}: {sig.name} {kind} pid {pid} at step {step} "
+                f"({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
 
     def _verdict(self, code: int, wall_s: float, lines: list[str]) -> dict[str, Any]:
         def read(name: str) -> dict[str, Any]:
@@ -256,9 +265,12 @@ class Chaos:
             "kill_log": self.done,
         }
         (self.run_dir / "chaos" / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"chaos: {len(self.done)} kills ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}) in "
-              f"{wall_s / 60:.1f} min; restarts {result['restarts']}; longest gap between learner steps "
-              f"{_seconds(result['longest_step_gap_s'])}", flush=True)  # fmt: skip
+        print(
+            f"chaos: {len(self.done)} kills ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}) in "
+            f"{wall_s / 60:.1f} min; restarts {result['restarts']}; longest gap between learner steps "
+            f"{_seconds(result['longest_step_gap_s'])}",
+            flush=True,
+        )
         for name, ok in checks.items():
             print(f"  [{'ok' if ok else 'FAIL'}] {name}", flush=True)
         if not result["passed"]:
@@ -272,9 +284,10 @@ def _seconds(value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other argument goes to python -m deploy.launch (--config and its overrides).",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--run.run_dir", dest="run_dir", required=True, help="the run directory (a fresh one)"
     )
@@ -299,8 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(args.run_dir)
     if (run_dir / "learner" / "steps.jsonl").exists():
         parser.error(f"{run_dir} holds a run already: chaos judges a fresh run; give a new --run.run_dir")
-    launcher_args = ["--launcher.max_minutes", "0", *rest, "--launcher.max_steps", str(args.max_steps),
-                     "--launcher.max_restarts", str(max(args.kills, 1) + 2)]  # fmt: skip
+    launcher_args = [
+        "--launcher.max_minutes",
+        "0",
+        *rest,
+        "--launcher.max_steps",
+        str(args.max_steps),
+        "--launcher.max_restarts",
+        str(max(args.kills, 1) + 2),
+    ]
     if "learner_hang" in kinds and not any("collective_timeout_s" in a for a in rest):
         launcher_args = ["--learner.collective_timeout_s", str(HANG_TIMEOUT_S), *launcher_args]
     chaos = Chaos(

@@ -135,14 +135,17 @@ class SystemConfig(ServiceConfig):
         from services.reward.scorers import scorer_names
 
         known = set(scorer_names())
-        named = [(f"sampler.scorer_by_source[{source!r}]", scorer)
-                 for source, scorer in self.sampler.scorer_by_source.items()]  # fmt: skip
+        named = [
+            (f"sampler.scorer_by_source[{source!r}]", scorer)
+            for source, scorer in self.sampler.scorer_by_source.items()
+        ]
         named += [(f"evaluation.sets {spec.name!r} scorer", spec.scorer) for spec in self.evaluation.sets]
         named.append(("reward.default_scorer", self.reward.default_scorer))
         for where, scorer in named:
             if scorer and scorer not in known:
-                raise ValueError(f"{where} = {scorer!r} is not a registered scorer; registered: "
-                                 f"{', '.join(sorted(known))}")  # fmt: skip
+                raise ValueError(
+                    f"{where} = {scorer!r} is not a registered scorer; registered: {', '.join(sorted(known))}"
+                )
 
     def gpus(self) -> float:
         """GPUs the run holds while it trains (the GPU-hours of its evaluation records are these x hours)."""

@@ -102,10 +102,13 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
         label = 0 if version is None else version
         engine.loaded_version = label  # the engine serves the weights it was built from
         evaluator = Evaluator(  # no recorder: the records below, with the version and per-task figures
-            engine, eval_sets, pool.score_many, encoder=encoder,
+            engine,
+            eval_sets,
+            pool.score_many,
+            encoder=encoder,
             max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256),
             agent=evaluation_agent(scfg, engine, encoder, environments),
-        )  # fmt: skip
+        )
         t0 = time.monotonic()
 
         def progress(done: int, total: int) -> None:
@@ -165,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     what = f"{label} (version {version})" if version is not None else label
     for r in records:
-        print(f"{what}: {r['set']} mean@{r['n']} {r['mean_at_n']:.4f} pass@{r['n']} {r['pass_at_n']:.4f} "
-              f"reward {r['reward_mean']:.4f} ({r['tasks']} tasks, {r['failed_scores']} failed scores"
-              + (f", {r['failed_episodes']} failed episodes)" if r["failed_episodes"] else ")"))  # fmt: skip
+        print(
+            f"{what}: {r['set']} mean@{r['n']} {r['mean_at_n']:.4f} pass@{r['n']} {r['pass_at_n']:.4f} "
+            f"reward {r['reward_mean']:.4f} ({r['tasks']} tasks, {r['failed_scores']} failed scores"
+            + (f", {r['failed_episodes']} failed episodes)" if r["failed_episodes"] else ")")
+        )
     print(f"results: {out}")
     return 0
 

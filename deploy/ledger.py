@@ -64,9 +64,12 @@ def take_ledger(
     lags = [int(x) for s in steps.values() for x in s.get("lags", [])]
     repeated = sorted(g for g, n in Counter(trained_ids).items() if n > 1)
     counts.update(
-        trained_in_audit_log=len(trained_ids), distinct_trained=len(set(trained_ids)),
-        max_trained_lag=max(lags, default=0), k=k, steps=len(steps),
-    )  # fmt: skip
+        trained_in_audit_log=len(trained_ids),
+        distinct_trained=len(set(trained_ids)),
+        max_trained_lag=max(lags, default=0),
+        k=k,
+        steps=len(steps),
+    )
     if repeated:
         problems.append(f"{len(repeated)} group(s) trained on in two steps: {repeated[:5]}")
     if lags and max(lags) > k:

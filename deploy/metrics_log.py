@@ -34,12 +34,17 @@ def train_record(
     metrics = step.get("metrics", {})
     reward = step.get("reward_mean")
     return {
-        "kind": "train", "step": int(step["step"]), "version": int(step["version"]), "time": step.get("time"),
-        "train_seconds": train_seconds, "gpu_hours": gpu_hours,
+        "kind": "train",
+        "step": int(step["step"]),
+        "version": int(step["version"]),
+        "time": step.get("time"),
+        "train_seconds": train_seconds,
+        "gpu_hours": gpu_hours,
         "reward_mean": reward if isinstance(reward, int | float) and math.isfinite(reward) else None,
         **{name: metrics.get(name) for name in TRAIN_METRICS},
-        "lag_mean": sum(lags) / len(lags) if lags else None, "groups": len(step.get("groups", [])),
-    }  # fmt: skip
+        "lag_mean": sum(lags) / len(lags) if lags else None,
+        "groups": len(step.get("groups", [])),
+    }
 
 
 class MetricsLog:
@@ -95,7 +100,11 @@ class MetricsLog:
     def latest(self) -> dict[str, dict[str, Any]]:
         """Each set's newest evaluation: version, mean@n and pass@n (for the progress line)."""
         return {
-            name: {"version": r.get("version"), "n": r.get("n"), "mean_at_n": r.get("mean_at_n"),
-                   "pass_at_n": r.get("pass_at_n")}
+            name: {
+                "version": r.get("version"),
+                "n": r.get("n"),
+                "mean_at_n": r.get("mean_at_n"),
+                "pass_at_n": r.get("pass_at_n"),
+            }
             for name, r in sorted(self.latest_eval.items())
-        }  # fmt: skip
+        }

@@ -93,10 +93,18 @@ def prepare_model(cfg: SystemConfig) -> tuple[SystemConfig, str]:
 
         s = cfg.sampler
         out = warm_start(
-            base, cfg.run.run_dir / "model-warm", s.dataset, steps=la.warm_start_steps, lr=la.warm_start_lr,
-            batch_size=la.warm_start_batch_size, seed=cfg.run.seed, system_prompt=s.system_prompt,
-            max_model_len=s.max_model_len, prompt_field=s.prompt_field, answer_field=s.answer_field,
-        )  # fmt: skip
+            base,
+            cfg.run.run_dir / "model-warm",
+            s.dataset,
+            steps=la.warm_start_steps,
+            lr=la.warm_start_lr,
+            batch_size=la.warm_start_batch_size,
+            seed=cfg.run.seed,
+            system_prompt=s.system_prompt,
+            max_model_len=s.max_model_len,
+            prompt_field=s.prompt_field,
+            answer_field=s.answer_field,
+        )
         what += f", warm-started {la.warm_start_steps} steps on {s.dataset} -> {out}"
         base = str(out)
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"model": base})}), what
@@ -194,12 +202,17 @@ class RayLauncher:
     def _redis_restarted(self, code: int, restart: int) -> None:
         self.restarts["redis"] = restart
         assert self.local_redis is not None
-        print(f"  [!!] redis          redis-server exited ({code}); restarted from its append-only file, pid "
-              f"{self.local_redis.process.pid} (restart {restart} of {self.cfg.launcher.max_restarts})", flush=True)  # fmt: skip
+        print(
+            f"  [!!] redis          redis-server exited ({code}); restarted from its append-only file, pid "
+            f"{self.local_redis.process.pid} (restart {restart} of {self.cfg.launcher.max_restarts})",
+            flush=True,
+        )
 
     def _redis_lost(self, code: int) -> None:
-        self.redis_failure = (f"the local redis-server exited ({code}) and its {self.cfg.launcher.max_restarts} "
-                              "restarts (launcher.max_restarts) are spent")  # fmt: skip
+        self.redis_failure = (
+            f"the local redis-server exited ({code}) and its {self.cfg.launcher.max_restarts} "
+            "restarts (launcher.max_restarts) are spent"
+        )
         self.stopping.stop(self.redis_failure)
 
     def _say(self, name: str, detail: str) -> None:
@@ -224,16 +237,21 @@ class RayLauncher:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resuming = self._checkpoint_version() > 0
-        print(f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, "
-              f"run_dir={self.run_dir}" + (" (resuming from its last checkpoint)" if resuming else ""), flush=True)  # fmt: skip
+        print(
+            f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, "
+            f"run_dir={self.run_dir}" + (" (resuming from its last checkpoint)" if resuming else ""),
+            flush=True,
+        )
         if cfg.run.redis_url:
             url, where = cfg.run.redis_url, cfg.run.redis_url
         else:
             self.local_redis = LocalRedis(data_dir=self.run_dir / "redis", persistent=True)
             self.local_redis.supervise(cfg.launcher.max_restarts, self._redis_restarted, self._redis_lost)
             url = self.local_redis.url
-            where = (f"{url} (local redis-server, pid {self.local_redis.process.pid}; append-only file, "
-                     "fsynced every second; restarted from it if it dies)")  # fmt: skip
+            where = (
+                f"{url} (local redis-server, pid {self.local_redis.process.pid}; append-only file, "
+                "fsynced every second; restarted from it if it dies)"
+            )
         self.client = connect(url)
         self._say("redis", where)
         self._say("ray", self._ray())
@@ -254,8 +272,11 @@ class RayLauncher:
         self.metrics_log = MetricsLog(self.run_dir, self.client, cfg.run.run_id)
         admission = AdmissionCounter(self.client, cfg.run.run_id, cfg.run.k, cfg.run.groups_per_step)
         returned = admission.reclaim()  # no sampler runs yet: whatever is still held was held by dead ones
-        self._say("streams", ", ".join(s.key for s in self.specs.values())
-                  + (f"; {returned} admission slot(s) of stopped samplers given back" if returned else ""))  # fmt: skip
+        self._say(
+            "streams",
+            ", ".join(s.key for s in self.specs.values())
+            + (f"; {returned} admission slot(s) of stopped samplers given back" if returned else ""),
+        )
 
         from services.learner.config import LearnerServiceConfig
         from services.learner.ray_group import LearnerGroup
@@ -290,8 +311,11 @@ class RayLauncher:
         deploy_reward(section(cfg, RewardServiceConfig))
         self.reward_up = True
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
-        self._say("reward", f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
-                  f"default scorer {cfg.reward.default_scorer!r}")  # fmt: skip
+        self._say(
+            "reward",
+            f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
+            f"default scorer {cfg.reward.default_scorer!r}",
+        )
 
         ev = cfg.evaluation
         if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
@@ -303,8 +327,10 @@ class RayLauncher:
                 self._wait_evaluator()
                 where = f"by a dedicated evaluator ({ev.gpus:g} GPU)"
             names = ", ".join(f"{s.name} ({s.dataset}, n={s.n})" for s in ev.sets)
-            self._say("evaluation", f"{names}: every {ev.every} versions {where}; results in "
-                      f"{self.run_dir / 'metrics.jsonl'}")  # fmt: skip
+            self._say(
+                "evaluation",
+                f"{names}: every {ev.every} versions {where}; results in {self.run_dir / 'metrics.jsonl'}",
+            )
 
         self.samplers, self.sampler_runs = start_samplers(
             section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
@@ -339,8 +365,11 @@ class RayLauncher:
             path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
             if path.exists():
                 ports.append(str(json.loads(path.read_text())["grpc_port"]))
-        token = ("sampler.api_token" if s.api_token.get_secret_value()
-                 else s.api_token_file or str(self.run_dir / "api_token"))  # fmt: skip
+        token = (
+            "sampler.api_token"
+            if s.api_token.get_secret_value()
+            else s.api_token_file or str(self.run_dir / "api_token")
+        )
         return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
 
     def _wait_samplers(self, timeout_s: float = 600.0) -> None:
@@ -378,8 +407,10 @@ class RayLauncher:
             if self.stopping.event.is_set():
                 raise KeyboardInterrupt
             time.sleep(0.5)
-        raise TimeoutError(f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
-                           f"{self.run_dir / 'logs' / 'evaluator.log'}")  # fmt: skip
+        raise TimeoutError(
+            f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
+            f"{self.run_dir / 'logs' / 'evaluator.log'}"
+        )
 
     def _wait_learner(self, timeout_s: float = 600.0) -> int:
         """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
@@ -482,11 +513,16 @@ class RayLauncher:
             n = self.restarts["learner"]
             reason = _first_line(failure)
             if n > la.max_restarts:
-                raise RuntimeError(f"the learner failed again after {la.max_restarts} restarts "
-                                   f"(launcher.max_restarts): {reason}") from failure  # fmt: skip
+                raise RuntimeError(
+                    f"the learner failed again after {la.max_restarts} restarts "
+                    f"(launcher.max_restarts): {reason}"
+                ) from failure
             step = self._checkpoint_version()
-            print(f"  [!!] learner        {reason}; restarting the group from its checkpoint at step {step} "
-                  f"(restart {n} of {la.max_restarts})", flush=True)  # fmt: skip
+            print(
+                f"  [!!] learner        {reason}; restarting the group from its checkpoint at step {step} "
+                f"(restart {n} of {la.max_restarts})",
+                flush=True,
+            )
             if self.learner is not None:
                 self.learner.shutdown()
                 self.learner = None
@@ -510,8 +546,11 @@ class RayLauncher:
         self.stalls.append({"restart": n, "reason": reason, "from_step": step, "seconds": round(stood, 2)})
         if self.metrics is not None:
             self.metrics.stalled.inc(stood)
-        self._say("learner", f"restarted from its checkpoint at step {step} (version {version}), training "
-                  f"again {stood:.1f}s after the failure was seen")  # fmt: skip
+        self._say(
+            "learner",
+            f"restarted from its checkpoint at step {step} (version {version}), training "
+            f"again {stood:.1f}s after the failure was seen",
+        )
 
     def _count_restarts(self) -> None:
         """Restarts so far, by service (the launcher's own, and those Ray and Serve made: services.common.starts)
@@ -544,8 +583,12 @@ class RayLauncher:
         if app is None:
             return 0
         states = [d.replica_states for d in app.deployments.values()]
-        return sum(n for s in states for state, n in s.items() if str(state) in ("RUNNING", "STARTING")
-                   or getattr(state, "value", "") in ("RUNNING", "STARTING"))  # fmt: skip
+        return sum(
+            n
+            for s in states
+            for state, n in s.items()
+            if str(state) in ("RUNNING", "STARTING") or getattr(state, "value", "") in ("RUNNING", "STARTING")
+        )
 
     def _sampler_figures(self) -> tuple[float | None, float | None, float | None]:
         """The replicas' tokens/s, busy seconds and evaluation rounds abandoned so far (None while one is being
@@ -558,21 +601,30 @@ class RayLauncher:
             return None, None, None
         figures = [s["figures"] for s in statuses]
         abandoned = [f["evaluation_rounds_abandoned"] for f in figures if "evaluation_rounds_abandoned" in f]
-        return (float(sum(f.get("tokens_per_second", 0.0) for f in figures)),
-                float(sum(f.get("busy_seconds", 0.0) for f in figures)),
-                float(sum(abandoned)) if abandoned else None)  # fmt: skip
+        return (
+            float(sum(f.get("tokens_per_second", 0.0) for f in figures)),
+            float(sum(f.get("busy_seconds", 0.0) for f in figures)),
+            float(sum(abandoned)) if abandoned else None,
+        )
 
     # ------------------------------------------------------------------ down
     def down(self) -> None:
         """Stop every service in order; a stage that fails is logged and the later ones still run, so Ray and
         Redis never outlive the launcher."""
-        stages = [("restarts", self._count_restarts), ("evaluator", self._stop_evaluator),
-                  ("samplers", self._stop_samplers),
-                  ("reward", self._stop_reward), ("learner", self._stop_learner), ("ledger", self._ledger),
-                  ("metrics log", self._metrics_log), ("broker", self._stop_broker),
-                  ("ray", self._stop_ray), ("redis", self._stop_redis),
-                  ("prometheus targets", lambda: self._scrape_targets(stopped=True)),
-                  ("launcher metrics", self._close_metrics)]  # fmt: skip
+        stages = [
+            ("restarts", self._count_restarts),
+            ("evaluator", self._stop_evaluator),
+            ("samplers", self._stop_samplers),
+            ("reward", self._stop_reward),
+            ("learner", self._stop_learner),
+            ("ledger", self._ledger),
+            ("metrics log", self._metrics_log),
+            ("broker", self._stop_broker),
+            ("ray", self._stop_ray),
+            ("redis", self._stop_redis),
+            ("prometheus targets", lambda: self._scrape_targets(stopped=True)),
+            ("launcher metrics", self._close_metrics),
+        ]
         for name, stage in stages:
             try:
                 stage()
@@ -662,8 +714,11 @@ class RayLauncher:
         verdict = "balanced" if ledger["balanced"] else "NOT balanced: " + "; ".join(ledger["problems"])
         foreign = ledger["rollouts_foreign"] + ledger["scored_foreign"]
         apart = f", {foreign} foreign entries in the queues (counted apart)" if foreign else ""
-        self._say("ledger", f"{ledger['rollouts_produced']} groups sampled, {ledger.get('trained', 0)} trained, "
-                  f"max lag {ledger['max_trained_lag']} (k={self.cfg.run.k}){apart}: {verdict}")  # fmt: skip
+        self._say(
+            "ledger",
+            f"{ledger['rollouts_produced']} groups sampled, {ledger.get('trained', 0)} trained, "
+            f"max lag {ledger['max_trained_lag']} (k={self.cfg.run.k}){apart}: {verdict}",
+        )
 
     # ------------------------------------------------------------------ all of it
     def run(self) -> int:
@@ -692,9 +747,14 @@ class RayLauncher:
     def _report(self) -> None:
         from deploy.report import write_report
 
-        self.summary.update(run_id=self.cfg.run.run_id, k=self.cfg.run.k, groups_per_step=self.cfg.run.groups_per_step,
-                            wall_s=time.monotonic() - self.t0, stopped_by=self.stopping.reason,
-                            learner_restarts=self.stalls)  # fmt: skip
+        self.summary.update(
+            run_id=self.cfg.run.run_id,
+            k=self.cfg.run.k,
+            groups_per_step=self.cfg.run.groups_per_step,
+            wall_s=time.monotonic() - self.t0,
+            stopped_by=self.stopping.reason,
+            learner_restarts=self.stalls,
+        )
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
         written = write_report(self.run_dir, self.summary)
         print(f"report: {written.markdown} (plots and report.json beside it)", flush=True)

@@ -400,9 +400,12 @@ def _faults(f: Json) -> list[str]:
     gap = "n/a" if f["longest_step_gap_s"] is None else f"{f['longest_step_gap_s']:.1f} s"
     restarts = ", ".join(f"{s}: {n}" for s, n in sorted(f["restarts"].items()) if n) or "none"
     lines = [f"- Restarts by service: {restarts}.", f"- Longest gap between two learner steps: {gap}."]
-    lines += [f"- Learner restart {r.get('restart')}: {r.get('reason')}; from the checkpoint at step "
-              f"{r.get('from_step')}, {r.get('seconds')} s until its version was published again."
-              for r in f["learner_restarts"] if isinstance(r, Mapping)]  # fmt: skip
+    lines += [
+        f"- Learner restart {r.get('restart')}: {r.get('reason')}; from the checkpoint at step "
+        f"{r.get('from_step')}, {r.get('seconds')} s until its version was published again."
+        for r in f["learner_restarts"]
+        if isinstance(r, Mapping)
+    ]
     return lines
 
 

@@ -21,8 +21,10 @@ def prometheus_targets(
     services write) and the launcher's, labelled ``service``, ``replica`` and ``run_id``. A file whose process
     is gone (a reward replica Serve replaced, a sampler before its restart) is left out; only a loopback URL's
     PID is checked."""
-    found = [("weight_broker", "weight_broker", {"metrics_url": broker_metrics_url}),
-             ("launcher", "launcher", {"metrics_url": launcher_metrics_url})]  # fmt: skip
+    found = [
+        ("weight_broker", "weight_broker", {"metrics_url": broker_metrics_url}),
+        ("launcher", "launcher", {"metrics_url": launcher_metrics_url}),
+    ]
     found += [("learner", "learner-rank0", _read_json(run_dir / "learner" / "endpoints.json"))]
     for service in ("sampler", "reward", "evaluator"):  # evaluator: the dedicated one, when there is one
         for path in sorted((run_dir / service).glob("*.endpoints.json")):

@@ -37,10 +37,16 @@ TOOL = environment_pb2.ToolSchema(
     ),
 )
 OPS: dict[type, Any] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
     ast.UAdd: operator.pos,
-}  # fmt: skip
+}
 
 
 def evaluate(expression: str) -> float | int:

@@ -21,8 +21,12 @@ import grpc
 
 from vcpo.v1 import registry_pb2, registry_pb2_grpc, rollout_pb2
 
-PROBLEMS = [("What is 17 * 23?", "391"), ("What is 1234 + 4321?", "5555"), ("What is 2 ** 10?", "1024"),
-            ("What is 99 * 99?", "9801")]  # fmt: skip
+PROBLEMS = [
+    ("What is 17 * 23?", "391"),
+    ("What is 1234 + 4321?", "5555"),
+    ("What is 2 ** 10?", "1024"),
+    ("What is 99 * 99?", "9801"),
+]
 
 
 def main() -> int:
@@ -46,9 +50,14 @@ def main() -> int:
     with grpc.insecure_channel(args.sampler) as channel:
         registry = registry_pb2_grpc.EnvironmentRegistryStub(channel)
         spec = registry_pb2.EnvironmentSpec(
-            name=args.env_name, endpoint=args.env_endpoint, tool_parser="json", scorer="math",
-            max_turns=4, step_timeout_seconds=10, weight=1.0,
-        )  # fmt: skip
+            name=args.env_name,
+            endpoint=args.env_endpoint,
+            tool_parser="json",
+            scorer="math",
+            max_turns=4,
+            step_timeout_seconds=10,
+            weight=1.0,
+        )
         try:
             reply = registry.RegisterEnvironment(
                 registry_pb2.RegisterEnvironmentRequest(spec=spec), metadata=auth
@@ -74,8 +83,10 @@ def main() -> int:
             status = registry.EnvironmentStatus(
                 registry_pb2.EnvironmentStatusRequest(name=args.env_name), metadata=auth
             )
-            print(f"healthy={status.healthy} queued={status.tasks_queued} running={status.episodes_running} "
-                  f"completed={status.episodes_completed} errors={status.errors} {status.last_error}")  # fmt: skip
+            print(
+                f"healthy={status.healthy} queued={status.tasks_queued} running={status.episodes_running} "
+                f"completed={status.episodes_completed} errors={status.errors} {status.last_error}"
+            )
             time.sleep(5)
     return 0
 

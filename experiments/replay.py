@@ -57,9 +57,17 @@ from services.sampler.tasks import DatasetTasks, PromptEncoder, load_dataset
 
 # the learner's metrics a step record keeps (services.learner.vcpo.METRIC_KEYS has them all)
 LEARNER_METRICS = (
-    "ess_ratio", "lr_scale", "loss", "log_weight_max", "log_weight_min", "log_weight_p50", "frac_truncated",
-    "baseline_shift_mean_abs", "advantage_abs_mean", "step_skipped",
-)  # fmt: skip
+    "ess_ratio",
+    "lr_scale",
+    "loss",
+    "log_weight_max",
+    "log_weight_min",
+    "log_weight_p50",
+    "frac_truncated",
+    "baseline_shift_mean_abs",
+    "advantage_abs_mean",
+    "step_skipped",
+)
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,15 @@ class Replay:
         self.sampler.load_state_dict(self.versions[self.t - lag])
         batch = [self.tasks.next() for _ in range(s.groups_per_step)]
         prompts = [self.encoder.encode(task) for task in batch]
-        responses = sample_responses(self.sampler, prompts, n=s.n, max_tokens=s.max_tokens, stop_ids=self.stops,
-                                     pad_id=self.pad, generator=self.generator)  # fmt: skip
+        responses = sample_responses(
+            self.sampler,
+            prompts,
+            n=s.n,
+            max_tokens=s.max_tokens,
+            stop_ids=self.stops,
+            pad_id=self.pad,
+            generator=self.generator,
+        )
         rows = [(prompt, r) for prompt, group in zip(prompts, responses, strict=True) for r in group]
         rewards = [
             self.score(ScoreInput(self.tokenizer.decode(r, skip_special_tokens=True), task.reference)).value
@@ -132,8 +147,9 @@ class Replay:
         ids, attention, response_mask = pad_batch(rows, self.pad)
         with torch.no_grad():  # the sampler's log-probs: at temperature 1, vLLM's processed log-probs
             behaviour = token_logprobs(self.sampler, ids, attention)
-        trajectories = TrajectoryTensors(ids, attention, response_mask, behaviour, torch.tensor(rewards),
-                                         torch.arange(len(rows)) // s.n)  # fmt: skip
+        trajectories = TrajectoryTensors(
+            ids, attention, response_mask, behaviour, torch.tensor(rewards), torch.arange(len(rows)) // s.n
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = learner_backward(self.model, trajectories, self.objective)
@@ -167,5 +183,12 @@ class Replay:
     def evaluate(self, tasks: list[Any], *, n_samples: int, seed: int) -> float:
         """The sampled reward of the learner's current policy (version ``t``) on ``tasks``, as RL samples."""
         self.model.eval()
-        return policy_reward(self.model, self.tokenizer, tasks, n_samples=n_samples, seed=seed,
-                             max_tokens=self.settings.max_tokens, max_model_len=self.settings.max_model_len)  # fmt: skip
+        return policy_reward(
+            self.model,
+            self.tokenizer,
+            tasks,
+            n_samples=n_samples,
+            seed=seed,
+            max_tokens=self.settings.max_tokens,
+            max_model_len=self.settings.max_model_len,
+        )

@@ -70,11 +70,23 @@ METHODS: dict[str, dict[str, Any]] = {
     "no-correction": {"objective": "grpo", "importance_weighting": "none", "ess_rule": "off"},
     "tis": {"objective": "grpo", "importance_weighting": "truncated", "truncation": 8.0, "ess_rule": "off"},
     "mis": {"objective": "grpo", "importance_weighting": "masked", "truncation": 8.0, "ess_rule": "off"},
-    "vcpo-paper": {"objective": "vcpo", "importance_weighting": "truncated", "truncation": 8.0,
-                   "ess_rule": "sqrt", "rho_base": 1.0, "baseline_weighting": "paper"},
-    "vcpo-exact": {"objective": "vcpo", "importance_weighting": "truncated", "truncation": 8.0,
-                   "ess_rule": "sqrt", "rho_base": 1.0, "baseline_weighting": "exact"},
-}  # fmt: skip
+    "vcpo-paper": {
+        "objective": "vcpo",
+        "importance_weighting": "truncated",
+        "truncation": 8.0,
+        "ess_rule": "sqrt",
+        "rho_base": 1.0,
+        "baseline_weighting": "paper",
+    },
+    "vcpo-exact": {
+        "objective": "vcpo",
+        "importance_weighting": "truncated",
+        "truncation": 8.0,
+        "ess_rule": "sqrt",
+        "rho_base": 1.0,
+        "baseline_weighting": "exact",
+    },
+}
 # Not in the default grid: ablations that split VCPO into its two halves (ESS step size, OPOB baseline)
 ABLATIONS: dict[str, dict[str, Any]] = {
     "vcpo-paper-no-ess": {**METHODS["vcpo-paper"], "ess_rule": "off"},  # OPOB + TIS, undamped step
@@ -83,8 +95,17 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 KNOWN = {**METHODS, **ABLATIONS}
 KS = (0, 4, 16, 64, 128)
 FULL: dict[str, Any] = {"seeds": (0, 1, 2), "steps": 400, "eval_every": 10, "window": 50, "eval_samples": 2}
-QUICK: dict[str, Any] = {"seeds": (0,), "steps": 8, "eval_every": 4, "window": 4, "eval_samples": 1, "ws_steps": 30,
-         "methods": ("no-correction", "vcpo-paper"), "ks": (0, 16), "eval_prompts": 16}  # fmt: skip
+QUICK: dict[str, Any] = {
+    "seeds": (0,),
+    "steps": 8,
+    "eval_every": 4,
+    "window": 4,
+    "eval_samples": 1,
+    "ws_steps": 30,
+    "methods": ("no-correction", "vcpo-paper"),
+    "ks": (0, 16),
+    "eval_prompts": 16,
+}
 RUNS_FILE = "runs.jsonl"
 
 
@@ -127,8 +148,16 @@ def warm_started(plan: Plan, seed: int) -> Path:
 
     work = Path(plan.work_dir)
     base = build_tiny_model(work / f"base{seed}", TinyModelSpec(seed=seed))
-    return warm_start(base, work / f"ws{seed}-{plan.ws_steps}", plan.dataset, steps=plan.ws_steps,
-                      lr=plan.ws_lr, batch_size=plan.ws_batch, seed=seed, threads=plan.threads)  # fmt: skip
+    return warm_start(
+        base,
+        work / f"ws{seed}-{plan.ws_steps}",
+        plan.dataset,
+        steps=plan.ws_steps,
+        lr=plan.ws_lr,
+        batch_size=plan.ws_batch,
+        seed=seed,
+        threads=plan.threads,
+    )
 
 
 def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
@@ -145,9 +174,16 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
     started = time.monotonic()
     preset = load_preset(plan.preset)
     s, le = preset.sampler, preset.learner
-    settings = ReplaySettings(groups_per_step=preset.run.groups_per_step, n=s.n, max_tokens=s.max_tokens,
-                              max_model_len=s.max_model_len, lr=le.lr, weight_decay=le.weight_decay,
-                              betas=le.betas, grad_clip=le.grad_clip)  # fmt: skip
+    settings = ReplaySettings(
+        groups_per_step=preset.run.groups_per_step,
+        n=s.n,
+        max_tokens=s.max_tokens,
+        max_model_len=s.max_model_len,
+        lr=le.lr,
+        weight_decay=le.weight_decay,
+        betas=le.betas,
+        grad_clip=le.grad_clip,
+    )
     config = objective_config(learner_config(preset, method))
     replay = Replay(warm_started(plan, seed), plan.dataset, config, seed=seed, lag=k, settings=settings)
     tasks = load_dataset(plan.dataset, split="train", seed=seed)[: plan.eval_prompts or None]
@@ -163,8 +199,15 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
             evals.append((t, evaluate(t)))
     # 4 significant digits keep runs.jsonl small enough to live beside the report
     series = {key: [float(f"{r[key]:.4g}") for r in records] for key in records[0] if key != "step"}
-    return {"method": method, "k": k, "seed": seed, "fields": KNOWN[method], "steps": series,
-            "evals": evals, "seconds": time.monotonic() - started}  # fmt: skip
+    return {
+        "method": method,
+        "k": k,
+        "seed": seed,
+        "fields": KNOWN[method],
+        "steps": series,
+        "evals": evals,
+        "seconds": time.monotonic() - started,
+    }
 
 
 def _csv(text: str | None, kind: type, default: tuple[Any, ...]) -> list[Any]:
@@ -207,30 +250,49 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"unknown method {method!r}; known: {list(KNOWN)}")
     ks, seeds = _csv(args.ks, int, mode.get("ks", KS)), _csv(args.seeds, int, mode["seeds"])
     plan = Plan(
-        preset=args.preset, dataset=DATASET, steps=args.steps or mode["steps"],
-        eval_every=args.eval_every or mode["eval_every"], eval_samples=args.eval_samples or mode["eval_samples"],
+        preset=args.preset,
+        dataset=DATASET,
+        steps=args.steps or mode["steps"],
+        eval_every=args.eval_every or mode["eval_every"],
+        eval_samples=args.eval_samples or mode["eval_samples"],
         eval_prompts=mode.get("eval_prompts", 0),
         ws_steps=args.ws_steps or mode.get("ws_steps") or preset.launcher.warm_start_steps,
         ws_lr=preset.launcher.warm_start_lr,
-        ws_batch=preset.launcher.warm_start_batch_size, threads=args.threads, work_dir=args.work_dir,
-    )  # fmt: skip
+        ws_batch=preset.launcher.warm_start_batch_size,
+        threads=args.threads,
+        work_dir=args.work_dir,
+    )
     window = args.window or mode["window"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs_path = out / RUNS_FILE
-    header = {"plan": asdict(plan), "methods": methods, "ks": ks, "seeds": seeds, "window": window,
-              "command": command}  # fmt: skip
+    header = {
+        "plan": asdict(plan),
+        "methods": methods,
+        "ks": ks,
+        "seeds": seeds,
+        "window": window,
+        "command": command,
+    }
     if not args.report_only:
         run_grid(plan, methods, ks, seeds, runs_path, header, workers=args.workers, resume=args.resume)
-    figures = stability_report.write_report(out, runs_path, window=window, grid=(methods, ks, seeds),
-                                            command=command)  # fmt: skip
+    figures = stability_report.write_report(
+        out, runs_path, window=window, grid=(methods, ks, seeds), command=command
+    )
     print(json.dumps(figures))
 
 
 def run_grid(
-    plan: Plan, methods: list[str], ks: list[int], seeds: list[int], runs_path: Path, header: dict[str, Any],
-    *, workers: int, resume: bool,
-) -> None:  # fmt: skip
+    plan: Plan,
+    methods: list[str],
+    ks: list[int],
+    seeds: list[int],
+    runs_path: Path,
+    header: dict[str, Any],
+    *,
+    workers: int,
+    resume: bool,
+) -> None:
     """Run every (method, k, seed) not already in ``runs_path`` (with ``resume``), appending each as it ends.
 
     Seed-major order, so a run stopped early has whole grids for its first seeds."""
@@ -254,9 +316,13 @@ def run_grid(
             with runs_path.open("a") as fh:
                 fh.write(json.dumps(run) + "\n")
             final = run["evals"][-1][1]
-            print(f"[{time.monotonic() - started:7.0f}s] {i}/{len(todo)} {run['method']:<13} k={run['k']:<3} "
-                  f"seed {run['seed']}: eval reward {run['evals'][0][1]:.3f} -> {final:.3f}, "
-                  f"{run['seconds']:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{time.monotonic() - started:7.0f}s] {i}/{len(todo)} {run['method']:<13} k={run['k']:<3} "
+                f"seed {run['seed']}: eval reward {run['evals'][0][1]:.3f} -> {final:.3f}, "
+                f"{run['seconds']:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

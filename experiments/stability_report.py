@@ -96,11 +96,13 @@ def summarize(run: dict[str, Any], window: int) -> dict[str, Any]:
         "min_lr_scale": min(steps["lr_scale"]),
         "max_grad_norm": max(_finite(grad) or [math.nan]),
         "initial_grad_median": initial,
-        "nonfinite_steps": sum(not (math.isfinite(g) and math.isfinite(x)) for g, x in zip(grad, loss, strict=True)),
+        "nonfinite_steps": sum(
+            not (math.isfinite(g) and math.isfinite(x)) for g, x in zip(grad, loss, strict=True)
+        ),
         "skipped_steps": int(sum(steps["step_skipped"])),
         "steps": total,
         "seconds": run["seconds"],
-    }  # fmt: skip
+    }
     reasons = []
     if summary["nonfinite_steps"]:
         reasons.append("nonfinite")
@@ -137,8 +139,12 @@ def cells(runs: list[dict[str, Any]], window: int, methods: list[str], ks: list[
                 s["rise"] = s["final_reward"] - s["ws_reward"]
                 if (method, s["seed"]) in sync:
                     s["vs_sync"] = s["final_reward"] - sync[method, s["seed"]]
-            cell: dict[str, Any] = {"method": method, "k": k, "seeds": [r["seed"] for r in mine],
-                                    "per_seed": per_seed}  # fmt: skip
+            cell: dict[str, Any] = {
+                "method": method,
+                "k": k,
+                "seeds": [r["seed"] for r in mine],
+                "per_seed": per_seed,
+            }
             if per_seed:
                 for key, _, _ in TABLE:
                     values = [s[key] for s in per_seed if key in s]
@@ -224,8 +230,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(path: Path, runs: list[dict[str, Any]], key: str, label: str, log: bool,
-         methods: list[str], ks: list[int]) -> None:  # fmt: skip
+def plot(
+    path: Path, runs: list[dict[str, Any]], key: str, label: str, log: bool, methods: list[str], ks: list[int]
+) -> None:
     """One panel per k, one line per method (mean over seeds; thin lines: each seed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -276,13 +283,24 @@ def write_report(
         plots[key] = name
     plan = header["plan"]
     report = {
-        "command": command, "run_commands": run_commands, "plan": plan, "window": window,
-        "grid": {"methods": methods, "ks": ks, "seeds": seeds}, "collapse_rule": COLLAPSE_RULE,
-        "collapse_parameters": {"reward_drop": REWARD_DROP, "spike_factor": SPIKE_FACTOR,
-                                "spike_reference_steps": SPIKE_REFERENCE_STEPS},
-        "methods": {r["method"]: r["fields"] for r in runs}, "cells": grid_cells, "summary": paragraph,
-        "plots": plots, "runs": len(runs), "run_seconds": sum(r["seconds"] for r in runs),
-    }  # fmt: skip
+        "command": command,
+        "run_commands": run_commands,
+        "plan": plan,
+        "window": window,
+        "grid": {"methods": methods, "ks": ks, "seeds": seeds},
+        "collapse_rule": COLLAPSE_RULE,
+        "collapse_parameters": {
+            "reward_drop": REWARD_DROP,
+            "spike_factor": SPIKE_FACTOR,
+            "spike_reference_steps": SPIKE_REFERENCE_STEPS,
+        },
+        "methods": {r["method"]: r["fields"] for r in runs},
+        "cells": grid_cells,
+        "summary": paragraph,
+        "plots": plots,
+        "runs": len(runs),
+        "run_seconds": sum(r["seconds"] for r in runs),
+    }
     (out / "stability.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n")
     (out / "stability.md").write_text(_markdown(report, grid_cells, plots))
     return {
@@ -290,12 +308,15 @@ def write_report(
         "cells": len(grid_cells),
         "collapsed": {m: sum(c.get("collapsed", 0) for c in grid_cells if c["method"] == m) for m in methods},
         "final_reward": {
-            m: {str(c["k"]): round(c["final_reward"]["mean"], 4) for c in grid_cells
-                if c["method"] == m and c["per_seed"]}
+            m: {
+                str(c["k"]): round(c["final_reward"]["mean"], 4)
+                for c in grid_cells
+                if c["method"] == m and c["per_seed"]
+            }
             for m in methods
         },
         "run_seconds": round(report["run_seconds"], 1),
-    }  # fmt: skip
+    }
 
 
 def _markdown(report: dict[str, Any], grid_cells: list[dict[str, Any]], plots: dict[str, str]) -> str:

@@ -81,9 +81,16 @@ def vllm_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         engine = VllmEngine(
-            VllmSettings(model=str(tiny_model_dir), dtype="float32", max_model_len=256,
-                         kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, collective_weights=True)
-        )  # fmt: skip
+            VllmSettings(
+                model=str(tiny_model_dir),
+                dtype="float32",
+                max_model_len=256,
+                kv_cache_memory_bytes=64 << 20,
+                enforce_eager=True,
+                seed=0,
+                collective_weights=True,
+            )
+        )
     finally:
         os.environ.clear()
         os.environ.update(environ_before)
@@ -102,8 +109,9 @@ def ray_local():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path,
-               vllm_engine: Any) -> Iterator[Callable[..., Any]]:  # fmt: skip
+def make_stack(
+    redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path, vllm_engine: Any
+) -> Iterator[Callable[..., Any]]:
     """Sampler stacks (tests/sampler_stack.py) on the session's engine, closed at the end of the test."""
     from tests.sampler_stack import Stack
 
@@ -111,8 +119,16 @@ def make_stack(redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, 
 
     def make(k: int = 1, groups_per_step: int = 2, engine: Any = None, **sampler: Any) -> Stack:
         """``engine``: a wrapper of the session's engine to use instead of it."""
-        stack = Stack(redis_client, redis_url, tiny_model_dir, tmp_path, engine or vllm_engine, k,
-                      groups_per_step, **sampler)  # fmt: skip
+        stack = Stack(
+            redis_client,
+            redis_url,
+            tiny_model_dir,
+            tmp_path,
+            engine or vllm_engine,
+            k,
+            groups_per_step,
+            **sampler,
+        )
         stacks.append(stack)
         return stack
 

@@ -38,8 +38,16 @@ def scored_groups(
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for i, n in enumerate(sizes):
-        g = make_group(i, n=n, response_len=response_lens[1], prompt_len=prompt_len, policy_version=version,
-                       scored=True, seed=seed * 1000, vocab=vocab)  # fmt: skip
+        g = make_group(
+            i,
+            n=n,
+            response_len=response_lens[1],
+            prompt_len=prompt_len,
+            policy_version=version,
+            scored=True,
+            seed=seed * 1000,
+            vocab=vocab,
+        )
         for j, t in enumerate(g.trajectories):
             keep = rng.randint(*response_lens)
             del t.response_tokens[keep:], t.behaviour_logprobs[keep:], t.loss_mask[keep:]
@@ -58,8 +66,13 @@ def scored_groups(
 def _entry(
     target: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     try:
         out.put((rank, "ok", target(rank, *args)))
     except BaseException:

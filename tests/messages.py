@@ -84,11 +84,17 @@ def make_group(
 
 def make_announcement(version: int = 1) -> weights_pb2.WeightAnnouncement:
     tensors = [
-        weights_pb2.TensorMeta(name="model.embed_tokens.weight", dtype="float32", shape=[512, 128], nbytes=262144,
-                               checksum="sha256:00"),
-        weights_pb2.TensorMeta(name="lm_head.weight", dtype="float32", shape=[512, 128], nbytes=262144,
-                               checksum="sha256:11"),
-    ]  # fmt: skip
+        weights_pb2.TensorMeta(
+            name="model.embed_tokens.weight",
+            dtype="float32",
+            shape=[512, 128],
+            nbytes=262144,
+            checksum="sha256:00",
+        ),
+        weights_pb2.TensorMeta(
+            name="lm_head.weight", dtype="float32", shape=[512, 128], nbytes=262144, checksum="sha256:11"
+        ),
+    ]
     return weights_pb2.WeightAnnouncement(
         policy_version=version,
         manifest=weights_pb2.VersionManifest(

@@ -56,8 +56,15 @@ def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = No
     on top (and an ``[evaluation]`` section, if given)."""
     from services.sampler.config import SamplerServiceConfig
 
-    settings = {"max_model_len": 256, "dataset": "builtin:arith", "dtype": "float32", "enforce_eager": True,
-                "grpc_port": 0, "metrics_port": 0, **sampler}  # fmt: skip
+    settings = {
+        "max_model_len": 256,
+        "dataset": "builtin:arith",
+        "dtype": "float32",
+        "enforce_eager": True,
+        "grpc_port": 0,
+        "metrics_port": 0,
+        **sampler,
+    }
     wb = {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": broker.server.port}
     return SamplerServiceConfig.model_validate(
         {"run": run.model_dump(), "sampler": settings, "weight_broker": wb, "evaluation": evaluation or {}}

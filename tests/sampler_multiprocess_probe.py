@@ -99,8 +99,14 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     version = next(versions)
     path = os.path.join(tmp, "collective.pt")
     torch.save({version: weights}, path)
-    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 0,
-            "timeout_s": 120.0}  # fmt: skip
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": "gloo",
+        "epoch": 0,
+        "timeout_s": 120.0,
+    }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     learner = ctx.Process(target=broadcast_versions, args=(spec, path, [(version, "whole")], out))
@@ -111,8 +117,12 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
         sent = out.get(timeout=120)
     finally:
         learner.join(timeout=60)
-    return {"sent": list(sent), "seconds": seconds, "serving": engine.loaded_version == version,
-            **greedy(engine, prompt)}  # fmt: skip
+    return {
+        "sent": list(sent),
+        "seconds": seconds,
+        "serving": engine.loaded_version == version,
+        **greedy(engine, prompt),
+    }
 
 
 def main() -> None:
@@ -123,9 +133,16 @@ def main() -> None:
     from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into, version_weights
 
-    engine = VllmEngine(VllmSettings(model=model_dir, dtype="float32", max_model_len=512,
-                                     kv_cache_memory_bytes=32 << 20, enforce_eager=True,
-                                     collective_weights=True))  # fmt: skip
+    engine = VllmEngine(
+        VllmSettings(
+            model=model_dir,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
+            enforce_eager=True,
+            collective_weights=True,
+        )
+    )
     try:
         a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
         load_into(engine, a)

@@ -33,11 +33,26 @@ def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "c
 class Stack:
     """Redis + broker (announcing on the weights stream) + one sampler service on the session's engine."""
 
-    def __init__(self, client: redis.Redis, url: str, model_dir: Path, run_dir: Path, engine: GenerationEngine,
-                 k: int, groups_per_step: int, evaluation: dict[str, Any] | None = None,
-                 **sampler: Any) -> None:  # fmt: skip
-        self.run = RunConfig(run_id="t", k=k, groups_per_step=groups_per_step, model=str(model_dir),
-                             redis_url=url, run_dir=run_dir)  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        url: str,
+        model_dir: Path,
+        run_dir: Path,
+        engine: GenerationEngine,
+        k: int,
+        groups_per_step: int,
+        evaluation: dict[str, Any] | None = None,
+        **sampler: Any,
+    ) -> None:
+        self.run = RunConfig(
+            run_id="t",
+            k=k,
+            groups_per_step=groups_per_step,
+            model=str(model_dir),
+            redis_url=url,
+            run_dir=run_dir,
+        )
         specs = stream_specs(self.run, StreamsConfig())
         self.broker = announcing_broker(client, self.run)
         settings = {"n": 4, "max_tokens": 16, "max_model_len": 256, "max_groups_in_flight": 4, **sampler}

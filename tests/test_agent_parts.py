@@ -245,14 +245,23 @@ class Stream:
 
 def feed_of(tasks: list[rollout_pb2.Task], weights: dict[str, float], **kw: Any) -> tuple[TaskFeed, Stream]:
     stream = Stream(tasks)
-    feed = TaskFeed(Encoder(), None, stream, environment_known=lambda n: n in weights,  # type: ignore[arg-type]
-                    weight=weights.__getitem__, **kw)  # fmt: skip
+    feed = TaskFeed(
+        Encoder(),
+        None,
+        stream,
+        environment_known=lambda n: n in weights,  # type: ignore[arg-type]
+        weight=weights.__getitem__,
+        **kw,
+    )
     return feed, stream
 
 
 def test_feed_shares_tasks_across_environments_by_weight_and_holds_back_what_cannot_start() -> None:
-    tasks = [rollout_pb2.Task(task_id=f"{env}{i}", prompt="p", environment=env)
-             for i in range(40) for env in ("a", "b")]  # fmt: skip
+    tasks = [
+        rollout_pb2.Task(task_id=f"{env}{i}", prompt="p", environment=env)
+        for i in range(40)
+        for env in ("a", "b")
+    ]
     feed, _ = feed_of(tasks, {"a": 3.0, "b": 1.0})
     picked = [feed.next().task.environment for _ in range(40)]  # type: ignore[union-attr]
     assert picked.count("a") == 30 and picked.count("b") == 10  # 3 : 1
@@ -273,17 +282,24 @@ def test_feed_dead_letters_a_task_its_environment_failed_too_often() -> None:
     assert again is prepared
     feed.retry(prepared, "environment 'a': error: boom")
     assert feed.next() is None
-    assert stream.rejected == [("t", "environment_failed", "task 't': its environment 'a' failed it 2 times; "
-                                "last: environment 'a': error: boom")]  # fmt: skip
+    assert stream.rejected == [
+        (
+            "t",
+            "environment_failed",
+            "task 't': its environment 'a' failed it 2 times; last: environment 'a': error: boom",
+        )
+    ]
     assert feed.errors == {"environment_failed": 1}
 
 
 def test_feed_refuses_unknown_environments_and_bad_payloads() -> None:
     feed, stream = feed_of(
-        [rollout_pb2.Task(task_id="u", prompt="p", environment="nope"),
-         rollout_pb2.Task(task_id="j", prompt="p", environment="a", payload_json="{oops")],
+        [
+            rollout_pb2.Task(task_id="u", prompt="p", environment="nope"),
+            rollout_pb2.Task(task_id="j", prompt="p", environment="a", payload_json="{oops"),
+        ],
         {"a": 1.0},
-    )  # fmt: skip
+    )
     assert feed.next() is None
     kinds = [(task_id, kind) for task_id, kind, _ in stream.rejected]
     assert kinds == [("u", "unknown_environment"), ("j", "bad_payload")]
@@ -312,8 +328,9 @@ def test_token_auth_refuses_calls_without_the_token(tmp_path: Path) -> None:
         registry_pb2_grpc.add_EnvironmentRegistryServicer_to_server(Registry(), server)
         return ["vcpo.v1.EnvironmentRegistry"]
 
-    server = grpc_server(add, interceptors=[TokenAuthInterceptor(token, {"vcpo.v1.EnvironmentRegistry"},
-                                                                 refused.append)])  # fmt: skip
+    server = grpc_server(
+        add, interceptors=[TokenAuthInterceptor(token, {"vcpo.v1.EnvironmentRegistry"}, refused.append)]
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = registry_pb2_grpc.EnvironmentRegistryStub(channel)

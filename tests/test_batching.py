@@ -65,10 +65,14 @@ def test_a_group_scored_by_the_same_weights_has_zero_log_weights(model) -> None:
             logp = token_logprobs(model, ids, torch.ones_like(ids))[0, 6:].tolist()  # the "sampler's" numbers
         mask = [True] * length
         mask[1] = False  # a tool-output token
-        group.trajectories.append(rollout_pb2.Trajectory(
-            response_tokens=response, behaviour_logprobs=[lp if m else 0.0 for lp, m in zip(logp, mask, strict=True)],
-            loss_mask=mask, reward=rollout_pb2.Reward(value=1.0),
-        ))  # fmt: skip
+        group.trajectories.append(
+            rollout_pb2.Trajectory(
+                response_tokens=response,
+                behaviour_logprobs=[lp if m else 0.0 for lp, m in zip(logp, mask, strict=True)],
+                loss_mask=mask,
+                reward=rollout_pb2.Reward(value=1.0),
+            )
+        )
     batch = to_tensors([group])
     with torch.no_grad():
         current = token_logprobs(model, batch.input_ids, batch.attention_mask)

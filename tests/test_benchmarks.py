@@ -18,8 +18,11 @@ def run_quick(script: str, *extra: str) -> tuple[list[str], dict[str, Any]]:
     """Run ``benchmarks/<script> --quick``; return its output lines and its last line's JSON figures."""
     out = subprocess.run(
         [sys.executable, f"benchmarks/{script}", "--quick", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     return lines, json.loads(lines[-1])

@@ -94,8 +94,13 @@ def test_a_run_directory_that_holds_a_run_is_refused(
 
 
 def test_the_judge_fails_a_run_that_lost_or_repeated_a_group_or_missed_a_restart() -> None:
-    ledger = {"balanced": True, "trained_in_audit_log": 1200, "distinct_trained": 1200, "max_trained_lag": 2,
-              "k": 2}  # fmt: skip
+    ledger = {
+        "balanced": True,
+        "trained_in_audit_log": 1200,
+        "distinct_trained": 1200,
+        "max_trained_lag": 2,
+        "k": 2,
+    }
     kills = {"learner": 2, "redis": 1}
     good = judge(0, 300, 300, ledger, {"learner": 2, "redis": 1, "sampler": 1}, kills)
     assert all(good.values()) and len(good) == 6

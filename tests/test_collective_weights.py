@@ -97,8 +97,10 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
 def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_receiver, args=(spec, r + 1, versions, b, out), daemon=True)
-             for r, b in enumerate(behaviours)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_receiver, args=(spec, r + 1, versions, b, out), daemon=True)
+        for r, b in enumerate(behaviours)
+    ]
     for p in procs:
         p.start()
     return procs, out
@@ -335,8 +337,11 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     from services.weight_broker.store import MemoryStore
 
     weights = stream_specs(RunConfig(run_id="member"), StreamsConfig())["weights"]
-    servicer = WeightBrokerServicer(MemoryStore(2), BrokerMetrics(Metrics("t")),
-                                    Announcer(StreamProducer(redis_client, weights), "grpc", "here"))  # fmt: skip
+    servicer = WeightBrokerServicer(
+        MemoryStore(2),
+        BrokerMetrics(Metrics("t")),
+        Announcer(StreamProducer(redis_client, weights), "grpc", "here"),
+    )
     server = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
     ctx = mp.get_context("spawn")

@@ -229,8 +229,21 @@ def test_placement_settings_default_to_the_single_machine_behaviour() -> None:
 
 PAPER = {"qwen2.5-1.5b-gsm8k": "gsm8k", "qwen2.5-7b-math": "math", "qwen2.5-7b-simpletir": "multiturn"}
 PRESET_DIR = Path(__file__).parent.parent / "deploy" / "presets"
-UPDATE_FIELDS = ("objective", "importance_weighting", "truncation", "ess_rule", "rho_base", "baseline_weighting",
-                 "loss_aggregation", "std_normalize", "ppo_clip", "lr", "weight_decay", "grad_clip", "betas")  # fmt: skip
+UPDATE_FIELDS = (
+    "objective",
+    "importance_weighting",
+    "truncation",
+    "ess_rule",
+    "rho_base",
+    "baseline_weighting",
+    "loss_aggregation",
+    "std_normalize",
+    "ppo_clip",
+    "lr",
+    "weight_decay",
+    "grad_clip",
+    "betas",
+)
 
 
 @pytest.mark.parametrize("preset", sorted(PAPER))
@@ -253,8 +266,14 @@ def test_paper_presets_read_the_published_files_as_downloaded(preset: str, tmp_p
     assert s.scorer_by_source == VERL_SCORERS
     paths = [s.dataset] + [spec.dataset for spec in cfg.evaluation.sets]
     assert all(p.startswith("/data/vcpo/") and p.endswith(".parquet") for p in paths), paths
-    rows = gsm8k_rows() if "gsm8k" in preset else [dict(r, data_source=src) for r, src in
-                                                    zip(math_rows(3), ["math-500", "dapo_filter", "aime25"], strict=True)]  # fmt: skip
+    rows = (
+        gsm8k_rows()
+        if "gsm8k" in preset
+        else [
+            dict(r, data_source=src)
+            for r, src in zip(math_rows(3), ["math-500", "dapo_filter", "aime25"], strict=True)
+        ]
+    )
     expected = {
         "openai/gsm8k": "gsm8k",
         "math-500": "math_verl",
@@ -263,8 +282,13 @@ def test_paper_presets_read_the_published_files_as_downloaded(preset: str, tmp_p
     }
     for path in paths:
         local = write_parquet(tmp_path / path.removeprefix("/data/vcpo/"), rows)
-        tasks = load_dataset(str(local), s.prompt_field, s.answer_field, scorer_by_source=s.scorer_by_source,
-                             source_field=s.source_field)  # fmt: skip
+        tasks = load_dataset(
+            str(local),
+            s.prompt_field,
+            s.answer_field,
+            scorer_by_source=s.scorer_by_source,
+            source_field=s.source_field,
+        )
         assert [t.scorer for t in tasks] == [expected[r["data_source"]] for r in rows]
         assert [t.reference for t in tasks] == [r["reward_model"]["ground_truth"] for r in rows]
         assert all(t.messages and not t.prompt for t in tasks)
@@ -276,8 +300,11 @@ def test_released_settings_differ_from_the_paper_form_in_the_baseline_weighting_
     (mit-han-lab/vcpo recipe/fully_async_policy/shell/vcpo/<task>/vcpo_k=*.sh); of the update's settings only
     the OPOB weighting differs from the paper form."""
     paper = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml"], env={})
-    released = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml",
-                                          PRESET_DIR / "released" / f"{PAPER[preset]}.toml"], env={})  # fmt: skip
+    released = load_config(
+        SystemConfig,
+        [PRESET_DIR / f"{preset}.toml", PRESET_DIR / "released" / f"{PAPER[preset]}.toml"],
+        env={},
+    )
     differ = [f for f in UPDATE_FIELDS if getattr(paper.learner, f) != getattr(released.learner, f)]
     assert differ == ["baseline_weighting"]
     assert (paper.learner.baseline_weighting, released.learner.baseline_weighting) == ("paper", "released")

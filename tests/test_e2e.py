@@ -47,10 +47,24 @@ class Launch:
         self.run_dir = run_dir
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.launch", "--config", str(LOCAL), "--run.run_dir", str(run_dir),
-             "--launcher.progress_interval_s", "2", *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "deploy.launch",
+                "--config",
+                str(LOCAL),
+                "--run.run_dir",
+                str(run_dir),
+                "--launcher.progress_interval_s",
+                "2",
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -110,8 +124,16 @@ def _ledger(run_dir: Path) -> dict[str, Any]:
 
 
 def _report_ok(run_dir: Path) -> None:
-    for name in ("report.md", "report.json", "reward.png", "ess_ratio.png", "lr_scale.png", "grad_norm.png",
-                 "staleness.png", "throughput.png"):  # fmt: skip
+    for name in (
+        "report.md",
+        "report.json",
+        "reward.png",
+        "ess_ratio.png",
+        "lr_scale.png",
+        "grad_norm.png",
+        "staleness.png",
+        "throughput.png",
+    ):
         path = run_dir / "report" / name
         assert path.exists() and path.stat().st_size > 0, path
     assert (run_dir / "report" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -150,8 +172,11 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     reward_pid = _pid(rewards[-1])
     os.kill(sampler_pid, signal.SIGKILL)
     os.kill(reward_pid, signal.SIGKILL)
-    launch.wait_for("a restarted sampler", lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
-                    != sampler_pid, timeout_s=300)  # fmt: skip
+    launch.wait_for(
+        "a restarted sampler",
+        lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json") != sampler_pid,
+        timeout_s=300,
+    )
     assert launch.finish(timeout_s=720) == 0, launch.output[-6000:]
 
     steps = _steps(run_dir)
@@ -185,13 +210,17 @@ def test_the_collective_transport_carries_versions_and_a_killed_sampler_rejoins(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     run_dir = tmp_path_factory.mktemp("e2e-collective") / "run"
-    launch = Launch(run_dir, "--launcher.max_steps", str(COLLECTIVE_FINAL), "--weight_broker.transport",
-                    "collective")  # fmt: skip
+    launch = Launch(
+        run_dir, "--launcher.max_steps", str(COLLECTIVE_FINAL), "--weight_broker.transport", "collective"
+    )
     launch.wait_for(f"step {COLLECTIVE_KILL_AT}", _reached(run_dir, COLLECTIVE_KILL_AT), timeout_s=600)
     sampler_pid = _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
     os.kill(sampler_pid, signal.SIGKILL)
-    launch.wait_for("a restarted sampler", lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
-                    != sampler_pid, timeout_s=300)  # fmt: skip
+    launch.wait_for(
+        "a restarted sampler",
+        lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json") != sampler_pid,
+        timeout_s=300,
+    )
     assert launch.finish(timeout_s=600) == 0, launch.output[-6000:]
     steps = _steps(run_dir)
     assert sorted(steps) == list(range(1, COLLECTIVE_FINAL + 1))
@@ -225,8 +254,11 @@ def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: in
     collective = [steps[s]["time"] for s in after if path[s] == "collective"]
     # a version through the broker later than the ttl (10 s) and a forming after the failure was seen must
     # have been published while an epoch formed (a collective version follows within seconds)
-    late = [(s, round(steps[s]["time"] - seen, 1)) for s in broker if steps[s]["time"] - seen >= 25
-            and not any(0 <= t - steps[s]["time"] < 5 for t in collective)]  # fmt: skip
+    late = [
+        (s, round(steps[s]["time"] - seen, 1))
+        for s in broker
+        if steps[s]["time"] - seen >= 25 and not any(0 <= t - steps[s]["time"] < 5 for t in collective)
+    ]
     assert not late, (late, [(s, path[s], round(steps[s]["time"] - seen, 1)) for s in after])
     log = (run_dir / "logs" / "sampler-0.log").read_text()
     joins = [
@@ -240,10 +272,23 @@ def _check_collective(run_dir: Path, steps: dict[int, dict[str, Any]], first: in
 def _eval_command(run_dir: Path, *args: str) -> dict[str, Any]:
     out = run_dir.parent / f"eval-{len(list(run_dir.parent.glob('eval-*.json')))}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.eval", "--config", str(LOCAL), "--run.run_dir", str(run_dir),
-         "--out", str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deploy.eval",
+            "--config",
+            str(LOCAL),
+            "--run.run_dir",
+            str(run_dir),
+            "--out",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tail_add_test mean@4" in proc.stdout, proc.stdout
     result: dict[str, Any] = json.loads(out.read_text())

@@ -23,11 +23,31 @@ KINDS = ("sampler", "reward", "learner", "weight_broker", "redis", "learner_hang
 @pytest.mark.timeout(900)
 def test_one_kill_of_each_kind_and_the_run_goes_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "deploy.chaos", "--config", str(ROOT / "deploy" / "presets" / "local.toml"),
-           "--run.run_dir", str(run_dir), "--kills", str(len(KINDS)), "--kinds", ",".join(KINDS),
-           "--gap-s", "5,10", "--max-steps", "200", "--seed", "3",
-           "--weight_broker.transport", "collective", "--launcher.progress_interval_s", "2",
-           "--set", "evaluation.sets=[]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.chaos",
+        "--config",
+        str(ROOT / "deploy" / "presets" / "local.toml"),
+        "--run.run_dir",
+        str(run_dir),
+        "--kills",
+        str(len(KINDS)),
+        "--kinds",
+        ",".join(KINDS),
+        "--gap-s",
+        "5,10",
+        "--max-steps",
+        "200",
+        "--seed",
+        "3",
+        "--weight_broker.transport",
+        "collective",
+        "--launcher.progress_interval_s",
+        "2",
+        "--set",
+        "evaluation.sets=[]",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
     out = done.stdout + done.stderr
     result = json.loads((run_dir / "chaos" / "result.json").read_text())

@@ -26,8 +26,10 @@ def test_multi_turn_rollouts_reach_the_learner_and_train(tmp_path: Path) -> None
     log = tmp_path / "env-calls.jsonl"
     env = subprocess.Popen(
         [sys.executable, "tests/envs/scripted_env.py", "--port", "0", "--steps", "2", "--log", str(log)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert env.stdout is not None
         endpoint = env.stdout.readline().split()[-1]
@@ -38,8 +40,15 @@ def test_multi_turn_rollouts_reach_the_learner_and_train(tmp_path: Path) -> None
             'scorer = "math"\nmax_turns = 4\nstep_timeout_seconds = 10\n'
         )
         run_dir = tmp_path / "run"
-        launch = Launch(run_dir, "--config", str(extra), "--launcher.max_steps", str(STEPS),
-                        "--launcher.warm_start_steps", "0")  # fmt: skip
+        launch = Launch(
+            run_dir,
+            "--config",
+            str(extra),
+            "--launcher.max_steps",
+            str(STEPS),
+            "--launcher.warm_start_steps",
+            "0",
+        )
         launch.wait_for(f"step {STEPS}", _reached(run_dir, STEPS), 420)
         assert launch.finish(180) == 0, launch.output[-4000:]
         assert f"bearer token: {run_dir / 'api_token'}" in launch.output  # where clients find the API

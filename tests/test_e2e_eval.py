@@ -22,8 +22,17 @@ STEPS = 120
 @pytest.mark.timeout(900)
 def test_a_dedicated_evaluator_evaluates_due_versions_while_the_samplers_only_train(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    launch = Launch(run_dir, "--launcher.max_steps", str(STEPS), "--launcher.warm_start_steps", "0",
-                    "--evaluation.placement", "dedicated", "--evaluation.every", "50")  # fmt: skip
+    launch = Launch(
+        run_dir,
+        "--launcher.max_steps",
+        str(STEPS),
+        "--launcher.warm_start_steps",
+        "0",
+        "--evaluation.placement",
+        "dedicated",
+        "--evaluation.every",
+        "50",
+    )
     assert launch.finish(timeout_s=840) == 0, launch.output[-6000:]
     assert "by a dedicated evaluator (0 GPU)" in launch.output
     assert re.search(r"\[ok\] evaluator\s+stopped", launch.output), launch.output[-3000:]

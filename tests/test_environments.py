@@ -61,8 +61,13 @@ def action(text: str = "move", tool: str = "", arguments: str = "") -> environme
 def test_parse_endpoint() -> None:
     assert parse_endpoint("127.0.0.1:50051") == ("127.0.0.1", 50051)
     assert parse_endpoint("[::1]:7") == ("[::1]", 7)
-    for bad, why in (("nohost", "not host:port"), (":80", "not host:port"), ("h:0", "1..65535"),
-                     ("h:x", "1..65535"), ("::1:80", "brackets")):  # fmt: skip
+    for bad, why in (
+        ("nohost", "not host:port"),
+        (":80", "not host:port"),
+        ("h:0", "1..65535"),
+        ("h:x", "1..65535"),
+        ("::1:80", "brackets"),
+    ):
         with pytest.raises(ValueError, match=why):
             parse_endpoint(bad)
 
@@ -211,9 +216,23 @@ def test_agent_loop_runs_a_simpletir_turn_through_the_sandbox(
     agent.close()
     assert finished == [group]
     response = next(iter(group.responses.values()))
-    assert group.prompt_tokens == encoder.encode(task, [{"type": "function", "function": {
-        "name": "python", "description": "Run a Python program (standard library only) and read what it prints.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}])  # fmt: skip
+    assert group.prompt_tokens == encoder.encode(
+        task,
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "python",
+                    "description": "Run a Python program (standard library only) and read what it prints.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string"}},
+                        "required": ["code"],
+                    },
+                },
+            }
+        ],
+    )
     text = tokenizer.decode(response.tokens, skip_special_tokens=True)
     assert text == call_turn + "\n```output\n5\n```\n" + "So the answer is 5."  # stopped right at the call
     observation = tokenizer.encode(

@@ -94,11 +94,19 @@ def test_evaluation_config_is_checked() -> None:
     with pytest.raises(
         ConfigError, match=r"environment 'python' is not one of \[\[sampler\.environments\]\]"
     ):
-        load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[
-            ("evaluation.sets", [{"name": "tir", "dataset": "x.jsonl", "environment": "python"}], "-")])  # fmt: skip
+        load_config(
+            SystemConfig,
+            ["deploy/presets/local.toml"],
+            overrides=[
+                ("evaluation.sets", [{"name": "tir", "dataset": "x.jsonl", "environment": "python"}], "-")
+            ],
+        )
     with pytest.raises(ConfigError, match=r"'evaluation\.sets' is a list"):
-        load_config(SystemConfig, ["deploy/presets/local.toml"],
-                    overrides=[("evaluation.sets.0.n", 2, "--set evaluation.sets.0.n=2")])  # fmt: skip
+        load_config(
+            SystemConfig,
+            ["deploy/presets/local.toml"],
+            overrides=[("evaluation.sets.0.n", 2, "--set evaluation.sets.0.n=2")],
+        )
 
 
 def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> None:
@@ -148,18 +156,25 @@ def test_sets_take_each_tasks_scorer_from_its_source_unless_the_set_names_one(tm
     from services.sampler.evaluation import load_eval_sets
     from services.sampler.tasks import PromptEncoder
 
-    rows = [{"prompt": f"What is {i}+1?", "data_source": src, "reward_model": {"ground_truth": str(i + 1)}}
-            for i, src in enumerate(["openai/gsm8k", "math-500", "unmapped"])]  # fmt: skip
+    rows = [
+        {"prompt": f"What is {i}+1?", "data_source": src, "reward_model": {"ground_truth": str(i + 1)}}
+        for i, src in enumerate(["openai/gsm8k", "math-500", "unmapped"])
+    ]
     (tmp_path / "mapped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     encoder = PromptEncoder(build_tokenizer(), max_model_len=256, max_tokens=16)
 
     def sets(name: str, **spec: Any) -> Any:
-        cfg = SamplerServiceConfig.model_validate({
-            "sampler": {"max_tokens": 16, "answer_field": "reward_model.ground_truth",
-                        "scorer_by_source": {"openai/gsm8k": "gsm8k", "math-500": "math_verl"}},
-            "evaluation": {"sets": [{"name": "val", "dataset": str(tmp_path / name), **spec}]},
-        })  # fmt: skip
+        cfg = SamplerServiceConfig.model_validate(
+            {
+                "sampler": {
+                    "max_tokens": 16,
+                    "answer_field": "reward_model.ground_truth",
+                    "scorer_by_source": {"openai/gsm8k": "gsm8k", "math-500": "math_verl"},
+                },
+                "evaluation": {"sets": [{"name": "val", "dataset": str(tmp_path / name), **spec}]},
+            }
+        )
         return load_eval_sets(cfg, encoder)
 
     (val,) = sets("mapped.jsonl")
@@ -371,10 +386,19 @@ def guessing_agent(redis_client: redis.Redis, engine: FakeEngine) -> tuple[Any, 
     from vcpo.v1 import registry_pb2
 
     env = Guessing()
-    registry = EnvironmentRegistry(redis_client, "g", "evaluator", 3, make_env=lambda spec, size: env,
-                                   breaker=lambda: CircuitBreaker(100, 1.0))  # type: ignore[arg-type,return-value]  # fmt: skip
-    registry.register(registry_pb2.EnvironmentSpec(name="guess", endpoint="127.0.0.1:9", tool_parser="turn",
-                                                   max_turns=4, max_concurrency=6))  # fmt: skip
+    registry = EnvironmentRegistry(
+        redis_client,
+        "g",
+        "evaluator",
+        3,
+        make_env=lambda spec, size: env,
+        breaker=lambda: CircuitBreaker(100, 1.0),
+    )  # type: ignore[arg-type,return-value]
+    registry.register(
+        registry_pb2.EnvironmentSpec(
+            name="guess", endpoint="127.0.0.1:9", tool_parser="turn", max_turns=4, max_concurrency=6
+        )
+    )
     assert make_parser("turn").every_turn_is_an_action
     return AgentLoop(engine, registry, CharEncoder()), env  # type: ignore[arg-type]
 
@@ -388,8 +412,12 @@ def episode_set(name: str, answers: dict[str, str], n: int = 3) -> EvalSet:
 
 
 def by_environment(jobs: list[tuple[str, ScoreInput]]) -> list[Outcome]:
-    return [Outcome(name, item.environment_reward if name == "environment" else float(item.response == item.reference))
-            for name, item in jobs]  # fmt: skip
+    return [
+        Outcome(
+            name, item.environment_reward if name == "environment" else float(item.response == item.reference)
+        )
+        for name, item in jobs
+    ]
 
 
 def test_a_set_with_an_environment_runs_each_task_as_episodes_and_scores_them_like_training(
@@ -427,8 +455,9 @@ def test_a_set_with_an_environment_runs_each_task_as_episodes_and_scores_them_li
 def test_an_abandoned_round_stops_its_episodes_and_closes_their_sessions(redis_client: redis.Redis) -> None:
     engine = FakeEngine({"a": [ord("7")] * 40})
     agent, env = guessing_agent(redis_client, engine)
-    evaluator = Evaluator(engine, [episode_set("game", {"a": "7"}, n=2)], by_environment, agent=agent,
-                          max_delay_s=0.1)  # type: ignore[arg-type]  # fmt: skip
+    evaluator = Evaluator(
+        engine, [episode_set("game", {"a": "7"}, n=2)], by_environment, agent=agent, max_delay_s=0.1
+    )  # type: ignore[arg-type]
     evaluator.begin(5)
     deadline = time.monotonic() + 10
     while not engine.active and time.monotonic() < deadline:  # resets come back, the first turns start
@@ -472,8 +501,18 @@ def test_the_metrics_log_has_steps_and_evaluations_on_the_training_clock(
     clock.published(0, 2000.0)  # a republish after a restart keeps the first time
     clock.set_gpus(8)
     (tmp_path / "learner").mkdir()
-    steps = [{"step": s, "version": s, "time": 1000.0 + s, "groups": ["g"], "lags": [1, 2], "reward_mean": 0.5,
-              "metrics": {"ess_ratio": 0.9, "lr_scale": 1.0, "grad_norm": 2.0, "loss": 0.1}} for s in (1, 2)]  # fmt: skip
+    steps = [
+        {
+            "step": s,
+            "version": s,
+            "time": 1000.0 + s,
+            "groups": ["g"],
+            "lags": [1, 2],
+            "reward_mean": 0.5,
+            "metrics": {"ess_ratio": 0.9, "lr_scale": 1.0, "grad_norm": 2.0, "loss": 0.1},
+        }
+        for s in (1, 2)
+    ]
     (tmp_path / "learner" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     record = {"kind": "eval", "set": "held", "version": 2, "n": 4, "mean_at_n": 0.25, "pass_at_n": 0.5}
     redis_client.rpush(eval_results_key("t"), json.dumps(record))
@@ -516,12 +555,26 @@ def test_evaluation_at_a_version_samples_from_that_versions_weights(
     from services.sampler.tasks import PromptEncoder
     from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights
 
-    cfg = SamplerServiceConfig.model_validate({
-        "run": {"model": str(tiny_model_dir)},
-        "sampler": {"max_model_len": 256, "max_tokens": 12},
-        "evaluation": {"sets": [{"name": "held", "dataset": "builtin:digit_add", "split": "test", "limit": 4,
-                                 "n": 3, "temperature": 1.0, "top_p": 1.0, "scorer": "math"}]},
-    })  # fmt: skip
+    cfg = SamplerServiceConfig.model_validate(
+        {
+            "run": {"model": str(tiny_model_dir)},
+            "sampler": {"max_model_len": 256, "max_tokens": 12},
+            "evaluation": {
+                "sets": [
+                    {
+                        "name": "held",
+                        "dataset": "builtin:digit_add",
+                        "split": "test",
+                        "limit": 4,
+                        "n": 3,
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "scorer": "math",
+                    }
+                ]
+            },
+        }
+    )
     weights = version_weights(tiny_model_dir, 7)
     version = load_into(vllm_engine, weights)
     encoder = PromptEncoder(vllm_engine.tokenizer, 256, 12)
@@ -577,8 +630,9 @@ def test_the_sampler_evaluates_due_versions_and_no_evaluation_reaches_the_rollou
     assert 0.0 <= first["mean_at_n"] <= first["pass_at_n"] <= 1.0
     for _ in range(3):  # the stand-in trains and publishes versions 1, 2, 3
         stack.learner.step()
-    records = wait_until(lambda: (r := stack.client.lrange(key, 0, -1)) and len(r) >= 2 and r,
-                         what="a second evaluation")  # fmt: skip
+    records = wait_until(
+        lambda: (r := stack.client.lrange(key, 0, -1)) and len(r) >= 2 and r, what="a second evaluation"
+    )
     versions = [json.loads(r)["version"] for r in records]
     assert versions[0] == 0 and versions[1] in (2, 3)  # bucket [2, 4): the first version the sampler loads
     consumed = [g for _, g in stack.learner.consumed]
@@ -620,19 +674,32 @@ def test_a_dedicated_evaluator_needs_a_cpu_of_its_own() -> None:
     from deploy.ray_launcher import needed_cpus
 
     shared = load_config(SystemConfig, ["deploy/presets/local.toml"])
-    dedicated = load_config(SystemConfig, ["deploy/presets/local.toml"],
-                            overrides=[("evaluation.placement", "dedicated", "--set")])  # fmt: skip
+    dedicated = load_config(
+        SystemConfig,
+        ["deploy/presets/local.toml"],
+        overrides=[("evaluation.placement", "dedicated", "--set")],
+    )
     assert needed_cpus(dedicated) == needed_cpus(shared) + 1
     assert dedicated.gpus() == 0.0
-    gpu = load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[
-        ("evaluation.placement", "dedicated", "-"), ("evaluation.gpus", 1, "-"), ("learner.gpus_per_rank", 1, "-"),
-        ("sampler.gpus_per_replica", 1, "-")])  # fmt: skip
+    gpu = load_config(
+        SystemConfig,
+        ["deploy/presets/local.toml"],
+        overrides=[
+            ("evaluation.placement", "dedicated", "-"),
+            ("evaluation.gpus", 1, "-"),
+            ("learner.gpus_per_rank", 1, "-"),
+            ("sampler.gpus_per_replica", 1, "-"),
+        ],
+    )
     assert gpu.gpus() == 2 * 1 + 1 * 1 + 1  # learner ranks, sampler replicas, the evaluator
 
 
 def test_a_dedicated_evaluator_on_gpus_needs_as_many_as_a_sampler_engine() -> None:
-    tp2 = [("sampler.gpus_per_replica", 2, "-"), ("sampler.tensor_parallel_size", 2, "-"),
-           ("evaluation.placement", "dedicated", "-")]  # fmt: skip
+    tp2 = [
+        ("sampler.gpus_per_replica", 2, "-"),
+        ("sampler.tensor_parallel_size", 2, "-"),
+        ("evaluation.placement", "dedicated", "-"),
+    ]
     with pytest.raises(
         ConfigError, match=r"evaluation\.gpus = 1 is less than sampler\.tensor_parallel_size = 2"
     ):
@@ -659,8 +726,9 @@ def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_
     from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
     from tests.sampler_stack import wait_until
 
-    run = RunConfig(run_id="t", k=2, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
-                    run_dir=tmp_path)  # fmt: skip
+    run = RunConfig(
+        run_id="t", k=2, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url, run_dir=tmp_path
+    )
     broker = announcing_broker(redis_client, run)
 
     evaluation = {"every": 5, "sets": [HELD], "placement": "dedicated", "metrics_port": 0}

@@ -21,8 +21,14 @@ from services.learner.grad_norms import (
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     root = tmp_path_factory.mktemp("models")
-    spec = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "intermediate_size": 96, "vocab_size": 300}  # fmt: skip
+    spec = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+    }
     return {
         tied: build_tiny_model(root / f"tied-{tied}", TinyModelSpec(tie_word_embeddings=tied, **spec))
         for tied in (False, True)
@@ -116,8 +122,9 @@ def test_streaming_norms_match_brute_force(
     for micro_batch in (1, 3, 8):
         got, lp = [], []
         for a in range(0, 8, micro_batch):
-            n, p = streaming_norm_pass(model, ids[a : a + micro_batch], attn[a : a + micro_batch],
-                                       resp[a : a + micro_batch], chunks)  # fmt: skip
+            n, p = streaming_norm_pass(
+                model, ids[a : a + micro_batch], attn[a : a + micro_batch], resp[a : a + micro_batch], chunks
+            )
             got.append(n)
             lp.append(p)
         norms = torch.cat(got)
@@ -297,8 +304,10 @@ def _as_float64(result: Any) -> tuple[list[Any], dict[int, Any]]:
     from dataclasses import replace
 
     # token ids stay ids, and RMSNorm inputs stay bf16: x̂ is recomputed from them as the model rounds it
-    caps = {id(c): replace(c, x=c.x if c.kind != "linear" else c.x.double(), delta=c.delta.double())
-            for c in result.captures}  # fmt: skip
+    caps = {
+        id(c): replace(c, x=c.x if c.kind != "linear" else c.x.double(), delta=c.delta.double())
+        for c in result.captures
+    }
     uses = {k: (p, [(caps[id(c)], role) for c, role in us]) for k, (p, us) in result.params.items()}
     return list(caps.values()), uses
 

@@ -427,24 +427,38 @@ def test_services_select_the_pods_that_serve_them(scenario: str) -> None:
 
 
 def test_restart_settings_reach_the_launcher_and_its_metrics_are_served(tmp_path: Path) -> None:
-    docs = render("--set", "run.maxRestarts=3", "--set", "run.restartBackoffSeconds=5",
-                  "--set", "run.learnerHangTimeoutSeconds=90")  # fmt: skip
+    docs = render(
+        "--set",
+        "run.maxRestarts=3",
+        "--set",
+        "run.restartBackoffSeconds=5",
+        "--set",
+        "run.learnerHangTimeoutSeconds=90",
+    )
     _, cfg = run_config(docs, tmp_path)
     assert (cfg.launcher.max_restarts, cfg.launcher.restart_backoff_s) == (3, 5.0)
     assert cfg.launcher.learner_hang_timeout_s == 90.0
     assert cfg.launcher.metrics_port == 9106
     svc = one(docs, "Service", "r-vcpo-rl-launcher-metrics")
     assert svc["spec"]["selector"]["vcpo.io/component"] == "head"
-    assert svc["spec"]["ports"][0] == {"name": "metrics", "port": 9106, "targetPort": "launcher-metrics",
-                                            "protocol": "TCP"}  # fmt: skip
+    assert svc["spec"]["ports"][0] == {
+        "name": "metrics",
+        "port": 9106,
+        "targetPort": "launcher-metrics",
+        "protocol": "TCP",
+    }
     _, defaults = run_config(render(), tmp_path)
     assert (defaults.launcher.max_restarts, defaults.launcher.restart_backoff_s) == (10, 2.0)
     assert defaults.launcher.learner_hang_timeout_s == 300.0
 
 
 def test_the_papers_data_layout_and_scorers_by_source_reach_the_sampler(tmp_path: Path) -> None:
-    docs = render("--set", "data.answerField=reward_model.ground_truth",
-                  "--set-json", 'data.scorerBySource={"openai/gsm8k": "gsm8k", "aime*": "math_dapo"}')  # fmt: skip
+    docs = render(
+        "--set",
+        "data.answerField=reward_model.ground_truth",
+        "--set-json",
+        'data.scorerBySource={"openai/gsm8k": "gsm8k", "aime*": "math_dapo"}',
+    )
     _, cfg = run_config(docs, tmp_path)
     assert (
         cfg.sampler.answer_field == "reward_model.ground_truth" and cfg.sampler.source_field == "data_source"
@@ -472,11 +486,15 @@ def test_environments_are_registered_from_values(tmp_path: Path) -> None:
 
 def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
     docs = render(
-        "--set", "run.k=16", "--set", "run.groupsPerStep=32",
+        "--set",
+        "run.k=16",
+        "--set",
+        "run.groupsPerStep=32",
         # 32 groups per step: checkpoints every 25 steps keep (25 + 1) * 32 = 832 scored groups <= the 1024
         # the stream holds (a larger interval is refused: the learner acknowledges only at checkpoints)
-        "--set-string", "extraConfig=[sampler]\nn = 4\ntemperature = 0.0\n[learner]\ncheckpoint_every = 25\n",
-    )  # fmt: skip
+        "--set-string",
+        "extraConfig=[sampler]\nn = 4\ntemperature = 0.0\n[learner]\ncheckpoint_every = 25\n",
+    )
     _, cfg = run_config(docs, tmp_path)
     assert (cfg.run.k, cfg.run.groups_per_step, cfg.sampler.n, cfg.learner.checkpoint_every) == (
         16,
@@ -490,8 +508,10 @@ def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
 
 
 def test_evaluation_sets_come_through_extra_config(tmp_path: Path) -> None:
-    extra = ('[evaluation]\nevery = 50\n[[evaluation.sets]]\nname = "gsm8k"\n'
-             'dataset = "/data/gsm8k_test.parquet"\nn = 8\ntemperature = 0.0\n')  # fmt: skip
+    extra = (
+        '[evaluation]\nevery = 50\n[[evaluation.sets]]\nname = "gsm8k"\n'
+        'dataset = "/data/gsm8k_test.parquet"\nn = 8\ntemperature = 0.0\n'
+    )
     _, cfg = run_config(render("--set-string", f"extraConfig={extra}"), tmp_path)
     assert cfg.evaluation.every == 50 and cfg.evaluation.placement == "shared"
     assert [(s.name, s.dataset, s.n, s.temperature) for s in cfg.evaluation.sets] == [
@@ -630,30 +650,42 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["redis.auth.password=p@ss/word"], "/redis/auth/password"),
         (["monitoring.serviceMonitor.interval=soon"], "/monitoring/serviceMonitor/interval"),
         (["reward.minReplicas=0"], "/reward/minReplicas"),
-        (["environments[0].name=calc", "environments[0].builtin=python", "environments[0].endpoint=h:1"],
-         "/environments/0"),
+        (
+            ["environments[0].name=calc", "environments[0].builtin=python", "environments[0].endpoint=h:1"],
+            "/environments/0",
+        ),
         (["environments[0].name=Calc", "environments[0].builtin=python"], "/environments/0/name"),
         (["evaluation.placement=elsewhere"], "/evaluation/placement"),
         (["evaluation.sets[0].name=gsm8k"], "/evaluation/sets/0"),  # no dataset
-        (["evaluation.sets[0].name=gsm8k", "evaluation.sets[0].dataset=x.jsonl", "evaluation.sets[0].n=4"],
-         "/evaluation/sets/0"),  # samples, not n
+        (
+            ["evaluation.sets[0].name=gsm8k", "evaluation.sets[0].dataset=x.jsonl", "evaluation.sets[0].n=4"],
+            "/evaluation/sets/0",
+        ),  # samples, not n
         # checks the launcher would make at start-up, made at install
         (["streams.scoredMaxlen=100"], "streams.scored_maxlen = 100 is less than"),
         (["learner.ranks=3", "learner.ranksPerPod=2", "run.groupsPerStep=8"], "not a multiple of"),
         (["learner.ranks=4", "learner.ranksPerPod=4", "run.groupsPerStep=2"], "run.groupsPerStep = 2"),
         (["reward.minReplicas=3", "reward.maxReplicas=2"], "reward.maxReplicas = 2"),
         (["datasetEnvironment=nope"], 'datasetEnvironment = "nope"'),
-        (["evaluation.sets[0].name=a", "evaluation.sets[0].dataset=x.jsonl", "evaluation.sets[0].environment=nope"],
-         'evaluation set "a": environment "nope" is not one of the environments'),
+        (
+            [
+                "evaluation.sets[0].name=a",
+                "evaluation.sets[0].dataset=x.jsonl",
+                "evaluation.sets[0].environment=nope",
+            ],
+            'evaluation set "a": environment "nope" is not one of the environments',
+        ),
         (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
         # pods too small for the model's weights (templates/_sizing.tpl)
-        (["sampler.resources.limits.memory=16Gi"], "sampler.resources.limits.memory = 16Gi is below the 21Gi"),
+        (
+            ["sampler.resources.limits.memory=16Gi"],
+            "sampler.resources.limits.memory = 16Gi is below the 21Gi",
+        ),
         (["run.model=/data/models/ckpt"], "set modelSize.parameters"),
-
     ],
-)  # fmt: skip
+)
 def test_bad_values_fail_at_install(flags: list[str], message: str) -> None:
     args = [
         a for flag in flags for a in ("--set-string" if flag.startswith("extraConfig") else "--set", flag)
@@ -771,15 +803,29 @@ def test_default_pods_hold_the_default_model() -> None:
 SIZING_CASES = {  # name: (flags, minimums, head key is checked)
     "1.5B from its name": ((), minimums(1.5 * 1.1)),
     "7B from its name": (("run.model=Qwen/Qwen2.5-7B",), minimums(7 * 1.1)),
-    "7B, tensor parallel 2": (("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2"), minimums(7 * 1.1, gpus=2)),
+    "7B, tensor parallel 2": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2"),
+        minimums(7 * 1.1, gpus=2),
+    ),
     "7.62B given": (("run.model=Qwen/Qwen2.5-7B", "modelSize.parameters=7.62"), minimums(7.62)),
     "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),
-    "4 retained": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.retainVersions=4"), minimums(7 * 1.1, retain=4)),
-    "broker on disk": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.storage=disk"), minimums(7 * 1.1, in_memory=False)),
-    "tcp transport": (("run.model=Qwen/Qwen2.5-7B", "weightBroker.transport=tcp"), minimums(7 * 1.1, collective=False)),
-    "tcp, tensor parallel 2": (("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "weightBroker.transport=tcp"),
-                               minimums(7 * 1.1, gpus=2, collective=False)),
-}  # fmt: skip
+    "4 retained": (
+        ("run.model=Qwen/Qwen2.5-7B", "weightBroker.retainVersions=4"),
+        minimums(7 * 1.1, retain=4),
+    ),
+    "broker on disk": (
+        ("run.model=Qwen/Qwen2.5-7B", "weightBroker.storage=disk"),
+        minimums(7 * 1.1, in_memory=False),
+    ),
+    "tcp transport": (
+        ("run.model=Qwen/Qwen2.5-7B", "weightBroker.transport=tcp"),
+        minimums(7 * 1.1, collective=False),
+    ),
+    "tcp, tensor parallel 2": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "weightBroker.transport=tcp"),
+        minimums(7 * 1.1, gpus=2, collective=False),
+    ),
+}
 SIZED_KEYS = {  # the minimum's name -> the values it checks
     "sampler": ("sampler.resources.requests.memory", "sampler.resources.limits.memory"),
     "shm": ("rayCluster.shmSize",),
@@ -821,12 +867,32 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
     cpu = minimums(1.5 * 1.1, gpus=0)["sampler"]  # 3 × 3.1GiB + 8Gi
     assert cpu == 18
     for memory, ok in ((cpu, True), (cpu - 1, False)):
-        out = helm("template", "r", str(CHART), "--set", "sampler.gpusPerReplica=0", "--set", "rayCluster.shmSize=64Mi",
-                   "--set", f"sampler.resources.limits.memory={memory}Gi",
-                   "--set", f"sampler.resources.requests.memory={memory}Gi")  # fmt: skip
+        out = helm(
+            "template",
+            "r",
+            str(CHART),
+            "--set",
+            "sampler.gpusPerReplica=0",
+            "--set",
+            "rayCluster.shmSize=64Mi",
+            "--set",
+            f"sampler.resources.limits.memory={memory}Gi",
+            "--set",
+            f"sampler.resources.requests.memory={memory}Gi",
+        )
         assert (out.returncode == 0) == ok, errors(out)
-    render("--set", "run.model=", "--set", "sampler.gpusPerReplica=0", "--set", "rayCluster.shmSize=64Mi",
-           "--set", "sampler.resources.limits.memory=8Gi", "--set", "sampler.resources.requests.memory=8Gi")  # fmt: skip
+    render(
+        "--set",
+        "run.model=",
+        "--set",
+        "sampler.gpusPerReplica=0",
+        "--set",
+        "rayCluster.shmSize=64Mi",
+        "--set",
+        "sampler.resources.limits.memory=8Gi",
+        "--set",
+        "sampler.resources.requests.memory=8Gi",
+    )
 
 
 def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
@@ -835,7 +901,14 @@ def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
     need = minimums(7 * 1.1, gpus=2)["evaluator"]
     assert need == 54
     render(*evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need}Gi")
-    out = helm("template", "r", str(CHART), *evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need - 1}Gi")  # fmt: skip
+    out = helm(
+        "template",
+        "r",
+        str(CHART),
+        *evaluation,
+        "--set",
+        f"evaluation.evaluator.resources.limits.memory={need - 1}Gi",
+    )
     assert f"raise evaluation.evaluator.resources.limits.memory to at least {need}Gi" in errors(out), errors(
         out
     )

@@ -13,8 +13,11 @@ LOCAL = ROOT / "deploy" / "presets" / "local.toml"
 def launch(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "deploy.launch", "--config", str(LOCAL), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_launch_rejects_a_bad_value_before_starting_anything(tmp_path: Path) -> None:

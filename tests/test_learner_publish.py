@@ -30,8 +30,11 @@ def _zero3_module(rank: int, port: int, model_dir: str) -> Any:
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
     return engine.module

@@ -29,13 +29,33 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _config(tmp: Path, run_id: str, redis_url: str, model: Path, **learner: Any) -> Path:
     cfg = {
-        "run": {"run_id": run_id, "k": 1, "groups_per_step": 2, "model": str(model), "redis_url": redis_url,
-                "run_dir": str(tmp / run_id), "seed": 0},
-        "learner": {"num_ranks": 2, "micro_batch_size": 2, "lr": 1e-3, "weight_decay": 0.01, "max_group_size": 4,
-                    "checkpoint_every": 2, "metrics_port": 0, "grpc_port": 0, "read_block_ms": 200, **learner},
-        "weight_broker": {"transport": "filesystem", "storage_dir": str(tmp / run_id / "weights"),
-                          "retain_versions": 10},
-    }  # fmt: skip
+        "run": {
+            "run_id": run_id,
+            "k": 1,
+            "groups_per_step": 2,
+            "model": str(model),
+            "redis_url": redis_url,
+            "run_dir": str(tmp / run_id),
+            "seed": 0,
+        },
+        "learner": {
+            "num_ranks": 2,
+            "micro_batch_size": 2,
+            "lr": 1e-3,
+            "weight_decay": 0.01,
+            "max_group_size": 4,
+            "checkpoint_every": 2,
+            "metrics_port": 0,
+            "grpc_port": 0,
+            "read_block_ms": 200,
+            **learner,
+        },
+        "weight_broker": {
+            "transport": "filesystem",
+            "storage_dir": str(tmp / run_id / "weights"),
+            "retain_versions": 10,
+        },
+    }
     path = tmp / f"{run_id}.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -44,8 +64,10 @@ def _config(tmp: Path, run_id: str, redis_url: str, model: Path, **learner: Any)
 def _learner(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.learner", "--config", str(config), *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _fill(client: redis.Redis, run_id: str, entries: list[tuple[rollout_pb2.TrajectoryGroup, int]]) -> None:
@@ -194,8 +216,10 @@ def test_status_metrics_and_graceful_stop(
     config = _config(tmp_path, "live", redis_url, model_dir, checkpoint_every=10)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.learner", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         endpoints = tmp_path / "live" / "learner" / "endpoints.json"
         deadline = time.monotonic() + 180

@@ -94,8 +94,10 @@ def test_foreign_entries_are_counted_apart_and_the_run_still_balances(redis_clie
     from services.common.streams import StreamConsumer, StreamProducer, StreamSpec
     from vcpo.v1 import rollout_pb2
 
-    spec = {n: StreamSpec(n, KEYS[n], rollout_pb2.TrajectoryGroup, 64, "queue", f"{n}-readers")
-            for n in ("rollouts", "scored")}  # fmt: skip
+    spec = {
+        n: StreamSpec(n, KEYS[n], rollout_pb2.TrajectoryGroup, 64, "queue", f"{n}-readers")
+        for n in ("rollouts", "scored")
+    }
     sampler = StreamProducer(redis_client, spec["rollouts"])
     reward = StreamConsumer(redis_client, spec["rollouts"], "reward-0")
     learner = StreamConsumer(redis_client, spec["scored"], "learner-0")

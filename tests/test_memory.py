@@ -29,9 +29,18 @@ def qwen25_7b_config():  # type: ignore[no-untyped-def]
     """Qwen/Qwen2.5-7B's config.json, by value (no download)."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    return Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
 
 
 def test_live_bytes_counts_what_is_allocated_and_frees_it() -> None:
@@ -53,13 +62,28 @@ def test_live_bytes_counts_what_is_allocated_and_frees_it() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = TinyModelSpec(hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=128, vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    spec = TinyModelSpec(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
     return build_tiny_model(tmp_path_factory.mktemp("memory") / "model", spec)
 
 
-@pytest.mark.parametrize(("mode", "checkpointing", "chunk"), [("saved", False, 0), ("recompute", False, 0),
-                         ("recompute", True, 32), ("grpo", False, 0), ("grpo", True, 32)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "checkpointing", "chunk"),
+    [
+        ("saved", False, 0),
+        ("recompute", False, 0),
+        ("recompute", True, 32),
+        ("grpo", False, 0),
+        ("grpo", True, 32),
+    ],
+)
 def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointing: bool, chunk: int) -> None:
     """Fake tensors at one and two layers, extrapolated to three, against the real three-layer step."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -67,8 +91,15 @@ def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointin
     from services.learner.grad_norms import chunk_count
 
     rows, tokens = 2, 96
-    estimate = step_memory(AutoConfig.from_pretrained(tiny), mode=mode, rows=rows, tokens=tokens,
-                           dtype=torch.float32, checkpointing=checkpointing, logit_chunk_tokens=chunk)  # fmt: skip
+    estimate = step_memory(
+        AutoConfig.from_pretrained(tiny),
+        mode=mode,
+        rows=rows,
+        tokens=tokens,
+        dtype=torch.float32,
+        checkpointing=checkpointing,
+        logit_chunk_tokens=chunk,
+    )
     model = AutoModelForCausalLM.from_pretrained(
         tiny, dtype=torch.float32, attn_implementation="sdpa"
     ).train()
@@ -96,8 +127,13 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_keys(tiny: Path) -> None:
     learner = LearnerConfig(micro_batch_size=8, max_sequence_tokens=512)
     with pytest.raises(ValueError, match="cannot fit") as err:
         plan_memory(AutoConfig.from_pretrained(tiny), learner, "fp32", 1, budget=64 * 2**20)
-    for key in ("learner.micro_batch_size (8)", "learner.max_sequence_tokens", "learner.activation_checkpointing",
-                "learner.num_ranks", "learner.device_memory_gb"):  # fmt: skip
+    for key in (
+        "learner.micro_batch_size (8)",
+        "learner.max_sequence_tokens",
+        "learner.activation_checkpointing",
+        "learner.num_ranks",
+        "learner.device_memory_gb",
+    ):
         assert key in str(err.value)
     with pytest.raises(ValueError, match="max_sequence_tokens = 0"):
         plan_memory(AutoConfig.from_pretrained(tiny), LearnerConfig(), "fp32", 1, budget=GiB)

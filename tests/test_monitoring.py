@@ -135,9 +135,13 @@ def test_every_rule_has_for_severity_and_annotations() -> None:
     groups = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
     alerts = [r for g in groups for r in g["rules"] if "alert" in r]
     assert {a["alert"] for a in alerts} >= {
-        "VcpoEssRatioLow", "VcpoEssRatioCollapse", "VcpoGradNormSpike", "VcpoLearnerStalled",
-        "VcpoSamplersAdmissionBlocked", "VcpoStreamGrowing",
-    }  # fmt: skip
+        "VcpoEssRatioLow",
+        "VcpoEssRatioCollapse",
+        "VcpoGradNormSpike",
+        "VcpoLearnerStalled",
+        "VcpoSamplersAdmissionBlocked",
+        "VcpoStreamGrowing",
+    }
     tested = set(re.findall(r"alertname: (\w+)", (PROM_DIR / "alerts_test.yml").read_text()))
     for alert in alerts:
         assert alert.get("for"), alert["alert"]
@@ -156,8 +160,19 @@ def test_the_dashboard_parses_and_every_panel_has_a_prometheus_query(tmp_path: P
     panels = _panels(dashboard)
     assert len(panels) >= 15
     titles = " | ".join(p["title"] for p in panels)
-    for wanted in ("ESS ratio", "Learning-rate scale", "Gradient norm", "Mean reward", "Staleness",
-                   "dropped", "Tokens / s", "Queue depths", "Weight sync", "Episodes", "Paused"):  # fmt: skip
+    for wanted in (
+        "ESS ratio",
+        "Learning-rate scale",
+        "Gradient norm",
+        "Mean reward",
+        "Staleness",
+        "dropped",
+        "Tokens / s",
+        "Queue depths",
+        "Weight sync",
+        "Episodes",
+        "Paused",
+    ):
         assert wanted in titles, wanted
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     rules = []
@@ -167,8 +182,12 @@ def test_the_dashboard_parses_and_every_panel_has_a_prometheus_query(tmp_path: P
         for target in panel["targets"]:
             assert target["expr"].strip(), panel["title"]
             assert '$run_id"' in target["expr"], f"{panel['title']!r} ignores the run_id variable"
-            rules.append({"record": f"dashboard:panel_{panel['id']}:{target['refId']}",
-                          "expr": _substitute(target["expr"], "local")})  # fmt: skip
+            rules.append(
+                {
+                    "record": f"dashboard:panel_{panel['id']}:{target['refId']}",
+                    "expr": _substitute(target["expr"], "local"),
+                }
+            )
     # promtool parses PromQL: every query as a recording rule
     path = tmp_path / "dashboard_queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
@@ -258,11 +277,16 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
-            [shutil.which("prometheus") or "prometheus", f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}", "--log.level=warn",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                shutil.which("prometheus") or "prometheus",
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                "--log.level=warn",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def get(self, path: str, **params: str) -> Any:
         url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
@@ -329,8 +353,17 @@ def test_a_real_prometheus_scrapes_a_local_run_and_every_panel_has_data(tmp_path
     # round takes ~17 s beside training here and longer on a slower machine, past the preset's 10 s budget
     # for holding newer versions back (CI saw it abandoned and the accuracy panels empty). This test judges
     # the panels, not the budget (tests/test_evaluation.py does), so the round gets the time it needs.
-    launch = Launch(run_dir, "--run.run_id", run_id, "--launcher.max_steps", "1000",
-                    "--launcher.warm_start_steps", "0", "--evaluation.max_delay_s", "120")  # fmt: skip
+    launch = Launch(
+        run_dir,
+        "--run.run_id",
+        run_id,
+        "--launcher.max_steps",
+        "1000",
+        "--launcher.warm_start_steps",
+        "0",
+        "--evaluation.max_delay_s",
+        "120",
+    )
     prom: Prometheus | None = None
     try:
         listed = lambda: targets.exists() and len(json.loads(targets.read_text())) >= 5  # noqa: E731

@@ -37,13 +37,25 @@ def _fields(message: type) -> set[str]:
 
 def test_trajectory_group_has_what_the_learner_needs() -> None:
     assert {
-        "response_tokens", "behaviour_logprobs", "loss_mask", "policy_version_start", "policy_version_end",
-        "version_segments", "reward", "finish_reason",
-    } <= _fields(rollout_pb2.Trajectory)  # fmt: skip
+        "response_tokens",
+        "behaviour_logprobs",
+        "loss_mask",
+        "policy_version_start",
+        "policy_version_end",
+        "version_segments",
+        "reward",
+        "finish_reason",
+    } <= _fields(rollout_pb2.Trajectory)
     assert {
-        "group_id", "run_id", "task", "prompt_tokens", "trajectories", "policy_version_start",
-        "policy_version_end", "sampling",
-    } <= _fields(rollout_pb2.TrajectoryGroup)  # fmt: skip
+        "group_id",
+        "run_id",
+        "task",
+        "prompt_tokens",
+        "trajectories",
+        "policy_version_start",
+        "policy_version_end",
+        "sampling",
+    } <= _fields(rollout_pb2.TrajectoryGroup)
     assert {"task_id", "environment", "reference", "scorer", "split"} <= _fields(rollout_pb2.Task)
     assert {"value", "failed", "failure_reason", "scorer"} <= _fields(rollout_pb2.Reward)
 

@@ -515,8 +515,9 @@ def test_faults_name_the_restarts_and_the_longest_stand_still(tmp_path: Path) ->
     ]  # restarted at step 5's checkpoint
     write_lines(tmp_path / "learner" / "steps.jsonl", rows)
     stall = {"restart": 1, "reason": "ActorDiedError: rank 1 died", "from_step": 5, "seconds": 12.5}
-    md, figures = report(tmp_path, k=1, restarts={"learner": 1, "sampler": 2, "reward": 0},
-                         learner_restarts=[stall])  # fmt: skip
+    md, figures = report(
+        tmp_path, k=1, restarts={"learner": 1, "sampler": 2, "reward": 0}, learner_restarts=[stall]
+    )
     assert figures["faults"]["restarts"] == {"learner": 1, "sampler": 2, "reward": 0}
     assert figures["faults"]["longest_step_gap_s"] == pytest.approx(1106.0 - 1015.0)  # step 5 -> redone 6
     assert "- Restarts by service: learner: 1, sampler: 2." in md

@@ -302,9 +302,19 @@ def test_a_flood_of_output_is_cut_at_the_limit() -> None:
             "os.system",
         ),
     ],
-    ids=["ctypes", "str_subclass", "subinterpreter", "code_object", "marshal", "heap", "trace", "kill",
-         "patched_builtins", "guard_frame"],
-)  # fmt: skip
+    ids=[
+        "ctypes",
+        "str_subclass",
+        "subinterpreter",
+        "code_object",
+        "marshal",
+        "heap",
+        "trace",
+        "kill",
+        "patched_builtins",
+        "guard_frame",
+    ],
+)
 def test_the_guard_refuses_ways_around_it(attack: str, refused: str) -> None:
     target = f"/tmp/vcpo-escape-{uuid.uuid4().hex}"
     result = run_python(attack.replace("TARGET", repr(target)), limits=FAST)
@@ -375,9 +385,17 @@ def test_a_response_without_code_scores_zero() -> None:
 
 @pytest.mark.parametrize(
     "reference",
-    ["", "   ", '{"inputs": ["1"]}', '{"inputs": ["1", "2"], "outputs": ["1"]}', '{"inputs": [], "outputs": []}',
-     '{"inputs": [1], "outputs": ["1"]}', "[1, 2]", "def (:"],
-)  # fmt: skip
+    [
+        "",
+        "   ",
+        '{"inputs": ["1"]}',
+        '{"inputs": ["1", "2"], "outputs": ["1"]}',
+        '{"inputs": [], "outputs": []}',
+        '{"inputs": [1], "outputs": ["1"]}',
+        "[1, 2]",
+        "def (:",
+    ],
+)
 def test_a_broken_reference_is_a_scorer_error_naming_the_task(reference: str) -> None:
     with pytest.raises(ScorerError, match="task-broken") as caught:
         _score(ADD, reference, task_id="task-broken")

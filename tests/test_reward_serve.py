@@ -23,9 +23,11 @@ def test_replicas_follow_queue_depth_within_bounds() -> None:
 
     def ctx(metrics: dict[str, Any]) -> Any:
         return SimpleNamespace(
-            aggregated_metrics=metrics, target_num_replicas=2, capacity_adjusted_min_replicas=1,
+            aggregated_metrics=metrics,
+            target_num_replicas=2,
+            capacity_adjusted_min_replicas=1,
             capacity_adjusted_max_replicas=4,
-        )  # fmt: skip
+        )
 
     policy = QueueDepthPolicy(target_queue_depth=8)
     assert policy(ctx({})) == (2, {})  # nothing reported yet: no change
@@ -42,9 +44,14 @@ def test_serve_app_scores_the_stream_and_scales_out_on_queue_depth(
     from services.reward.serve_app import APP_NAME, deploy_reward
 
     cfg = reward_config(
-        redis_url, tmp_path, workers=1, min_replicas=1, max_replicas=2, target_queue_depth=2,
+        redis_url,
+        tmp_path,
+        workers=1,
+        min_replicas=1,
+        max_replicas=2,
+        target_queue_depth=2,
         timeouts={"test_sleepy": 30.0},
-    )  # fmt: skip
+    )
     specs = stream_specs(cfg.run, cfg.streams)
     task = rollout_pb2.Task(task_id="slow:1", scorer="test_sleepy", metadata={"sleep_s": "0.5"})
     groups = [(make_group(f"g{i}", task, ["a", "b"]), i % 3) for i in range(16)]

@@ -30,9 +30,14 @@ PLUGINS = ["tests.reward_plugins"]
 
 def reward_config(redis_url: str, run_dir: Path, **reward: Any) -> RewardServiceConfig:
     settings: dict[str, Any] = {
-        "workers": 2, "plugins": PLUGINS, "timeouts": {"test_sleepy": 1.0}, "fallback_reward": -1.0,
-        "grpc_port": 0, "metrics_port": 0, "default_scorer": "math",
-    }  # fmt: skip
+        "workers": 2,
+        "plugins": PLUGINS,
+        "timeouts": {"test_sleepy": 1.0},
+        "fallback_reward": -1.0,
+        "grpc_port": 0,
+        "metrics_port": 0,
+        "default_scorer": "math",
+    }
     settings.update(reward)
     return RewardServiceConfig.model_validate(
         {
@@ -50,9 +55,14 @@ def make_group(group_id: str, task: rollout_pb2.Task, texts: list[str], version:
     group.task.CopyFrom(task)
     for text in texts:
         group.trajectories.add(
-            text=text, response_tokens=[5, 6], behaviour_logprobs=[-0.5, -0.25], loss_mask=[True, True],
-            policy_version_start=version, policy_version_end=version, finish_reason="stop",
-        )  # fmt: skip
+            text=text,
+            response_tokens=[5, 6],
+            behaviour_logprobs=[-0.5, -0.25],
+            loss_mask=[True, True],
+            policy_version_start=version,
+            policy_version_end=version,
+            finish_reason="stop",
+        )
     return group
 
 
@@ -119,8 +129,9 @@ def run_service(cfg: RewardServiceConfig, max_groups: int) -> tuple[Any, dict[st
         service.close()
 
 
-def test_service_scores_every_response_and_hands_groups_on(redis_client: redis.Redis, redis_url: str,
-                                                           tmp_path: Path) -> None:  # fmt: skip
+def test_service_scores_every_response_and_hands_groups_on(
+    redis_client: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
     cfg = reward_config(redis_url, tmp_path)
     specs = specs_for(cfg)
     math_task = rollout_pb2.Task(task_id="gsm8k:1", prompt="?", reference="Half of 144 is #### 72")
@@ -227,8 +238,9 @@ def start_replica(config: Path, replica: int, *extra: str) -> subprocess.Popen[b
     return subprocess.Popen(
         [sys.executable, "-m", "services.reward", "--config", str(config), "--replica", str(replica), *extra],
         cwd=Path(__file__).resolve().parents[1],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.mark.slow

@@ -35,8 +35,12 @@ def generate(
     while engine.has_unfinished():
         for delta in engine.step():
             prompt, tokens, logprobs, _ = out[delta.request_id]
-            out[delta.request_id] = (prompt, tokens + delta.token_ids, logprobs + delta.logprobs,
-                                     delta.finish_reason or "")  # fmt: skip
+            out[delta.request_id] = (
+                prompt,
+                tokens + delta.token_ids,
+                logprobs + delta.logprobs,
+                delta.finish_reason or "",
+            )
     return out
 
 
@@ -187,8 +191,11 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11", "12", "17"],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(line[len("RESULT ") :])
@@ -220,8 +227,9 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     # vcpo_collective backend (registered by the worker extension's import) and serves the broadcast version
     coll = result["collective"]
     assert coll["sent"][1] == "sent" and coll["serving"] is True
-    expected = hf_logprobs(hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"],
-                           coll["tokens"])  # fmt: skip
+    expected = hf_logprobs(
+        hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"], coll["tokens"]
+    )
     assert len(coll["tokens"]) == 8 and max_abs_diff(coll["logprobs"], expected) <= 1e-3
 
 
@@ -269,17 +277,31 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
 
     greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
     tok = vllm_engine.tokenizer
-    prompts = [tok.encode("Solve the following problem step by step and put the answer last. " * 6 + q)
-               for q in ("12+7=", "3+4=")]  # fmt: skip
+    prompts = [
+        tok.encode("Solve the following problem step by step and put the answer last. " * 6 + q)
+        for q in ("12+7=", "3+4=")
+    ]
     old, new = version_weights(tiny_model_dir, 14), version_weights(tiny_model_dir, 15)
     load_into(vllm_engine, old)  # the broker path first: its prefix-cache blocks must not leak into the next
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
     v_skipped, v_new, v_cut = next(versions), next(versions), next(versions)
     weights_file = tmp_path / "versions.pt"
-    torch.save({v_skipped: version_weights(tiny_model_dir, 18), v_new: new, v_cut: version_weights(tiny_model_dir, 16)},
-               weights_file)  # fmt: skip
-    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 1,
-            "timeout_s": 60.0}  # fmt: skip
+    torch.save(
+        {
+            v_skipped: version_weights(tiny_model_dir, 18),
+            v_new: new,
+            v_cut: version_weights(tiny_model_dir, 16),
+        },
+        weights_file,
+    )
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": "gloo",
+        "epoch": 1,
+        "timeout_s": 60.0,
+    }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     learner = ctx.Process(
@@ -336,8 +358,14 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     weights = {v: version_weights(tiny_model_dir, 30 + i) for i, v in enumerate(plan)}
     weights_file = tmp_path / "versions.pt"
     torch.save(weights, weights_file)
-    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "epoch": 1,
-            "timeout_s": 60.0}  # fmt: skip
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": "gloo",
+        "epoch": 1,
+        "timeout_s": 60.0,
+    }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     learner = ctx.Process(

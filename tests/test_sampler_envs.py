@@ -34,10 +34,22 @@ class EnvProcess:
     def __init__(self, mode: str, log: Path, steps: int = 2) -> None:
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "envs" / "scripted_env.py"), "--port", "0", "--mode", mode,
-             "--steps", str(steps), "--log", str(log)],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(ROOT / "tests" / "envs" / "scripted_env.py"),
+                "--port",
+                "0",
+                "--mode",
+                mode,
+                "--steps",
+                str(steps),
+                "--log",
+                str(log),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line.startswith("listening on "), line
@@ -108,8 +120,15 @@ def test_multi_turn_episodes_line_up_token_for_token(
 ) -> None:
     env = env_process("normal", steps=2)
     stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=12)
-    reply = register(stack, name="game", endpoint=env.endpoint, tool_parser="turn", max_turns=4,
-                     scorer="environment", step_timeout_seconds=10)  # fmt: skip
+    reply = register(
+        stack,
+        name="game",
+        endpoint=env.endpoint,
+        tool_parser="turn",
+        max_turns=4,
+        scorer="environment",
+        step_timeout_seconds=10,
+    )
     assert reply.name == "game" and reply.created
     listed = stack.registry().ListEnvironments(registry_pb2.ListEnvironmentsRequest(), metadata=stack.auth)
     assert [(e.name, e.max_concurrency, e.endpoint) for e in listed.environments] == [
@@ -149,10 +168,15 @@ def test_multi_turn_episodes_line_up_token_for_token(
             # behaviour log-probs of every generated token, on the whole episode as one sequence
             expected = full_logprobs(model, list(group.prompt_tokens), tokens)
             generated = [j for j, m in enumerate(mask) if m]
-            assert max_abs_diff([traj.behaviour_logprobs[j] for j in generated],
-                                [expected[j] for j in generated]) <= 1e-3  # fmt: skip
-    status = stack.registry().EnvironmentStatus(registry_pb2.EnvironmentStatusRequest(name="game"),
-                                                metadata=stack.auth)  # fmt: skip
+            assert (
+                max_abs_diff(
+                    [traj.behaviour_logprobs[j] for j in generated], [expected[j] for j in generated]
+                )
+                <= 1e-3
+            )
+    status = stack.registry().EnvironmentStatus(
+        registry_pb2.EnvironmentStatusRequest(name="game"), metadata=stack.auth
+    )
     assert status.healthy and status.episodes_completed >= 4 and status.errors == 0
     metrics = stack.service.registry.exposition().decode()
     assert 'vcpo_sampler_env_episodes_total{environment="game",replica="sampler-0"}' in metrics
@@ -197,11 +221,26 @@ def test_a_hanging_and_a_crashing_environment_fail_only_their_own_groups(
     make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess]
 ) -> None:
     good, hang, crash = env_process("normal", steps=1), env_process("hang"), env_process("crash")
-    stack = make_stack(k=8, groups_per_step=2, dataset="", n=2, max_tokens=8, env_failures_to_open=2,
-                       env_cooldown_s=300, env_max_attempts=2)  # fmt: skip
+    stack = make_stack(
+        k=8,
+        groups_per_step=2,
+        dataset="",
+        n=2,
+        max_tokens=8,
+        env_failures_to_open=2,
+        env_cooldown_s=300,
+        env_max_attempts=2,
+    )
     for name, env in (("good", good), ("hang", hang), ("crash", crash)):
-        register(stack, name=name, endpoint=env.endpoint, tool_parser="turn", scorer="environment",
-                 step_timeout_seconds=1, max_concurrency=2)  # fmt: skip
+        register(
+            stack,
+            name=name,
+            endpoint=env.endpoint,
+            tool_parser="turn",
+            scorer="environment",
+            step_timeout_seconds=1,
+            max_concurrency=2,
+        )
     for name in ("hang", "crash", "good"):
         assert submit(stack, name, 3, name).accepted == 3
     stack.learner.publish(0)
@@ -209,17 +248,32 @@ def test_a_hanging_and_a_crashing_environment_fail_only_their_own_groups(
     # the good environment's groups come through while the hanging one's calls wait for their deadline
     wait_until(lambda: sum(g.task.environment == "good" for g in rollouts(stack)) >= 3, 90, "good groups")
     status = wait_until(
-        lambda: not (s := stack.registry().EnvironmentStatus(
-            registry_pb2.EnvironmentStatusRequest(name="crash"), metadata=stack.auth)).healthy and s,
-        60, "the crashing environment paused",
-    )  # fmt: skip
+        lambda: (
+            not (
+                s := stack.registry().EnvironmentStatus(
+                    registry_pb2.EnvironmentStatusRequest(name="crash"), metadata=stack.auth
+                )
+            ).healthy
+            and s
+        ),
+        60,
+        "the crashing environment paused",
+    )
     assert status.errors >= 2 and "paused by the circuit breaker" in status.last_error
     assert "RuntimeError" in status.last_error or "INTERNAL" in status.last_error
     hung = wait_until(
-        lambda: (s := stack.registry().EnvironmentStatus(
-            registry_pb2.EnvironmentStatusRequest(name="hang"), metadata=stack.auth)).errors >= 2 and s,
-        60, "the hanging environment's timeouts",
-    )  # fmt: skip
+        lambda: (
+            (
+                s := stack.registry().EnvironmentStatus(
+                    registry_pb2.EnvironmentStatusRequest(name="hang"), metadata=stack.auth
+                )
+            ).errors
+            >= 2
+            and s
+        ),
+        60,
+        "the hanging environment's timeouts",
+    )
     assert "timeout" in hung.last_error
     assert {g.task.environment for g in rollouts(stack)} == {"good"}  # nothing half-done was written
     metrics = stack.service.registry.exposition().decode()
@@ -238,17 +292,35 @@ def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
     make_stack: Callable[..., Stack], tmp_path: Path
 ) -> None:
     stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=8)
-    env = subprocess.Popen([sys.executable, "examples/calculator_env.py", "--port", "0"], cwd=ROOT,
-                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    env = subprocess.Popen(
+        [sys.executable, "examples/calculator_env.py", "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert env.stdout is not None
         endpoint = env.stdout.readline().split()[-1]
         client = subprocess.run(
-            [sys.executable, "examples/submit_tasks.py", "--sampler", f"127.0.0.1:{stack.service.server.port}",
-             "--token-file", str(tmp_path / "api_token"), "--env-endpoint", endpoint, "--tasks", "3",
-             "--watch-s", "1"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "examples/submit_tasks.py",
+                "--sampler",
+                f"127.0.0.1:{stack.service.server.port}",
+                "--token-file",
+                str(tmp_path / "api_token"),
+                "--env-endpoint",
+                endpoint,
+                "--tasks",
+                "3",
+                "--watch-s",
+                "1",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert client.returncode == 0, client.stderr
         assert "environment 'calculator' registered" in client.stdout
         assert "submitted: 3 accepted, 0 rejected" in client.stdout and "healthy=True" in client.stdout
@@ -259,10 +331,21 @@ def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
         assert all(g.task.scorer == "math" and g.task.reference for g in groups)  # the registration's scorer
         (tmp_path / "wrong").write_text("not-the-token\n")
         wrong = subprocess.run(
-            [sys.executable, "examples/submit_tasks.py", "--sampler", f"127.0.0.1:{stack.service.server.port}",
-             "--token-file", str(tmp_path / "wrong"), "--env-endpoint", endpoint],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "examples/submit_tasks.py",
+                "--sampler",
+                f"127.0.0.1:{stack.service.server.port}",
+                "--token-file",
+                str(tmp_path / "wrong"),
+                "--env-endpoint",
+                endpoint,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert wrong.returncode == 1 and "registration refused: UNAUTHENTICATED" in wrong.stderr
     finally:
         env.kill()
@@ -280,14 +363,33 @@ def test_held_out_episodes_run_beside_training_and_never_become_groups(
 
     env = env_process("normal", steps=2)
     held = tmp_path / "held.jsonl"
-    held.write_text("".join(json.dumps({"prompt": f"Play held-out round {i}.", "answer": ""}) + "\n"
-                            for i in range(2)))  # fmt: skip
-    game = {"name": "game", "endpoint": env.endpoint, "tool_parser": "turn", "max_turns": 4,
-            "scorer": "environment", "step_timeout_seconds": 10}  # fmt: skip
-    evaluation = {"every": 100, "sets": [{"name": "game-held", "dataset": str(held), "environment": "game",
-                                          "n": 2, "temperature": 1.0, "top_p": 1.0}]}  # fmt: skip
-    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=12, environments=[game],
-                       evaluation=evaluation)  # fmt: skip
+    held.write_text(
+        "".join(json.dumps({"prompt": f"Play held-out round {i}.", "answer": ""}) + "\n" for i in range(2))
+    )
+    game = {
+        "name": "game",
+        "endpoint": env.endpoint,
+        "tool_parser": "turn",
+        "max_turns": 4,
+        "scorer": "environment",
+        "step_timeout_seconds": 10,
+    }
+    evaluation = {
+        "every": 100,
+        "sets": [
+            {
+                "name": "game-held",
+                "dataset": str(held),
+                "environment": "game",
+                "n": 2,
+                "temperature": 1.0,
+                "top_p": 1.0,
+            }
+        ],
+    }
+    stack = make_stack(
+        k=4, groups_per_step=2, dataset="", n=2, max_tokens=12, environments=[game], evaluation=evaluation
+    )
     key = eval_results_key("t")
     stack.learner.publish(0)
     stack.start()
@@ -296,7 +398,12 @@ def test_held_out_episodes_run_beside_training_and_never_become_groups(
     stack.thread.join(timeout=30)
     record = json.loads(records[0])
     assert (record["set"], record["version"], record["tasks"], record["n"], record["where"]) == (
-        "game-held", 0, 2, 2, "shared")  # fmt: skip
+        "game-held",
+        0,
+        2,
+        2,
+        "shared",
+    )
     # the environment ends every episode at its 2nd step with reward 1.0: scored by it, as training would be
     assert (record["mean_at_n"], record["failed_episodes"], record["failed_scores"]) == (1.0, 0, 0)
 
@@ -321,15 +428,19 @@ def test_held_out_episodes_run_beside_training_and_never_become_groups(
         prompt = evaluator.sets[0].prompts[ti]
         expected = full_logprobs(model, prompt, tokens)
         generated = [j for j, m in enumerate(mask) if m]
-        assert max_abs_diff([response.logprobs[j] for j in generated],
-                            [expected[j] for j in generated]) <= 1e-3  # fmt: skip
+        assert (
+            max_abs_diff([response.logprobs[j] for j in generated], [expected[j] for j in generated]) <= 1e-3
+        )
     assert stack.client.xlen(stack.specs["rollouts"].key) == 0 and stack.service.sampler.emitted == 0
 
 
 def test_the_eval_command_runs_environment_sets_with_a_registry_of_its_own(
-    vllm_engine: Any, tiny_model_dir: Path, env_process: Callable[..., EnvProcess], tmp_path: Path,
+    vllm_engine: Any,
+    tiny_model_dir: Path,
+    env_process: Callable[..., EnvProcess],
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """`deploy.eval` on a set with an environment: no run Redis needed (it starts its own for the registry)."""
     import services.sampler.service as service
     from deploy.eval import main

@@ -29,8 +29,14 @@ STEPS = 6
 def test_two_replicas_never_feed_a_step_past_the_lag_bound(
     k: int, redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    run = RunConfig(run_id=f"lag{k}", k=k, groups_per_step=4, model=str(tiny_model_dir), redis_url=redis_url,
-                    run_dir=tmp_path)  # fmt: skip
+    run = RunConfig(
+        run_id=f"lag{k}",
+        k=k,
+        groups_per_step=4,
+        model=str(tiny_model_dir),
+        redis_url=redis_url,
+        run_dir=tmp_path,
+    )
     broker = announcing_broker(redis_client, run)
     cfg = sampler_config(
         run, broker, n=2, max_tokens=24, kv_cache_memory_bytes=32 << 20, max_groups_in_flight=2
@@ -40,10 +46,15 @@ def test_two_replicas_never_feed_a_step_past_the_lag_bound(
     learner.publish(0)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "services.sampler", "--config", str(config), "--replica", str(i)],
-                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"sampler-{i}.log").open("w"))
+        subprocess.Popen(
+            [sys.executable, "-m", "services.sampler", "--config", str(config), "--replica", str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / f"sampler-{i}.log").open("w"),
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     rng = random.Random(k)
     try:
         for _ in range(STEPS):
@@ -86,8 +97,9 @@ def test_ray_actor_replica_runs_the_same_service(
 
     from services.sampler.ray_actor import start_samplers
 
-    run = RunConfig(run_id="ray", k=1, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url,
-                    run_dir=tmp_path)  # fmt: skip
+    run = RunConfig(
+        run_id="ray", k=1, groups_per_step=2, model=str(tiny_model_dir), redis_url=redis_url, run_dir=tmp_path
+    )
     specs = stream_specs(run, StreamsConfig())
     broker = announcing_broker(redis_client, run, retain=2)
     try:

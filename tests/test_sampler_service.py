@@ -101,13 +101,19 @@ def test_bad_tasks_get_clear_errors_are_counted_and_the_sampler_keeps_going(
     entries = stack.client.xrange(stack.specs["rollouts"].key)
     task_ids = {rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]).task.task_id for _, f in entries}
     assert {"good", "arith:5"} <= task_ids and not task_ids & {"long", "empty", "no-such-row", "env"}
-    arith5 = next(rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]) for _, f in entries
-                  if rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]).task.task_id == "arith:5")  # fmt: skip
+    arith5 = next(
+        rollout_pb2.TrajectoryGroup.FromString(f[b"payload"])
+        for _, f in entries
+        if rollout_pb2.TrajectoryGroup.FromString(f[b"payload"]).task.task_id == "arith:5"
+    )
     assert arith5.task.prompt and arith5.task.reference  # filled in from the dataset
     dead = stack.client.xrange(stack.specs["tasks"].dead_letter_key)
     assert sorted(f[b"dead_kind"].decode() for _, f in dead) == [
-        "empty_prompt", "prompt_too_long", "unknown_environment", "unknown_task",
-    ]  # fmt: skip
+        "empty_prompt",
+        "prompt_too_long",
+        "unknown_environment",
+        "unknown_task",
+    ]
     metrics = stack.service.registry.exposition().decode()
     for reason in ("prompt_too_long", "empty_prompt", "unknown_task", "unknown_environment"):
         # once at submission, once on the stream
@@ -159,8 +165,10 @@ def test_in_flight_weight_swap_records_the_version_of_every_token(
     stack.learner.publish(0)
     sampler.sync.start()
     try:  # drive the loop by hand, to swap at a known point
-        while not (sampler.groups and all(len(r.tokens) >= 4 for g in sampler.groups.values()
-                                          for r in g.responses.values())):  # fmt: skip
+        while not (
+            sampler.groups
+            and all(len(r.tokens) >= 4 for g in sampler.groups.values() for r in g.responses.values())
+        ):
             sampler.tick()
         before = {rid: len(r.tokens) for g in sampler.groups.values() for rid, r in g.responses.items()}
         stack.learner.publish(1)

@@ -441,8 +441,9 @@ def test_verl_parquet_loads_as_downloaded_with_nested_answers_and_scorers_by_sou
     loaded = {}
     for name, rows in (("gsm8k", gsm8k_rows()), ("math", math_rows()), ("countdown", countdown_rows())):
         path = write_parquet(tmp_path / name / "train.parquet", rows)
-        loaded[name] = load_dataset(str(path), "prompt", "reward_model.ground_truth",
-                                    scorer_by_source=VERL_SCORERS)  # fmt: skip
+        loaded[name] = load_dataset(
+            str(path), "prompt", "reward_model.ground_truth", scorer_by_source=VERL_SCORERS
+        )
     gsm8k, math_, countdown = loaded["gsm8k"], loaded["math"], loaded["countdown"]
     assert [t.reference for t in gsm8k] == ["17", "25", "33"] and {t.scorer for t in gsm8k} == {"gsm8k"}
     assert gsm8k[0].messages[0].role == "user" and "####" in gsm8k[0].messages[0].content
@@ -459,8 +460,13 @@ def test_verl_parquet_loads_as_downloaded_with_nested_answers_and_scorers_by_sou
     assert json.loads(meta["reward_model"]) == {"style": "rule", "ground_truth": "17"}
     assert json.loads(meta["extra_info"])["index"] == 0
     # a key ending in * matches by prefix, the longest first; an exact name wins over any prefix
-    aime = write_parquet(tmp_path / "aime.parquet", [dict(r, data_source=src) for r, src in
-                         zip(math_rows(3), ["aime25", "aime2025-hard", "aime"], strict=True)])  # fmt: skip
+    aime = write_parquet(
+        tmp_path / "aime.parquet",
+        [
+            dict(r, data_source=src)
+            for r, src in zip(math_rows(3), ["aime25", "aime2025-hard", "aime"], strict=True)
+        ],
+    )
     by_prefix = {"aime*": "math_dapo", "aime2025*": "math_verl", "aime": "gsm8k"}
     tasks = load_dataset(str(aime), answer_field="reward_model.ground_truth", scorer_by_source=by_prefix)
     assert [t.scorer for t in tasks] == ["math_dapo", "math_verl", "gsm8k"]
@@ -477,18 +483,35 @@ def test_a_column_named_with_dots_wins_over_the_path(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("row", "fields", "match"),
     [
-        ({"prompt": "p", "reward_model": {"style": "rule"}}, {"answer_field": "reward_model.ground_truth"},
-         r"d\.jsonl line 1: no 'reward_model\.ground_truth' field \(no 'ground_truth' in it"),
-        ({"prompt": "p"}, {"answer_field": "reward_model.ground_truth"},
-         r"no 'reward_model\.ground_truth' field \(no 'reward_model' in it"),
-        ({"q": {"text": "p"}}, {"prompt_field": "q.messages"}, r"no 'q\.messages' field \(no 'messages' in it"),
-        ({"prompt": "p", "data_source": "aime"}, {"scorer_by_source": VERL_SCORERS},
-         r"data_source 'aime' has no scorer in scorer_by_source \(it maps 'countdown', 'lighteval/MATH', "
-         r"'openai/gsm8k'\); add it"),
-        ({"prompt": "p"}, {"scorer_by_source": VERL_SCORERS}, r"no 'data_source' field to choose its scorer by"),
+        (
+            {"prompt": "p", "reward_model": {"style": "rule"}},
+            {"answer_field": "reward_model.ground_truth"},
+            r"d\.jsonl line 1: no 'reward_model\.ground_truth' field \(no 'ground_truth' in it",
+        ),
+        (
+            {"prompt": "p"},
+            {"answer_field": "reward_model.ground_truth"},
+            r"no 'reward_model\.ground_truth' field \(no 'reward_model' in it",
+        ),
+        (
+            {"q": {"text": "p"}},
+            {"prompt_field": "q.messages"},
+            r"no 'q\.messages' field \(no 'messages' in it",
+        ),
+        (
+            {"prompt": "p", "data_source": "aime"},
+            {"scorer_by_source": VERL_SCORERS},
+            r"data_source 'aime' has no scorer in scorer_by_source \(it maps 'countdown', 'lighteval/MATH', "
+            r"'openai/gsm8k'\); add it",
+        ),
+        (
+            {"prompt": "p"},
+            {"scorer_by_source": VERL_SCORERS},
+            r"no 'data_source' field to choose its scorer by",
+        ),
     ],
     ids=["nested-answer-part", "nested-answer-column", "nested-prompt", "unmapped-source", "no-source"],
-)  # fmt: skip
+)
 def test_missing_paths_and_unmapped_sources_are_named(
     tmp_path: Path, row: dict[str, Any], fields: dict[str, Any], match: str
 ) -> None:

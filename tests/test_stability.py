@@ -52,17 +52,28 @@ def synthetic_run(
     method: str, k: int, seed: int, *, steps: int = 30, grad: float = 1.0, **change: Any
 ) -> dict:
     series: dict[str, list[float]] = {
-        "reward": [0.4] * steps, "ess_ratio": [0.9] * steps, "lr_scale": [0.95] * steps,
-        "grad_norm": [grad] * steps, "loss": [0.1] * steps, "step_skipped": [0.0] * steps,
-    }  # fmt: skip
+        "reward": [0.4] * steps,
+        "ess_ratio": [0.9] * steps,
+        "lr_scale": [0.95] * steps,
+        "grad_norm": [grad] * steps,
+        "loss": [0.1] * steps,
+        "step_skipped": [0.0] * steps,
+    }
     evals = [[t, 0.4] for t in range(0, steps + 1, 10)]
     for key, value in change.items():
         if key == "evals":
             evals = value
         else:
             series[key] = value
-    return {"method": method, "k": k, "seed": seed, "fields": METHODS[method], "steps": series,
-            "evals": evals, "seconds": 1.0}  # fmt: skip
+    return {
+        "method": method,
+        "k": k,
+        "seed": seed,
+        "fields": METHODS[method],
+        "steps": series,
+        "evals": evals,
+        "seconds": 1.0,
+    }
 
 
 def test_collapse_rule_names_each_reason() -> None:
@@ -86,11 +97,25 @@ def test_report_from_synthetic_runs_has_one_row_per_cell(tmp_path: Path) -> None
     runs_path = tmp_path / "runs.jsonl"
     runs = [synthetic_run(m, k, s) for m in methods for k in ks for s in seeds if (m, k) != ("vcpo-paper", 4)]
     runs[0]["steps"]["grad_norm"][5] = math.nan  # no-correction k=0 seed 0: collapsed (nonfinite)
-    header = {"plan": {"steps": 30, "eval_every": 10, "eval_samples": 1, "eval_prompts": 0, "ws_steps": 5,
-                       "dataset": "builtin:digit_add", "preset": "p.toml"}}  # fmt: skip
+    header = {
+        "plan": {
+            "steps": 30,
+            "eval_every": 10,
+            "eval_samples": 1,
+            "eval_prompts": 0,
+            "ws_steps": 5,
+            "dataset": "builtin:digit_add",
+            "preset": "p.toml",
+        }
+    }
     runs_path.write_text("".join(json.dumps(row) + "\n" for row in [{"header": header}, *runs]))
-    figures = stability_report.write_report(tmp_path, runs_path, window=10, grid=(methods, ks, seeds),
-                                            command="python experiments/stability.py --x")  # fmt: skip
+    figures = stability_report.write_report(
+        tmp_path,
+        runs_path,
+        window=10,
+        grid=(methods, ks, seeds),
+        command="python experiments/stability.py --x",
+    )
     assert figures["runs"] == 6 and figures["collapsed"] == {"no-correction": 1, "vcpo-paper": 0}
     report = strict_json((tmp_path / "stability.json").read_text())
     assert [(c["method"], c["k"]) for c in report["cells"]] == [(m, k) for m in methods for k in ks]
@@ -106,8 +131,15 @@ def test_report_from_synthetic_runs_has_one_row_per_cell(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_quick_mode_writes_a_consistent_report(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    command = [sys.executable, "experiments/stability.py", "--quick", "--out", str(out),
-               "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    command = [
+        sys.executable,
+        "experiments/stability.py",
+        "--quick",
+        "--out",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "work"),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,8 +14,14 @@ from services.learner.step import TrajectoryTensors, policy_gradient_backward, v
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss
 from tests.test_grad_norms import make_batch
 
-SPEC = TinyModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                     intermediate_size=96, vocab_size=300)  # fmt: skip
+SPEC = TinyModelSpec(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=96,
+    vocab_size=300,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,9 @@ def test_vcpo_backward_equals_autograd_of_the_vcpo_loss(
     model.zero_grad(set_to_none=True)
     norms = per_trajectory_sq_grad_norms(model, batch.input_ids, batch.attention_mask, batch.response_mask)
     logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)
-    policy = PolicyBatch(logprobs, batch.behaviour_logprobs, batch.response_mask.bool(), batch.rewards,
-                         batch.group_ids, norms)  # fmt: skip
+    policy = PolicyBatch(
+        logprobs, batch.behaviour_logprobs, batch.response_mask.bool(), batch.rewards, batch.group_ids, norms
+    )
     loss, expected_metrics = policy_loss(policy, config)
     loss.backward()
     close(fused, grads(model), 1e-5)  # float32 RMSNorm internals bound the agreement (see test_grad_norms)
@@ -132,9 +139,10 @@ def test_every_learner_config_maps_to_an_objective() -> None:
     from services.learner.step import objective_config
 
     for objective, weighting, aggregation in itertools.product(
-        ["vcpo", "grpo", "rloo", "reinforce"], ["paper", "exact", "released"],
+        ["vcpo", "grpo", "rloo", "reinforce"],
+        ["paper", "exact", "released"],
         ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"],
-    ):  # fmt: skip
+    ):
         learner = LearnerConfig(
             objective=objective, baseline_weighting=weighting, loss_aggregation=aggregation
         )

@@ -43,8 +43,13 @@ def _train(
             mine = [groups[i] for i in place_groups(groups, world)[rank]]
             results.append(trainer.train_step(to_tensors(mine)))
         weights = {n: t.numpy().copy() for n, t in gathered_tensors(trainer.module)}
-        out.append({"metrics": [r.metrics for r in results], "versions": [r.version for r in results],
-                    "weights": weights if rank == 0 else None})  # fmt: skip
+        out.append(
+            {
+                "metrics": [r.metrics for r in results],
+                "versions": [r.version for r in results],
+                "weights": weights if rank == 0 else None,
+            }
+        )
     return out
 
 
@@ -53,8 +58,14 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
     base = {"micro_batch_size": 2, "lr": 1e-3, "weight_decay": 0.01, "grad_clip": 1e6}
     # the third: VCPO with memory of one micro-batch (streaming norms, the head in chunks of 5 positions, the
     # layers checkpointed, the head's weight gathered from ZeRO-3 for its norms): the first one's step
-    recompute = dict(base, objective="vcpo", memory_mode="recompute", activation_checkpointing=True,
-                     logit_chunk_tokens=5, max_sequence_tokens=64)  # fmt: skip
+    recompute = dict(
+        base,
+        objective="vcpo",
+        memory_mode="recompute",
+        activation_checkpointing=True,
+        logit_chunk_tokens=5,
+        max_sequence_tokens=64,
+    )
     configs = [
         dict(base, objective="vcpo"),
         dict(base, objective="grpo", importance_weighting="masked"),
@@ -173,9 +184,12 @@ def _step_publish_resume(
     again = resumed.train_step(batch)
     v2_again = weights(resumed)
     return {
-        "backend": trainer.backend, "precision": trainer.precision,
+        "backend": trainer.backend,
+        "precision": trainer.precision,
         "device": str(next(trainer.module.parameters()).device),
-        "first": first.metrics, "second": second.metrics, "again": again.metrics,
+        "first": first.metrics,
+        "second": second.metrics,
+        "again": again.metrics,
         "published": None if published is None else published.policy_version,
         "fetched_equal": fetched.keys() == v1.keys() and all(torch.equal(fetched[n], v1[n]) for n in v1),
         "restored_equal": all(torch.equal(restored[n], v1[n]) for n in v1),
@@ -183,7 +197,7 @@ def _step_publish_resume(
         "moved": max(float((v2[n] - v1[n]).abs().max()) for n in v1),
         "resumed_diff": max(float((v2_again[n] - v2[n]).abs().max()) for n in v1),
         "versions": [first.version, second.version, again.version],
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(
@@ -198,8 +212,15 @@ def test_one_rank_steps_publishes_checkpoints_and_resumes(
 
     broker, address, _ = start_broker(tmp_path / "broker")
     try:
-        out = run_ranks(_step_publish_resume, 1, str(model_dir), scored_groups(model_dir, [3, 2]), address,
-                        str(tmp_path / "checkpoints"), gpus)[0]  # fmt: skip
+        out = run_ranks(
+            _step_publish_resume,
+            1,
+            str(model_dir),
+            scored_groups(model_dir, [3, 2]),
+            address,
+            str(tmp_path / "checkpoints"),
+            gpus,
+        )[0]
     finally:
         broker.stop()
     assert (out["backend"], out["precision"], out["device"]) == expected
@@ -258,13 +279,16 @@ def _skip_in_the_middle(
     b.train_step(mine(steps[1]))
     end_b = weights(b)
     return {
-        "skipped": skipped.metrics, "first": first.metrics, "last": last.metrics,
+        "skipped": skipped.metrics,
+        "first": first.metrics,
+        "last": last.metrics,
         "versions": [first.version, skipped.version, last.version],
-        "entries": len(before), "state_unchanged": before == after,
+        "entries": len(before),
+        "state_unchanged": before == after,
         "has_moments": any(k.endswith("exp_avg_sq") for k, _ in before),
         "skipped_steps": a.engine.skipped_steps,
         "end_diff": max(float((end_a[n] - end_b[n]).abs().max()) for n in end_b),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(

@@ -432,11 +432,19 @@ def test_bad_inputs_raise_naming_what_and_where() -> None:
     with pytest.raises(ValueError, match="ess_ratio"):
         policy_loss(fresh(), ObjectiveConfig(), ess_ratio=1.5)
     bad_fields = [
-        ("objective", "ppo"), ("truncation", 0.0), ("truncation", math.nan), ("rho_base", 0.0),
-        ("rho_base", 1.1), ("ppo_clip", -0.1), ("ppo_clip", math.inf), ("loss_aggregation", "sum"),
-        ("importance_weighting", "clip"), ("ess_rule", "log"), ("baseline_weighting", "x"),
+        ("objective", "ppo"),
+        ("truncation", 0.0),
+        ("truncation", math.nan),
+        ("rho_base", 0.0),
+        ("rho_base", 1.1),
+        ("ppo_clip", -0.1),
+        ("ppo_clip", math.inf),
+        ("loss_aggregation", "sum"),
+        ("importance_weighting", "clip"),
+        ("ess_rule", "log"),
+        ("baseline_weighting", "x"),
         ("std_normalize", 1),
-    ]  # fmt: skip
+    ]
     for field, value in bad_fields:
         with pytest.raises(ValueError, match=f"ObjectiveConfig.{field} .*{value!r}"):
             ObjectiveConfig(**{field: value})

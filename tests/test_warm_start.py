@@ -75,8 +75,9 @@ def test_batch_order_is_fixed_and_covers_each_epoch() -> None:
 def test_loss_decreases(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    examples = build_examples(load_dataset(DATASET, seed=0), tokenizer, stop_token_ids(tokenizer),
-                              max_model_len=256)  # fmt: skip
+    examples = build_examples(
+        load_dataset(DATASET, seed=0), tokenizer, stop_token_ids(tokenizer), max_model_len=256
+    )
     losses = train(model, examples, pad_token_id(tokenizer), steps=30, lr=3e-3, batch_size=16, seed=0)
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
@@ -105,8 +106,11 @@ def test_warm_start_is_deterministic_atomic_and_idempotent(tiny_model_dir: Path,
 
 def test_a_different_warm_start_is_refused_not_overwritten(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = warm_start(tiny_model_dir, tmp_path / "ws", DATASET, steps=1, lr=1e-3, batch_size=4, threads=1)
-    with pytest.raises(ValueError, match=r"different warm start \(lr: existing=0.001 requested=0.002; "
-                                         r"steps: existing=1 requested=2\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"different warm start \(lr: existing=0.001 requested=0.002; "
+        r"steps: existing=1 requested=2\)",
+    ):
         warm_start(tiny_model_dir, out, DATASET, steps=2, lr=2e-3, batch_size=4, threads=1)
     assert json.loads((out / MARKER_FILENAME).read_text())["steps"] == 1  # left as it was
     (tmp_path / "other").mkdir()
@@ -152,8 +156,15 @@ def test_sampled_responses_stop_at_the_stop_token(tiny_model_dir: Path) -> None:
     stop = tokenizer.convert_tokens_to_ids(IM_END)
 
     def sample(seed: int) -> list[list[list[int]]]:
-        return sample_responses(model, [encoder.encode(t) for t in tasks], n=4, max_tokens=8, stop_ids=[stop],
-                                pad_id=pad_token_id(tokenizer), generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        return sample_responses(
+            model,
+            [encoder.encode(t) for t in tasks],
+            n=4,
+            max_tokens=8,
+            stop_ids=[stop],
+            pad_id=pad_token_id(tokenizer),
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     responses = sample(0)
     assert [len(group) for group in responses] == [4, 4, 4]

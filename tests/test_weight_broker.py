@@ -434,8 +434,12 @@ def test_wire_chunks_round_trip_through_protobuf() -> None:
     for message in (weights_pb2.FetchResponse, weights_pb2.PublishRequest):
         parsed = message.FromString(raw).chunk
         assert (parsed.policy_version, parsed.tensor_name, parsed.offset, parsed.last, parsed.checksum) == (
-            7, "model.layers.0.mlp.up_proj.weight", 4096, True, "xxh3_128:ab",
-        )  # fmt: skip
+            7,
+            "model.layers.0.mlp.up_proj.weight",
+            4096,
+            True,
+            "xxh3_128:ab",
+        )
         assert parsed.data == data
         again = decode_chunk(message(chunk=parsed).SerializeToString())
         assert again is not None and bytes(again.data) == data and again.offset == 4096 and again.last

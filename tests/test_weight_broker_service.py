@@ -27,12 +27,28 @@ def test_broker_process_serves_announces_and_stops_cleanly(
 ) -> None:
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.weight_broker",
-         "--set", f"run.redis_url={redis_url}", "--set", "run.run_id=svc", "--set", f"run.run_dir={tmp_path}",
-         "--weight_broker.grpc_port", str(port), "--weight_broker.metrics_port", str(metrics_port),
-         "--weight_broker.storage", "disk"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.weight_broker",
+            "--set",
+            f"run.redis_url={redis_url}",
+            "--set",
+            "run.run_id=svc",
+            "--set",
+            f"run.run_dir={tmp_path}",
+            "--weight_broker.grpc_port",
+            str(port),
+            "--weight_broker.metrics_port",
+            str(metrics_port),
+            "--weight_broker.storage",
+            "disk",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=1):

@@ -151,8 +151,9 @@ def test_epochs_form_in_the_background_and_follow_joins_leaves_and_failures(
         assert coordinator.members == {"broker.x", "sampler-0.a", "sampler-1.b"}
         first = coordinator.epoch
         _publish(coordinator, 1)
-        _until("version 1 everywhere", lambda: a.versions() == [1] and b.versions() == [1]
-               and stored() == [1])  # fmt: skip
+        _until(
+            "version 1 everywhere", lambda: a.versions() == [1] and b.versions() == [1] and stored() == [1]
+        )
         assert all(exact for _, _, exact in a.got + b.got)
         assert servicer.metrics.published._value.get() == 1  # counted and announced like a publish
 
@@ -184,8 +185,10 @@ def test_epochs_form_in_the_background_and_follow_joins_leaves_and_failures(
         # a member leaves: re-formed without it
         c.halt.set()
         c.join(10)
-        _until("the group without the member that left",
-               lambda: coordinator.wait_formed(0.1) and "sampler-2.c" not in coordinator.members)  # fmt: skip
+        _until(
+            "the group without the member that left",
+            lambda: coordinator.wait_formed(0.1) and "sampler-2.c" not in coordinator.members,
+        )
         _publish(coordinator, 5)
         _until("version 5", lambda: a.versions()[-1:] == [5] and b.versions()[-1:] == [5])
     finally:
@@ -305,8 +308,14 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
 ) -> None:
     engine, broker = GroupEngine(), BrokerPath()
     failures: list[int] = []
-    sync = CollectiveWeightSync(engine, broker, None, MemberSeat(registry, Member("sampler-0.s"), poll_s=0.05),
-                                poll_interval_s=0.05, on_failure=lambda: failures.append(1))  # fmt: skip
+    sync = CollectiveWeightSync(
+        engine,
+        broker,
+        None,
+        MemberSeat(registry, Member("sampler-0.s"), poll_s=0.05),
+        poll_interval_s=0.05,
+        on_failure=lambda: failures.append(1),
+    )
     halt, errors = threading.Event(), []
 
     def loop() -> None:  # the sampler loop's weight step: pump, then apply what is ready

@@ -14,14 +14,20 @@ def gsm8k_rows(n: int = 3) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
         a, b = 10 + i, 7 * (i + 1)
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": f"Tom has {a} apples and buys {b} more. How many? "
-                        + GSM8K_INSTRUCTION}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": "train", "index": i, "answer": f"{a}+{b}={a + b}\n#### {a + b}"},
-        })  # fmt: skip
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"Tom has {a} apples and buys {b} more. How many? " + GSM8K_INSTRUCTION,
+                    }
+                ],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i, "answer": f"{a}+{b}={a + b}\n#### {a + b}"},
+            }
+        )
     return rows
 
 
@@ -30,14 +36,19 @@ def math_rows(n: int = 2) -> list[dict[str, Any]]:
     return [
         {
             "data_source": "lighteval/MATH",
-            "prompt": [{"role": "user", "content": f"Problem {i}. Let's think step by step and output the final "
-                        "answer within \\boxed{}."}],
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"Problem {i}. Let's think step by step and output the final "
+                    "answer within \\boxed{}.",
+                }
+            ],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": "test", "index": i},
         }
         for i, answer in enumerate(answers)
-    ]  # fmt: skip
+    ]
 
 
 def countdown_rows(n: int = 2) -> list[dict[str, Any]]:
@@ -45,15 +56,20 @@ def countdown_rows(n: int = 2) -> list[dict[str, Any]]:
     return [
         {
             "data_source": "countdown",
-            "prompt": [{"role": "user", "content": f"Using the numbers {nums}, create an equation that equals "
-                        f"{target}. Show your work in <think> </think> tags. And return the final answer in "
-                        "<answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."}],
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"Using the numbers {nums}, create an equation that equals "
+                    f"{target}. Show your work in <think> </think> tags. And return the final answer in "
+                    "<answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.",
+                }
+            ],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": {"target": target, "numbers": nums}},
             "extra_info": {"split": "train", "index": i},
         }
         for i, (target, nums) in enumerate(specs)
-    ]  # fmt: skip
+    ]
 
 
 def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -96,5 +96,8 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(abort, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)  # fmt: skip
+    return make(
+        abort,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

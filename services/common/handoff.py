@@ -61,9 +61,14 @@ def forward(
     script = consumer.client.register_script(_FORWARD_LUA)  # cheap: a SHA, loaded into Redis once
     cap = producer.spec.maxlen if producer.spec.mode == "queue" else 0
     args: list[str | int | bytes] = [
-        consumer.group, consumer.consumer, entry_id, cap, producer.spec.message_type.DESCRIPTOR.full_name,
-        policy_version, message.SerializeToString(),
-    ]  # fmt: skip
+        consumer.group,
+        consumer.consumer,
+        entry_id,
+        cap,
+        producer.spec.message_type.DESCRIPTOR.full_name,
+        policy_version,
+        message.SerializeToString(),
+    ]
     wait = producer.full_wait()
     while True:
         reply = script(keys=[consumer.spec.key, producer.spec.key, producer.spec.produced_key], args=args)

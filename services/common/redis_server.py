@@ -56,6 +56,7 @@ class LocalRedis:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
         self.persistent = persistent
+        # one flag and its value per line: the pairs are the table's meaning, so the formatter keeps out
         self._args = [
             binary,
             "--port", str(self.port),
@@ -116,13 +117,22 @@ class LocalRedis:
                 try:
                     self._spawn()
                 except Exception:
-                    log.exception("restarting redis-server on port %d failed (attempt %d of %d)", self.port,
-                                  attempts, max_restarts)  # fmt: skip
+                    log.exception(
+                        "restarting redis-server on port %d failed (attempt %d of %d)",
+                        self.port,
+                        attempts,
+                        max_restarts,
+                    )
                     continue
                 self.restarts += 1
-                log.warning("redis-server exited with %s; restarted on port %d from %s (restart %d of %d)",
-                            code, self.port, "its append-only file" if self.persistent else "nothing",
-                            self.restarts, max_restarts)  # fmt: skip
+                log.warning(
+                    "redis-server exited with %s; restarted on port %d from %s (restart %d of %d)",
+                    code,
+                    self.port,
+                    "its append-only file" if self.persistent else "nothing",
+                    self.restarts,
+                    max_restarts,
+                )
                 if on_restart is not None:
                     on_restart(code, self.restarts)
 

@@ -24,9 +24,17 @@ from services.learner.step import TrajectoryTensors
 from vcpo.v1 import rollout_pb2
 
 REJECT_REASONS = (
-    "empty_group", "group_too_large", "empty_prompt", "length_mismatch", "missing_logprobs",
-    "nonfinite_logprobs", "missing_reward", "nonfinite_reward", "bad_versions", "token_out_of_range",
-)  # fmt: skip
+    "empty_group",
+    "group_too_large",
+    "empty_prompt",
+    "length_mismatch",
+    "missing_logprobs",
+    "nonfinite_logprobs",
+    "missing_reward",
+    "nonfinite_reward",
+    "bad_versions",
+    "token_out_of_range",
+)
 
 
 def check_group(

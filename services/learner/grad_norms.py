@@ -707,9 +707,15 @@ def streaming_norm_pass(
         if head is not None:
             hidden = _decoder_hidden(decoder_and_head(model)[0], input_ids, attention_mask)
             logp, grad_hidden = head_pass(
-                norms if head_spec is not None else None, head, head_spec.roles if head_spec else [],
-                hidden, input_ids, mask, chunks, head_spec is not None and head_spec.tied,
-            )  # fmt: skip
+                norms if head_spec is not None else None,
+                head,
+                head_spec.roles if head_spec else [],
+                hidden,
+                input_ids,
+                mask,
+                chunks,
+                head_spec is not None and head_spec.tied,
+            )
         else:
             logp = token_logprobs(model, input_ids, attention_mask)
         unused = [type(s.module).__name__ for s in specs.values() if not s.called]

@@ -25,8 +25,13 @@ from services.learner.config import LearnerServiceConfig
 def _rank_main(
     cfg_json: str, rank: int, world: int, port: int, max_steps: int, crash_after_step: int
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(message)s")
     from services.learner.service import LearnerRank
 
@@ -104,9 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         "--max-steps", type=int, default=0, help="stop after this many steps in all; 0 = never"
     )
     parser.add_argument(
-        "--crash-after-step", type=int, default=0,
+        "--crash-after-step",
+        type=int,
+        default=0,
         help="fault injection for tests: rank 0 exits right after this step, before its checkpoint",
-    )  # fmt: skip
+    )
     add_config_arguments(parser, LearnerServiceConfig)
     args = parser.parse_args(argv)
     cfg = config_from_args(LearnerServiceConfig, args)

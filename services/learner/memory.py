@@ -222,8 +222,9 @@ def simulate_micro_batch(
         ids, attention, response = _batch(rows, tokens, int(hf_config.vocab_size))
         tracker = LiveBytes()
         with tracker:
-            retained = run_micro_batch(model, mode, ids, attention, response,
-                                       chunk_count(tokens, logit_chunk_tokens), tracker)  # fmt: skip
+            retained = run_micro_batch(
+                model, mode, ids, attention, response, chunk_count(tokens, logit_chunk_tokens), tracker
+            )
     return StepMemory(tracker.peak, retained)
 
 
@@ -239,10 +240,18 @@ def step_memory(
 ) -> StepMemory:
     """:func:`simulate_micro_batch` at the model's real depth, from one- and two-layer simulations."""
     one, two = (
-        simulate_micro_batch(hf_config, layers=n, mode=mode, rows=rows, tokens=tokens, dtype=dtype,
-                             checkpointing=checkpointing, logit_chunk_tokens=logit_chunk_tokens)
+        simulate_micro_batch(
+            hf_config,
+            layers=n,
+            mode=mode,
+            rows=rows,
+            tokens=tokens,
+            dtype=dtype,
+            checkpointing=checkpointing,
+            logit_chunk_tokens=logit_chunk_tokens,
+        )
         for n in (1, 2)
-    )  # fmt: skip
+    )
     extra = int(hf_config.num_hidden_layers) - 1
     return StepMemory(
         one.peak + extra * (two.peak - one.peak), one.retained + extra * (two.retained - one.retained)
@@ -324,8 +333,11 @@ def plan_memory(
             "the longest trajectory; set it (or sampler.max_model_len in the run file)"
         )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    common = dict(dtype=dtype, checkpointing=learner.activation_checkpointing,
-                  logit_chunk_tokens=learner.logit_chunk_tokens)  # fmt: skip
+    common = dict(
+        dtype=dtype,
+        checkpointing=learner.activation_checkpointing,
+        logit_chunk_tokens=learner.logit_chunk_tokens,
+    )
     rows, tokens = learner.micro_batch_size, learner.max_sequence_tokens
     recompute = step_memory(hf_config, mode="recompute", rows=rows, tokens=tokens, **common)
     saved = step_memory(hf_config, mode="saved", rows=rows, tokens=tokens, **common)
@@ -347,8 +359,10 @@ def plan_memory(
     )
     least = "saved" if learner.memory_mode == "saved" else "recompute"
     if plan.peak(least) > plan.usable:
-        keys = [f"learner.micro_batch_size ({learner.micro_batch_size})",
-                f"learner.max_sequence_tokens / sampler.max_model_len ({learner.max_sequence_tokens})"]  # fmt: skip
+        keys = [
+            f"learner.micro_batch_size ({learner.micro_batch_size})",
+            f"learner.max_sequence_tokens / sampler.max_model_len ({learner.max_sequence_tokens})",
+        ]
         if not learner.activation_checkpointing:
             keys.append("learner.activation_checkpointing (false)")
         if learner.memory_mode == "saved":

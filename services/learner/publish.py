@@ -174,8 +174,12 @@ def publish_version(
         )
         if outcome == 0:
             if first_failure is not None:
-                log.info("version %d published after %d attempts (%.1fs)", version, attempt,
-                         time.monotonic() - first_failure)  # fmt: skip
+                log.info(
+                    "version %d published after %d attempts (%.1fs)",
+                    version,
+                    attempt,
+                    time.monotonic() - first_failure,
+                )
             return result
         first_failure = first_failure if first_failure is not None else time.monotonic()
         spent = rank0_code(int(attempt >= attempts and time.monotonic() - first_failure >= retry_s))
@@ -184,8 +188,9 @@ def publish_version(
                 raise error
             raise RuntimeError(f"rank 0 failed to publish version {version}; see its log")
         delay = min(backoff_s * 2 ** (attempt - 1), max_backoff_s)
-        log.warning("publish of version %d failed (attempt %d): %s; retrying in %.1fs", version, attempt,
-                    error, delay)  # fmt: skip
+        log.warning(
+            "publish of version %d failed (attempt %d): %s; retrying in %.1fs", version, attempt, error, delay
+        )
         time.sleep(delay)
 
 

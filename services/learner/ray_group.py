@@ -52,8 +52,13 @@ class LearnerRankActor:
         local = (
             "0" if self.cfg.learner.gpus_per_rank > 0 else str(self.rank)
         )  # Ray shows each actor its GPU only
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=local)  # fmt: skip
+        os.environ.update(
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=local,
+        )
         learner = LearnerRank(self.cfg, self.stop_event)
         try:
             learner.start()
@@ -169,9 +174,11 @@ class RankWatch:
                 if now - self._sent <= self.timeout_s:
                     return None
                 silent = [i for i, call in enumerate(self._calls) if call not in ready]
-                return (f"learner rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} answered "
-                        f"nothing for {now - self._sent:.0f}s (launcher.learner_hang_timeout_s = "
-                        f"{self.timeout_s:g}): hung")  # fmt: skip
+                return (
+                    f"learner rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} answered "
+                    f"nothing for {now - self._sent:.0f}s (launcher.learner_hang_timeout_s = "
+                    f"{self.timeout_s:g}): hung"
+                )
         self._calls = [a.started.remote() for a in self.actors]
         self._sent = now
         return None

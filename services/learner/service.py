@@ -73,8 +73,13 @@ GAUGES = {  # step metric -> (gauge name, help)
         "1 when the last step ran the recompute memory path (a second forward per micro-batch), 0 saved",
     ),
 }
-QUANTILES = {"log_weight_min": "0", "log_weight_p50": "0.5", "log_weight_p90": "0.9",
-             "log_weight_p99": "0.99", "log_weight_max": "1"}  # fmt: skip
+QUANTILES = {
+    "log_weight_min": "0",
+    "log_weight_p50": "0.5",
+    "log_weight_p90": "0.9",
+    "log_weight_p99": "0.99",
+    "log_weight_max": "1",
+}
 
 
 class LearnerMetrics:
@@ -239,8 +244,11 @@ class LearnerRank:
         latest = self._broker_latest() if self.rank == 0 else None
         self._superseded = int(_broadcast(-1 if latest is None else latest))
         if self._superseded > self.trainer.version:
-            log.info("the broker holds versions up to %d, which a failed learner group published after this "
-                     "checkpoint: the steps up to it are redone without publishing again", self._superseded)  # fmt: skip
+            log.info(
+                "the broker holds versions up to %d, which a failed learner group published after this "
+                "checkpoint: the steps up to it are redone without publishing again",
+                self._superseded,
+            )
         seconds, path = (
             self._publish()
         )  # the current version: v0 at the start, the checkpoint's after a restart
@@ -264,9 +272,15 @@ class LearnerRank:
         self.clock = RunClock(client, self.run.run_id)
         admission = AdmissionCounter(client, self.run.run_id, self.run.k, self.run.groups_per_step)
         self.feed = ScoredFeed(
-            client, spec, self.run.k, self.run.groups_per_step, self.learner.max_group_size,
-            vocab, StreamMetrics(metrics), admission=admission,
-        )  # fmt: skip
+            client,
+            spec,
+            self.run.k,
+            self.run.groups_per_step,
+            self.learner.max_group_size,
+            vocab,
+            StreamMetrics(metrics),
+            admission=admission,
+        )
         replay = self.feed.resume(feed_state)
         if replay:
             self.status.detail = f"replaying {replay} scored entries consumed after the last checkpoint"
@@ -275,9 +289,13 @@ class LearnerRank:
         )
         if self.collective:
             self.coordinator = coordinator_from_config(
-                self.cfg.weight_broker, self.run.redis_url, self.run.run_id, client, self.trainer.device,
+                self.cfg.weight_broker,
+                self.run.redis_url,
+                self.run.run_id,
+                client,
+                self.trainer.device,
                 on_event=self._group_event,
-            )  # fmt: skip
+            )
         self.http = serve_metrics(metrics, port=self.learner.metrics_port)
         servicer = StatusServicer(self.status, self.run.run_id)
 
@@ -337,8 +355,10 @@ class LearnerRank:
             if self._broker_lost_version():
                 return ("republish",)
             self.status.state = common_pb2.ServiceStatus.WAITING
-            self.status.detail = f"waiting for scored groups ({len(self.feed.assembler.groups)} of " \
-                f"{self.run.groups_per_step} for the step from version {self.trainer.version})"  # fmt: skip
+            self.status.detail = (
+                f"waiting for scored groups ({len(self.feed.assembler.groups)} of "
+                f"{self.run.groups_per_step} for the step from version {self.trainer.version})"
+            )
             return ("idle",)
         return ("step", [g.SerializeToString() for g in groups])
 
@@ -357,15 +377,21 @@ class LearnerRank:
         lags = {o.group_id: o.lag for o in self._offered if o.outcome == "kept"}
         rewards = [t.reward.value for g in groups for t in g.trajectories]
         line = {
-            "step": result.step, "version": result.version, "time": time.time(),
+            "step": result.step,
+            "version": result.version,
+            "time": time.time(),
             "groups": [g.group_id for g in groups],
             "lags": [lags.get(g.group_id, result.version - 1 - int(g.policy_version_start)) for g in groups],
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-            "dropped": [{"group_id": o.group_id, "lag": o.lag, "reason": o.reason}
-                        for o in self._offered if o.outcome != "kept"],
-            "metrics": result.metrics, "timings": dict(result.timings, publish_s=publish_s),
+            "dropped": [
+                {"group_id": o.group_id, "lag": o.lag, "reason": o.reason}
+                for o in self._offered
+                if o.outcome != "kept"
+            ],
+            "metrics": result.metrics,
+            "timings": dict(result.timings, publish_s=publish_s),
             "publish_path": path,
-        }  # fmt: skip
+        }
         self._offered = []
         if rewards:
             self.metrics.reward_mean.set(sum(rewards) / len(rewards))
@@ -374,9 +400,15 @@ class LearnerRank:
         m = result.metrics
         log.info(
             "step %d -> version %d: loss %.4f ess_ratio %.3f lr_scale %.3f grad_norm %.3f (%.2fs + publish %.2fs)",
-            result.step, result.version, m["loss"], m["ess_ratio"], m["lr_scale"], m["grad_norm"],
-            result.timings["step_s"], publish_s,
-        )  # fmt: skip
+            result.step,
+            result.version,
+            m["loss"],
+            m["ess_ratio"],
+            m["lr_scale"],
+            m["grad_norm"],
+            result.timings["step_s"],
+            publish_s,
+        )
 
     def _publish(self) -> tuple[float, str]:
         """Publish the current version (every rank: the gathers are collectives); returns the seconds this
@@ -392,8 +424,14 @@ class LearnerRank:
             publisher = self.coordinator.publisher() if self.coordinator is not None else None
             if rank0_code(int(publisher is not None)):
                 try:
-                    publish_collective(self.trainer.module, publisher, version, self.rank,
-                                       self.learner.publish_bucket_mb << 20, background=True)  # fmt: skip
+                    publish_collective(
+                        self.trainer.module,
+                        publisher,
+                        version,
+                        self.rank,
+                        self.learner.publish_bucket_mb << 20,
+                        background=True,
+                    )
                     path = "collective"
                 except TransferFailed as exc:  # the previous version's broadcast: nothing of this one left
                     if self.coordinator is not None:
@@ -401,9 +439,13 @@ class LearnerRank:
                     log.warning("version %d goes through the broker: %s", version, exc)
         if path == "broker":
             publish_version(
-                self.trainer.module, self.transport, version, self.rank, self.learner.publish_bucket_mb << 20,
+                self.trainer.module,
+                self.transport,
+                version,
+                self.rank,
+                self.learner.publish_bucket_mb << 20,
                 retry_s=self.cfg.weight_broker.publish_retry_s,
-            )  # fmt: skip
+            )
         if self.clock is not None:
             self.clock.published(version)
         if self.metrics is not None:
@@ -423,8 +465,11 @@ class LearnerRank:
         if latest == -1:
             return False
         if latest is None or latest < self.trainer.version:
-            log.warning("the broker holds version %s, not the current %d (restarted?): republishing",
-                        latest, self.trainer.version)  # fmt: skip
+            log.warning(
+                "the broker holds version %s, not the current %d (restarted?): republishing",
+                latest,
+                self.trainer.version,
+            )
             return True
         return False
 

@@ -49,9 +49,14 @@ log = logging.getLogger(__name__)
 
 # merged over ranks by summing; the rest of METRIC_KEYS are recomputed or averaged (see merge_metrics)
 SUMMED = (
-    "baseline_fallbacks", "skipped_empty", "skipped_nonfinite", "singleton_groups", "num_trajectories",
-    "num_valid", "num_tokens",
-)  # fmt: skip
+    "baseline_fallbacks",
+    "skipped_empty",
+    "skipped_nonfinite",
+    "singleton_groups",
+    "num_trajectories",
+    "num_valid",
+    "num_tokens",
+)
 
 
 def resolve_backend(learner: LearnerConfig) -> str:
@@ -211,9 +216,13 @@ class Trainer:
         self.memory_plan: MemoryPlan | None = None
         if learner.max_sequence_tokens > 0:  # refuse a step that cannot fit before loading anything
             self.memory_plan = plan_memory(
-                AutoConfig.from_pretrained(model), learner, self.precision, self.world_size,
-                device_budget(learner, device), CUDA_CONTEXT if device.type == "cuda" else 0,
-            )  # fmt: skip
+                AutoConfig.from_pretrained(model),
+                learner,
+                self.precision,
+                self.world_size,
+                device_budget(learner, device),
+                CUDA_CONTEXT if device.type == "cuda" else 0,
+            )
             if self.rank == 0:
                 log.info("learner memory: %s", self.memory_plan.summary())
         elif learner.memory_mode == "auto":
@@ -281,8 +290,13 @@ class Trainer:
         t2 = time.perf_counter()
         self.step += 1
         self.version += 1
-        timings = {"gradient_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": t2 - t0, "tokens": tokens,
-                   "tokens_all_ranks": sum(t for *_, t in gathered)}  # fmt: skip
+        timings = {
+            "gradient_s": t1 - t0,
+            "optimizer_s": t2 - t1,
+            "step_s": t2 - t0,
+            "tokens": tokens,
+            "tokens_all_ranks": sum(t for *_, t in gathered),
+        }
         return StepResult(self.version, self.step, merged, timings)
 
     def _skip_optimizer_step(self) -> None:

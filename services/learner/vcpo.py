@@ -53,11 +53,28 @@ LRRule = Literal["sqrt", "linear", "off"]
 STD_EPS = 1e-8  # σ_g at or below this is treated as zero: no division
 PPO_LOG_RATIO_LIMIT = 20.0  # per-token log-ratio clamp under PPO clipping (veRL uses the same bound)
 METRIC_KEYS = (
-    "ess", "ess_ratio", "lr_scale", "log_weight_max", "log_weight_min", "log_weight_p50", "log_weight_p90",
-    "log_weight_p99", "frac_truncated", "baseline_shift_mean_abs", "baseline_fallbacks", "skipped_empty",
-    "skipped_nonfinite", "singleton_groups", "step_skipped", "num_trajectories", "num_valid", "num_tokens",
-    "advantage_abs_mean", "ppo_clip_fraction", "loss",
-)  # fmt: skip
+    "ess",
+    "ess_ratio",
+    "lr_scale",
+    "log_weight_max",
+    "log_weight_min",
+    "log_weight_p50",
+    "log_weight_p90",
+    "log_weight_p99",
+    "frac_truncated",
+    "baseline_shift_mean_abs",
+    "baseline_fallbacks",
+    "skipped_empty",
+    "skipped_nonfinite",
+    "singleton_groups",
+    "step_skipped",
+    "num_trajectories",
+    "num_valid",
+    "num_tokens",
+    "advantage_abs_mean",
+    "ppo_clip_fraction",
+    "loss",
+)
 _F64 = torch.float64
 
 
@@ -172,9 +189,17 @@ def _log_loss_weight(log_w: Tensor, mode: str, truncation: float) -> Tensor:
 
 
 def _opob_groups(
-    rewards: Tensor, log_weights: Tensor, sq_grad_norms: Tensor, inv: Tensor, n_groups: int,
-    weighting: str, truncation: float, lengths: Tensor | None, aggregation: str, importance_weighting: str,
-) -> tuple[Tensor, int]:  # fmt: skip
+    rewards: Tensor,
+    log_weights: Tensor,
+    sq_grad_norms: Tensor,
+    inv: Tensor,
+    n_groups: int,
+    weighting: str,
+    truncation: float,
+    lengths: Tensor | None,
+    aggregation: str,
+    importance_weighting: str,
+) -> tuple[Tensor, int]:
     """Per-group ``b_g`` (float64 ``[G]``) and the number of groups that fell back to their mean."""
     r, lw, g = rewards.to(_F64), log_weights.to(_F64), sq_grad_norms.detach().to(_F64)
     nan = torch.full_like(g, math.nan)
@@ -263,9 +288,16 @@ def opob_baseline(
     falls back to its plain mean. ``b_g`` is clamped into ``[min R_g, max R_g]`` against round-off.
     """
     return opob_baseline_with_stats(
-        rewards, log_weights, sq_grad_norms, group_ids, weighting, truncation=truncation, lengths=lengths,
-        aggregation=aggregation, importance_weighting=importance_weighting,
-    )[0]  # fmt: skip
+        rewards,
+        log_weights,
+        sq_grad_norms,
+        group_ids,
+        weighting,
+        truncation=truncation,
+        lengths=lengths,
+        aggregation=aggregation,
+        importance_weighting=importance_weighting,
+    )[0]
 
 
 # ---------------------------------------------------------------- validation and advantages
@@ -313,9 +345,14 @@ def _validate(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
 
 
 def _advantages(
-    config: ObjectiveConfig, r: Tensor, inv: Tensor, n_groups: int,
-    log_w: Tensor, lengths: Tensor, g: Tensor | None,
-) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    config: ObjectiveConfig,
+    r: Tensor,
+    inv: Tensor,
+    n_groups: int,
+    log_w: Tensor,
+    lengths: Tensor,
+    g: Tensor | None,
+) -> tuple[Tensor, dict[str, float]]:
     """``Â`` (float64) over valid trajectories and the baseline metrics (VCPO.md §3–§4, module rules)."""
     count = _seg_sum(torch.ones_like(r), inv, n_groups)
     mean = _seg_sum(r, inv, n_groups) / count
@@ -333,9 +370,17 @@ def _advantages(
         # under PPO the loss carries no sequence weight: w̄ ≡ 1 in the exact and released weights too
         is_mode = "none" if config.ppo_clip > 0 else config.importance_weighting
         b, fallbacks = _opob_groups(
-            r, log_w, g, inv, n_groups, config.baseline_weighting, config.truncation, lengths,
-            config.loss_aggregation, is_mode,
-        )  # fmt: skip
+            r,
+            log_w,
+            g,
+            inv,
+            n_groups,
+            config.baseline_weighting,
+            config.truncation,
+            lengths,
+            config.loss_aggregation,
+            is_mode,
+        )
         adv = r - b[inv]
         stats["baseline_fallbacks"] = float(fallbacks)
         stats["baseline_shift_mean_abs"] = float((b - mean).abs().mean())

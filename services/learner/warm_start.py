@@ -293,8 +293,16 @@ def warm_start(
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads())
     try:
-        train(model, examples, pad_token_id(tokenizer), steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-              log_every=log_every)  # fmt: skip
+        train(
+            model,
+            examples,
+            pad_token_id(tokenizer),
+            steps=steps,
+            lr=lr,
+            batch_size=batch_size,
+            seed=seed,
+            log_every=log_every,
+        )
     finally:
         torch.set_num_threads(threads_before)
     _save_atomically(model, tokenizer, out, marker)
@@ -477,9 +485,18 @@ def sampled_reward(
     random.Random(seed).shuffle(tasks)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return policy_reward(model, tokenizer, tasks[:n_prompts], n_samples=n_samples, temperature=temperature,
-                         max_tokens=max_tokens, seed=seed, system_prompt=system_prompt,
-                         max_model_len=max_model_len, scorer=scorer)  # fmt: skip
+    return policy_reward(
+        model,
+        tokenizer,
+        tasks[:n_prompts],
+        n_samples=n_samples,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=seed,
+        system_prompt=system_prompt,
+        max_model_len=max_model_len,
+        scorer=scorer,
+    )
 
 
 def policy_reward(
@@ -560,8 +577,15 @@ def main(argv: list[str] | None = None) -> None:
     path = warm_start(base, out, dataset, **options)  # the flags' names are warm_start's keywords
     print(f"{path} ({time.monotonic() - t0:.1f}s)")
     if eval_prompts:
-        reward = sampled_reward(path, dataset, n_prompts=eval_prompts, n_samples=8, seed=options["seed"],
-                                system_prompt=options["system_prompt"], max_model_len=options["max_model_len"])  # fmt: skip
+        reward = sampled_reward(
+            path,
+            dataset,
+            n_prompts=eval_prompts,
+            n_samples=8,
+            seed=options["seed"],
+            system_prompt=options["system_prompt"],
+            max_model_len=options["max_model_len"],
+        )
         print(f"sampled reward (temperature 1, 8 samples x {eval_prompts} prompts): {reward:.3f}")
 
 

@@ -50,21 +50,60 @@ _ST_RELATIME = 4096
 # _signal are always loaded: importing them again would bring back the functions deleted before the code runs.
 REFUSED_MODULES = frozenset(
     {
-        "ctypes", "_ctypes", "_ctypes_test", "_posixsubprocess", "multiprocessing", "_multiprocessing",
-        "_posixshmem", "_xxsubinterpreters", "_xxinterpchannels", "_testcapi", "_testinternalcapi",
-        "_testbuffer", "_testmultiphase", "_testimportmultiple", "_testclinic", "_xxtestfuzz", "_sqlite3",
-        "sqlite3", "readline", "syslog", "nis", "_tkinter", "posix", "_signal",
+        "ctypes",
+        "_ctypes",
+        "_ctypes_test",
+        "_posixsubprocess",
+        "multiprocessing",
+        "_multiprocessing",
+        "_posixshmem",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+        "_testcapi",
+        "_testinternalcapi",
+        "_testbuffer",
+        "_testmultiphase",
+        "_testimportmultiple",
+        "_testclinic",
+        "_xxtestfuzz",
+        "_sqlite3",
+        "sqlite3",
+        "readline",
+        "syslog",
+        "nis",
+        "_tkinter",
+        "posix",
+        "_signal",
     }
-)  # fmt: skip
+)
 # Events refused whatever their arguments.
 REFUSED_EVENTS = frozenset(
     {
-        "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.startfile",
-        "subprocess.Popen", "pty.spawn", "os.symlink", "os.link", "os.chown", "sys.settrace", "sys.setprofile",
-        "cpython.PyInterpreterState_New", "code.__new__", "gc.get_objects", "gc.get_referrers",
-        "gc.get_referents", "resource.prlimit", "webbrowser.open", "marshal.load", "marshal.loads",
+        "os.system",
+        "os.exec",
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.startfile",
+        "subprocess.Popen",
+        "pty.spawn",
+        "os.symlink",
+        "os.link",
+        "os.chown",
+        "sys.settrace",
+        "sys.setprofile",
+        "cpython.PyInterpreterState_New",
+        "code.__new__",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "resource.prlimit",
+        "webbrowser.open",
+        "marshal.load",
+        "marshal.loads",
     }
-)  # fmt: skip
+)
 REFUSED_PREFIXES = ("socket.", "ctypes.", "sqlite3.", "syslog.", "_posixsubprocess.")
 
 
@@ -294,8 +333,11 @@ def _enter_namespaces(libc, scratch: str, file_bytes: int, uid: int, gid: int) -
     layers["network"] = "namespace" if root else "user_namespace"
     if not root:  # keep our own uid and gid inside the user namespace (files we create must have an owner)
         real_uid, real_gid = os.getuid(), os.getgid()
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{real_uid} {real_uid} 1"),
-                           ("gid_map", f"{real_gid} {real_gid} 1")):  # fmt: skip
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{real_uid} {real_uid} 1"),
+            ("gid_map", f"{real_gid} {real_gid} 1"),
+        ):
             with open(f"/proc/self/{name}", "w") as handle:
                 handle.write(text)
     mount = libc.mount

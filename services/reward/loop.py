@@ -54,16 +54,22 @@ def scorer_for(group: Group, default: str) -> str:
 def score_input(task: rollout_pb2.Task, trajectory: rollout_pb2.Trajectory) -> ScoreInput:
     env_reward = trajectory.reward.value if trajectory.HasField("reward") else None
     return ScoreInput(
-        response=trajectory.text, reference=task.reference, task_id=task.task_id,
-        metadata=dict(task.metadata), payload_json=task.payload_json, environment_reward=env_reward,
-    )  # fmt: skip
+        response=trajectory.text,
+        reference=task.reference,
+        task_id=task.task_id,
+        metadata=dict(task.metadata),
+        payload_json=task.payload_json,
+        environment_reward=env_reward,
+    )
 
 
 def reward_of(outcome: Outcome) -> rollout_pb2.Reward:
     reward = rollout_pb2.Reward(
-        value=outcome.value, scorer=outcome.scorer, failed=outcome.failed,
+        value=outcome.value,
+        scorer=outcome.scorer,
+        failed=outcome.failed,
         latency_seconds=outcome.latency_s,
-    )  # fmt: skip
+    )
     if outcome.failed:
         reason = f"{outcome.reason}: {outcome.message}"
         reward.failure_reason = reason[:MAX_FAILURE_REASON_CHARS]

@@ -36,9 +36,11 @@ class RewardMetrics:
             "vcpo_reward_trajectories_scored_total", "Responses scored, by scorer", ["scorer"]
         )
         self.latency = metrics.histogram(
-            "vcpo_reward_score_latency_seconds", "Time to score one response, by scorer", ["scorer"],
+            "vcpo_reward_score_latency_seconds",
+            "Time to score one response, by scorer",
+            ["scorer"],
             buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.failures = metrics.counter(
             "vcpo_reward_failures_total",
             "Scoring calls that failed or timed out (the fallback reward was recorded), by scorer and reason",
@@ -47,8 +49,9 @@ class RewardMetrics:
         self.value = metrics.histogram(
             "vcpo_reward_value",
             "Rewards recorded, by task family (no _sum: a bucket is negative; the mean is vcpo_reward_group_mean)",
-            ["task"], buckets=REWARD_BUCKETS,
-        )  # fmt: skip
+            ["task"],
+            buckets=REWARD_BUCKETS,
+        )
         self.group_mean = metrics.gauge(
             "vcpo_reward_group_mean", "Mean reward of the last group scored, by task family", ["task"]
         )

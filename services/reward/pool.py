@@ -247,8 +247,9 @@ class ScoringPool:
                         done[i] = reply
                         rest = runnable[k + 1 :]
                         self._retire(worker)
-                        for (j, _, _), outcome in zip(rest, self._run_chunk([(n, it) for _, n, it in rest]),
-                                                      strict=True):  # fmt: skip
+                        for (j, _, _), outcome in zip(
+                            rest, self._run_chunk([(n, it) for _, n, it in rest]), strict=True
+                        ):
                             done[j] = outcome
                         break
                     if reply[0] == "ok":
@@ -278,9 +279,13 @@ class ScoringPool:
 
     def _failed(self, scorer: str, reason: str, message: str, start: float) -> Outcome:
         return Outcome(
-            scorer, self.fallback_reward, failed=True, reason=reason, message=message,
+            scorer,
+            self.fallback_reward,
+            failed=True,
+            reason=reason,
+            message=message,
             latency_s=time.monotonic() - start,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self._closed = True

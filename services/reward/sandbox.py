@@ -134,10 +134,22 @@ def _run(code: str, stdin: str, limits: SandboxLimits) -> tuple[SandboxResult, d
     try:
         Path(scratch, child.CODE_FILE).write_text(code, encoding="utf-8")
         argv = [
-            limits.python, "-I", "-S", "-B", "-X", "utf8", _BOOTSTRAP, scratch, str(report_w),
-            str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.file_bytes),
-            str(limits.max_open_files), str(uid), str(gid),
-        ]  # fmt: skip
+            limits.python,
+            "-I",
+            "-S",
+            "-B",
+            "-X",
+            "utf8",
+            _BOOTSTRAP,
+            scratch,
+            str(report_w),
+            str(limits.cpu_seconds),
+            str(limits.memory_bytes),
+            str(limits.file_bytes),
+            str(limits.max_open_files),
+            str(uid),
+            str(gid),
+        ]
         started = time.monotonic()
         try:
             proc = subprocess.Popen(

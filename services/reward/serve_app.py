@@ -92,13 +92,16 @@ def reward_app(
     `rollouts` queue's depth; each replica reports it every ``metrics_push_interval_s``."""
     r = cfg.reward
     autoscaling = AutoscalingConfig(
-        min_replicas=r.min_replicas, max_replicas=r.max_replicas, upscale_delay_s=upscale_delay_s,
-        downscale_delay_s=downscale_delay_s, look_back_period_s=max(2 * metrics_push_interval_s, 2.0),
+        min_replicas=r.min_replicas,
+        max_replicas=r.max_replicas,
+        upscale_delay_s=upscale_delay_s,
+        downscale_delay_s=downscale_delay_s,
+        look_back_period_s=max(2 * metrics_push_interval_s, 2.0),
         metrics_interval_s=metrics_push_interval_s,
         policy=AutoscalingPolicy(
             policy_function=QueueDepthPolicy, policy_kwargs={"target_queue_depth": r.target_queue_depth}
         ),
-    )  # fmt: skip
+    )
     push = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(metrics_push_interval_s)}
     return RewardDeployment.options(  # type: ignore[attr-defined]
         autoscaling_config=autoscaling,

@@ -41,16 +41,25 @@ class RewardService:
         self.pool = ScoringPool.from_config(r)
         try:
             consumer = StreamConsumer(
-                client, specs["rollouts"], name, stream_metrics, cfg.streams.reclaim_idle_ms,
+                client,
+                specs["rollouts"],
+                name,
+                stream_metrics,
+                cfg.streams.reclaim_idle_ms,
                 cfg.streams.max_deliveries,
-            )  # fmt: skip
+            )
             producer = StreamProducer(
                 client, specs["scored"], stream_metrics, cfg.streams.producer_wait_timeout_s
             )
             self.loop = RewardLoop(
-                consumer, producer, self.pool, self.metrics, r.default_scorer, block_ms=cfg.streams.block_ms,
+                consumer,
+                producer,
+                self.pool,
+                self.metrics,
+                r.default_scorer,
+                block_ms=cfg.streams.block_ms,
                 batch_groups=max(1, r.workers // 2),
-            )  # fmt: skip
+            )
             self.servicer = RewardServicer(self.pool, r.default_scorer, self.metrics.record_outcome)
 
             def add(server: grpc.Server) -> list[str]:

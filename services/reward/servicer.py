@@ -41,9 +41,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         task: rollout_pb2.Task = request.task
         env = request.environment_reward if request.HasField("environment_reward") else None
         item = ScoreInput(
-            response=request.response_text, reference=task.reference, task_id=task.task_id,
-            metadata=dict(task.metadata), payload_json=task.payload_json, environment_reward=env,
-        )  # fmt: skip
+            response=request.response_text,
+            reference=task.reference,
+            task_id=task.task_id,
+            metadata=dict(task.metadata),
+            payload_json=task.payload_json,
+            environment_reward=env,
+        )
         return name, item
 
     def Score(

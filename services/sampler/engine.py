@@ -164,8 +164,9 @@ class GenerationEngine(ABC):
         try:
             self._load(staged.tensors.items())
         except BaseException:
-            log.exception("loading version %d failed part-way; restoring version %s", version,
-                          self.loaded_version)  # fmt: skip
+            log.exception(
+                "loading version %d failed part-way; restoring version %s", version, self.loaded_version
+            )
             self._restore()
             raise
         self._current, self.loaded_version = staged, version
@@ -339,8 +340,16 @@ class VllmEngine(GenerationEngine):
             raw = result.request_id in self._raw
             if result.finished:
                 self._raw.discard(result.request_id)
-            out.append(TokenDelta(result.request_id, list(completion.token_ids), logprobs, completion.text,
-                                  reason, detokenized=not raw))  # fmt: skip
+            out.append(
+                TokenDelta(
+                    result.request_id,
+                    list(completion.token_ids),
+                    logprobs,
+                    completion.text,
+                    reason,
+                    detokenized=not raw,
+                )
+            )
         return out
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -434,8 +443,9 @@ class VllmEngine(GenerationEngine):
         ``quiesce``, as for ``apply``. A load that fails part-way leaves the version unknown (``loaded_version``
         None): catch up from the broker."""
         if self.collective_staged != version:
-            raise RuntimeError(f"version {version} is not staged from the weight group "
-                               f"(staged: {self.collective_staged})")  # fmt: skip
+            raise RuntimeError(
+                f"version {version} is not staged from the weight group (staged: {self.collective_staged})"
+            )
         t0 = time.monotonic()
         self.collective_staged = None
         self._weights_epoch += 1  # a new prefix-cache salt before any request sees the new weights

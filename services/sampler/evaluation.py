@@ -103,8 +103,15 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
         try:
             # a set's own scorer judges all its tasks; else each task's from sampler.scorer_by_source
             by_source = {} if spec.scorer else s.scorer_by_source
-            tasks = load_dataset(spec.dataset, prompt_field, answer_field, split=spec.split, seed=cfg.run.seed,
-                                 scorer_by_source=by_source, source_field=s.source_field)  # fmt: skip
+            tasks = load_dataset(
+                spec.dataset,
+                prompt_field,
+                answer_field,
+                split=spec.split,
+                seed=cfg.run.seed,
+                scorer_by_source=by_source,
+                source_field=s.source_field,
+            )
             tasks = tasks[: spec.limit] if spec.limit else tasks
             prompts = [encoder.encode(task) for task in tasks]
         except (TaskError, ValueError) as exc:
@@ -113,17 +120,30 @@ def load_eval_sets(cfg: SamplerServiceConfig, encoder: PromptEncoder) -> list[Ev
             raise ValueError(f"evaluation set {spec.name!r}: {spec.dataset!r} has no tasks")
         greedy = spec.temperature == 0
         sampling = Sampling(
-            temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
-            max_tokens=spec.max_tokens or s.max_tokens, stop=tuple(s.stop),
-        )  # fmt: skip
+            temperature=spec.temperature,
+            top_p=1.0 if greedy else spec.top_p,
+            max_tokens=spec.max_tokens or s.max_tokens,
+            stop=tuple(s.stop),
+        )
         if environment is not None:
             for task in tasks:
                 task.environment = environment.name
             scorer = spec.scorer or environment.scorer  # "": per episode
         else:
             scorer = spec.scorer or cfg.reward.default_scorer
-        out.append(EvalSet(spec.name, tasks, prompts, scorer, spec.n, sampling, spec.correct_at,
-                           spec.environment, cfg.reward.default_scorer))  # fmt: skip
+        out.append(
+            EvalSet(
+                spec.name,
+                tasks,
+                prompts,
+                scorer,
+                spec.n,
+                sampling,
+                spec.correct_at,
+                spec.environment,
+                cfg.reward.default_scorer,
+            )
+        )
     return out
 
 
@@ -160,12 +180,24 @@ class SetResult:
     ) -> dict[str, Any]:
         """The metrics-log line (``kind: eval``)."""
         return {
-            "kind": "eval", "set": self.set, "version": self.version, "n": self.n, "tasks": self.tasks,
-            "mean_at_n": self.mean_at_n, "pass_at_n": self.pass_at_n, "reward_mean": self.reward_mean,
-            "train_seconds": train_seconds, "gpu_hours": gpu_hours, "time": time.time(),
-            "eval_seconds": self.eval_seconds, "tokens": self.tokens, "failed_scores": self.failed_scores,
-            "failed_episodes": self.failed_episodes, "where": where, "replica": replica,
-        }  # fmt: skip
+            "kind": "eval",
+            "set": self.set,
+            "version": self.version,
+            "n": self.n,
+            "tasks": self.tasks,
+            "mean_at_n": self.mean_at_n,
+            "pass_at_n": self.pass_at_n,
+            "reward_mean": self.reward_mean,
+            "train_seconds": train_seconds,
+            "gpu_hours": gpu_hours,
+            "time": time.time(),
+            "eval_seconds": self.eval_seconds,
+            "tokens": self.tokens,
+            "failed_scores": self.failed_scores,
+            "failed_episodes": self.failed_episodes,
+            "where": where,
+            "replica": replica,
+        }
 
 
 # -------------------------------------------------------------------------------------- schedule
@@ -226,9 +258,10 @@ class EvalMetrics:
     def __init__(self, metrics: Metrics) -> None:
         s = ["set"]
         self.accuracy = metrics.gauge(
-            "vcpo_eval_accuracy", "Held-out accuracy at the newest evaluated version (metric: mean_at_n or "
-            "pass_at_n)", ["set", "metric"],
-        )  # fmt: skip
+            "vcpo_eval_accuracy",
+            "Held-out accuracy at the newest evaluated version (metric: mean_at_n or pass_at_n)",
+            ["set", "metric"],
+        )
         self.reward = metrics.gauge("vcpo_eval_reward_mean", "Mean reward of the newest evaluation", s)
         self.version = metrics.gauge("vcpo_eval_policy_version", "Policy version of the newest evaluation", s)
         self.train_seconds = metrics.gauge(
@@ -253,9 +286,10 @@ class EvalMetrics:
             s,
         )
         self.round_seconds = metrics.histogram(
-            "vcpo_eval_round_seconds", "Time of an evaluation round, generation and scoring",
+            "vcpo_eval_round_seconds",
+            "Time of an evaluation round, generation and scoring",
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
-        )  # fmt: skip
+        )
         self.hold_seconds = metrics.counter(
             "vcpo_eval_hold_seconds_total",
             "Time newer versions waited to be loaded while an evaluation round was generating (shared)",
@@ -294,9 +328,16 @@ class EvalRecorder:
                 m.failed_scores.labels(r.set).inc(r.failed_scores)
                 m.failed_episodes.labels(r.set).inc(r.failed_episodes)
             log.info(
-                "evaluation at version %d: %s mean@%d %.3f pass@%d %.3f (%d tasks, %.1fs)", r.version, r.set,
-                r.n, r.mean_at_n, r.n, r.pass_at_n, r.tasks, r.eval_seconds,
-            )  # fmt: skip
+                "evaluation at version %d: %s mean@%d %.3f pass@%d %.3f (%d tasks, %.1fs)",
+                r.version,
+                r.set,
+                r.n,
+                r.mean_at_n,
+                r.n,
+                r.pass_at_n,
+                r.tasks,
+                r.eval_seconds,
+            )
         return records
 
 
@@ -451,8 +492,12 @@ class Evaluator:
                     rid = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}/{k}"
                     pending.append(_Request(rid, (si, ti, k), prompt, sampling))
         self.round = EvalRound(version, pending, chosen, responses=responses)
-        log.info("evaluation at version %d: %d samples over %d set(s)", version, self.round.outstanding(),
-                 len(chosen))  # fmt: skip
+        log.info(
+            "evaluation at version %d: %d samples over %d set(s)",
+            version,
+            self.round.outstanding(),
+            len(chosen),
+        )
         self._top_up()
 
     def _top_up(self) -> None:
@@ -537,8 +582,12 @@ class Evaluator:
             item = r.episodes.pop(group.group_id, None)
             if item is not None:
                 r.failed[item.key] = why
-                log.warning("evaluation at version %d: task %s failed in its environment: %s", r.version,
-                            group.task.task_id, why)  # fmt: skip
+                log.warning(
+                    "evaluation at version %d: task %s failed in its environment: %s",
+                    r.version,
+                    group.task.task_id,
+                    why,
+                )
 
     def holds(self) -> bool:
         """Whether a newer version that is ready must wait (shared mode): while a round is generating, for at
@@ -588,9 +637,13 @@ class Evaluator:
             task = s.tasks[key[1]]
             env_reward = response.environment_reward if isinstance(response, EpisodeResponse) else None
             item = ScoreInput(
-                response=self.engine.decode(response.tokens), reference=task.reference, task_id=task.task_id,
-                metadata=dict(task.metadata), payload_json=task.payload_json, environment_reward=env_reward,
-            )  # fmt: skip
+                response=self.engine.decode(response.tokens),
+                reference=task.reference,
+                task_id=task.task_id,
+                metadata=dict(task.metadata),
+                payload_json=task.payload_json,
+                environment_reward=env_reward,
+            )
             jobs.append((s.scorer_of(task, env_reward), item))
             keys.append(key)
         outcomes = self.score_many(jobs) if jobs else []
@@ -607,8 +660,22 @@ class Evaluator:
             mean_at_n, pass_at_n, reward_mean = accuracy(rewards, s.correct_at)
             tokens = sum(len(v.tokens) for k, v in r.responses.items() if k[0] == si)
             failed_episodes = s.n * sum(1 for key in r.failed if key[0] == si)
-            results.append(SetResult(s.name, r.version, s.n, len(s.tasks), mean_at_n, pass_at_n, reward_mean,
-                                     failed, seconds, tokens, rewards, failed_episodes))  # fmt: skip
+            results.append(
+                SetResult(
+                    s.name,
+                    r.version,
+                    s.n,
+                    len(s.tasks),
+                    mean_at_n,
+                    pass_at_n,
+                    reward_mean,
+                    failed,
+                    seconds,
+                    tokens,
+                    rewards,
+                    failed_episodes,
+                )
+            )
         return results
 
     # ------------------------------------------------------------------ standalone

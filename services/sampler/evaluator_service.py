@@ -48,8 +48,9 @@ class EvaluatorService:
             if any(s.environment for s in cfg.evaluation.sets)
             else None
         )
-        self.evaluator, self.pool = make_evaluator(cfg, self.engine, encoder, self.registry, client, NAME,
-                                                   "dedicated", self.environments)  # fmt: skip
+        self.evaluator, self.pool = make_evaluator(
+            cfg, self.engine, encoder, self.registry, client, NAME, "dedicated", self.environments
+        )
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         specs = stream_specs(run, cfg.streams)
         tail = StreamTail(client, specs["weights"], metrics=StreamMetrics(self.registry))
@@ -62,8 +63,12 @@ class EvaluatorService:
         write_endpoints(run.run_dir / NAME, NAME, 0, self.http.url)
 
     def serve(self, stop: threading.Event) -> dict[str, Any]:
-        log.info("evaluator: %d set(s), every %d versions; metrics on %s", len(self.evaluator.sets),
-                 self.cfg.evaluation.every, self.http.url)  # fmt: skip
+        log.info(
+            "evaluator: %d set(s), every %d versions; metrics on %s",
+            len(self.evaluator.sets),
+            self.cfg.evaluation.every,
+            self.http.url,
+        )
         self.runner.run(stop)
         return {"evaluated_versions": self.runner.evaluated, "rounds": dict(self.evaluator.rounds)}
 

@@ -167,9 +167,10 @@ class TaskFeed:
     def _choose(self, can_start: CanStart | None) -> PreparedTask | None:
         """A waiting task whose environment can take it now, by the environments' weights."""
         ready = [
-            env for env, queue in self.waiting.items()
+            env
+            for env, queue in self.waiting.items()
             if queue and (can_start is None or can_start(queue[0].task))
-        ]  # fmt: skip
+        ]
         if not ready:
             return None
         total = 0.0

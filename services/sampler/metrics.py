@@ -17,9 +17,11 @@ class SamplerMetrics:
             "vcpo_sampler_newest_policy_version", "Newest published version the sampler knows of", r
         )
         self.lag = metrics.histogram(
-            "vcpo_sampler_group_lag", "Newest published version minus a produced group's policy_version_start",
-            r, buckets=LAG_BUCKETS,
-        )  # fmt: skip
+            "vcpo_sampler_group_lag",
+            "Newest published version minus a produced group's policy_version_start",
+            r,
+            buckets=LAG_BUCKETS,
+        )
         self.tokens = metrics.counter("vcpo_sampler_generated_tokens_total", "Tokens generated", r)
         self.tokens_per_second = metrics.gauge(
             "vcpo_sampler_tokens_per_second", "Tokens generated per second over the last 30 s", r
@@ -27,15 +29,17 @@ class SamplerMetrics:
         self.groups = metrics.counter("vcpo_sampler_groups_total", "Groups written to the rollouts stream", r)
         self.in_flight = metrics.gauge("vcpo_sampler_groups_in_flight", "Groups being generated", r)
         self.aborted = metrics.counter(
-            "vcpo_sampler_groups_aborted_total", "Groups given up before they were written, by reason",
+            "vcpo_sampler_groups_aborted_total",
+            "Groups given up before they were written, by reason",
             ["replica", "reason"],
-        )  # fmt: skip
+        )
         for reason in ABORT_REASONS:  # present from the start, so a rate over them never lacks a series
             self.aborted.labels(replica, reason)
         self.blocked = metrics.counter(
             "vcpo_sampler_admission_blocked_seconds_total",
-            "Time the sampler had work but admission control refused it (lag bound reached)", r,
-        )  # fmt: skip
+            "Time the sampler had work but admission control refused it (lag bound reached)",
+            r,
+        )
         self.refusals = metrics.counter(
             "vcpo_sampler_admission_refusals_total", "Admission requests refused by the lag bound", r
         )
@@ -55,8 +59,9 @@ class SamplerMetrics:
         )
         self.broadcast_failures = metrics.counter(
             "vcpo_sampler_weight_broadcast_failures_total",
-            "Weight-group broadcasts or joins that failed here (the engine kept its version)", r,
-        )  # fmt: skip
+            "Weight-group broadcasts or joins that failed here (the engine kept its version)",
+            r,
+        )
         for path in ("collective", "broker"):
             self.weight_versions.labels(replica, path)
         self.broadcast_failures.labels(replica)
@@ -73,17 +78,21 @@ class SamplerMetrics:
             "vcpo_sampler_env_episodes_total", "Multi-turn episodes completed, by environment", e
         )
         self.env_turns = metrics.histogram(
-            "vcpo_sampler_env_episode_turns", "Model turns per completed episode", e,
+            "vcpo_sampler_env_episode_turns",
+            "Model turns per completed episode",
+            e,
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
-        )  # fmt: skip
+        )
         self.env_failures = metrics.counter(
-            "vcpo_sampler_env_failed_groups_total", "Groups an environment failed, by environment and reason",
+            "vcpo_sampler_env_failed_groups_total",
+            "Groups an environment failed, by environment and reason",
             ["replica", "environment", "reason"],
-        )  # fmt: skip
+        )
         self.env_call = metrics.histogram(
-            "vcpo_sampler_env_call_seconds", "Environment call latency (reset, step)",
+            "vcpo_sampler_env_call_seconds",
+            "Environment call latency (reset, step)",
             ["replica", "environment", "call"],
-        )  # fmt: skip
+        )
         self.env_paused = metrics.gauge(
             "vcpo_sampler_env_paused", "1 while an environment's circuit breaker holds its tasks back", e
         )

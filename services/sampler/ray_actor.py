@@ -50,8 +50,12 @@ class SamplerActor:
         s = self.service.sampler.status
         from vcpo.v1 import common_pb2
 
-        return {"state": common_pb2.ServiceStatus.State.Name(s.state), "detail": s.detail,
-                "policy_version": s.policy_version, "figures": dict(s.figures)}  # fmt: skip
+        return {
+            "state": common_pb2.ServiceStatus.State.Name(s.state),
+            "detail": s.detail,
+            "policy_version": s.policy_version,
+            "figures": dict(s.figures),
+        }
 
     def stop(self) -> None:
         self.stop_event.set()

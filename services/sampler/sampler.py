@@ -121,8 +121,11 @@ class Sampler:
         self.max_groups = max_groups
         reclaimed = self.admission.reclaim(self.replica_id)  # what a dead predecessor under this name held
         if reclaimed:
-            log.warning("%s: gave back %d admission slot(s) a previous run of this replica still held",
-                        self.replica_id, reclaimed)  # fmt: skip
+            log.warning(
+                "%s: gave back %d admission slot(s) a previous run of this replica still held",
+                self.replica_id,
+                reclaimed,
+            )
         self.sync.start()
         try:
             while not stop.is_set() and not (max_groups and self.emitted >= max_groups):
@@ -221,8 +224,16 @@ class Sampler:
         if budget < sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=budget)
         environment = prepared.task.environment
-        group = Group(group_id, prepared.task, prepared.prompt_tokens, version, sampling, self.n, prepared,
-                      multi_turn=bool(environment))  # fmt: skip
+        group = Group(
+            group_id,
+            prepared.task,
+            prepared.prompt_tokens,
+            version,
+            sampling,
+            self.n,
+            prepared,
+            multi_turn=bool(environment),
+        )
         self.groups[group_id] = group
         if environment:
             handle = self.agent.registry.get(environment) if self.agent is not None else None
@@ -333,8 +344,13 @@ class Sampler:
         self.admission.release(1, holder=self.replica_id)
         self.aborted[reason] = self.aborted.get(reason, 0) + 1
         self.metrics.aborted.labels(self.replica_id, reason).inc()
-        log.info("gave up group %s (version %d, task %s): %s", group.group_id, group.version,
-                 group.task.task_id, reason)  # fmt: skip
+        log.info(
+            "gave up group %s (version %d, task %s): %s",
+            group.group_id,
+            group.version,
+            group.task.task_id,
+            reason,
+        )
         if retry:
             self.feed.retry(group.source, failure)
 

@@ -49,13 +49,17 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
     s, run = cfg.sampler, cfg.run
     return VllmEngine(
         VllmSettings(
-            model=model or run_model(run), dtype=s.dtype, max_model_len=s.max_model_len,
-            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
-            kv_cache_memory_bytes=s.kv_cache_memory_bytes, enforce_eager=s.enforce_eager,
+            model=model or run_model(run),
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+            enforce_eager=s.enforce_eager,
             seed=run.seed * 1000 + replica,
             collective_weights=cfg.weight_broker.transport == "collective",
         )
-    )  # fmt: skip
+    )
 
 
 def make_evaluator(
@@ -77,11 +81,17 @@ def make_evaluator(
     pool = ScoringPool.from_config(cfg.reward, workers=1)  # the reward service's scorers and settings
     metrics = EvalMetrics(registry)
     evaluator = Evaluator(
-        engine, sets, pool.score_many, EvalRecorder(metrics, client, run.run_id, where, owner),
+        engine,
+        sets,
+        pool.score_many,
+        EvalRecorder(metrics, client, run.run_id, where, owner),
         EvalSchedule({s.name: s.every or ev.every for s in ev.sets}, ev.at_start, client, run.run_id, owner),
         encoder=encoder,
-        max_in_flight=ev.max_requests_in_flight, max_delay_s=ev.max_delay_s, metrics=metrics, agent=agent,
-    )  # fmt: skip
+        max_in_flight=ev.max_requests_in_flight,
+        max_delay_s=ev.max_delay_s,
+        metrics=metrics,
+        agent=agent,
+    )
     return evaluator, pool
 
 
@@ -105,9 +115,13 @@ def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: 
     (idempotent: every replica registers the same)."""
     s = cfg.sampler
     registry = EnvironmentRegistry(
-        client, cfg.run.run_id, owner, s.n, max_message_bytes=s.max_request_bytes,
+        client,
+        cfg.run.run_id,
+        owner,
+        s.n,
+        max_message_bytes=s.max_request_bytes,
         breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
-    )  # fmt: skip
+    )
     for env in s.environments:
         registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
     return registry
@@ -134,25 +148,42 @@ class SamplerService:
         self.environments = environment_registry(cfg, client, self.replica_id)
         dataset = None
         if s.dataset:
-            tasks = load_dataset(s.dataset, s.prompt_field, s.answer_field, seed=run.seed,
-                                 scorer_by_source=s.scorer_by_source, source_field=s.source_field)  # fmt: skip
+            tasks = load_dataset(
+                s.dataset,
+                s.prompt_field,
+                s.answer_field,
+                seed=run.seed,
+                scorer_by_source=s.scorer_by_source,
+                source_field=s.source_field,
+            )
             if s.dataset_environment:
                 handle = self.environments.get(s.dataset_environment)
                 if handle is None:
-                    raise ValueError(f"sampler.dataset_environment {s.dataset_environment!r} is not registered; "
-                                     "list it in [[sampler.environments]]")  # fmt: skip
+                    raise ValueError(
+                        f"sampler.dataset_environment {s.dataset_environment!r} is not registered; "
+                        "list it in [[sampler.environments]]"
+                    )
                 for task in tasks:
                     task.environment = s.dataset_environment
                     task.scorer = task.scorer or handle.spec.scorer
             dataset = DatasetTasks(tasks, seed=run.seed * 1000 + replica)
         consumer = StreamConsumer(
-            client, specs["tasks"], self.replica_id, stream_metrics, cfg.streams.reclaim_idle_ms,
+            client,
+            specs["tasks"],
+            self.replica_id,
+            stream_metrics,
+            cfg.streams.reclaim_idle_ms,
             cfg.streams.max_deliveries,
-        )  # fmt: skip
+        )
         self.feed = TaskFeed(
-            encoder, dataset, consumer, self._task_error, environment_known=self.environments.known,
-            weight=self._environment_weight, max_attempts=s.env_max_attempts,
-        )  # fmt: skip
+            encoder,
+            dataset,
+            consumer,
+            self._task_error,
+            environment_known=self.environments.known,
+            weight=self._environment_weight,
+            max_attempts=s.env_max_attempts,
+        )
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         self.evaluator: Evaluator | None = None
         self._pool: ScoringPool | None = None
@@ -167,23 +198,36 @@ class SamplerService:
             member = Member.here(self.replica_id, s.tensor_parallel_size, "sampler")
             seat = MemberSeat(GroupRegistry(client, run.run_id, wb.group_member_ttl_s), member)
             sync = CollectiveWeightSync(
-                self.engine, self.transport, announcements, seat, s.weight_poll_interval_s,
+                self.engine,
+                self.transport,
+                announcements,
+                seat,
+                s.weight_poll_interval_s,
                 on_failure=self.metrics.broadcast_failures.labels(self.replica_id).inc,
-            )  # fmt: skip
+            )
         else:
             if cfg.weight_broker.transport == "collective":
-                log.warning("%s: this engine cannot join the weight group; weights come through the broker",
-                            self.replica_id)  # fmt: skip
+                log.warning(
+                    "%s: this engine cannot join the weight group; weights come through the broker",
+                    self.replica_id,
+                )
             sync = WeightSync(self.engine, self.transport, announcements, s.weight_poll_interval_s)
         self.sampler = Sampler(
-            self.engine, self.feed, AdmissionCounter(client, run.run_id, run.k, run.groups_per_step),
+            self.engine,
+            self.feed,
+            AdmissionCounter(client, run.run_id, run.k, run.groups_per_step),
             StreamProducer(client, specs["rollouts"], stream_metrics, cfg.streams.producer_wait_timeout_s),
-            sync, self.metrics, run_id=run.run_id, replica_id=self.replica_id, n=s.n,
+            sync,
+            self.metrics,
+            run_id=run.run_id,
+            replica_id=self.replica_id,
+            n=s.n,
             sampling=Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop)),
-            max_groups_in_flight=s.max_groups_in_flight, weight_update=s.weight_update,
+            max_groups_in_flight=s.max_groups_in_flight,
+            weight_update=s.weight_update,
             agent=AgentLoop(self.engine, self.environments, encoder, self.metrics, threads=s.env_threads),
             evaluator=self.evaluator,
-        )  # fmt: skip
+        )
         tasks_producer = StreamProducer(
             client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
         )

@@ -50,9 +50,14 @@ from typing import Any, Protocol
 from vcpo.v1 import common_pb2, rollout_pb2
 
 TASK_ERROR_REASONS = (
-    "empty_prompt", "prompt_too_long", "unknown_task", "unknown_environment", "bad_row", "bad_payload",
+    "empty_prompt",
+    "prompt_too_long",
+    "unknown_task",
+    "unknown_environment",
+    "bad_row",
+    "bad_payload",
     "environment_failed",
-)  # fmt: skip
+)
 """The ``reason`` labels :class:`TaskError` is raised with (bounded, so they can label a metric)."""
 
 BUILTIN_PREFIX = "builtin:"
@@ -154,13 +159,18 @@ def tail_add_rows(split: str, seed: int) -> Iterator[dict[str, Any]]:
     prefix = "tail_add:test" if held_out else "tail_add"
     for i, number in enumerate(chosen):
         answer = number % 10 + number // 10 % 10
-        yield {"id": f"{prefix}:{i}", "prompt": f"What is the sum of the last two digits of {number}?",
-               "answer": str(answer)}  # fmt: skip
+        yield {
+            "id": f"{prefix}:{i}",
+            "prompt": f"What is the sum of the last two digits of {number}?",
+            "answer": str(answer),
+        }
 
 
 BUILTIN_DATASETS: dict[str, RowGenerator] = {
-    "arith": arith_rows, "digit_add": digit_add_rows, "tail_add": tail_add_rows,
-}  # fmt: skip
+    "arith": arith_rows,
+    "digit_add": digit_add_rows,
+    "tail_add": tail_add_rows,
+}
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -286,16 +296,24 @@ class _Sources:
             return ""
         found, source = field_value(row, self.field)
         if not found or source in (None, ""):
-            raise TaskError("bad_row", task_id, f"{where}: no {self.field!r} field to choose its scorer by "
-                            f"(scorer_by_source maps {', '.join(map(repr, sorted(self.scorers)))})")  # fmt: skip
+            raise TaskError(
+                "bad_row",
+                task_id,
+                f"{where}: no {self.field!r} field to choose its scorer by "
+                f"(scorer_by_source maps {', '.join(map(repr, sorted(self.scorers)))})",
+            )
         scorer = self.scorers.get(str(source))
         if scorer is None:  # "aime*": any source that starts with "aime" (the longest such prefix wins)
             prefixes = [k for k in self.scorers if k.endswith("*") and str(source).startswith(k[:-1])]
             scorer = self.scorers[max(prefixes, key=len)] if prefixes else None
         if scorer is None:
-            raise TaskError("bad_row", task_id, f"{where}: {self.field} {source!r} has no scorer in "
-                            f"scorer_by_source (it maps {', '.join(map(repr, sorted(self.scorers)))}); "
-                            "add it")  # fmt: skip
+            raise TaskError(
+                "bad_row",
+                task_id,
+                f"{where}: {self.field} {source!r} has no scorer in "
+                f"scorer_by_source (it maps {', '.join(map(repr, sorted(self.scorers)))}); "
+                "add it",
+            )
         return scorer
 
 

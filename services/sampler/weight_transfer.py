@@ -79,11 +79,24 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         self.shutdown()
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        spec = GroupSpec(init_info.host, init_info.port, init_info.world_size, init_info.backend,
-                         init_info.epoch, init_info.timeout_s, init_info.form_timeout_s)  # fmt: skip
+        spec = GroupSpec(
+            init_info.host,
+            init_info.port,
+            init_info.world_size,
+            init_info.backend,
+            init_info.epoch,
+            init_info.timeout_s,
+            init_info.form_timeout_s,
+        )
         self.group = WeightGroup(spec, rank, self.device if spec.backend == "nccl" else None)
-        log.info("joined weight group %s:%d epoch %d as rank %d of %d", spec.host, spec.port, spec.epoch, rank,
-                 spec.world_size)  # fmt: skip
+        log.info(
+            "joined weight group %s:%d epoch %d as rank %d of %d",
+            spec.host,
+            spec.port,
+            spec.epoch,
+            rank,
+            spec.world_size,
+        )
 
     def start_weight_update(self) -> None:
         self._staged = None
@@ -100,11 +113,19 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             )
         version, tensors, stats = CollectiveReceiver(self.group).receive()
         if version != update_info.version:
-            raise RuntimeError(f"the weight group delivered version {version}, the control plane announced "
-                               f"{update_info.version}")  # fmt: skip
+            raise RuntimeError(
+                f"the weight group delivered version {version}, the control plane announced "
+                f"{update_info.version}"
+            )
         self._staged = (version, tensors)
-        log.info("received version %d: %d tensors, %.1f MB in %.2f s (%.2f GB/s)", version, stats.tensors,
-                 stats.bytes / 1e6, stats.seconds, stats.gb_per_s)  # fmt: skip
+        log.info(
+            "received version %d: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
+            version,
+            stats.tensors,
+            stats.bytes / 1e6,
+            stats.seconds,
+            stats.gb_per_s,
+        )
 
     def finish_weight_update(self) -> None:
         """Load the received version in place; vLLM's reload state is finished even if loading fails."""

@@ -126,8 +126,12 @@ class WeightSync:
             self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
             raise
         self.last_path = "broker"
-        log.info("serving version %d (fetched in %.2fs, loaded in %.2fs)", version, self.loader.fetch_seconds,
-                 seconds)  # fmt: skip
+        log.info(
+            "serving version %d (fetched in %.2fs, loaded in %.2fs)",
+            version,
+            self.loader.fetch_seconds,
+            seconds,
+        )
         return seconds
 
     def waiting_reason(self, admission: Admission) -> str:
@@ -229,8 +233,10 @@ class CollectiveWeightSync(WeightSync):
             self.watch = AnnouncementWatch.of(seat.spec)
         except Exception as exc:
             self.watch = None
-            self.error = (f"could not join weight group epoch {seat.spec.epoch} (tried for "
-                          f"{time.monotonic() - t0:.1f}s): {type(exc).__name__}: {exc}")  # fmt: skip
+            self.error = (
+                f"could not join weight group epoch {seat.spec.epoch} (tried for "
+                f"{time.monotonic() - t0:.1f}s): {type(exc).__name__}: {exc}"
+            )
             self.broadcast_failures += 1
             self.on_failure()
             log.warning("%s; weights come through the broker", self.error)
@@ -272,11 +278,18 @@ class CollectiveWeightSync(WeightSync):
             self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
             raise
         self.error, self.last_path = "", "collective"
-        log.info("serving version %d (broadcast in %.2fs, loaded in %.2fs)", version, self._receive_seconds,
-                 seconds)  # fmt: skip
+        log.info(
+            "serving version %d (broadcast in %.2fs, loaded in %.2fs)",
+            version,
+            self._receive_seconds,
+            seconds,
+        )
         return seconds
 
     @property
     def fetch_seconds(self) -> float:
-        return self._receive_seconds if self.received is not None and \
-            self.received == self.engine.loaded_version else self.loader.fetch_seconds  # fmt: skip
+        return (
+            self._receive_seconds
+            if self.received is not None and self.received == self.engine.loaded_version
+            else self.loader.fetch_seconds
+        )

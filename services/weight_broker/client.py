@@ -154,8 +154,14 @@ def _retrying(
                 raise BrokerUnavailable(
                     f"{what} failed {attempt} times; last error: {_describe(exc)}"
                 ) from exc
-            log.warning("%s failed (attempt %d/%d): %s; retrying in %.1fs", what, attempt, policy.attempts,
-                        _describe(exc), delay)  # fmt: skip
+            log.warning(
+                "%s failed (attempt %d/%d): %s; retrying in %.1fs",
+                what,
+                attempt,
+                policy.attempts,
+                _describe(exc),
+                delay,
+            )
             time.sleep(delay)
             delay = min(delay * 2, policy.max_backoff_s)
     raise AssertionError("unreachable")
@@ -171,8 +177,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
-                    grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}  # fmt: skip
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 
 
 def _grpc_transient(exc: BaseException) -> bool:

@@ -80,14 +80,27 @@ class GroupSpec:
             )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "world_size": self.world_size, "backend": self.backend,
-                "epoch": self.epoch, "timeout_s": self.timeout_s, "form_timeout_s": self.form_timeout_s}  # fmt: skip
+        return {
+            "host": self.host,
+            "port": self.port,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "epoch": self.epoch,
+            "timeout_s": self.timeout_s,
+            "form_timeout_s": self.form_timeout_s,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
-        return cls(str(d["host"]), int(d["port"]), int(d["world_size"]), str(d.get("backend", "gloo")),
-                   int(d.get("epoch", 0)), float(d.get("timeout_s", 120.0)),
-                   float(d.get("form_timeout_s", 30.0)))  # fmt: skip
+        return cls(
+            str(d["host"]),
+            int(d["port"]),
+            int(d["world_size"]),
+            str(d.get("backend", "gloo")),
+            int(d.get("epoch", 0)),
+            float(d.get("timeout_s", 120.0)),
+            float(d.get("form_timeout_s", 30.0)),
+        )
 
     def prefix(self) -> str:
         """The key prefix of this epoch's rendezvous and announcements in the group's store."""
@@ -99,8 +112,14 @@ def open_store(spec: GroupSpec, master: bool = False, port: int | None = None) -
     0 binds a free one, read back from ``.port``)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(spec.host, spec.port if port is None else port, spec.world_size, is_master=master,
-                         timeout=timedelta(seconds=spec.form_timeout_s), wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(
+        spec.host,
+        spec.port if port is None else port,
+        spec.world_size,
+        is_master=master,
+        timeout=timedelta(seconds=spec.form_timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float = 0.02) -> int:
@@ -187,8 +206,10 @@ class WeightGroup:
                 f"weight group epoch {spec.epoch} at {spec.host}:{spec.port}: {exc}"
             ) from exc
         if arrived < spec.world_size:
-            raise TransferFailed(f"weight group epoch {spec.epoch}: {arrived} of {spec.world_size} ranks arrived "
-                                 f"within {spec.form_timeout_s:.0f}s")  # fmt: skip
+            raise TransferFailed(
+                f"weight group epoch {spec.epoch}: {arrived} of {spec.world_size} ranks arrived "
+                f"within {spec.form_timeout_s:.0f}s"
+            )
         self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
         self._announcements = prefixed  # rank 0 sets announce/<n>
         self._seq = 0  # announcements made (rank 0)
@@ -208,8 +229,10 @@ class WeightGroup:
                     timedelta(seconds=min(spec.form_timeout_s, spec.timeout_s)),
                 )
             except Exception as exc:
-                raise TransferFailed(f"weight group epoch {spec.epoch}: the ranks did not connect within "
-                                     f"{spec.form_timeout_s:.0f}s: {exc}") from exc  # fmt: skip
+                raise TransferFailed(
+                    f"weight group epoch {spec.epoch}: the ranks did not connect within "
+                    f"{spec.form_timeout_s:.0f}s: {exc}"
+                ) from exc
             self._pg.set_timeout(timeout)
         self._closed = False
 
@@ -463,8 +486,13 @@ class CollectivePublisher:
         if not specs:
             raise ValueError(f"version {version} has no tensors")
         layout = bucket_layout(specs, self.bucket_bytes)
-        header = json.dumps({"bucket_bytes": self.bucket_bytes, "digests": self.group.device.type == "cpu",
-                             "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs]}).encode()  # fmt: skip
+        header = json.dumps(
+            {
+                "bucket_bytes": self.bucket_bytes,
+                "digests": self.group.device.type == "cpu",
+                "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
+            }
+        ).encode()
         group = self.group
         try:
             group.announce(version)

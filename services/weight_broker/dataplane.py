@@ -153,8 +153,15 @@ class _Handler(socketserver.BaseRequestHandler):
             while sock.recv(1 << 20):
                 pass
             return
-        send_json(sock, {"ok": True, "policy_version": reply.policy_version, "total_bytes": reply.total_bytes,
-                         "seconds": reply.seconds})  # fmt: skip
+        send_json(
+            sock,
+            {
+                "ok": True,
+                "policy_version": reply.policy_version,
+                "total_bytes": reply.total_bytes,
+                "seconds": reply.seconds,
+            },
+        )
 
     def _fetch(self, sock: socket.socket, request: dict[str, Any]) -> None:
         version = request.get("version")
@@ -240,8 +247,15 @@ def fetch(
 ) -> Iterator[Message]:
     """The serialized FetchResponses of one fetch; raises VersionNotFound or BrokenStream."""
     with connect(address, timeout_s) as sock:
-        send_json(sock, {"op": "fetch", "version": version, "start_tensor": start_tensor,
-                         "max_chunk_bytes": max_chunk_bytes})  # fmt: skip
+        send_json(
+            sock,
+            {
+                "op": "fetch",
+                "version": version,
+                "start_tensor": start_tensor,
+                "max_chunk_bytes": max_chunk_bytes,
+            },
+        )
         status = recv_json(sock)
         if not status.get("ok"):
             if status.get("reason") == "not_found":

@@ -109,8 +109,10 @@ class GroupRegistry:
 
     def live(self) -> dict[str, Member]:
         """Every member whose heartbeat has not expired (expired ones are removed from the set)."""
-        ids = sorted(m.decode() if isinstance(m, bytes) else str(m)
-                     for m in self.client.smembers(f"{self.prefix}:members"))  # fmt: skip
+        ids = sorted(
+            m.decode() if isinstance(m, bytes) else str(m)
+            for m in self.client.smembers(f"{self.prefix}:members")
+        )
         if not ids:
             return {}
         values = self.client.mget([f"{self.prefix}:member:{i}" for i in ids])
@@ -173,11 +175,19 @@ class MemberSeat:
         self.registry.heartbeat(self.member)
         # two threads: waiting at a rendezvous (up to form_timeout_s) must not let the registration expire
         self._threads = [
-            threading.Thread(target=self._loop, args=(self._beat, self.registry.ttl_s / 3),
-                             name=f"weight-seat-beat-{self.member.kind}", daemon=True),
-            threading.Thread(target=self._loop, args=(self._check, self.poll_s),
-                             name=f"weight-seat-{self.member.kind}", daemon=True),
-        ]  # fmt: skip
+            threading.Thread(
+                target=self._loop,
+                args=(self._beat, self.registry.ttl_s / 3),
+                name=f"weight-seat-beat-{self.member.kind}",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._loop,
+                args=(self._check, self.poll_s),
+                name=f"weight-seat-{self.member.kind}",
+                daemon=True,
+            ),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -220,8 +230,14 @@ class MemberSeat:
         if spec.epoch <= self._seen or self.member.id not in ranks:
             return
         self._seen = spec.epoch
-        log.info("weight group epoch %d names this member (rank %d of %d): arriving at %s:%d", spec.epoch,
-                 ranks[self.member.id], spec.world_size, spec.host, spec.port)  # fmt: skip
+        log.info(
+            "weight group epoch %d names this member (rank %d of %d): arriving at %s:%d",
+            spec.epoch,
+            ranks[self.member.id],
+            spec.world_size,
+            spec.host,
+            spec.port,
+        )
         t0 = time.monotonic()
         try:
             import torch.distributed as dist
@@ -235,11 +251,20 @@ class MemberSeat:
             return
         if arrived < len(ranks) + 1:
             self.failures += 1
-            log.warning("weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
-                        spec.epoch, arrived, len(ranks) + 1, spec.form_timeout_s)  # fmt: skip
+            log.warning(
+                "weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
+                spec.epoch,
+                arrived,
+                len(ranks) + 1,
+                spec.form_timeout_s,
+            )
             return
-        log.info("weight group epoch %d: all %d members arrived (%.1fs)", spec.epoch, arrived,
-                 time.monotonic() - t0)  # fmt: skip
+        log.info(
+            "weight group epoch %d: all %d members arrived (%.1fs)",
+            spec.epoch,
+            arrived,
+            time.monotonic() - t0,
+        )
         with self._lock:
             self._ready = Seat(spec, ranks[self.member.id], bucket_bytes)
 
@@ -381,8 +406,12 @@ class GroupCoordinator:
         self.epoch = formed.group.spec.epoch
         self.backoff_s = 1.0
         self.on_event("formed")
-        log.info("weight group epoch %d formed: %d ranks (%s)", self.epoch, formed.group.spec.world_size,
-                 ", ".join(sorted(formed.members)))  # fmt: skip
+        log.info(
+            "weight group epoch %d formed: %d ranks (%s)",
+            self.epoch,
+            formed.group.spec.world_size,
+            ", ".join(sorted(formed.members)),
+        )
 
     def _failed_forming(self, exc: BaseException) -> None:
         self.on_event("form_failed")
@@ -412,15 +441,19 @@ class GroupCoordinator:
             offset += live[member_id].workers
         epoch = self.registry.next_epoch()
         store = self._bind(epoch, offset)
-        spec = GroupSpec(self.host, int(store.port), offset, self.backend, epoch, self.timeout_s,
-                         self.form_timeout_s)  # fmt: skip
+        spec = GroupSpec(
+            self.host, int(store.port), offset, self.backend, epoch, self.timeout_s, self.form_timeout_s
+        )
         self.registry.write_spec(spec, ranks, self.bucket_bytes)
         prefixed = dist.PrefixStore(spec.prefix(), store)
         arrived = arrive(prefixed, "members_arrived", len(ranks) + 1, self.form_timeout_s)
         if arrived < len(ranks) + 1:
             missing = [m for m in ranks if not prefixed.check([f"arrived/{m}"])]
-            raise FormFailed(f"epoch {epoch}: {arrived} of {len(ranks) + 1} members arrived within "
-                             f"{self.form_timeout_s:.0f}s; missing: {missing}", missing)  # fmt: skip
+            raise FormFailed(
+                f"epoch {epoch}: {arrived} of {len(ranks) + 1} members arrived within "
+                f"{self.form_timeout_s:.0f}s; missing: {missing}",
+                missing,
+            )
         try:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:
@@ -429,16 +462,26 @@ class GroupCoordinator:
 
 
 def coordinator_from_config(
-    wb: Any, redis_url: str, run_id: str, client: redis.Redis, device: torch.device,
+    wb: Any,
+    redis_url: str,
+    run_id: str,
+    client: redis.Redis,
+    device: torch.device,
     on_event: Callable[[str], None] | None = None,
-) -> GroupCoordinator:  # fmt: skip
+) -> GroupCoordinator:
     """Learner rank 0's coordinator from the ``[weight_broker]`` section (``wb``: a WeightBrokerConfig); the
     backend follows ``device`` when ``group_backend`` is auto."""
     backend = (
         wb.group_backend if wb.group_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     )
     return GroupCoordinator(
-        GroupRegistry(client, run_id, wb.group_member_ttl_s), wb.group_host or reachable_host(redis_url),
-        backend, wb.group_port, timeout_s=wb.group_timeout_s, form_timeout_s=wb.group_form_timeout_s,
-        bucket_bytes=wb.group_bucket_mb << 20, device=device if backend == "nccl" else None, on_event=on_event,
-    )  # fmt: skip
+        GroupRegistry(client, run_id, wb.group_member_ttl_s),
+        wb.group_host or reachable_host(redis_url),
+        backend,
+        wb.group_port,
+        timeout_s=wb.group_timeout_s,
+        form_timeout_s=wb.group_form_timeout_s,
+        bucket_bytes=wb.group_bucket_mb << 20,
+        device=device if backend == "nccl" else None,
+        on_event=on_event,
+    )

@@ -51,7 +51,9 @@ def start_broker(
     a broker whose process dies, on the same ports (give the config concrete ones): its clients retry across
     the restart; versions survive it with disk storage, else the learner publishes its current one again."""
     actor = WeightBrokerActor.options(  # type: ignore[attr-defined]
-        name=f"vcpo-weight-broker-{cfg.run.run_id}", resources=dict(cfg.weight_broker.ray_resources),
-        max_restarts=max_restarts, max_task_retries=max_restarts,
-    ).remote(cfg.model_dump_json(), local_ray)  # fmt: skip
+        name=f"vcpo-weight-broker-{cfg.run.run_id}",
+        resources=dict(cfg.weight_broker.ray_resources),
+        max_restarts=max_restarts,
+        max_task_retries=max_restarts,
+    ).remote(cfg.model_dump_json(), local_ray)
     return actor, ray.get(actor.endpoints.remote(), timeout=120)

@@ -49,17 +49,30 @@ class BrokerService:
             seat = MemberSeat(
                 GroupRegistry(connect(run.redis_url), run.run_id, wb.group_member_ttl_s), member
             )
-            self._member = threading.Thread(target=serve_seat, args=(self.servicer, seat, self._stop),
-                                            name="weight-group-member", daemon=True)  # fmt: skip
+            self._member = threading.Thread(
+                target=serve_seat,
+                args=(self.servicer, seat, self._stop),
+                name="weight-group-member",
+                daemon=True,
+            )
             self._member.start()
         self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
         self.http = serve_metrics(self.metrics, port=wb.metrics_port)
-        log.info("serving on gRPC port %d, data plane on TCP port %d, metrics on %s (storage: %s)",
-                 self.server.port, self.plane.port, self.http.url, wb.storage)  # fmt: skip
+        log.info(
+            "serving on gRPC port %d, data plane on TCP port %d, metrics on %s (storage: %s)",
+            self.server.port,
+            self.plane.port,
+            self.http.url,
+            wb.storage,
+        )
 
     def endpoints(self) -> dict[str, Any]:
-        return {"grpc_port": self.server.port, "data_port": self.plane.port, "metrics_url": self.http.url,
-                "advertise_host": self.host}  # fmt: skip
+        return {
+            "grpc_port": self.server.port,
+            "data_port": self.plane.port,
+            "metrics_url": self.http.url,
+            "advertise_host": self.host,
+        }
 
     def close(self) -> None:
         self._stop.set()

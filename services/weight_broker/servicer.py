@@ -37,9 +37,10 @@ class BrokerMetrics:
         self.published = metrics.counter("vcpo_broker_versions_published_total", "Versions committed")
         self.rejected = metrics.counter("vcpo_broker_publish_rejected_total", "Publishes refused", ["reason"])
         self.publish_seconds = metrics.histogram(
-            "vcpo_broker_publish_seconds", "Duration of a successful publish",
+            "vcpo_broker_publish_seconds",
+            "Duration of a successful publish",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-        )  # fmt: skip
+        )
         self.received = metrics.counter(
             "vcpo_broker_received_bytes_total", "Weight bytes of committed versions"
         )
@@ -134,8 +135,13 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.latest.set(m.policy_version)
         self.metrics.stored.set(self.store.stored_bytes())
-        log.info("version %d published: %d tensors, %d bytes in %.2fs", m.policy_version, len(m.tensors),
-                 m.total_bytes, seconds)  # fmt: skip
+        log.info(
+            "version %d published: %d tensors, %d bytes in %.2fs",
+            m.policy_version,
+            len(m.tensors),
+            m.total_bytes,
+            seconds,
+        )
         if self.announcer is not None:
             try:
                 self.announcer.announce(m)

@@ -70,14 +70,26 @@ class Chunk:
     message: bytes | memoryview | None = None
 
 
-def encode_chunk(policy_version: int, tensor_name: str, offset: int, data: bytes | memoryview, last: bool,
-                 checksum: str = "") -> bytes:  # fmt: skip
+def encode_chunk(
+    policy_version: int,
+    tensor_name: str,
+    offset: int,
+    data: bytes | memoryview,
+    last: bool,
+    checksum: str = "",
+) -> bytes:
     """A PublishRequest or FetchResponse (same bytes) whose ``chunk`` holds these fields; one copy of ``data``."""
     return b"".join(encode_chunk_parts(policy_version, tensor_name, offset, data, last, checksum))
 
 
-def encode_chunk_parts(policy_version: int, tensor_name: str, offset: int, data: bytes | memoryview, last: bool,
-                       checksum: str = "") -> tuple[bytes, bytes | memoryview]:  # fmt: skip
+def encode_chunk_parts(
+    policy_version: int,
+    tensor_name: str,
+    offset: int,
+    data: bytes | memoryview,
+    last: bool,
+    checksum: str = "",
+) -> tuple[bytes, bytes | memoryview]:
     """The same message as ``(everything before the payload, the payload)``, for a gather write (no copy)."""
     head = weights_pb2.WeightChunk(
         policy_version=policy_version, tensor_name=tensor_name, offset=offset, last=last, checksum=checksum

@@ -34,13 +34,21 @@ from services.reward.scorers.base import Score, ScoreInput, ScorerError, registe
 VERL_SCORERS: dict[str, str] = {
     "openai/gsm8k": "gsm8k",
     **dict.fromkeys(
-        ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math-500",
-         "deepscaler", "test-math-aime24", "test-math-aime25", "dapo_filter"),
+        (
+            "lighteval/MATH",
+            "DigitalLearningGmbH/MATH-lighteval",
+            "HuggingFaceH4/MATH-500",
+            "math-500",
+            "deepscaler",
+            "test-math-aime24",
+            "test-math-aime25",
+            "dapo_filter",
+        ),
         "math_verl",
     ),
     **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning", "aime*"), "math_dapo"),
     "countdown": "countdown",
-}  # fmt: skip
+}
 """veRL's data sources and the scorer of each, as the seed dispatches them (``aime*``: any name that starts
 with "aime"; the seed tests the MATH list first, so ``test-math-aime25`` is ``math_verl``)."""
 
@@ -165,8 +173,18 @@ def _slash_as_frac(s: str) -> str:
 def hendrycks_normalise(s: str) -> str:
     """The MATH answer normalisation of the seed (lm-eval-harness' Hendrycks MATH ``strip_string``). Raises
     where the seed's raises (then the two strings are compared as they are)."""
-    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
-                     ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):  # fmt: skip
+    for old, new in (
+        ("\n", ""),
+        ("\\!", ""),
+        ("\\\\", "\\"),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+    ):
         s = s.replace(old, new)
     s = _units_removed(s)
     s = s.replace("\\\\%", "").replace("\\%", "")
@@ -217,15 +235,60 @@ def math_verl(item: ScoreInput) -> Score:
 # ------------------------------------------------------------------------------------------- DAPO (Minerva)
 
 _SUBSTITUTIONS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-)  # fmt: skip
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 _REMOVED = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
-    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
-)  # fmt: skip
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
 _LATEX_SPAN = re.compile(r"(.*?)(\$)(.*?)(\$)(.*)")
 _UNWRAP = tuple(
     re.compile(p) for p in (r"(\\text\{)(.*?)(\})", r"(\\textbf\{)(.*?)(\})", r"(\\overline\{)(.*?)(\})")

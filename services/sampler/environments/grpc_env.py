@@ -47,9 +47,11 @@ class GrpcEnvironment(Environment):
         self._closed = False
         self.channel = grpc.insecure_channel(
             endpoint,
-            options=[("grpc.max_send_message_length", max_message_bytes),
-                     ("grpc.max_receive_message_length", max_message_bytes)],
-        )  # fmt: skip
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ],
+        )
         self.stub = environment_pb2_grpc.EnvironmentStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -71,8 +73,10 @@ class GrpcEnvironment(Environment):
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            reason = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-                      grpc.StatusCode.UNAVAILABLE: "unavailable"}.get(code, "error")  # fmt: skip
+            reason = {
+                grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+                grpc.StatusCode.UNAVAILABLE: "unavailable",
+            }.get(code, "error")
             name = code.name if code is not None else "UNKNOWN"
             raise EnvironmentFailure(
                 self.name, reason, f"{method} at {self.endpoint}: {name}: {details}"

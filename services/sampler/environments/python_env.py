@@ -47,8 +47,12 @@ class PythonEnvironment(Environment):
     ) -> None:
         self.name = name
         # the CPU limit sits past the wall limit, so a busy loop ends as a (clearer) ``timeout``
-        self.limits = SandboxLimits(wall_seconds=wall_seconds, memory_bytes=memory_bytes,
-                                    output_bytes=output_bytes, cpu_seconds=math.ceil(wall_seconds) + 1)  # fmt: skip
+        self.limits = SandboxLimits(
+            wall_seconds=wall_seconds,
+            memory_bytes=memory_bytes,
+            output_bytes=output_bytes,
+            cpu_seconds=math.ceil(wall_seconds) + 1,
+        )
         self.max_observation_chars = max_observation_chars
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
@@ -68,8 +72,10 @@ class PythonEnvironment(Environment):
                 raise EnvironmentFailure(self.name, "error", f"step in unknown session {session_id!r}")
         code = self._code(action)
         if code is None:
-            text = ('call the "python" tool with arguments {"code": "<program>"}; got tool '
-                    f"{action.tool_name!r} with arguments {action.arguments_json[:200]!r}")  # fmt: skip
+            text = (
+                'call the "python" tool with arguments {"code": "<program>"}; got tool '
+                f"{action.tool_name!r} with arguments {action.arguments_json[:200]!r}"
+            )
             return environment_pb2.StepResponse(observation=environment_pb2.Observation(text=text))
         wall = min(self.limits.wall_seconds, max(0.5, timeout_s - MARGIN_S))
         limits = dataclasses.replace(self.limits, wall_seconds=wall)

@@ -81,8 +81,10 @@ def validate_spec(spec: registry_pb2.EnvironmentSpec, group_size: int) -> regist
             parse_endpoint(out.endpoint)
         except ValueError as exc:
             raise SpecError(f"environment {out.name!r}: bad endpoint: {exc}") from None
-    for name, default in (("reset_timeout_seconds", DEFAULT_RESET_TIMEOUT_S),
-                          ("step_timeout_seconds", DEFAULT_STEP_TIMEOUT_S)):  # fmt: skip
+    for name, default in (
+        ("reset_timeout_seconds", DEFAULT_RESET_TIMEOUT_S),
+        ("step_timeout_seconds", DEFAULT_STEP_TIMEOUT_S),
+    ):
         value = getattr(out, name)
         if not math.isfinite(value) or value < 0:
             raise SpecError(
@@ -289,8 +291,13 @@ class EnvironmentRegistry:
         pipe.execute()
         opened = handle.breaker.failure()
         if opened:
-            log.error("environment %s paused for %.0fs after %d failed groups in a row: %s", handle.name,
-                      handle.breaker.cooldown_s, handle.breaker.failures, message)  # fmt: skip
+            log.error(
+                "environment %s paused for %.0fs after %d failed groups in a row: %s",
+                handle.name,
+                handle.breaker.cooldown_s,
+                handle.breaker.failures,
+                message,
+            )
         return opened
 
     def publish_live(self) -> None:
@@ -329,10 +336,14 @@ class EnvironmentRegistry:
         if paused:
             last_error = f"paused by the circuit breaker ({', '.join(paused)}); last error: {last_error}"
         return registry_pb2.EnvironmentStatusResponse(
-            spec=spec, healthy=not paused, tasks_queued=queued, episodes_running=running,
+            spec=spec,
+            healthy=not paused,
+            tasks_queued=queued,
+            episodes_running=running,
             episodes_completed=int(stats.get(f"{name}:episodes_completed", 0)),
-            errors=int(stats.get(f"{name}:errors", 0)), last_error=last_error,
-        )  # fmt: skip
+            errors=int(stats.get(f"{name}:errors", 0)),
+            last_error=last_error,
+        )
 
     def close(self) -> None:
         with self._lock:

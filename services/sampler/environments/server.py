@@ -58,9 +58,12 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServicer):
 
 
 def serve_environment(
-    env: Environment, port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
+    env: Environment,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_workers: int = 16,
     max_message_bytes: int = 4 << 20,
-) -> GrpcServer:  # fmt: skip
+) -> GrpcServer:
     """Start a gRPC server of ``env``, with health (SERVING for "" and ``vcpo.v1.Environment``)."""
 
     def add(server: grpc.Server) -> list[str]:
