@@ -63,15 +63,17 @@ import redis
 import torch
 from safetensors.torch import load_file
 
+from services.common.builtin_datasets import arith_rows
 from services.common.config import RunConfig, StreamsConfig
+from services.common.datasets import load_dataset
 from services.common.observability import Metrics, grpc_server
+from services.common.prompts import PromptEncoder
 from services.common.redis_server import LocalRedis
 from services.common.streams import StreamProducer, stream_specs
 from services.common.tiny_model import build_tiny_model, count_parameters
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings
 from services.sampler.service import SamplerService
-from services.sampler.tasks import PromptEncoder, arith_rows, load_dataset
 from services.weight_broker.client import GrpcTransport
 from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore

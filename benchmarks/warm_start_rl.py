@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from experiments.replay import Replay, ReplaySettings
+from services.common.datasets import load_dataset
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
 from services.learner.step import objective_config
 from services.learner.warm_start import policy_reward, warm_start
-from services.sampler.tasks import load_dataset
 
 GROUPS_PER_STEP = 4
 N = 8

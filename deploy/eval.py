@@ -70,12 +70,12 @@ def resolve_target(
 
 def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]) -> list[dict[str, Any]]:
     """One round of every selected set on ``model``; the records (``kind: eval``, ``where: command``)."""
+    from services.common.prompts import PromptEncoder
     from services.common.redis_server import LocalRedis
     from services.reward.pool import ScoringPool
     from services.sampler.evaluation import Evaluator, load_eval_sets
     from services.sampler.evaluator_service import ENGINE_SEED_OFFSET
     from services.sampler.service import environment_registry, evaluation_agent, make_engine
-    from services.sampler.tasks import PromptEncoder
 
     scfg = section(cfg, SamplerServiceConfig)
     if sets:

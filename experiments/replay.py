@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from services.common.datasets import load_dataset
+from services.common.prompts import PromptEncoder
 from services.learner.grad_norms import token_logprobs
 from services.learner.step import TrajectoryTensors
 from services.learner.step import backward as learner_backward
@@ -53,7 +55,7 @@ from services.learner.warm_start import (
     stop_token_ids,
 )
 from services.reward.scorers import ScoreInput, get_scorer
-from services.sampler.tasks import DatasetTasks, PromptEncoder, load_dataset
+from services.sampler.tasks import DatasetTasks
 
 # the learner's metrics a step record keeps (services.learner.vcpo.METRIC_KEYS has them all)
 LEARNER_METRICS = (

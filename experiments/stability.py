@@ -166,8 +166,8 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from experiments.replay import Replay, ReplaySettings
+    from services.common.datasets import load_dataset
     from services.learner.step import objective_config
-    from services.sampler.tasks import load_dataset
 
     torch.set_num_threads(plan.threads)
     hf_logging.disable_progress_bar()

@@ -252,8 +252,8 @@ def test_paper_presets_read_the_published_files_as_downloaded(preset: str, tmp_p
     same presets with their paths pointed at small files in that layout load every set, each task scored by
     the rule its data_source picks."""
     pytest.importorskip("pyarrow.parquet")
+    from services.common.datasets import load_dataset
     from services.reward.scorers.verl_rules import VERL_SCORERS
-    from services.sampler.tasks import load_dataset
     from tests.verl_layout import gsm8k_rows, math_rows, write_parquet
 
     cfg = load_config(SystemConfig, [PRESET_DIR / f"{preset}.toml"], env={})

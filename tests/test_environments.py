@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from services.common.prompts import PromptEncoder
 from services.sampler.agent import AgentLoop
 from services.sampler.engine import Sampling, TokenDelta
 from services.sampler.environments.base import EnvironmentFailure
@@ -22,7 +23,6 @@ from services.sampler.environments.parsers import make_parser
 from services.sampler.environments.python_env import PythonEnvironment
 from services.sampler.environments.registry import EnvironmentRegistry
 from services.sampler.groups import Group
-from services.sampler.tasks import PromptEncoder
 from vcpo.v1 import environment_pb2, registry_pb2, rollout_pb2
 
 ROOT = Path(__file__).resolve().parent.parent

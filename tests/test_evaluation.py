@@ -110,10 +110,10 @@ def test_evaluation_config_is_checked() -> None:
 
 
 def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> None:
+    from services.common.prompts import PromptEncoder
     from services.common.tiny_model import build_tokenizer
     from services.sampler.config import SamplerServiceConfig
     from services.sampler.evaluation import load_eval_sets
-    from services.sampler.tasks import PromptEncoder
 
     rows = [{"id": f"q{i}", "question": f"What is {i}+1?", "gold": str(i + 1), "level": i} for i in range(5)]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -151,10 +151,10 @@ def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> 
 def test_sets_take_each_tasks_scorer_from_its_source_unless_the_set_names_one(tmp_path: Path) -> None:
     """sampler.scorer_by_source applies to evaluation sets as to training data: each task is scored by the rule
     its data_source picks; a set that names its own scorer judges all its tasks with it (and needs no table)."""
+    from services.common.prompts import PromptEncoder
     from services.common.tiny_model import build_tokenizer
     from services.sampler.config import SamplerServiceConfig
     from services.sampler.evaluation import load_eval_sets
-    from services.sampler.tasks import PromptEncoder
 
     rows = [
         {"prompt": f"What is {i}+1?", "data_source": src, "reward_model": {"ground_truth": str(i + 1)}}
@@ -549,10 +549,10 @@ HELD = {"name": "held", "dataset": "builtin:digit_add", "split": "test", "limit"
 def test_evaluation_at_a_version_samples_from_that_versions_weights(
     vllm_engine: Any, tiny_model_dir: Path
 ) -> None:
+    from services.common.prompts import PromptEncoder
     from services.reward.scorers import get_scorer
     from services.sampler.config import SamplerServiceConfig
     from services.sampler.evaluation import load_eval_sets
-    from services.sampler.tasks import PromptEncoder
     from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights
 
     cfg = SamplerServiceConfig.model_validate(

@@ -8,10 +8,12 @@ import pytest
 import redis
 
 from services.common.config import RunConfig, StreamsConfig
+from services.common.datasets import load_dataset
+from services.common.prompts import PromptEncoder
 from services.common.streams import StreamConsumer, StreamProducer, stream_specs
 from services.common.tiny_model import build_tokenizer
 from services.sampler.feed import TaskFeed
-from services.sampler.tasks import DatasetTasks, PromptEncoder, load_dataset
+from services.sampler.tasks import DatasetTasks
 from vcpo.v1 import rollout_pb2
 
 

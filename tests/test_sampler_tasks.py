@@ -11,19 +11,18 @@ from typing import Any
 
 import pytest
 
-from services.common.tiny_model import build_tokenizer
-from services.sampler.tasks import (
+from services.common.builtin_datasets import (
     ARITH_TEST_SIZE,
     ARITH_TRAIN_SIZE,
     BUILTIN_DATASETS,
     DIGIT_ADD_TEST_SIZE,
     TAIL_ADD_TEST_SIZE,
     TAIL_ADD_TRAIN_SIZE,
-    DatasetTasks,
-    PromptEncoder,
-    TaskError,
-    load_dataset,
 )
+from services.common.datasets import load_dataset
+from services.common.prompts import PromptEncoder, TaskError
+from services.common.tiny_model import build_tokenizer
+from services.sampler.tasks import DatasetTasks
 from vcpo.v1 import common_pb2, rollout_pb2
 
 ROWS: list[dict[str, Any]] = [

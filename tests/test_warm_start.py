@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.datasets import load_dataset
+from services.common.prompts import PromptEncoder
 from services.common.tiny_model import IM_END
 from services.learner.warm_start import (
     MARKER_FILENAME,
@@ -23,7 +25,6 @@ from services.learner.warm_start import (
     train,
     warm_start,
 )
-from services.sampler.tasks import PromptEncoder, load_dataset
 
 DATASET = "builtin:digit_add"
 

@@ -33,13 +33,13 @@ import json
 import os
 import random
 import re
-import shutil
 import struct
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from services.common.model_dirs import write_model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -343,26 +343,13 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     out = Path(out_dir).absolute()
     if _check_existing(out, spec):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+
+    def fill(tmp: Path) -> None:
         tokenizer = build_tokenizer(spec)
-        model = build_model(spec, tokenizer)
-        _save_quietly(model, tokenizer, tmp)
-        # safetensors are written 0600; other processes and users (sampler, learner pods) must read them
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        # written last: its presence means the directory is complete
-        (tmp / SPEC_FILENAME).write_text(json.dumps(_marker(spec), indent=2, sort_keys=True) + "\n")
-        try:
-            os.rename(tmp, out)  # atomic; also replaces an empty `out`
-        except OSError:
-            # A concurrent build may have finished first: fine if it built the same spec.
-            if not _check_existing(out, spec):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _save_quietly(build_model(spec, tokenizer), tokenizer, tmp)
+
+    # a concurrent build may finish first: fine if it built the same spec
+    write_model_dir(out, fill, SPEC_FILENAME, _marker(spec), lambda: _check_existing(out, spec))
     return out
 
 

@@ -43,14 +43,13 @@ import contextlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.model_dirs import resolve_model_dir, write_model_dir
 from services.common.tiny_model import SPEC_FILENAME as TINY_MODEL_MARKER
 from services.learner.warm_start import MARKER_FILENAME as WARM_START_MARKER
 
@@ -229,8 +228,6 @@ def _materialize(value: Any, dtype: torch.dtype) -> torch.Tensor:
 def _base_dir(base_model: str) -> Path:
     """The base model's directory: a local one as given, a hub id's snapshot (the sampler's download, plus
     the chat template file that download leaves out)."""
-    from services.sampler.engine import resolve_model_dir
-
     path = resolve_model_dir(base_model)
     if not Path(base_model).is_dir():
         from huggingface_hub import snapshot_download
@@ -270,12 +267,9 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
         tensors[name] = tensor
     del state
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_FILENAME), metadata={"format": "pt"})
-        del tensors
+        tensors.clear()
         for src in sorted(base_dir.iterdir()):
             name = src.name
             if (
@@ -287,20 +281,10 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
             ):
                 continue
             shutil.copyfile(src, tmp / name)  # follows a hub snapshot's symlinks into its blobs
-        marker.update(step=step, version=version)
-        (tmp / MARKER_FILENAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, out)  # atomic; also replaces an empty `out`
-        except OSError:
-            done = _existing(out, marker)  # a concurrent export of the same tag finished first: fine
-            if done is None:
-                raise
-            return done
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    marker.update(step=step, version=version)
+    # a concurrent export of the same tag may finish first: fine
+    write_model_dir(out, fill, MARKER_FILENAME, marker, lambda: _existing(out, marker) is not None)
     log.info("exported %s (step %d, version %d) to %s", tag_dir, step, version, out)
     return ExportedVersion(out, step, version, tag_dir)
 

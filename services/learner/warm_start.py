@@ -13,7 +13,7 @@ turn) and a modest accuracy; RL then has mixed groups to learn from and room to 
 What it decides:
 
 - Prompts are encoded exactly as the sampler encodes them (``load_dataset`` and :class:`PromptEncoder` from
-  ``services.sampler.tasks``, same ``system_prompt`` and ``max_model_len``), and the loss covers only the
+  ``services.common``, same ``system_prompt`` and ``max_model_len``), and the loss covers only the
   response tokens: the answer as the chat template renders the assistant turn, ending with the stop token the
   sampler stops on (the tokenizer's and generation config's EOS, ``<|im_end|>`` for the tiny model). Pass the
   run's seed: builtin datasets are generated from it, so the train split is the sampler's.
@@ -42,13 +42,13 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from services.common.model_dirs import write_model_dir
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ def build_examples(
     first stop token. Raises ValueError naming the task when the reference is empty, the template does not
     extend the prompt, the turn has no stop token, or prompt and response do not fit in ``max_model_len``.
     """
-    from services.sampler.tasks import PromptEncoder, _token_ids
+    from services.common.prompts import PromptEncoder, token_ids
 
     encoder = PromptEncoder(tokenizer, max_model_len, max_tokens=1, system_prompt=system_prompt)
     stops = set(stop_ids)
@@ -121,7 +121,7 @@ def build_examples(
             raise ValueError(f"task {task.task_id!r}: empty reference answer; nothing to train on")
         prompt = encoder.encode(task)
         conversation = [*encoder.messages(task), {"role": "assistant", "content": task.reference}]
-        full = _token_ids(tokenizer.apply_chat_template(conversation, tokenize=True))
+        full = token_ids(tokenizer.apply_chat_template(conversation, tokenize=True))
         if full[: len(prompt)] != prompt:
             raise ValueError(
                 f"task {task.task_id!r}: the chat template's rendering of the answered conversation does not "
@@ -276,7 +276,7 @@ def warm_start(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.sampler.tasks import load_dataset
+    from services.common.datasets import load_dataset
 
     tasks = load_dataset(dataset, prompt_field, answer_field, split="train", seed=seed)
     if not tasks:
@@ -367,28 +367,18 @@ def train(
 def _save_atomically(model: PreTrainedModel, tokenizer: Any, out: Path, marker: dict[str, Any]) -> None:
     from transformers.utils import logging as hf_logging
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)  # weights, config and generation config
+        tokenizer.save_pretrained(tmp)
+
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        tmp.mkdir()
-        model.save_pretrained(tmp)  # weights, config and generation config
-        tokenizer.save_pretrained(tmp)
-        for path in tmp.iterdir():
-            path.chmod(0o644)  # safetensors are written 0600; the sampler and learner may run as other users
-        # written last: its presence means the directory is complete
-        (tmp / MARKER_FILENAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        try:
-            os.rename(tmp, out)  # atomic; also replaces an empty `out`
-        except OSError:
-            # A concurrent warm start may have finished first: fine if it made the same one.
-            if not _check_existing(out, marker):
-                raise
+        # a concurrent warm start may finish first: fine if it made the same one
+        write_model_dir(out, fill, MARKER_FILENAME, marker, lambda: _check_existing(out, marker))
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -475,7 +465,7 @@ def sampled_reward(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.sampler.tasks import load_dataset
+    from services.common.datasets import load_dataset
 
     if n_prompts < 1:
         raise ValueError(f"sampled_reward: n_prompts must be >= 1, got {n_prompts}")
@@ -520,8 +510,8 @@ def policy_reward(
     """
     import torch
 
+    from services.common.prompts import PromptEncoder
     from services.reward.scorers import ScoreInput, get_scorer
-    from services.sampler.tasks import PromptEncoder
 
     if not tasks or n_samples < 1:
         raise ValueError(

@@ -26,12 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.prompts import PromptEncoder
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.environments.base import EnvironmentFailure
 from services.sampler.environments.registry import EnvironmentRegistry, Handle
 from services.sampler.groups import Group, Response
 from services.sampler.metrics import SamplerMetrics
-from services.sampler.tasks import PromptEncoder
 from vcpo.v1 import environment_pb2
 
 log = logging.getLogger(__name__)

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from services.common.model_dirs import resolve_model_dir
+
 log = logging.getLogger(__name__)
 
 Sink = Callable[[str, torch.Tensor], None]
@@ -219,16 +221,6 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
-
-
-def resolve_model_dir(model: str) -> Path:
-    """A local directory as given; a hub id as its local snapshot (downloaded if needed)."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
 @dataclass(frozen=True)

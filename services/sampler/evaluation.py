@@ -45,7 +45,9 @@ from typing import Any
 import redis
 
 from services.common.clock import RunClock, eval_results_key
+from services.common.datasets import load_dataset
 from services.common.observability import Metrics
+from services.common.prompts import PromptEncoder, TaskError
 from services.reward.pool import Outcome
 from services.reward.scorers import ScoreInput
 from services.sampler.agent import AgentLoop
@@ -53,7 +55,6 @@ from services.sampler.config import SamplerServiceConfig, eval_set_environment
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.groups import Group
 from services.sampler.groups import Response as EpisodeResponse
-from services.sampler.tasks import PromptEncoder, TaskError, load_dataset
 from services.sampler.weights import WeightSync
 from vcpo.v1 import rollout_pb2
 

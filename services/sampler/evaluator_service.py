@@ -15,12 +15,12 @@ import threading
 from typing import Any
 
 from services.common.observability import Metrics, serve_metrics, write_endpoints
+from services.common.prompts import PromptEncoder
 from services.common.streams import StreamMetrics, StreamTail, connect, stream_specs
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.evaluation import EvalRunner
 from services.sampler.service import environment_registry, make_engine, make_evaluator
-from services.sampler.tasks import PromptEncoder
 from services.sampler.weights import WeightSync
 from services.weight_broker.client import transport_from_config
 

@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.prompts import PromptEncoder, TaskError
 from services.common.streams import Entry, StreamConsumer
-from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError
+from services.sampler.tasks import DatasetTasks
 from vcpo.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,9 @@ import redis
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
+from services.common.datasets import load_dataset
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
+from services.common.prompts import PromptEncoder, TaskError
 from services.common.streams import (
     StreamConsumer,
     StreamMetrics,
@@ -35,7 +37,7 @@ from services.sampler.feed import TaskFeed
 from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
 from services.sampler.servicer import RegistryServicer, StatusServicer
-from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError, load_dataset
+from services.sampler.tasks import DatasetTasks
 from services.sampler.weights import CollectiveWeightSync, WeightSync
 from services.weight_broker.client import transport_from_config
 from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from services.common.prompts import TaskError
 from services.common.streams import StreamProducer
 from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable
 from services.sampler.sampler import SamplerState
-from services.sampler.tasks import TaskError
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
 
 
