@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from services.reward import _sandbox_child
-from services.reward.sandbox import SandboxLimits, SandboxResult, SandboxSetupError, isolation, run_python
+from services.common import _sandbox_child
+from services.common.sandbox import SandboxLimits, SandboxResult, SandboxSetupError, isolation, run_python
 from services.reward.scorers import code_tests
 from services.reward.scorers.base import ScoreInput, ScorerError, get_scorer
 
@@ -253,7 +253,7 @@ def test_the_services_secrets_are_not_visible(monkeypatch: pytest.MonkeyPatch) -
     service = f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        from services.reward.sandbox import run_python
+        from services.common.sandbox import run_python
         assert os.environ["VCPO_SANDBOX_SECRET"] in open(f"/proc/{{os.getpid()}}/environ").read()
         result = run_python({textwrap.dedent(probe)!r})
         print(result.status)

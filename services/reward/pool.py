@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from services.reward.sandbox import SandboxLimits
+from services.common.sandbox import SandboxLimits
 from services.reward.scorers import ScoreInput, ScorerError, UnknownScorerError, get_scorer, load_plugins
 
 if TYPE_CHECKING:

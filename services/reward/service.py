@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
+from services.common.sandbox import isolation
 from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, connect, stream_specs
 from services.reward.config import RewardServiceConfig
 from services.reward.loop import RewardLoop
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import ScoringPool
-from services.reward.sandbox import isolation
 from services.reward.servicer import RewardServicer
 from vcpo.v1 import reward_pb2_grpc
 

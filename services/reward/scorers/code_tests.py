@@ -22,7 +22,7 @@ import ast
 import json
 import re
 
-from services.reward.sandbox import SandboxLimits, SandboxResult, SandboxSetupError, run_python
+from services.common.sandbox import SandboxLimits, SandboxResult, SandboxSetupError, run_python
 from services.reward.scorers.base import Score, ScoreInput, ScorerError, register
 
 _FENCE = re.compile(r"```(python3?|py)?[ \t]*\r?\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)

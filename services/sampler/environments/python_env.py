@@ -17,7 +17,7 @@ import json
 import math
 import threading
 
-from services.reward.sandbox import SandboxLimits, SandboxSetupError, run_python
+from services.common.sandbox import SandboxLimits, SandboxSetupError, run_python
 from services.sampler.environments.base import Environment, EnvironmentFailure
 from vcpo.v1 import environment_pb2, rollout_pb2
 

@@ -1,6 +1,7 @@
 """Run untrusted Python (a model's response) in a throw-away process, and say how it ended.
 
-The ``code`` scorer runs every response here; the response may loop, fork, allocate, print, connect, write files
+The reward service's ``code`` scorer and the sampler's ``python`` tool environment run code here (so it lives
+in common, not in either service); the code may loop, fork, allocate, print, connect, write files
 or read secrets, on purpose or not. Defence in depth, each layer where the OS allows it:
 
     run_python(code, stdin, limits)
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.reward import _sandbox_child as child
+from services.common import _sandbox_child as child
 
 _BOOTSTRAP = str(Path(child.__file__).resolve())
 _ENV = {
