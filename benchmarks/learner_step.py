@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.vcpo_step import SPEC_QUICK, SPECS
 from benchmarks.weight_sync import start_broker
 from services.common.tiny_model import build_tiny_model, count_parameters
-from tests.learner_ranks import run_ranks, scored_groups
+from services.learner.local_ranks import run_ranks, scored_groups
 
 TARGET_VCPO_OVER_GRPO = 1.5
 

@@ -32,7 +32,7 @@ import redis
 from services.common.config import RunConfig, StreamsConfig
 from services.common.redis_server import LocalRedis
 from services.common.streams import StreamConsumer, StreamProducer, StreamSpec, stream_specs
-from tests.messages import make_group
+from services.common.synthetic import make_group
 
 
 def _spec(run_id: str, maxlen: int) -> StreamSpec[Any]:

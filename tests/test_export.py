@@ -18,7 +18,7 @@ import torch
 from services.common.tiny_model import SPEC_FILENAME, TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
 from services.learner.export import MARKER_FILENAME, ExportedVersion, export_checkpoint, find_checkpoint
-from tests.learner_ranks import run_ranks, scored_groups
+from services.learner.local_ranks import run_ranks, scored_groups
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import redis
 from services.common.config import RunConfig, StreamsConfig
 from services.common.streams import StreamProducer, stream_specs
 from services.learner.feed import ScoredFeed
-from tests.learner_ranks import scored_groups
+from services.learner.local_ranks import scored_groups
 from vcpo.v1 import rollout_pb2
 
 

@@ -16,7 +16,7 @@ import redis
 from services.common.config import RunConfig, StreamsConfig
 from services.common.streams import StreamProducer, stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from tests.learner_ranks import scored_groups
+from services.learner.local_ranks import scored_groups
 from vcpo.v1 import rollout_pb2
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from services.common.streams import (
     decode_entry,
     stream_specs,
 )
-from tests.messages import make_announcement, make_group, make_task
+from services.common.synthetic import make_announcement, make_group, make_task
 from vcpo.v1 import rollout_pb2
 
 

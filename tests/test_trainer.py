@@ -12,7 +12,7 @@ import torch
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
-from tests.learner_ranks import run_ranks, scored_groups
+from services.learner.local_ranks import run_ranks, scored_groups
 
 pytestmark = pytest.mark.slow
 

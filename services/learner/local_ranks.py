@@ -1,4 +1,9 @@
-"""Run learner ranks (DeepSpeed ZeRO-3, gloo) as spawned processes, and make scored groups they can train on."""
+"""Learner ranks on one machine, for benchmarks and tests: run a function on N spawned ranks of one gloo process
+group (DeepSpeed ZeRO-3 needs one), and make scored groups the tiny model can train on.
+
+``run_ranks`` is a harness that collects each rank's result, unlike the learner's own supervisor, which runs
+the service's ranks until they stop.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 import torch
 
 from services.common.redis_server import free_port
-from tests.messages import make_group
+from services.common.synthetic import make_group
 from vcpo.v1 import rollout_pb2
 
 
@@ -96,5 +101,6 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout_s: flo
             if p.is_alive():
                 p.kill()
     errors = [r[2] for r in results if r[1] != "ok"]
-    assert not errors, "\n".join(errors)
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [r[2] for r in results]

@@ -1,4 +1,5 @@
-"""Realistic messages of every stream type, shared by tests and the stream benchmark."""
+"""Synthetic messages of every stream type, realistic in size and shape (tokens, log-probs, masked tool spans,
+version segments), for load generation: the stream benchmark and the tests build their traffic from these."""
 
 from __future__ import annotations
 
