@@ -42,8 +42,9 @@ from experiments.replay import Replay, ReplaySettings
 from services.common.datasets import load_dataset
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
+from services.learner.policy_sampling import policy_reward
 from services.learner.step import objective_config
-from services.learner.warm_start import policy_reward, warm_start
+from services.learner.warm_start import warm_start
 
 GROUPS_PER_STEP = 4
 N = 8

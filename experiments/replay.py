@@ -44,14 +44,13 @@ import torch
 from services.common.datasets import load_dataset
 from services.common.prompts import PromptEncoder
 from services.learner.grad_norms import token_logprobs
+from services.learner.policy_sampling import policy_reward, sample_responses
 from services.learner.step import TrajectoryTensors
 from services.learner.step import backward as learner_backward
 from services.learner.vcpo import ObjectiveConfig
 from services.learner.warm_start import (
     pad_batch,
     pad_token_id,
-    policy_reward,
-    sample_responses,
     stop_token_ids,
 )
 from services.reward.scorers import ScoreInput, get_scorer

@@ -13,14 +13,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.common.datasets import load_dataset
 from services.common.prompts import PromptEncoder
 from services.common.tiny_model import IM_END
+from services.learner.policy_sampling import sample_responses, sampled_reward
 from services.learner.warm_start import (
     MARKER_FILENAME,
     batch_order,
     build_examples,
     main,
     pad_token_id,
-    sample_responses,
-    sampled_reward,
     stop_token_ids,
     train,
     warm_start,
