@@ -4,8 +4,8 @@
     python -m deploy.eval --config deploy/presets/local.toml --checkpoint latest   # its newest checkpoint
     python -m deploy.eval --config run.toml --model Qwen/Qwen2.5-1.5B-Instruct [--sets gsm8k] [--out r.json]
 
-The same code as evaluation during training (services/sampler/evaluation.py): the ``[[evaluation.sets]]`` of
-the run file, the sampler's engine settings and chat template, the reward service's scorers. What it scores:
+The same code as evaluation during training (services/evaluator/, entry point ``offline.evaluate_model``): the
+``[[evaluation.sets]]`` of the run file, the sampler's engine settings and chat template, the reward service's scorers. What it scores:
 
 - ``--checkpoint PATH``: a learner checkpoint (a run directory: its newest; a checkpoint directory; one
   ``step<N>`` tag; or ``latest``: the newest of the run file's run directory), consolidated from its ZeRO-3
@@ -70,12 +70,7 @@ def resolve_target(
 
 def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]) -> list[dict[str, Any]]:
     """One round of every selected set on ``model``; the records (``kind: eval``, ``where: command``)."""
-    from services.common.prompts import PromptEncoder
-    from services.common.redis_server import LocalRedis
-    from services.reward.pool import ScoringPool
-    from services.sampler.evaluation import Evaluator, load_eval_sets
-    from services.sampler.evaluator_service import ENGINE_SEED_OFFSET
-    from services.sampler.service import environment_registry, evaluation_agent, make_engine
+    from services.evaluator.offline import evaluate_model
 
     scfg = section(cfg, SamplerServiceConfig)
     if sets:
@@ -87,57 +82,15 @@ def evaluate(cfg: SystemConfig, model: str, version: int | None, sets: list[str]
         scfg = scfg.model_copy(update={"evaluation": scfg.evaluation.model_copy(update={"sets": chosen})})
     if not scfg.evaluation.sets:
         raise ValueError("the run file has no [[evaluation.sets]] to score")
-    s = scfg.sampler
-    engine = make_engine(scfg, ENGINE_SEED_OFFSET, model=model)
-    pool = ScoringPool.from_config(scfg.reward)
-    redis_server = None
-    environments = None
-    evaluator = None
-    try:
-        encoder = PromptEncoder(engine.tokenizer, s.max_model_len, s.max_tokens, s.system_prompt)
-        eval_sets = load_eval_sets(scfg, encoder)
-        if any(e.environment for e in eval_sets):  # episodes: the run file's environments, registered in a
-            redis_server = LocalRedis()  # Redis of the command's own (the run's may be gone)
-            environments = environment_registry(scfg, redis_server.client(), "eval")
-        label = 0 if version is None else version
-        engine.loaded_version = label  # the engine serves the weights it was built from
-        evaluator = Evaluator(  # no recorder: the records below, with the version and per-task figures
-            engine,
-            eval_sets,
-            pool.score_many,
-            encoder=encoder,
-            max_in_flight=max(scfg.evaluation.max_requests_in_flight, 256),
-            agent=evaluation_agent(scfg, engine, encoder, environments),
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        print(
+            f"  {done}/{total} responses generated ({seconds:.0f}s)",
+            file=sys.stderr,
+            flush=True,
         )
-        t0 = time.monotonic()
 
-        def progress(done: int, total: int) -> None:
-            print(
-                f"  {done}/{total} responses generated ({time.monotonic() - t0:.0f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        results = evaluator.run(label, progress=progress)
-        records = []
-        for r, es in zip(results, eval_sets, strict=True):
-            rec = r.record("command", "eval", None, None)
-            rec["version"] = version
-            rec["per_task"] = {  # each task's fraction of correct samples: where two models differ
-                task.task_id: sum(x >= es.correct_at for x in rewards) / len(rewards)
-                for task, rewards in zip(es.tasks, r.per_task, strict=True)
-            }
-            records.append(rec)
-        return records
-    finally:
-        if evaluator is not None:
-            evaluator.close()  # and its agent loop
-        pool.close()
-        engine.close()
-        if environments is not None:
-            environments.close()
-        if redis_server is not None:
-            redis_server.stop()
+    return evaluate_model(scfg, model, version, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     learner/steps.jsonl (one line per step) ──► {"kind": "train", step, version, train_seconds, gpu_hours,
                                                  reward_mean, ess_ratio, lr_scale, grad_norm, lag_mean, ...}
     Redis vcpo:<run>:eval:results (evaluators) ──► {"kind": "eval", set, version, mean_at_n, pass_at_n, n,
-                                                 tasks, train_seconds, gpu_hours, ...}  (evaluation.py)
+                                                 tasks, train_seconds, gpu_hours, ...}  (evaluator/metrics.py)
 
 Written by the launcher at each progress line and once more when the run stops. ``train_seconds`` and
 ``gpu_hours`` are the training wall time and GPU-hours when the step's version was published (the run's

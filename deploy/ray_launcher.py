@@ -321,7 +321,7 @@ class RayLauncher:
         if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
             where = "on the sampler replicas' engines (shared)"
             if ev.placement == "dedicated":
-                from services.sampler.ray_actor import start_evaluator
+                from services.evaluator.ray_actor import start_evaluator
 
                 self.evaluator, self.evaluator_run = start_evaluator(section(cfg, SamplerServiceConfig))
                 self._wait_evaluator()

@@ -18,18 +18,14 @@ from deploy.metrics_log import MetricsLog
 from deploy.progress import entries_added
 from services.common.clock import RunClock, eval_results_key
 from services.common.config import ConfigError, load_config
+from services.evaluator.evaluator import REQUEST_PREFIX, Evaluator
+from services.evaluator.metrics import EvalRecorder, accuracy
+from services.evaluator.schedule import EvalSchedule
+from services.evaluator.sets import EvalSet
 from services.reward.pool import Outcome
 from services.reward.scorers import ScoreInput
 from services.sampler.config import EvaluationConfig
 from services.sampler.engine import Sampling, TokenDelta
-from services.sampler.evaluation import (
-    REQUEST_PREFIX,
-    EvalRecorder,
-    EvalSchedule,
-    EvalSet,
-    Evaluator,
-    accuracy,
-)
 from vcpo.v1 import rollout_pb2
 
 # ----------------------------------------------------------------------------------------- the logic
@@ -112,8 +108,8 @@ def test_evaluation_config_is_checked() -> None:
 def test_sets_load_like_training_data_and_bad_ones_are_named(tmp_path: Path) -> None:
     from services.common.prompts import PromptEncoder
     from services.common.tiny_model import build_tokenizer
+    from services.evaluator.sets import load_eval_sets
     from services.sampler.config import SamplerServiceConfig
-    from services.sampler.evaluation import load_eval_sets
 
     rows = [{"id": f"q{i}", "question": f"What is {i}+1?", "gold": str(i + 1), "level": i} for i in range(5)]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -153,8 +149,8 @@ def test_sets_take_each_tasks_scorer_from_its_source_unless_the_set_names_one(tm
     its data_source picks; a set that names its own scorer judges all its tasks with it (and needs no table)."""
     from services.common.prompts import PromptEncoder
     from services.common.tiny_model import build_tokenizer
+    from services.evaluator.sets import load_eval_sets
     from services.sampler.config import SamplerServiceConfig
-    from services.sampler.evaluation import load_eval_sets
 
     rows = [
         {"prompt": f"What is {i}+1?", "data_source": src, "reward_model": {"ground_truth": str(i + 1)}}
@@ -550,9 +546,9 @@ def test_evaluation_at_a_version_samples_from_that_versions_weights(
     vllm_engine: Any, tiny_model_dir: Path
 ) -> None:
     from services.common.prompts import PromptEncoder
+    from services.evaluator.sets import load_eval_sets
     from services.reward.scorers import get_scorer
     from services.sampler.config import SamplerServiceConfig
-    from services.sampler.evaluation import load_eval_sets
     from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights
 
     cfg = SamplerServiceConfig.model_validate(
@@ -722,7 +718,7 @@ def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_
     import threading
 
     from services.common.config import RunConfig
-    from services.sampler.evaluator_service import EvaluatorService
+    from services.evaluator.service import EvaluatorService
     from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
     from tests.sampler_stack import wait_until
 

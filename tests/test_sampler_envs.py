@@ -442,7 +442,7 @@ def test_the_eval_command_runs_environment_sets_with_a_registry_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`deploy.eval` on a set with an environment: no run Redis needed (it starts its own for the registry)."""
-    import services.sampler.service as service
+    import services.evaluator.offline as service
     from deploy.eval import main
 
     env = env_process("normal", steps=2)

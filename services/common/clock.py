@@ -24,7 +24,7 @@ def clock_key(run_id: str) -> str:
 
 
 def eval_results_key(run_id: str) -> str:
-    """Redis list of the run's evaluation records (JSON, oldest first; services/sampler/evaluation.py),
+    """Redis list of the run's evaluation records (JSON, oldest first; services/evaluator/metrics.py),
     which the launcher copies into the metrics log with the steps, on this clock's axis."""
     return f"vcpo:{run_id}:eval:results"
 

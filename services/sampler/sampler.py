@@ -13,10 +13,10 @@
       5. give up   an in-flight group that no learner step may still use (newest published version minus its
                    start version > k) is aborted, its admission slot released, its task retried
 
-Held-out evaluation (shared placement, evaluation.py): a replica that loads a due version starts an
-evaluation round in the same engine; its requests share the engine's steps with the training groups and never
-become groups; while it generates, step 1 holds newer versions back (at most ``max_delay_s``, then the round is
-abandoned), so every evaluation response comes from the version it is recorded under.
+A co-tenant (cotenant.py; held-out evaluation with ``[evaluation] placement = "shared"``, services/evaluator/)
+shares the engine: step 1 offers it each version applied and asks it whether a newer one must wait (an
+evaluation round generating at the loaded version holds it back for at most ``max_delay_s``), step 3 hands
+it the deltas of the requests it owns; its requests never become groups.
 
 A task of a tool-use environment is admitted only when its environment can take a group (sessions free,
 circuit breaker closed); its group's responses are multi-turn episodes run by the agent loop (agent.py),
@@ -42,8 +42,8 @@ from typing import Any, Literal
 from services.common.admission import Admission, AdmissionCounter
 from services.common.streams import StreamProducer
 from services.sampler.agent import AgentLoop
+from services.sampler.cotenant import Cotenant
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
-from services.sampler.evaluation import Evaluator
 from services.sampler.feed import PreparedTask, TaskFeed
 from services.sampler.groups import Group
 from services.sampler.metrics import SamplerMetrics
@@ -83,7 +83,7 @@ class Sampler:
         max_groups_in_flight: int = 16,
         weight_update: Literal["pause", "in_flight"] = "pause",
         agent: AgentLoop | None = None,
-        evaluator: Evaluator | None = None,
+        cotenant: Cotenant | None = None,
     ) -> None:
         self.engine, self.feed, self.admission, self.rollouts = engine, feed, admission, rollouts
         self.sync, self.metrics = sync, metrics
@@ -98,7 +98,7 @@ class Sampler:
         self.weight_update = weight_update
         self.k = admission.k
         self.agent = agent
-        self.evaluator = evaluator  # held-out evaluation rounds in this engine (shared placement)
+        self.cotenant = cotenant  # shares the engine (held-out evaluation, shared placement)
         self.status = SamplerState()
         self.groups: dict[str, Group] = {}
         self._by_request: dict[str, Group] = {}
@@ -145,8 +145,8 @@ class Sampler:
         else:
             self._idle_wait()
         self._poll_environments()
-        if self.evaluator is not None:
-            self.evaluator.pump()
+        if self.cotenant is not None:
+            self.cotenant.pump()
         self._give_up_stale()
         self._report()
 
@@ -159,8 +159,8 @@ class Sampler:
         self._unblock()
         if self.agent is not None:
             self.agent.close()
-        if self.evaluator is not None:
-            self.evaluator.close()
+        if self.cotenant is not None:
+            self.cotenant.close()
 
     # ------------------------------------------------------------------ 1. weights
     def _update_weights(self) -> None:
@@ -168,8 +168,8 @@ class Sampler:
         version = self.sync.ready()
         if version is None:
             return
-        if self.evaluator is not None and self.evaluator.holds():
-            return  # an evaluation round is generating at the loaded version (for at most max_delay_s)
+        if self.cotenant is not None and self.cotenant.holds():
+            return  # e.g. an evaluation round is generating at the loaded version (for at most max_delay_s)
         if self.weight_update == "pause" and self.groups:
             self._draining = True  # no new groups; apply once the in-flight ones are done
             return
@@ -194,8 +194,8 @@ class Sampler:
         self.metrics.weight_versions.labels(self.replica_id, self.sync.last_path).inc()
         self.metrics.version.labels(self.replica_id).set(version)
         self.status.policy_version = version
-        if self.evaluator is not None:
-            self.evaluator.offer(version)
+        if self.cotenant is not None:
+            self.cotenant.offer(version)
 
     # ------------------------------------------------------------------ 2. admission
     def _admit(self) -> None:
@@ -278,8 +278,8 @@ class Sampler:
         assert version is not None
         tokens = 0
         for delta in deltas:
-            if self.evaluator is not None and self.evaluator.owns(delta.request_id):
-                self.evaluator.absorb(delta)
+            if self.cotenant is not None and self.cotenant.owns(delta.request_id):
+                self.cotenant.absorb(delta)
                 continue
             if self.agent is not None and self.agent.owns(delta.request_id):
                 self.agent.absorb(delta, version)
@@ -402,12 +402,7 @@ class Sampler:
             "task_errors": float(sum(self.feed.errors.values())),
             "groups_aborted": float(sum(self.aborted.values())),
             "busy_seconds": self.busy_s,
-            # the launcher's progress line shows rounds abandoned (each leaves a gap in the curve)
-            **(
-                {f"evaluation_rounds_{k}": float(v) for k, v in self.evaluator.rounds.items()}
-                if self.evaluator
-                else {}
-            ),
+            **(self.cotenant.figures() if self.cotenant is not None else {}),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -422,9 +417,5 @@ class Sampler:
             **(
                 {"environment_calls": dict(self.agent.calls), "turns": self.agent.turns} if self.agent else {}
             ),
-            **(
-                {"evaluation_rounds": dict(self.evaluator.rounds), "evaluation_hold_s": self.evaluator.held_s}
-                if self.evaluator
-                else {}
-            ),
+            **(self.cotenant.summary() if self.cotenant is not None else {}),
         }

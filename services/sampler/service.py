@@ -2,6 +2,8 @@
 
 Used by the plain entry point (``python -m services.sampler``) and the Ray actor alike; the generation
 engine can be handed in (tests of the loop's logic use a scripted one), otherwise it is vLLM.
+:func:`make_engine` and :func:`environment_registry` are public: the dedicated evaluator and the eval command
+(services/evaluator/) build their engine and environment registry with the sampler's settings through them.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ from services.common.streams import (
     stream_specs,
 )
 from services.common.tiny_model import run_model
-from services.reward.pool import ScoringPool
 from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig
+from services.sampler.cotenant import Cotenant, EngineShare, cotenant_for
 from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
 from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
-from services.sampler.evaluation import EvalMetrics, EvalRecorder, EvalSchedule, Evaluator, load_eval_sets
 from services.sampler.feed import TaskFeed
 from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
@@ -62,54 +63,6 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
             collective_weights=cfg.weight_broker.transport == "collective",
         )
     )
-
-
-def make_evaluator(
-    cfg: SamplerServiceConfig,
-    engine: GenerationEngine,
-    encoder: PromptEncoder,
-    registry: Metrics,
-    client: redis.Redis,
-    owner: str,
-    where: str,
-    environments: EnvironmentRegistry | None = None,
-) -> tuple[Evaluator, ScoringPool]:
-    """The run's evaluator in ``engine``: its sets, schedule, scorers and recorder, and for sets that name an
-    environment an agent loop of its own over ``environments`` (the caller's registry: the sampler's when it
-    shares its engine)."""
-    ev, run = cfg.evaluation, cfg.run
-    sets = load_eval_sets(cfg, encoder)
-    agent = evaluation_agent(cfg, engine, encoder, environments)
-    pool = ScoringPool.from_config(cfg.reward, workers=1)  # the reward service's scorers and settings
-    metrics = EvalMetrics(registry)
-    evaluator = Evaluator(
-        engine,
-        sets,
-        pool.score_many,
-        EvalRecorder(metrics, client, run.run_id, where, owner),
-        EvalSchedule({s.name: s.every or ev.every for s in ev.sets}, ev.at_start, client, run.run_id, owner),
-        encoder=encoder,
-        max_in_flight=ev.max_requests_in_flight,
-        max_delay_s=ev.max_delay_s,
-        metrics=metrics,
-        agent=agent,
-    )
-    return evaluator, pool
-
-
-def evaluation_agent(
-    cfg: SamplerServiceConfig,
-    engine: GenerationEngine,
-    encoder: PromptEncoder,
-    environments: EnvironmentRegistry | None,
-) -> AgentLoop | None:
-    """The agent loop that runs the episodes of the evaluation sets naming an environment (the evaluator's own,
-    over ``environments``); None when every set is single-turn."""
-    if not any(s.environment for s in cfg.evaluation.sets):
-        return None
-    if environments is None:
-        raise ValueError("evaluation sets with an environment need the run's environment registry")
-    return AgentLoop(engine, environments, encoder, threads=cfg.sampler.env_threads)
 
 
 def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
@@ -187,12 +140,11 @@ class SamplerService:
             max_attempts=s.env_max_attempts,
         )
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
-        self.evaluator: Evaluator | None = None
-        self._pool: ScoringPool | None = None
-        if cfg.evaluation.sets and cfg.evaluation.placement == "shared":
-            self.evaluator, self._pool = make_evaluator(
-                cfg, self.engine, encoder, self.registry, client, self.replica_id, "shared", self.environments
-            )
+        # the co-tenant of this engine: the evaluator, with [evaluation] placement = "shared"
+        share = EngineShare(
+            cfg, self.engine, encoder, self.registry, client, self.replica_id, self.environments
+        )
+        self.evaluator: Cotenant | None = cotenant_for(share)
         announcements = StreamTail(client, specs["weights"], metrics=stream_metrics)
         sync: WeightSync
         if cfg.weight_broker.transport == "collective" and hasattr(self.engine, "join_weight_group"):
@@ -228,7 +180,7 @@ class SamplerService:
             max_groups_in_flight=s.max_groups_in_flight,
             weight_update=s.weight_update,
             agent=AgentLoop(self.engine, self.environments, encoder, self.metrics, threads=s.env_threads),
-            evaluator=self.evaluator,
+            cotenant=self.evaluator,
         )
         tasks_producer = StreamProducer(
             client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
@@ -272,7 +224,7 @@ class SamplerService:
         self.environments.close()
         self.http.close()
         self.transport.close()
-        if self._pool is not None:
-            self._pool.close()
+        if self.evaluator is not None:
+            self.evaluator.close()  # closed when the loop stopped, unless it never ran
         if self._owns_engine:
             self.engine.close()

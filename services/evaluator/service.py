@@ -4,8 +4,9 @@ published versions and evaluates the due ones, so evaluation takes nothing from 
     weight broker ─► WeightSync (fetches due versions only) ─► EvalRunner: load it, one round
                                                                 └─► results: Redis, vcpo_eval_* on its /metrics
 
-Run by the launcher as a Ray actor (``ray_actor.EvaluatorActor``, ``evaluation.gpus`` GPUs); its metrics
-endpoint is ``<run_dir>/evaluator/evaluator.endpoints.json``.
+Run by the launcher as a Ray actor (``services/evaluator/ray_actor.py``, ``evaluation.gpus`` GPUs); its metrics
+endpoint is ``<run_dir>/evaluator/evaluator.endpoints.json``. Its engine and environment registry have the
+samplers' settings (services.sampler.service.make_engine, environment_registry).
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from typing import Any
 from services.common.observability import Metrics, serve_metrics, write_endpoints
 from services.common.prompts import PromptEncoder
 from services.common.streams import StreamMetrics, StreamTail, connect, stream_specs
+from services.evaluator.build import ENGINE_SEED_OFFSET, make_evaluator
+from services.evaluator.runner import EvalRunner
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
-from services.sampler.evaluation import EvalRunner
-from services.sampler.service import environment_registry, make_engine, make_evaluator
+from services.sampler.service import environment_registry, make_engine
 from services.sampler.weights import WeightSync
 from services.weight_broker.client import transport_from_config
 
 log = logging.getLogger(__name__)
 
 NAME = "evaluator"
-ENGINE_SEED_OFFSET = 999  # the evaluator's engine seed is run.seed * 1000 + this (replicas use 0, 1, ...)
 
 
 class EvaluatorService:
@@ -48,7 +49,7 @@ class EvaluatorService:
             if any(s.environment for s in cfg.evaluation.sets)
             else None
         )
-        self.evaluator, self.pool = make_evaluator(
+        self.evaluator = make_evaluator(
             cfg, self.engine, encoder, self.registry, client, NAME, "dedicated", self.environments
         )
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
@@ -74,7 +75,7 @@ class EvaluatorService:
 
     def close(self) -> None:
         self.http.close()
-        self.pool.close()
+        self.evaluator.close()  # closed when the runner stopped, unless it never ran
         if self.environments is not None:
             self.environments.close()
         self.transport.close()
