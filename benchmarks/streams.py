@@ -31,7 +31,9 @@ import redis
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.redis_server import LocalRedis
-from services.common.streams import StreamConsumer, StreamProducer, StreamSpec, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import StreamSpec, stream_specs
 from tests.messages import make_group
 
 

@@ -48,7 +48,8 @@ from services.common.observability import Metrics, MetricsServer, serve_metrics
 from services.common.redis_server import LocalRedis, free_port
 from services.common.starts import clear as clear_starts
 from services.common.starts import restarts as restarts_by_service
-from services.common.streams import StreamConsumer, connect, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.specs import connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
 

@@ -30,7 +30,10 @@ from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import Metrics
 from services.common.redis_server import free_port
-from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from vcpo.v1 import rollout_pb2
 
 ROOT = Path(__file__).parent.parent

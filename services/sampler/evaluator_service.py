@@ -15,7 +15,9 @@ import threading
 from typing import Any
 
 from services.common.observability import Metrics, serve_metrics, write_endpoints
-from services.common.streams import StreamMetrics, StreamTail, connect, stream_specs
+from services.common.streams.consumer import StreamTail
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.specs import connect, stream_specs
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.evaluation import EvalRunner

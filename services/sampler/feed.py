@@ -28,7 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.streams import Entry, StreamConsumer
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.specs import Entry
 from services.sampler.tasks import DatasetTasks, PromptEncoder, TaskError
 from vcpo.v1 import rollout_pb2
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from services.common.streams import StreamProducer
+from services.common.streams.producer import StreamProducer
 from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable
 from services.sampler.sampler import SamplerState
 from services.sampler.tasks import TaskError
