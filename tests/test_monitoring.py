@@ -97,7 +97,7 @@ def _registered() -> tuple[set[str], set[str]]:
     """Metric names the services and the launcher register (string literals), and which are histograms."""
     names: set[str] = set()
     histograms: set[str] = set()
-    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "ray_launcher.py"]:
+    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "launcher_restarts.py"]:
         text = path.read_text()
         names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
         histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))
