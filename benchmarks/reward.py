@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 
 from services.common.redis_server import LocalRedis
-from services.common.streams import StreamConsumer, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.reward.config import RewardServiceConfig
 from vcpo.v1 import rollout_pb2
 

@@ -69,7 +69,8 @@ from services.common.datasets import load_dataset
 from services.common.observability import Metrics, grpc_server
 from services.common.prompts import PromptEncoder
 from services.common.redis_server import LocalRedis
-from services.common.streams import StreamProducer, stream_specs
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.common.tiny_model import build_tiny_model, count_parameters
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from deploy.progress import entries_added
-from services.common.streams import produced_key
+from services.common.streams.specs import produced_key
 
 
 def take_ledger(

@@ -1,5 +1,5 @@
-"""Small helpers the run report's modules share (deploy/report.py, deploy/report_eval.py): a module of its
-own because ``python -m deploy.report`` runs report.py as ``__main__``, so report_eval cannot import it."""
+"""Small helpers the run report's modules share (deploy/report*.py): a module of its own because
+``python -m deploy.report`` runs report.py as ``__main__``, so the others cannot import it."""
 
 from __future__ import annotations
 

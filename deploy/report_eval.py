@@ -15,8 +15,9 @@ learner step. What this module decides:
 - "first" and "last" are the lowest and highest version of a set, "best" its highest mean@n (the lowest
   version on a tie).
 
-``deploy.report`` imports this module and never the reverse (``python -m deploy.report`` runs that module as
-``__main__``, so importing it back would load it twice); the helpers both need are in deploy/report_common.py.
+``deploy.report`` (and its plots and report.md modules) import this module and never the reverse
+(``python -m deploy.report`` runs that module as ``__main__``, so importing it back would load it twice); the
+helpers they share are in deploy/report_common.py.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def summarize_evaluation(evaluation: Evaluation) -> Json:
     }
 
 
-# --- accuracy.png (matplotlib's Agg canvas only, imported here only, as in deploy.report) ---
+# --- accuracy.png (matplotlib's Agg canvas only, imported here only, as in deploy/report_plots.py) ---
 
 
 def plot_accuracy(path: Path, sets: Mapping[str, list[Json]]) -> Any:

@@ -11,7 +11,7 @@ The collapse rule was fixed before any result was looked at (issue 11). A run co
   evaluations in the last W steps) is below the warm-start reward (the same evaluation at step 0) − 0.1;
 - ``grad_spike``: its largest pre-clip gradient norm exceeds 100 × the median of its first 10 steps'.
 
-Plots use matplotlib's Agg canvas only (no pyplot, no global backend), as ``deploy/report.py`` does.
+Plots use matplotlib's Agg canvas only (no pyplot, no global backend), as ``deploy/report_plots.py`` does.
 """
 
 from __future__ import annotations

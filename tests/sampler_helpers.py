@@ -42,7 +42,8 @@ def version_weights(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
 def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     """An in-process weight broker (gRPC) that announces each version on the run's `weights` stream."""
     from services.common.config import StreamsConfig
-    from services.common.streams import StreamProducer, stream_specs
+    from services.common.streams.producer import StreamProducer
+    from services.common.streams.specs import stream_specs
     from services.weight_broker.servicer import Announcer
     from services.weight_broker.store import MemoryStore
     from tests.test_weight_broker import Broker
@@ -103,7 +104,8 @@ class LearnerStandIn:
     def __init__(self, client: Any, run: Any, transport: WeightTransport, model_dir: Path) -> None:
         from services.common.admission import AdmissionCounter
         from services.common.config import StreamsConfig
-        from services.common.streams import StreamConsumer, stream_specs
+        from services.common.streams.consumer import StreamConsumer
+        from services.common.streams.specs import stream_specs
 
         spec = stream_specs(run, StreamsConfig())["rollouts"]
         self.consumer = StreamConsumer(client, spec, "stand-in", group="learner-stand-in")

@@ -13,7 +13,7 @@ import redis
 
 from services.common.auth import bearer
 from services.common.config import RunConfig, StreamsConfig
-from services.common.streams import stream_specs
+from services.common.streams.specs import stream_specs
 from services.sampler.engine import GenerationEngine
 from services.sampler.service import SamplerService
 from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config

@@ -224,7 +224,7 @@ class Stream:
         self.tasks, self.rejected, self.acked = list(tasks), [], []  # type: ignore[var-annotated]
 
     def read(self, count: int = 1, block_ms: int | None = None) -> list[Any]:
-        from services.common.streams import Entry
+        from services.common.streams.specs import Entry
 
         out, self.tasks = self.tasks[:count], self.tasks[count:]
         return [Entry(f"{i}-{t.task_id}", 0, t) for i, t in enumerate(out)]

@@ -330,7 +330,9 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     checksums, fetchable over the broker path (a late sampler's catch-up) and announced on the weights stream."""
     from services.common.config import RunConfig, StreamsConfig
     from services.common.observability import Metrics, grpc_server
-    from services.common.streams import StreamProducer, StreamTail, stream_specs
+    from services.common.streams.consumer import StreamTail
+    from services.common.streams.producer import StreamProducer
+    from services.common.streams.specs import stream_specs
     from services.weight_broker.client import GrpcTransport
     from services.weight_broker.member import BrokerMember
     from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server

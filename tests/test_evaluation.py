@@ -667,7 +667,7 @@ def test_the_eval_command_refuses_bad_arguments_by_name(
 
 
 def test_a_dedicated_evaluator_needs_a_cpu_of_its_own() -> None:
-    from deploy.ray_launcher import needed_cpus
+    from deploy.launcher_setup import needed_cpus
 
     shared = load_config(SystemConfig, ["deploy/presets/local.toml"])
     dedicated = load_config(

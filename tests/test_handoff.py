@@ -11,7 +11,9 @@ import redis
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.handoff import forward
-from services.common.streams import StreamConsumer, StreamFullError, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamFullError, StreamProducer
+from services.common.streams.specs import stream_specs
 from vcpo.v1 import rollout_pb2
 
 

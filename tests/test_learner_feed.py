@@ -8,7 +8,8 @@ from pathlib import Path
 import redis
 
 from services.common.config import RunConfig, StreamsConfig
-from services.common.streams import StreamProducer, stream_specs
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.learner.feed import ScoredFeed
 from services.learner.local_ranks import scored_groups
 from vcpo.v1 import rollout_pb2

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from services.common.config import RunConfig, StreamsConfig
-from services.common.streams import StreamProducer, stream_specs
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.local_ranks import scored_groups
 from vcpo.v1 import rollout_pb2

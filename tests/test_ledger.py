@@ -91,7 +91,9 @@ def test_foreign_entries_are_counted_apart_and_the_run_still_balances(redis_clie
     (the seen failure: 'rollouts added 530 != scored 530 + ... + dead-lettered 30', an exit 3 for a run that
     lost nothing)."""
     from services.common.handoff import forward
-    from services.common.streams import StreamConsumer, StreamProducer, StreamSpec
+    from services.common.streams.consumer import StreamConsumer
+    from services.common.streams.producer import StreamProducer
+    from services.common.streams.specs import StreamSpec
     from vcpo.v1 import rollout_pb2
 
     spec = {

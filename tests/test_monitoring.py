@@ -30,7 +30,10 @@ from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import Metrics
 from services.common.redis_server import free_port
-from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from vcpo.v1 import rollout_pb2
 
 ROOT = Path(__file__).parent.parent
@@ -94,7 +97,7 @@ def _registered() -> tuple[set[str], set[str]]:
     """Metric names the services and the launcher register (string literals), and which are histograms."""
     names: set[str] = set()
     histograms: set[str] = set()
-    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "ray_launcher.py"]:
+    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "launcher_restarts.py"]:
         text = path.read_text()
         names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
         histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))

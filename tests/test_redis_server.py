@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.common.redis_server import LocalRedis
-from services.common.streams import connect
+from services.common.streams.specs import connect
 
 
 def test_a_killed_redis_server_restarts_from_its_append_only_file(tmp_path: Path) -> None:

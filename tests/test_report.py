@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from deploy.progress import progress_line
-from deploy.report import PLOT_NAMES, ReportPaths, write_report
+from deploy.report import ReportPaths, write_report
 from deploy.report_eval import load_evaluation, plot_accuracy, table_points
+from deploy.report_plots import PLOT_NAMES
 
 ROOT = Path(__file__).parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import redis
 
-from services.common.streams import StreamProducer, stream_specs
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.reward.autoscaling import QueueDepthPolicy, replicas_for_depth
 from tests.test_reward_service import make_group, reward_config, scored_groups
 from vcpo.v1 import reward_pb2, rollout_pb2

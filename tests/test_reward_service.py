@@ -18,7 +18,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.streams import StreamConsumer, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.reward.config import RewardServiceConfig
 from services.reward.pool import ScoringPool
 from services.reward.scorers import ScoreInput

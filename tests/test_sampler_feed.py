@@ -10,7 +10,9 @@ import redis
 from services.common.config import RunConfig, StreamsConfig
 from services.common.datasets import load_dataset
 from services.common.prompts import PromptEncoder
-from services.common.streams import StreamConsumer, StreamProducer, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.common.tiny_model import build_tokenizer
 from services.sampler.feed import TaskFeed
 from services.sampler.tasks import DatasetTasks

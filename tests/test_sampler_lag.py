@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from services.common.config import RunConfig, StreamsConfig, write_resolved
-from services.common.streams import stream_specs
+from services.common.streams.specs import stream_specs
 from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.common.streams import StreamProducer
+from services.common.streams.producer import StreamProducer
 from tests.sampler_helpers import hf_logprobs, hf_model, max_abs_diff, version_weights
 from tests.sampler_stack import Stack, wait_until
 from vcpo.v1 import common_pb2, registry_pb2, rollout_pb2

@@ -14,7 +14,9 @@ import torch
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import GrpcServer, Metrics, grpc_server
-from services.common.streams import StreamProducer, StreamTail, stream_specs
+from services.common.streams.consumer import StreamTail
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.weight_broker.client import (
     BrokerUnavailable,

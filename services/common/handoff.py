@@ -21,7 +21,8 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from services.common.streams import StreamConsumer, StreamProducer
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
 
 M = TypeVar("M", bound=Message)
 N = TypeVar("N", bound=Message)

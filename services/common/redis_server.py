@@ -7,7 +7,8 @@ Durability (``persistent=True``): every write goes to the append-only file in ``
 replies (``appendfsync everysec``: the file is fsynced once a second). A killed redis-server loses no
 acknowledged write, since the file's pages are in the kernel; a crash of the machine itself can lose the
 last second. :meth:`LocalRedis.supervise` restarts a redis-server that died, on the same port, from that
-file; clients made by ``services.common.streams.connect`` retry through the restart (about 3 s of backoff).
+file; clients made by ``services.common.streams.specs.connect`` retry through the restart (about 3 s of
+backoff).
 """
 
 from __future__ import annotations

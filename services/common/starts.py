@@ -34,7 +34,7 @@ def record_start(client: redis.Redis, run_id: str, service: str, replica: str) -
 def record_start_quietly(url: str, run_id: str, service: str, replica: str) -> int:
     """:func:`record_start` for a process without a Redis client of its own; a failure is logged (a start
     that cannot be counted must not stop the service) and returns 0."""
-    from services.common.streams import connect
+    from services.common.streams.specs import connect
 
     try:
         client = connect(url)

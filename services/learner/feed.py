@@ -28,7 +28,9 @@ from typing import Any
 import redis
 
 from services.common.admission import AdmissionCounter
-from services.common.streams import Entry, StreamConsumer, StreamMetrics, StreamSpec
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.specs import Entry, StreamSpec
 from services.learner.batching import StepAssembler
 from vcpo.v1 import rollout_pb2
 

@@ -38,7 +38,8 @@ from services.common.admission import AdmissionCounter
 from services.common.clock import RunClock
 from services.common.config import RunConfig
 from services.common.observability import GrpcServer, Metrics, MetricsServer, grpc_server, serve_metrics
-from services.common.streams import StreamMetrics, connect, stream_specs
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.specs import connect, stream_specs
 from services.common.tiny_model import run_model
 from services.learner.batching import REJECT_REASONS, place_groups, to_tensors
 from services.learner.config import LearnerConfig, LearnerServiceConfig

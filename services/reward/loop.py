@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.handoff import forward
-from services.common.streams import Entry, StreamConsumer, StreamProducer
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import Entry
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import Outcome, ScoringPool
 from services.reward.scorers import ScoreInput

@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from services.common.observability import actor_logging
 from services.common.starts import record_start_quietly, record_stop
-from services.common.streams import connect
+from services.common.streams.specs import connect
 from services.reward.autoscaling import QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from services.reward.config import RewardServiceConfig
 from vcpo.v1 import reward_pb2

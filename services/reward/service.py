@@ -13,7 +13,10 @@ import grpc
 
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
 from services.common.sandbox import isolation
-from services.common.streams import StreamConsumer, StreamMetrics, StreamProducer, connect, stream_specs
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import connect, stream_specs
 from services.reward.config import RewardServiceConfig
 from services.reward.loop import RewardLoop
 from services.reward.metrics import RewardMetrics

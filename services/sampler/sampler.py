@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.admission import Admission, AdmissionCounter
-from services.common.streams import StreamProducer
+from services.common.streams.producer import StreamProducer
 from services.sampler.agent import AgentLoop
 from services.sampler.cotenant import Cotenant
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta

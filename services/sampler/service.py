@@ -20,14 +20,10 @@ from services.common.auth import TokenAuthInterceptor, resolve_api_token
 from services.common.datasets import load_dataset
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
 from services.common.prompts import PromptEncoder, TaskError
-from services.common.streams import (
-    StreamConsumer,
-    StreamMetrics,
-    StreamProducer,
-    StreamTail,
-    connect,
-    stream_specs,
-)
+from services.common.streams.consumer import StreamConsumer, StreamTail
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import connect, stream_specs
 from services.common.tiny_model import run_model
 from services.sampler.agent import AgentLoop
 from services.sampler.config import SamplerServiceConfig

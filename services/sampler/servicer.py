@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from services.common.prompts import TaskError
-from services.common.streams import StreamProducer
+from services.common.streams.producer import StreamProducer
 from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable
 from services.sampler.sampler import SamplerState
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2

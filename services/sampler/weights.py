@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from services.common.admission import Admission
-from services.common.streams import StreamTail
+from services.common.streams.consumer import StreamTail
 from services.sampler.engine import GenerationEngine
 from services.weight_broker.client import WeightTransport
 from services.weight_broker.collective import AnnouncementWatch, TransferFailed

@@ -429,7 +429,8 @@ def transport_from_config(
         root = wb.storage_dir or str(run.run_dir / "weights")
         announcer = None
         if publisher and run.redis_url:
-            from services.common.streams import StreamProducer, connect, stream_specs
+            from services.common.streams.producer import StreamProducer
+            from services.common.streams.specs import connect, stream_specs
 
             spec = stream_specs(run, streams)["weights"]
             announcer = Announcer(StreamProducer(connect(run.redis_url), spec), "filesystem", root)

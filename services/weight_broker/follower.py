@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from services.common.admission import Admission
-from services.common.streams import StreamTail
+from services.common.streams.consumer import StreamTail
 from services.weight_broker.client import BrokerUnavailable, WeightTransport
 from services.weight_broker.protocol import Sink
 from services.weight_broker.store import VersionNotFound

@@ -10,7 +10,9 @@ import threading
 from typing import Any
 
 from services.common.observability import Metrics, grpc_server, serve_metrics
-from services.common.streams import StreamMetrics, StreamProducer, connect, stream_specs
+from services.common.streams.metrics import StreamMetrics
+from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import connect, stream_specs
 from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
 from services.weight_broker.dataplane import DataPlaneServer
 from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat

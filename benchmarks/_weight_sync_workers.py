@@ -1,0 +1,299 @@
+"""The processes the weight-sync benchmark (benchmarks/weight_sync.py) starts and times, and the model it
+moves.
+
+A module of its own so that the benchmark script reads as what it measures and reports: everything here
+runs in, or starts, another process (``spawn`` context: a child finds its target function in this module).
+What it decides:
+
+- the model: float32 tensors laid out like a transformer of about the asked size (seed 0), and its digest
+  (xxh3_128 over each name and its bytes, in order), which every receiver must reproduce;
+- the socket ceiling: the best of ``repeats`` loopback copies, timed until the receiver's one-byte ack;
+- fetchers: each warms up with one untimed fetch, then waits on one Event released for all of them; it hashes
+  every tensor in its sink (inside the timed path) and drops it, and reports its CPU seconds and peak RSS;
+  a fetcher that dies without reporting fails the run at once;
+- the collective: receivers join a gloo weight group; version 1 is untimed, version 2 is timed from the
+  publisher's call until the last receiver holds it, versions 3 and 4 go in the background from a staging
+  buffer (the 4th is the one reported; the 3rd allocates the buffer).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import resource
+import socket
+import time
+from queue import Empty
+from typing import Any
+
+import torch
+import xxhash
+
+from services.common.redis_server import free_port
+from services.weight_broker.client import GrpcTransport, TcpTransport, WeightTransport
+from services.weight_broker.tensors import TensorSpec, tensor_bytes
+
+MiB = 1 << 20
+PUBLISHES = 3  # the last one is timed as the steady state
+LAYERS = 4
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def model_layout(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a float32 model of about ``total_bytes``: 3/4 in the layers, the rest in the
+    embedding and lm_head."""
+    hidden = max(64, int(math.sqrt(0.75 * total_bytes / (LAYERS * 48))) // 64 * 64)
+    layout: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        layout += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.qkv_proj.weight", (3 * hidden, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.mlp.up_proj.weight", (4 * hidden, hidden)),
+            (f"{p}.mlp.down_proj.weight", (hidden, 4 * hidden)),
+        ]
+    layout.append(("model.norm.weight", (hidden,)))
+    used = 4 * sum(math.prod(shape) for _, shape in layout)
+    vocab = max(1, (total_bytes - used) // (2 * 4 * hidden))
+    return [("model.embed_tokens.weight", (vocab, hidden)), *layout, ("lm_head.weight", (vocab, hidden))]
+
+
+def build_model(total_bytes: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=g)) for name, shape in model_layout(total_bytes)]
+
+
+def digest_of(named: list[tuple[str, torch.Tensor]]) -> str:
+    h = xxhash.xxh3_128()
+    for name, tensor in named:
+        h.update(name.encode())
+        h.update(tensor_bytes(tensor))
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- socket
+
+
+def _socket_receiver(nbytes: int, connections: int, port_queue: Any) -> None:
+    buffer = bytearray(nbytes)  # preallocated (and zeroed, so its pages exist) before any timing
+    view = memoryview(buffer)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_queue.put(server.getsockname()[1])
+        for _ in range(connections):
+            conn, _ = server.accept()
+            with conn:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError(f"sender closed after {got} of {nbytes} bytes")
+                    got += n
+                conn.sendall(b"k")  # everything is in the buffer
+
+
+def socket_gbps(named: list[tuple[str, torch.Tensor]], repeats: int) -> float:
+    """Best throughput of ``repeats`` loopback copies of the model's bytes (send until the receiver's ack)."""
+    views = [tensor_bytes(t) for _, t in named]
+    nbytes = sum(len(v) for v in views)
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    receiver = ctx.Process(target=_socket_receiver, args=(nbytes, repeats, ports))
+    receiver.start()
+    port = ports.get(timeout=120)
+    best = 0.0
+    for _ in range(repeats):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            t0 = time.perf_counter()
+            for v in views:
+                conn.sendall(v)
+            if conn.recv(1) != b"k":
+                raise ConnectionError("the socket receiver did not acknowledge")
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    receiver.join(timeout=60)
+    if receiver.exitcode != 0:
+        raise RuntimeError(f"socket receiver exited with {receiver.exitcode}")
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- fetchers
+
+
+def client(transport: str, address: str, data_address: str) -> WeightTransport:
+    if transport == "tcp":
+        return TcpTransport(address, data_address)
+    return GrpcTransport(address)
+
+
+def _fetcher(kind: str, address: str, data: str, index: int, ready: Any, go: Any, results: Any) -> None:
+    try:
+        transport = client(kind, address, data)
+        transport.fetch(lambda name, t: None)  # a sampler has fetched versions before: warm buffers, untimed
+        hasher = xxhash.xxh3_128()
+        counts = {"bytes": 0, "tensors": 0}
+        sink_seconds = 0.0
+
+        def sink(name: str, tensor: torch.Tensor) -> None:
+            nonlocal sink_seconds
+            t = time.perf_counter()
+            data = tensor_bytes(tensor)
+            hasher.update(name.encode())
+            hasher.update(data)
+            counts["bytes"] += len(data)
+            counts["tensors"] += 1
+            sink_seconds += time.perf_counter() - t  # the tensor is dropped on return
+
+        ready.put(index)
+        go.wait()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        transport.fetch(sink, version=PUBLISHES)
+        done = time.monotonic()  # CLOCK_MONOTONIC: one clock across processes
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        transport.close()
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        results.put(
+            {
+                "index": index,
+                "done": done,
+                "digest": hasher.hexdigest(),
+                **counts,
+                "sink_s": sink_seconds,
+                "cpu_s": cpu,
+                "maxrss": cpu1.ru_maxrss * 1024,
+            }
+        )
+    except BaseException as exc:
+        results.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _collect(queue: Any, n: int, procs: list[Any], timeout_s: float) -> list[Any]:
+    """``n`` items from ``queue``; fails fast when a fetcher died without reporting."""
+    items: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(items) < n:
+        try:
+            items.append(queue.get(timeout=1.0))
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"fetchers: {len(items)} of {n} reported; exit codes {dead}") from None
+    return items
+
+
+def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, list[dict[str, Any]]]:
+    """Start ``n`` fetcher processes, release them together; seconds from the release to the last finish."""
+    ctx = mp.get_context("spawn")
+    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_fetcher, args=(kind, address, data, i, ready, go, results)) for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        _collect(ready, n, procs, timeout_s=120)
+        released = time.monotonic()
+        go.set()
+        out: list[dict[str, Any]] = _collect(results, n, procs, timeout_s=900)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:  # only on an error path: this fetcher is ours, stopped by its handle
+                p.terminate()
+                p.join()
+    errors = [r["error"] for r in out if "error" in r]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"fetchers failed: {errors or [p.exitcode for p in procs]}")
+    return max(r["done"] for r in out) - released, sorted(out, key=lambda r: r["index"])
+
+
+# -------------------------------------------------------------------------------------------- collective
+
+
+def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results: Any) -> None:
+    """A sampler engine's worker: joins the weight group, then takes each version as it is broadcast (the
+    control plane would call ``receive`` on the announcement; here the receiver waits in it)."""
+    from services.weight_broker.collective import CollectiveReceiver, GroupSpec, WeightGroup
+
+    try:
+        group = WeightGroup(GroupSpec(**spec), rank)
+        receiver = CollectiveReceiver(group)
+        for _ in range(versions):
+            version, tensors, _ = receiver.receive()
+            done = time.monotonic()  # it holds the whole version, committed by every member
+            results.put(
+                {
+                    "rank": rank,
+                    "version": version,
+                    "done": done,
+                    "digest": digest_of(tensors),
+                    "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+                }
+            )
+            del tensors
+        group.close()
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_collective(
+    named: list[tuple[str, torch.Tensor]], receivers: int, bucket_mib: int
+) -> dict[str, float]:
+    """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
+    version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
+    background broadcast from its staging buffer (the fourth version; the third allocated the buffer)."""
+    from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
+
+    spec: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": receivers + 1,
+        "backend": "gloo",
+        "timeout_s": 300.0,
+    }
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_collective_receiver, args=(spec, r + 1, 4, results)) for r in range(receivers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        group = WeightGroup(GroupSpec(**spec), 0)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB)
+        specs = [TensorSpec.of(name, t) for name, t in named]
+        publisher.send(1, specs, iter(named))
+        _collect(results, receivers, procs, timeout_s=600)
+        t0 = time.monotonic()
+        stats = publisher.send(2, specs, iter(named))
+        blocked = time.monotonic() - t0
+        out = _collect(results, receivers, procs, timeout_s=600)
+        # in the background from a staging buffer (versions 3 and 4: the first allocates the buffer)
+        staged_blocked = []
+        for version in (3, 4):
+            staged_blocked.append(publisher.send_background(version, specs, iter(named)))
+            publisher.wait()
+            _collect(results, receivers, procs, timeout_s=600)
+        publisher.close()
+        group.close()
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.terminate()
+                p.join()
+    errors = [r["error"] for r in out if "error" in r]
+    if errors:
+        raise RuntimeError(f"collective receivers failed: {errors}")
+    expected = digest_of(named)
+    if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out):
+        raise SystemExit(f"{receivers} collective receivers: bytes differ from the published ones")
+    return {
+        "seconds": max(r["done"] for r in out) - t0,
+        "blocked_s": blocked,
+        "staged_blocked_s": staged_blocked[-1],
+    }

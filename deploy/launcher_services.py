@@ -1,0 +1,398 @@
+"""The services of one run: the order they start in, what each start waits for, and how each one stops.
+
+Start-up order (:meth:`Services.up`), each step waiting for the one before:
+
+    Redis ─► Ray ─► model + config.resolved.json ─► streams and consumer groups (slots of dead samplers given
+    back) ─► weight broker ─► learner (rank 0 has published its version) ─► reward (Serve app) ─► dedicated
+    evaluator, if any (holds version 0) ─► samplers (every replica past STARTING) ─► Prometheus targets
+
+Each wait polls every 0.5 s, up to 600 s: a service that finishes (fails) while it is awaited raises, and a
+stop request (Ctrl-C) meanwhile raises KeyboardInterrupt, so the launcher goes straight to stopping. The
+stops are one method per service (``stop_*``), in the order the launcher calls them: evaluator, samplers,
+reward, learner (which checkpoints), broker, Ray, Redis. A stop that waits on the service's run gives it
+``launcher.stop_timeout_s`` and logs, rather than raises, a failure: the run is stopping anyway.
+
+Nothing here sits in the data path: the services talk over Redis streams and gRPC; these are their handles.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from deploy.config import SystemConfig, section
+from deploy.launcher_restarts import LauncherMetrics
+from deploy.launcher_setup import init_ray, prepare_model, with_ports_and_redis
+from deploy.launcher_stopping import Stopping
+from deploy.metrics_log import MetricsLog
+from deploy.targets import prometheus_targets, write_prometheus_targets
+from services.common.admission import AdmissionCounter
+from services.common.clock import RunClock
+from services.common.config import write_resolved
+from services.common.redis_server import LocalRedis
+from services.common.starts import clear as clear_starts
+from services.common.streams.consumer import StreamConsumer
+from services.common.streams.specs import StreamSpec, connect, stream_specs
+
+log = logging.getLogger("vcpo.launch")
+
+
+class Services:
+    """Handles to the run's services (actors, their runs, the Serve app, the local Redis) and the state the
+    launcher keeps about them: the config as resolved at start-up, the launcher's own restarts, and
+    ``summary``, the run's summary.json, to which each stop adds its service's last figures."""
+
+    client: redis.Redis  # set by up(), with the streams' specs
+    specs: dict[str, StreamSpec[Any]]
+
+    def __init__(self, cfg: SystemConfig, stopping: Stopping, summary: dict[str, Any], t0: float) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.run.run_dir
+        self.stopping = stopping
+        self.summary = summary
+        self.t0 = t0  # when the launcher started (the clock of the start-up lines)
+        self.local_redis: LocalRedis | None = None
+        self.broker: Any = None
+        self.learner: Any = None
+        self.learner_watch: Any = None  # a RankWatch (services.learner.ray_group): is a rank hung?
+        self.reward_up = False
+        self.samplers: list[Any] = []
+        self.sampler_runs: list[Any] = []
+        self.evaluator: Any = None  # the dedicated evaluator's actor, when there is one
+        self.evaluator_run: Any = None
+        self.metrics: LauncherMetrics | None = None
+        self.metrics_log: MetricsLog | None = None
+        self.redis_failure: str | None = None  # the local redis-server died for good (its restarts spent)
+        self.broker_metrics_url = ""
+        self.restarts: Counter[str] = Counter()  # restarts the launcher made (learner, redis)
+
+    # ------------------------------------------------------------------ helpers
+    def _redis_restarted(self, code: int, restart: int) -> None:
+        self.restarts["redis"] = restart
+        assert self.local_redis is not None
+        print(
+            f"  [!!] redis          redis-server exited ({code}); restarted from its append-only file, pid "
+            f"{self.local_redis.process.pid} (restart {restart} of {self.cfg.launcher.max_restarts})",
+            flush=True,
+        )
+
+    def _redis_lost(self, code: int) -> None:
+        self.redis_failure = (
+            f"the local redis-server exited ({code}) and its {self.cfg.launcher.max_restarts} "
+            "restarts (launcher.max_restarts) are spent"
+        )
+        self.stopping.stop(self.redis_failure)
+
+    def say(self, name: str, detail: str) -> None:
+        print(f"  [ok] {name:<14} {detail}  ({time.monotonic() - self.t0:.1f}s)", flush=True)
+
+    # ------------------------------------------------------------------ up
+    def up(self) -> None:
+        """Start every service, in the order the module docstring draws; each start waits for the last."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resuming = self.checkpoint_version() > 0
+        print(
+            f"run {cfg.run.run_id!r}: k={cfg.run.k}, groups_per_step={cfg.run.groups_per_step}, "
+            f"run_dir={self.run_dir}" + (" (resuming from its last checkpoint)" if resuming else ""),
+            flush=True,
+        )
+        if cfg.run.redis_url:
+            url, where = cfg.run.redis_url, cfg.run.redis_url
+        else:
+            self.local_redis = LocalRedis(data_dir=self.run_dir / "redis", persistent=True)
+            self.local_redis.supervise(cfg.launcher.max_restarts, self._redis_restarted, self._redis_lost)
+            url = self.local_redis.url
+            where = (
+                f"{url} (local redis-server, pid {self.local_redis.process.pid}; append-only file, "
+                "fsynced every second; restarted from it if it dies)"
+            )
+        self.client = connect(url)
+        self.say("redis", where)
+        self.say("ray", init_ray(self.cfg))
+        self.stopping.install()  # again: ray.init puts its own SIGTERM handler in place of ours
+
+        cfg, what = prepare_model(with_ports_and_redis(cfg, url))
+        self.cfg = cfg
+        self.say("model", what)
+        self.say("config", str(write_resolved(cfg, self.run_dir)))
+
+        self.specs = stream_specs(cfg.run, cfg.streams)
+        for spec in self.specs.values():
+            if spec.mode == "queue":
+                StreamConsumer(self.client, spec, "launcher")  # creates the stream and its consumer group
+        RunClock(self.client, cfg.run.run_id).set_gpus(cfg.gpus())  # for the GPU-hours of the metrics log
+        clear_starts(self.client, cfg.run.run_id)  # this launch counts its own restarts
+        self.metrics = LauncherMetrics(cfg.launcher.metrics_port)
+        self.metrics_log = MetricsLog(self.run_dir, self.client, cfg.run.run_id)
+        admission = AdmissionCounter(self.client, cfg.run.run_id, cfg.run.k, cfg.run.groups_per_step)
+        returned = admission.reclaim()  # no sampler runs yet: whatever is still held was held by dead ones
+        self.say(
+            "streams",
+            ", ".join(s.key for s in self.specs.values())
+            + (f"; {returned} admission slot(s) of stopped samplers given back" if returned else ""),
+        )
+
+        from services.reward.config import RewardServiceConfig
+        from services.reward.serve_app import deploy_reward
+        from services.sampler.config import SamplerServiceConfig
+        from services.sampler.ray_actor import start_samplers
+        from services.weight_broker.config import WeightBrokerServiceConfig
+        from services.weight_broker.ray_actor import start_broker
+
+        local_ray = not cfg.launcher.ray_address
+        self.broker, ends = start_broker(
+            section(cfg, WeightBrokerServiceConfig), local_ray, max_restarts=cfg.launcher.max_restarts
+        )
+        self.broker_metrics_url = str(ends.get("metrics_url", ""))
+        # the learner and the samplers reach the broker where it advertises itself (on clusters: its node IP)
+        wb = cfg.weight_broker.model_copy(update={"advertise_host": ends["advertise_host"]})
+        cfg = self.cfg = cfg.model_copy(update={"weight_broker": wb})
+        write_resolved(cfg, self.run_dir)
+        self.say(
+            "weight_broker",
+            f"gRPC {ends['advertise_host']}:{ends.get('grpc_port')} ({cfg.weight_broker.transport}; node "
+            f"{ends.get('host')})",
+        )
+
+        version = self.start_learner()
+        self.say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
+
+        deploy_reward(section(cfg, RewardServiceConfig))
+        self.reward_up = True
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
+        self.say(
+            "reward",
+            f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
+            f"default scorer {cfg.reward.default_scorer!r}",
+        )
+
+        ev = cfg.evaluation
+        if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
+            where = "on the sampler replicas' engines (shared)"
+            if ev.placement == "dedicated":
+                from services.evaluator.ray_actor import start_evaluator
+
+                self.evaluator, self.evaluator_run = start_evaluator(section(cfg, SamplerServiceConfig))
+                self.wait_evaluator()
+                where = f"by a dedicated evaluator ({ev.gpus:g} GPU)"
+            names = ", ".join(f"{s.name} ({s.dataset}, n={s.n})" for s in ev.sets)
+            self.say(
+                "evaluation",
+                f"{names}: every {ev.every} versions {where}; results in {self.run_dir / 'metrics.jsonl'}",
+            )
+
+        self.samplers, self.sampler_runs = start_samplers(
+            section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
+        )
+        self.wait_samplers()
+        self.say(
+            "samplers",
+            f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
+        )
+        self.say("client api", self.client_api())
+        self.scrape_targets()
+        self.say("prometheus", f"scrape targets in {self.run_dir / 'prometheus' / 'targets.json'}")
+
+    def start_learner(self, generation: int = 0) -> int:
+        """Start the learner group (``generation`` counts its restarts) and wait until rank 0 has published;
+        returns the version it published (0, or its checkpoint's after a restart)."""
+        from services.learner.config import LearnerServiceConfig
+        from services.learner.ray_group import LearnerGroup
+
+        self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=generation)
+        self.learner.start(self.cfg.launcher.max_steps)
+        version = self.wait_learner()
+        self.watch_learner()
+        return version
+
+    def scrape_targets(self, stopped: bool = False) -> None:
+        groups = (
+            []
+            if stopped
+            else prometheus_targets(
+                self.run_dir,
+                self.cfg.run.run_id,
+                self.broker_metrics_url,
+                self.metrics.url if self.metrics is not None else "",
+            )
+        )
+        write_prometheus_targets(self.run_dir, groups)
+
+    def client_api(self) -> str:
+        """Where clients register environments and submit tasks, and which token they need."""
+        s = self.cfg.sampler
+        ports = []
+        for i in range(s.replicas):
+            path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
+            if path.exists():
+                ports.append(str(json.loads(path.read_text())["grpc_port"]))
+        token = (
+            "sampler.api_token"
+            if s.api_token.get_secret_value()
+            else s.api_token_file or str(self.run_dir / "api_token")
+        )
+        return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
+
+    def wait_samplers(self, timeout_s: float = 600.0) -> None:
+        """Until every sampler replica has its engine and weights (its status is past STARTING)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = ray.wait(self.sampler_runs, timeout=0)
+            if done:
+                ray.get(done)
+                raise RuntimeError("a sampler finished before it generated")
+            statuses = ray.get([a.status.remote() for a in self.samplers], timeout=60)
+            if all(s["state"] != "STARTING" for s in statuses):
+                return
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+        )
+
+    def wait_evaluator(self, timeout_s: float = 600.0) -> None:
+        """Until the dedicated evaluator has its engine and the version the learner published at start."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = ray.wait([self.evaluator_run], timeout=0)
+            if done:
+                ray.get(done)
+                raise RuntimeError("the evaluator finished before it evaluated")
+            if ray.get(self.evaluator.first_version.remote(), timeout=60) is not None:
+                return
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
+            f"{self.run_dir / 'logs' / 'evaluator.log'}"
+        )
+
+    def wait_learner(self, timeout_s: float = 600.0) -> int:
+        """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
+        returns it."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = ray.wait(self.learner.runs, timeout=0)
+            if done:
+                ray.get(done)  # a rank that failed at start raises here
+                raise RuntimeError("the learner finished before it published a version")
+            version = self.learner.started()
+            if version is not None:
+                return int(version)
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+        )
+
+    def watch_learner(self) -> None:
+        timeout = self.cfg.launcher.learner_hang_timeout_s
+        self.learner_watch = self.learner.watch(timeout) if timeout and self.learner is not None else None
+
+    def queue_keys(self) -> dict[str, str]:
+        """The Redis keys of the two queues the progress line and the ledger count."""
+        return {n: self.specs[n].key for n in ("rollouts", "scored")}
+
+    def checkpoints(self) -> Path:
+        lr = self.cfg.learner
+        return Path(lr.checkpoint_dir) if lr.checkpoint_dir else self.run_dir / "learner" / "checkpoints"
+
+    def checkpoint_version(self) -> int:
+        """The newest checkpoint's step (= the version the learner resumes with), 0 without one."""
+        steps = self.checkpoints()
+        found = sorted(steps.glob("step*")) if steps.is_dir() else []
+        return int(found[-1].name.removeprefix("step")) if found else 0
+
+    # ------------------------------------------------------------------ down
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def stop_evaluator(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.stop.remote()
+            self.summary["evaluator"] = _get(
+                [self.evaluator_run], self.cfg.launcher.stop_timeout_s, "evaluator"
+            )
+            self.say("evaluator", "stopped")
+
+    def poll_metrics_log(self) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.poll()  # the last steps and evaluations (Redis is still up)
+
+    def stop_samplers(self) -> None:
+        if self.samplers:
+            for a in self.samplers:
+                a.stop.remote()
+            self.summary["samplers"] = _get(self.sampler_runs, self.cfg.launcher.stop_timeout_s, "samplers")
+            self.say("samplers", "stopped; in-flight groups gave their admission slots back")
+
+    def stop_reward(self) -> None:
+        if not self.reward_up:
+            return
+        from ray import serve
+
+        from services.reward.serve_app import APP_NAME
+
+        try:  # one replica's figures (the local run has one); the ledger does not depend on them
+            handle = serve.get_app_handle(APP_NAME)
+            self.summary["reward"] = handle.summary.remote().result(timeout_s=30)
+        except Exception:
+            log.warning("no summary from the reward app", exc_info=True)
+        serve.delete(APP_NAME)
+        self.say("reward", "stopped; groups in hand forwarded")
+
+    def stop_learner(self) -> None:
+        if self.learner is None:
+            return
+        self.learner.stop()
+        summaries = _get(self.learner.runs, self.cfg.launcher.stop_timeout_s, "learner") or []
+        rank0 = next((s for s in summaries if s.get("rank") == 0), None)
+        self.summary["learner"] = rank0
+        self.learner.shutdown()
+        if rank0:
+            self.say("learner", f"checkpoint at step {rank0['step']} (version {rank0['version']})")
+
+    def stop_broker(self) -> None:
+        import ray
+
+        if self.broker is not None:
+            ray.get(self.broker.stop.remote(), timeout=30)
+            ray.kill(self.broker)
+
+    def stop_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # a local Ray stops; a cluster is only disconnected from
+
+    def stop_redis(self) -> None:
+        if self.local_redis is not None:
+            self.local_redis.stop()
+
+
+def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:
+    """Results of ``refs``; a failure is logged (the run is stopping anyway), not raised."""
+    import ray
+
+    try:
+        return list(ray.get(refs, timeout=timeout_s))
+    except Exception:
+        log.exception("%s did not stop cleanly in %.0fs", what, timeout_s)
+        return None

@@ -1,0 +1,44 @@
+"""How a run is asked to stop: SIGINT or SIGTERM (Ctrl-C, or Kubernetes stopping the pod), or a part of the
+launcher that saw a stop condition (max_steps, max_minutes, a service that failed for good).
+
+Decides: the first request wins and its reason is what the run reports as ``stopped_by``; a second Ctrl-C
+while stopping is ignored, with a note, because cutting the learner's checkpoint short would lose what it
+consumed. Every wait of the launcher (start-up, the progress loop, a restart's backoff) waits on
+``Stopping.event``, so a request is seen within one poll.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class Stopping:
+    """SIGINT/SIGTERM ask the run to stop (once: a second Ctrl-C while stopping is ignored, with a note,
+    because cutting the learner's checkpoint short would lose what it consumed)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            print("  (already stopping: waiting for the learner's checkpoint)", flush=True)
+            return
+        self.stop(signal.Signals(signum).name)
+
+    def stop(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
