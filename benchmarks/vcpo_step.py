@@ -38,7 +38,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
-from services.learner.grad_norms import token_logprobs
+from services.learner.logprobs import token_logprobs
 from services.learner.step import TrajectoryTensors, policy_gradient_backward, vcpo_backward
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, trajectory_coefficients
 

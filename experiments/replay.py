@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from services.learner.grad_norms import token_logprobs
+from services.learner.logprobs import token_logprobs
 from services.learner.step import TrajectoryTensors
 from services.learner.step import backward as learner_backward
 from services.learner.vcpo import ObjectiveConfig

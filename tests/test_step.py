@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.learner.grad_norms import per_trajectory_sq_grad_norms, token_logprobs
+from services.learner.grad_norms import per_trajectory_sq_grad_norms
+from services.learner.logprobs import token_logprobs
 from services.learner.step import TrajectoryTensors, policy_gradient_backward, vcpo_backward
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss
 from tests.test_grad_norms import make_batch

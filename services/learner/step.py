@@ -43,12 +43,11 @@ from services.learner.config import LearnerConfig
 from services.learner.grad_norms import (
     NormPassResult,
     accumulate_weighted_gradients,
-    chunk_count,
     micro_batches,
     norm_pass,
     streaming_norm_pass,
-    token_logprobs,
 )
+from services.learner.logprobs import chunk_count, token_logprobs
 from services.learner.vcpo import (
     ObjectiveConfig,
     PolicyBatch,
