@@ -41,7 +41,7 @@ import torch
 from experiments.replay import Replay, ReplaySettings
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
-from services.learner.step import objective_config
+from services.learner.vcpo import objective_config
 from services.learner.warm_start import policy_reward, warm_start
 from services.sampler.tasks import load_dataset
 

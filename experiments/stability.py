@@ -166,7 +166,7 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from experiments.replay import Replay, ReplaySettings
-    from services.learner.step import objective_config
+    from services.learner.vcpo import objective_config
     from services.sampler.tasks import load_dataset
 
     torch.set_num_threads(plan.threads)

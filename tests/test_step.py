@@ -137,7 +137,7 @@ def test_every_learner_config_maps_to_an_objective() -> None:
     import itertools
 
     from services.learner.config import LearnerConfig
-    from services.learner.step import objective_config
+    from services.learner.vcpo import objective_config
 
     for objective, weighting, aggregation in itertools.product(
         ["vcpo", "grpo", "rloo", "reinforce"],

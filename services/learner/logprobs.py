@@ -1,10 +1,11 @@
 """Token log-probs of a causal LM, whole or with the output head in slices of the positions.
 
-Every path of the learner's step scores trajectories here: ``token_logprobs`` gives ``log π(token_t | prefix)``
-per position, and ``chunked_logprobs`` does the same with the vocabulary-sized work (output head, float32
-logits, log-softmax) over slices of the positions, so no ``[B, T, vocab]`` tensor exists at once. Positions
-skip left padding (``position_ids_from_mask``), so a padded row scores exactly like the unpadded sequence.
-Sums of products are formed in float32 at least (:func:`acc`): bf16 would round at every addition.
+Every path of the learner's step scores trajectories here: ``token_logprobs`` gives
+``log π(token_t | prefix)`` per position, and ``chunked_logprobs`` does the same with the vocabulary-sized
+work (output head, float32 logits, log-softmax) over slices of the positions, so no ``[B, T, vocab]`` tensor
+exists at once. Positions skip left padding (``position_ids_from_mask``), so a padded row scores exactly like
+the unpadded sequence. Sums of products are formed in float32 at least (:func:`acc`): bf16 would round at
+every addition.
 """
 
 from __future__ import annotations

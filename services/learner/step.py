@@ -2,24 +2,25 @@
 
     TrajectoryTensors (prompt+response rows, behaviour log-probs, rewards, group ids)
       │
-      ├─ objective "vcpo" without PPO clipping, memory mode "saved":
+      ├─ an objective that needs gradient norms (vcpo), no PPO clipping, memory mode "saved":
       │    per micro-batch: norm_pass → log π (detached), ‖∇ log π(τ_i)‖², saved activations
       │    whole step:      trajectory_coefficients → c_i, ESS, ρ, OPOB, metrics   (vcpo.py, pure)
       │    one backward:    accumulate_weighted_gradients(c) → .grad               (no second forward)
       │
-      ├─ objective "vcpo" without PPO clipping, memory mode "recompute":
+      ├─ the same, memory mode "recompute":
       │    per micro-batch: streaming_norm_pass → log π, ‖∇ log π(τ_i)‖²            (nothing kept)
       │    whole step:      trajectory_coefficients → c_i ...
       │    per micro-batch: forward → backward of Σ_i c_i Σ_t m_it log π_it          (ordinary autograd)
       │
-      └─ any other objective (GRPO, RLOO, REINFORCE) or PPO clipping (per-token weights):
-           [vcpo: norms by the streaming norm pass]
+      └─ any other objective (grpo, rloo, reinforce) or PPO clipping (per-token weights):
+           [an objective that needs norms: norms by the streaming norm pass]
            per micro-batch: forward → policy_loss → backward                       (ordinary autograd)
 
 Both leave the step's gradient in the parameters' ``.grad`` and return the metrics; the caller applies
-``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The saved VCPO
-path keeps every micro-batch's activations until the coefficients are known (the memory of one batched forward
-of the step's trajectories); the recompute path's memory is one micro-batch's (:class:`MemoryOptions`).
+``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The saved
+norm-pass path keeps every micro-batch's activations until the coefficients are known (the memory of one
+batched forward of the step's trajectories); the recompute path's memory is one micro-batch's
+(:class:`MemoryOptions`).
 With ``logit_chunk_tokens``, every path but the saved norm pass runs the output head in slices of the
 positions, as many per micro-batch on every rank.
 
@@ -39,7 +40,6 @@ from typing import Literal, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from services.learner.config import LearnerConfig
 from services.learner.grad_norms import (
     NormPassResult,
     accumulate_weighted_gradients,
@@ -104,21 +104,6 @@ class MemoryOptions:
             raise ValueError(f"logit_chunk_tokens must be >= 0, got {self.logit_chunk_tokens}")
 
 
-def objective_config(learner: LearnerConfig) -> ObjectiveConfig:
-    """The pure module's objective settings from the learner's ``[learner]`` config section."""
-    return ObjectiveConfig(
-        objective=learner.objective,
-        importance_weighting=learner.importance_weighting,
-        truncation=learner.truncation,
-        ess_rule=learner.ess_rule,
-        rho_base=learner.rho_base,
-        baseline_weighting=learner.baseline_weighting,
-        loss_aggregation=learner.loss_aggregation,
-        std_normalize=learner.std_normalize,
-        ppo_clip=learner.ppo_clip,
-    )
-
-
 class StepCollectives(Protocol):
     """What the ranks of a distributed step agree on; a single-process step needs none of it.
 
@@ -161,10 +146,10 @@ def backward(
     memory: MemoryOptions = MemoryOptions(),
 ) -> dict[str, float]:
     """The step's gradient by the right path for ``config``: the norm pass for VCPO, autograd otherwise."""
-    if config.objective == "vcpo" and config.ppo_clip == 0:
+    if config.spec.needs_sq_grad_norms and config.ppo_clip == 0:
         return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio, backward, collectives, memory)
     norms = None
-    if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
+    if config.spec.needs_sq_grad_norms:  # with PPO clipping: the norm pass's norms, then the per-token loss
         spans = step_spans(len(batch), micro_batch_size, collectives)
         chunks = head_chunks(batch, spans, memory, collectives)
         norms = torch.cat([n for n, _ in _unpadded(_streaming_norms(model, batch, spans, chunks), spans)])
@@ -190,9 +175,10 @@ def vcpo_backward(
     micro-batches. ``"recompute"``: the streaming norm pass per micro-batch, then per micro-batch an ordinary
     forward and ``backward`` of ``Σ_i c_i Σ_t m_it log π_it``: the same gradient.
     """
-    if config.objective != "vcpo" or config.ppo_clip > 0:
+    if not config.spec.needs_sq_grad_norms or config.ppo_clip > 0:
         raise ValueError(
-            "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
+            f"vcpo_backward needs an objective weighted by gradient norms (vcpo) without PPO clipping, got "
+            f"{config.objective!r} with ppo_clip={config.ppo_clip}; use policy_gradient_backward"
         )
     spans = step_spans(len(batch), micro_batch_size, collectives)
     if memory.mode == "recompute":
@@ -233,9 +219,10 @@ def policy_gradient_backward(
     a graph for all rows, then each micro-batch is re-run with one and weighted by the whole-step values.
     With one micro-batch (the default) the first pass is skipped.
     """
-    if config.objective == "vcpo" and sq_grad_norms is None:
+    if config.spec.needs_sq_grad_norms and sq_grad_norms is None:
         raise ValueError(
-            "objective 'vcpo' needs per-trajectory gradient norms: use vcpo_backward or backward"
+            f"objective {config.objective!r} needs per-trajectory gradient norms: "
+            "use vcpo_backward or backward"
         )
     run_backward = backward or Tensor.backward
     spans = step_spans(len(batch), micro_batch_size, collectives)

@@ -42,8 +42,8 @@ from services.learner.memory import (
     device_budget,
     plan_memory,
 )
-from services.learner.step import MemoryOptions, TrajectoryTensors, backward, objective_config
-from services.learner.vcpo import METRIC_KEYS
+from services.learner.step import MemoryOptions, TrajectoryTensors, backward
+from services.learner.vcpo import METRIC_KEYS, objective_config
 
 log = logging.getLogger(__name__)
 
