@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from services.learner.logprobs import token_logprobs
-from services.learner.step import TrajectoryTensors
+from services.learner.step import StepInputs, TrajectoryTensors
 from services.learner.step import backward as learner_backward
 from services.learner.vcpo import ObjectiveConfig
 from services.learner.warm_start import (
@@ -152,7 +152,7 @@ class Replay:
         )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = learner_backward(self.model, trajectories, self.objective)
+        metrics = learner_backward(StepInputs(self.model, trajectories, self.objective))
         for group in self.optimizer.param_groups:  # lr ← η₀ · s(ρ), as the learner sets it each step
             group["lr"] = s.lr * metrics["lr_scale"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
