@@ -1,5 +1,5 @@
-"""The learner's objective (services/learner/vcpo.py) against hand values, a slow float64 reference written
-independently of the module, properties (hypothesis), bad inputs, and a real 2-process gloo ESS."""
+"""The learner's loss (services/learner/vcpo.py, objectives/) against hand values, a slow float64 reference
+written independently of the module, properties (hypothesis), bad inputs, and a real 2-process gloo ESS."""
 
 from __future__ import annotations
 
