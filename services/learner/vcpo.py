@@ -85,7 +85,6 @@ METRIC_KEYS = (
     "ppo_clip_fraction",
     "loss",
 )
-_F64 = torch.float64
 
 
 @dataclass(frozen=True)
