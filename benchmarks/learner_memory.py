@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.vcpo_step import make_batch
 from services.learner.memory import LiveBytes, drop_gradients_as_zero3, step_memory
-from services.learner.step import MemoryOptions, backward
+from services.learner.step import MemoryOptions, StepInputs, backward
 from services.learner.vcpo import ObjectiveConfig
 
 TARGETS = {"vcpo_peak_over_grpo": 1.25, "peak_growth_over_microbatches": 1.1, "recompute_time_over_grpo": 1.6}
@@ -94,7 +94,7 @@ PATHS = ("grpo", "saved", "recompute")
 def _step(model: nn.Module, batch: Any, path: str, rows: int, chunk: int) -> None:
     objective = ObjectiveConfig(objective="grpo" if path == "grpo" else "vcpo")
     memory = MemoryOptions("saved" if path == "saved" else "recompute", chunk)
-    backward(model, batch, objective, rows, memory=memory)
+    backward(StepInputs(model, batch, objective, rows, memory=memory))
 
 
 def _peak(model: nn.Module, batch: Any, path: str, rows: int, chunk: int, device: str) -> int:

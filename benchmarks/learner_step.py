@@ -50,8 +50,8 @@ def _rank(
     from services.learner.batching import place_groups, to_tensors
     from services.learner.config import LearnerConfig
     from services.learner.publish import publish_version
-    from services.learner.step import objective_config
     from services.learner.trainer import Trainer
+    from services.learner.vcpo import objective_config
     from services.weight_broker.client import GrpcTransport
 
     torch.set_num_threads(1)  # two ranks share this machine's cores

@@ -31,10 +31,10 @@ import redis
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.redis_server import LocalRedis
-from services.common.synthetic import make_group
 from services.common.streams.consumer import StreamConsumer
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import StreamSpec, stream_specs
+from services.common.synthetic import make_group
 
 
 def _spec(run_id: str, maxlen: int) -> StreamSpec[Any]:

@@ -38,8 +38,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
-from services.learner.grad_norms import token_logprobs
-from services.learner.step import TrajectoryTensors, policy_gradient_backward, vcpo_backward
+from services.learner.logprobs import token_logprobs
+from services.learner.step import StepInputs, TrajectoryTensors, policy_gradient_backward, vcpo_backward
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, trajectory_coefficients
 
 SPEC_10M = TinyModelSpec(
@@ -83,12 +83,12 @@ def grads_of(model: nn.Module) -> list[Tensor]:
 
 def run_grpo(model: nn.Module, batch: TrajectoryTensors) -> None:
     model.zero_grad(set_to_none=True)
-    policy_gradient_backward(model, batch, ObjectiveConfig(objective="grpo"))
+    policy_gradient_backward(StepInputs(model, batch, ObjectiveConfig(objective="grpo")))
 
 
 def run_vcpo(model: nn.Module, batch: TrajectoryTensors) -> None:
     model.zero_grad(set_to_none=True)
-    vcpo_backward(model, batch, ObjectiveConfig())
+    vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
 
 
 def brute_norms(model: nn.Module, batch: TrajectoryTensors) -> tuple[Tensor, Tensor]:
@@ -194,7 +194,7 @@ def main() -> None:
 
     # correctness first: the same norms and the same gradient
     model.zero_grad(set_to_none=True)
-    metrics = vcpo_backward(model, batch, ObjectiveConfig())
+    metrics = vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
     vcpo_grads = grads_of(model)
     from services.learner.grad_norms import per_trajectory_sq_grad_norms
 

@@ -43,7 +43,7 @@ from services.common.datasets import load_dataset
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
 from services.learner.policy_sampling import policy_reward
-from services.learner.step import objective_config
+from services.learner.vcpo import objective_config
 from services.learner.warm_start import warm_start
 
 GROUPS_PER_STEP = 4

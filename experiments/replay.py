@@ -43,9 +43,9 @@ import torch
 
 from services.common.datasets import load_dataset
 from services.common.prompts import PromptEncoder
-from services.learner.grad_norms import token_logprobs
+from services.learner.logprobs import token_logprobs
 from services.learner.policy_sampling import policy_reward, sample_responses
-from services.learner.step import TrajectoryTensors
+from services.learner.step import StepInputs, TrajectoryTensors
 from services.learner.step import backward as learner_backward
 from services.learner.vcpo import ObjectiveConfig
 from services.learner.warm_start import (
@@ -153,7 +153,7 @@ class Replay:
         )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = learner_backward(self.model, trajectories, self.objective)
+        metrics = learner_backward(StepInputs(self.model, trajectories, self.objective))
         for group in self.optimizer.param_groups:  # lr ← η₀ · s(ρ), as the learner sets it each step
             group["lr"] = s.lr * metrics["lr_scale"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))

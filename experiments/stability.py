@@ -167,7 +167,7 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
 
     from experiments.replay import Replay, ReplaySettings
     from services.common.datasets import load_dataset
-    from services.learner.step import objective_config
+    from services.learner.vcpo import objective_config
 
     torch.set_num_threads(plan.threads)
     hf_logging.disable_progress_bar()

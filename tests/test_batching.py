@@ -11,7 +11,7 @@ import torch
 from services.common.synthetic import make_group
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.batching import REJECT_REASONS, StepAssembler, check_group, place_groups, to_tensors
-from services.learner.grad_norms import token_logprobs
+from services.learner.logprobs import token_logprobs
 from services.learner.vcpo import sequence_log_weights
 from vcpo.v1 import rollout_pb2
 

@@ -10,12 +10,8 @@ import torch
 from torch import nn
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.learner.grad_norms import (
-    norm_pass,
-    per_trajectory_sq_grad_norms,
-    streaming_norm_pass,
-    token_logprobs,
-)
+from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, streaming_norm_pass
+from services.learner.logprobs import token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +137,7 @@ def test_sliced_head_pass_matches_brute_force(
 ) -> None:
     """The output head's share without autograd (head_pass): its norm in both forms, with a bias, and
     ∂f/∂hidden into the decoder's backward whether the head trains or not."""
-    import services.learner.grad_norms as gn
+    import services.learner.norm_rules as gn
 
     model = load(model_dirs, variant == "frozen-decoder-tied", torch.float64)
     if variant == "head-bias":

@@ -88,7 +88,7 @@ def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointin
     """Fake tensors at one and two layers, extrapolated to three, against the real three-layer step."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from services.learner.grad_norms import chunk_count
+    from services.learner.logprobs import chunk_count
 
     rows, tokens = 2, 96
     estimate = step_memory(

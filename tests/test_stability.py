@@ -16,7 +16,7 @@ import pytest
 
 from experiments import stability_report
 from experiments.stability import KNOWN, METHODS, learner_config, load_preset
-from services.learner.step import objective_config
+from services.learner.vcpo import objective_config
 
 ROOT = Path(__file__).parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.learner.grad_norms import per_trajectory_sq_grad_norms, token_logprobs
-from services.learner.step import TrajectoryTensors, policy_gradient_backward, vcpo_backward
+from services.learner.grad_norms import per_trajectory_sq_grad_norms
+from services.learner.logprobs import token_logprobs
+from services.learner.step import StepInputs, TrajectoryTensors, policy_gradient_backward, vcpo_backward
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, policy_loss
 from tests.test_grad_norms import make_batch
 
@@ -70,7 +71,7 @@ def test_vcpo_backward_equals_autograd_of_the_vcpo_loss(
     config = ObjectiveConfig(baseline_weighting=weighting, loss_aggregation=aggregation)  # type: ignore[arg-type]
 
     model.zero_grad(set_to_none=True)
-    metrics = vcpo_backward(model, batch, config)
+    metrics = vcpo_backward(StepInputs(model, batch, config))
     fused = grads(model)
 
     model.zero_grad(set_to_none=True)
@@ -93,7 +94,7 @@ def test_micro_batch_size_changes_nothing(model_dir: Path) -> None:
     results = []
     for mb in (None, 3, 1):
         model.zero_grad(set_to_none=True)
-        metrics = vcpo_backward(model, batch, ObjectiveConfig(), micro_batch_size=mb)
+        metrics = vcpo_backward(StepInputs(model, batch, ObjectiveConfig(), micro_batch_size=mb))
         results.append((grads(model), metrics))
     for g, m in results[1:]:
         close(g, results[0][0], 1e-10)
@@ -106,10 +107,10 @@ def test_policy_gradient_backward_micro_batched_equals_one_batch(model_dir: Path
     batch = trajectories(model, seed=2)
     config = ObjectiveConfig(objective=objective, importance_weighting="truncated")  # type: ignore[arg-type]
     model.zero_grad(set_to_none=True)
-    policy_gradient_backward(model, batch, config)
+    policy_gradient_backward(StepInputs(model, batch, config))
     whole = grads(model)
     model.zero_grad(set_to_none=True)
-    policy_gradient_backward(model, batch, config, micro_batch_size=3)
+    policy_gradient_backward(StepInputs(model, batch, config, micro_batch_size=3))
     close(grads(model), whole, 1e-10)
 
 
@@ -121,14 +122,14 @@ def test_ppo_clipping_runs_through_the_ordinary_path(model_dir: Path, objective:
     batch = trajectories(model, seed=3)
     config = ObjectiveConfig(objective=objective, ppo_clip=0.2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="use policy_gradient_backward"):
-        vcpo_backward(model, batch, config)
+        vcpo_backward(StepInputs(model, batch, config))
     model.zero_grad(set_to_none=True)
-    metrics = backward(model, batch, config, micro_batch_size=4)
+    metrics = backward(StepInputs(model, batch, config, micro_batch_size=4))
     micro = grads(model)
     assert all(torch.isfinite(g).all() for g in micro.values())
     assert 0 <= metrics["ppo_clip_fraction"] <= 1
     model.zero_grad(set_to_none=True)
-    backward(model, batch, config)
+    backward(StepInputs(model, batch, config))
     close(micro, grads(model), 1e-10)
 
 
@@ -136,7 +137,7 @@ def test_every_learner_config_maps_to_an_objective() -> None:
     import itertools
 
     from services.learner.config import LearnerConfig
-    from services.learner.step import objective_config
+    from services.learner.vcpo import objective_config
 
     for objective, weighting, aggregation in itertools.product(
         ["vcpo", "grpo", "rloo", "reinforce"],
@@ -195,7 +196,7 @@ def test_padding_micro_batches_change_nothing(model_dir: Path, objective: str) -
         model = load(model_dir)
         batch = trajectories(model)
         assert sum(b == a for a, b in step_spans(len(batch), 4, _Agree(count))) == (3 if count == 11 else 0)
-        losses.append(backward(model, batch, config, 4, collectives=_Agree(count))["loss"])
+        losses.append(backward(StepInputs(model, batch, config, 4, collectives=_Agree(count)))["loss"])
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
     assert losses[0] == pytest.approx(losses[1], rel=1e-12)
@@ -215,14 +216,14 @@ def test_recompute_gives_the_saved_step_at_every_micro_batch_size(
     batch = trajectories(model, seed=4)
     config = ObjectiveConfig()
     model.zero_grad(set_to_none=True)
-    saved_metrics = vcpo_backward(model, batch, config)
+    saved_metrics = vcpo_backward(StepInputs(model, batch, config))
     saved = grads(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     memory = MemoryOptions("recompute", chunk_tokens)
     for mb in (None, 3, 1):
         model.zero_grad(set_to_none=True)
-        metrics = backward(model, batch, config, micro_batch_size=mb, memory=memory)
+        metrics = backward(StepInputs(model, batch, config, micro_batch_size=mb, memory=memory))
         # the saved path scales the backward signal after Qwen2's float32 RMSNorm, recompute before it
         close(grads(model), saved, RMSNORM_TOL)
         for key in ("loss", "ess_ratio", "baseline_shift_mean_abs"):
@@ -230,7 +231,9 @@ def test_recompute_gives_the_saved_step_at_every_micro_batch_size(
     # a rank among peers with more micro-batches and longer rows: padding micro-batches, and the head in as
     # many slices as the peers' (every slice is a ZeRO-3 gather), change nothing
     model.zero_grad(set_to_none=True)
-    backward(model, batch, config, micro_batch_size=4, collectives=_Agree(5, chunks=9), memory=memory)
+    backward(
+        StepInputs(model, batch, config, micro_batch_size=4, collectives=_Agree(5, chunks=9), memory=memory)
+    )
     close(grads(model), saved, RMSNORM_TOL)
 
 
@@ -246,7 +249,9 @@ def test_head_in_slices_changes_no_ordinary_step(model_dir: Path, objective: str
     for memory in (MemoryOptions(), MemoryOptions("recompute", 3)):
         for mb in (None, 3):
             model.zero_grad(set_to_none=True)
-            results.append((backward(model, batch, config, mb, memory=memory)["loss"], grads(model)))
+            results.append(
+                (backward(StepInputs(model, batch, config, mb, memory=memory))["loss"], grads(model))
+            )
     for loss, g in results[1:]:
         close(g, results[0][1], 1e-9)
         assert loss == pytest.approx(results[0][0], rel=1e-9)

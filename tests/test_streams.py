@@ -13,11 +13,11 @@ import redis
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import Metrics
-from services.common.synthetic import make_announcement, make_group, make_task
 from services.common.streams.consumer import StreamConsumer, StreamTail
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamFullError, StreamProducer
 from services.common.streams.specs import MalformedEntryError, connect, decode_entry, stream_specs
+from services.common.synthetic import make_announcement, make_group, make_task
 from vcpo.v1 import rollout_pb2
 
 

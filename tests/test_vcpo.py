@@ -1,5 +1,5 @@
-"""The learner's objective (services/learner/vcpo.py) against hand values, a slow float64 reference written
-independently of the module, properties (hypothesis), bad inputs, and a real 2-process gloo ESS."""
+"""The learner's loss (services/learner/vcpo.py, objectives/) against hand values, a slow float64 reference
+written independently of the module, properties (hypothesis), bad inputs, and a real 2-process gloo ESS."""
 
 from __future__ import annotations
 
@@ -16,17 +16,18 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.learner.vcpo import (
-    METRIC_KEYS,
-    ObjectiveConfig,
-    PolicyBatch,
+from services.learner.ess import (
     distributed_effective_sample_size,
     effective_sample_size,
     ess_from_partial_sums,
     ess_partial_sums,
     lr_scale,
-    opob_baseline,
-    opob_baseline_with_stats,
+)
+from services.learner.objectives.vcpo import opob_baseline, opob_baseline_with_stats
+from services.learner.vcpo import (
+    METRIC_KEYS,
+    ObjectiveConfig,
+    PolicyBatch,
     policy_loss,
     sequence_log_weights,
     trajectory_coefficients,

@@ -17,11 +17,11 @@ from typing import Any
 
 from services.common.observability import Metrics, serve_metrics, write_endpoints
 from services.common.prompts import PromptEncoder
-from services.evaluator.build import ENGINE_SEED_OFFSET, make_evaluator
-from services.evaluator.runner import EvalRunner
 from services.common.streams.consumer import StreamTail
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.specs import connect, stream_specs
+from services.evaluator.build import ENGINE_SEED_OFFSET, make_evaluator
+from services.evaluator.runner import EvalRunner
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.service import environment_registry, make_engine

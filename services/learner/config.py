@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.learner.objectives import NAMES as OBJECTIVES
 from services.weight_broker.config import WeightBrokerConfig
 
 
@@ -51,8 +52,10 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    objective: Literal["vcpo", "grpo", "rloo", "reinforce"] = Field(
-        "vcpo", description="Advantage/baseline estimator of the policy-gradient loss."
+    objective: str = Field(
+        "vcpo",
+        description="Advantage/baseline estimator of the policy-gradient loss: a module of "
+        f"services/learner/objectives/ ({', '.join(OBJECTIVES)}).",
     )
     importance_weighting: Literal["truncated", "masked", "none"] = Field(
         "truncated", description="How the sequence importance weight enters the loss (TIS, MIS, none)."
@@ -96,6 +99,13 @@ class LearnerConfig(Section):
         description="Custom Ray resources added to every rank's placement-group bundle, e.g. "
         "{vcpo_learner = 1}: ranks run only on the nodes that offer them (the Helm chart's learner pods).",
     )
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, v: str) -> str:
+        if v not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {v!r}")
+        return v
 
     @field_validator("betas")
     @classmethod

@@ -33,6 +33,10 @@ With the output head in slices, the streaming pass does the head's share without
 (:func:`head_pass`): δ_s = m_s (e_{y_s} − softmax_s) needs only a slice of the vocabulary's logits, and the
 Gram form, the per-row form and ∂f/∂hidden are all sums over vocabulary slices; the decoder's backward starts
 from ∂f/∂hidden.
+
+The per-module rules live in ``norm_rules.py``, the log-probs (whole or with the head in slices) in
+``logprobs.py``; this module runs the passes: hooks and taps, the saved and streaming norm passes, and the
+weighted gradient from what the saved pass kept.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from services.learner.logprobs import acc, decoder_and_head, decoder_hidden, token_logprobs
+from services.learner.norm_rules import RowNorms, full_shape, head_pass, rms_normalised
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -164,41 +171,23 @@ class _GradInjection(torch.autograd.Function):
         return ctx.make_grad() * out_grad, None
 
 
-def _acc(t: Tensor) -> Tensor:
-    """``t`` in an accumulation dtype: float32 for bf16/fp16 activations (their sums of products would round
-    at every addition), float32 and float64 as they are."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def _rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
-    """x̂ exactly as Qwen2/Llama RMSNorm computes it (float32 statistics, cast back)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return h.to(x.dtype)
-
-
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """The parameter's real shape, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
-    return tuple(getattr(param, "ds_shape", param.shape))
-
-
 def _weighted_grad_fn(
     param: nn.Parameter, uses: list[tuple[tuple[_Capture, str], Tensor]]
 ) -> Callable[[], Tensor]:
     def make() -> Tensor:
         # formed and summed over micro-batches in float32 at least (bf16 models: one rounding, at the end)
-        grad = torch.zeros(full_shape(param), dtype=_acc(param.data).dtype, device=param.device)
+        grad = torch.zeros(full_shape(param), dtype=acc(param.data).dtype, device=param.device)
         for (cap, role), coefficients in uses:
             assert cap.x is not None and cap.delta is not None
-            d = _acc(cap.delta) * coefficients.to(grad.dtype)[:, None, None]
+            d = acc(cap.delta) * coefficients.to(grad.dtype)[:, None, None]
             if cap.kind == "linear" and role == "weight":
-                grad += d.reshape(-1, d.shape[-1]).T @ _acc(cap.x).reshape(-1, cap.x.shape[-1])
+                grad += d.reshape(-1, d.shape[-1]).T @ acc(cap.x).reshape(-1, cap.x.shape[-1])
             elif cap.kind == "linear" and role == "bias":
                 grad += d.sum((0, 1))
             elif cap.kind == "embedding":
                 grad.index_add_(0, cap.x.reshape(-1), d.reshape(-1, d.shape[-1]))
             elif cap.kind == "rmsnorm":
-                grad += (d * _acc(_rms_normalised(cap.module, cap.x))).sum((0, 1))
+                grad += (d * acc(rms_normalised(cap.module, cap.x))).sum((0, 1))
         return grad.to(param.dtype)
 
     return make
@@ -256,194 +245,6 @@ def _capturing(model: nn.Module, captures: dict[int, _Capture]) -> Iterator[None
             h.remove()
 
 
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions that skip left padding, so a padded row scores exactly like the unpadded sequence."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int = 0) -> Tensor:
-    """[B, T] log π(input_ids[:, t] | input_ids[:, <t]) in float32 (float64 for a float64 model); column 0
-    (nothing predicts it) is 0.
-
-    ``chunks > 0``: the output head and the log-softmax run over that many slices of the positions, each
-    recomputed in the backward (:func:`chunked_logprobs`), so no [B, T, vocab] tensor exists at once.
-    """
-    if chunks > 0:
-        return chunked_logprobs(model, input_ids, attention_mask, chunks)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    ).logits
-    logp = torch.log_softmax(_acc(logits[:, :-1]), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([logp.new_zeros(logp.shape[0], 1), logp], dim=1)
-
-
-def chunk_count(tokens: int, chunk_tokens: int) -> int:
-    """Slices of a ``tokens``-wide row's positions for ``chunk_tokens`` at a time (0: one pass, unchunked)."""
-    positions = tokens - 1
-    if chunk_tokens <= 0 or positions <= chunk_tokens:
-        return 0
-    return -(-positions // chunk_tokens)
-
-
-# causal LMs whose logits are exactly ``lm_head(decoder(...))``: no soft-capping, scaling or bias term
-CHUNKABLE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-
-
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
-    """The model's decoder (hidden states after the final norm) and output head, for chunked log-probs."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if model_type not in CHUNKABLE_MODEL_TYPES or not isinstance(head, nn.Linear) or decoder is None:
-        raise ValueError(
-            f"chunked log-probs need a causal LM whose logits are lm_head(decoder(x)) "
-            f"(model types {', '.join(CHUNKABLE_MODEL_TYPES)}); this model is {model_type!r} "
-            f"({type(model).__name__}): set learner.logit_chunk_tokens = 0"
-        )
-    return decoder, head
-
-
-def _target_logprobs(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """``(log-softmax of logits at targets, logsumexp)`` over the last dimension."""
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
-
-
-def _head_chunk(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
-    return _target_logprobs(_acc(head(hidden)), targets)[0]
-
-
-def _decoder_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    out = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    )
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-
-def _slices(n: int, chunks: int) -> list[tuple[int, int]]:
-    return [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks)]
-
-
-def chunked_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, chunks: int) -> Tensor:
-    """Log-probs (as :func:`token_logprobs`, in the graph) with the vocabulary-sized work over ``chunks``
-    even slices of the positions.
-
-    The decoder runs once; the output head, the float32 logits and their log-softmax run per slice under
-    activation checkpointing, so only one slice's ``[B, slice, vocab]`` tensors exist at a time in the
-    forward and again in the backward (which recomputes the slice's logits). The head is called as a module
-    each time, so ZeRO-3 gathers its weight as in any forward; under ZeRO-3 every rank must use the same
-    ``chunks`` (the step agrees on it), since each call is a collective gather.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    decoder, head = decoder_and_head(model)
-    hidden = _decoder_hidden(decoder, input_ids, attention_mask)
-    logps = [
-        checkpoint(_head_chunk, head, hidden[:, a:b], input_ids[:, a + 1 : b + 1], use_reentrant=False)
-        for a, b in _slices(input_ids.shape[1] - 1, chunks)
-    ]
-    return torch.cat([logps[0].new_zeros(input_ids.shape[0], 1), *logps], dim=1)
-
-
-@contextmanager
-def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
-    """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        yield
-
-
-@torch.no_grad()
-def head_pass(
-    norms: _Norms | None,
-    head: nn.Linear,
-    roles: Sequence[str],
-    hidden: Tensor,
-    input_ids: Tensor,
-    response_mask: Tensor,
-    chunks: int,
-    tied: bool,
-) -> tuple[Tensor, Tensor]:
-    """The output head's whole share of the norm pass, without autograd: ``(log-probs [B, T] as
-    :func:`token_logprobs`, ∂f/∂hidden [B, T, H] in hidden's dtype)``, and the head's per-row squared gradient
-    norm added to ``norms`` (``None``: the head does not train).
-
-    Two sweeps over the gathered head weight, so no ``[B, T, vocab]`` tensor exists:
-
-    - positions in ``chunks`` slices: the logits' logsumexp and the targets' log-probs;
-    - vocabulary in ``chunks`` slices: the backward signal δ_s = m_s (e_{y_s} − p_s) of f = Σ_s m_s log π(y_s),
-      with p_s = exp(logits_s − logsumexp_s), from that slice of the logits alone. Its products with the head's
-      weight sum to ∂f/∂hidden; the Gram matrix Σ_v δ_t[v] δ_s[v] (ghost form) and the per-row gradient's
-      squared norm are sums over the slices too.
-
-    The decoder's backward then starts from ∂f/∂hidden, so the head is never recomputed or differentiated
-    through (a checkpointed head would run its forward twice more). ``tied``: also keep the head's part of the
-    cross term with the embedding (δhead_{s, id_t}) for :meth:`_Norms.tied_cross`.
-    """
-    h = hidden[:, :-1].detach()
-    targets, m = input_ids[:, 1:], response_mask[:, 1:]
-    hx = _acc(h)
-    mf = m.to(hx.dtype)
-    b_rows, s_len, width = h.shape
-    vocab = full_shape(head.weight)[0]
-    vocab_chunk = -(-vocab // chunks)
-    train_weight = norms is not None and "weight" in roles
-    dd = hx.new_zeros(b_rows, s_len, s_len) if train_weight and _ghost(s_len, width, vocab) else None
-    weight_sq = hx.new_zeros(b_rows)
-    bias_sq = hx.new_zeros(b_rows)
-    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if norms is not None and tied else None
-    grad_h = hx.new_zeros(b_rows, s_len, width)
-    logp = hx.new_zeros(b_rows, input_ids.shape[1])
-    with gathered(list(head.parameters())):
-        weight, bias = head.weight, head.bias
-        lses = []
-        for a, b in _slices(s_len, chunks):
-            logp[:, a + 1 : b + 1], lse = _target_logprobs(
-                _acc(nn.functional.linear(h[:, a:b], weight, bias)), targets[:, a:b]
-            )
-            lses.append(lse)
-        logsumexp = torch.cat(lses, dim=1)
-        for v0 in range(0, vocab, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, vocab)
-            w = weight[v0:v1]
-            logits = _acc(nn.functional.linear(h, w, None if bias is None else bias[v0:v1]))
-            d = logits.sub_(logsumexp[..., None]).exp_().mul_(-mf[..., None])  # −m_s p_s, in place
-            del logits
-            hit = ((targets >= v0) & (targets < v1)).to(hx.dtype) * mf
-            d.scatter_add_(2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None])
-            grad_h += d.to(w.dtype) @ w
-            if train_weight:
-                if dd is not None:
-                    dd += _gram(d)
-                else:
-                    weight_sq += (d.transpose(1, 2) @ hx).pow(2).sum((1, 2))
-            if norms is not None and "bias" in roles:
-                bias_sq += d.sum(1).pow(2).sum(-1)
-            if cross is not None:
-                inside = (input_ids >= v0) & (input_ids < v1)
-                idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
-                cross += torch.where(inside[:, None, :], d.gather(2, idx), 0.0)
-    if norms is not None:
-        if dd is not None:
-            weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
-        norms.add(weight_sq + bias_sq)
-        if cross is not None:  # cross[b, s, t] = δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
-            norms.head_cross = (cross, hx)
-    grad_hidden = torch.cat([grad_h, grad_h.new_zeros(b_rows, 1, width)], dim=1).to(hidden.dtype)
-    return logp, grad_hidden
-
-
 def _check_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -463,86 +264,11 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tens
     return mask
 
 
-def _gram(a: Tensor) -> Tensor:
-    return a @ a.transpose(1, 2)
-
-
-def _ghost(tokens: int, d_in: int, d_out: int) -> bool:
-    """Whether a linear layer's per-row norm is cheaper from T×T Gram matrices than from its d_out × d_in
-    per-row gradient."""
-    return tokens * (d_in + d_out) <= d_in * d_out
-
-
-class _Norms:
-    """Per-row squared gradient norm, summed module by module from each module's input x and output grad δ.
-
-    Every product is summed in float32 at least (:func:`_acc`): bf16 Gram matrices and row sums lose ~3
-    digits. ``gram_cache`` bounds how many inputs' Gram matrices are kept for reuse by the layers that share
-    an input (q/k/v, gate/up); the cache holds the input too, so its address cannot be reused meanwhile.
-    """
-
-    def __init__(self, ids: Tensor, gram_cache: int | None = None) -> None:
-        self.ids = ids  # the embedding's input: the tied cross term gathers the output head's δ at them
-        self.total: Tensor = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
-        self._grams: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
-        self._gram_cache = gram_cache
-        # the output head's share of a tied cross term until the embedding's δ arrives: (g, h) with
-        # g[b, s, t] = δhead_{s, id_t} and h the head's input
-        self.head_cross: tuple[Tensor, Tensor] | None = None
-
-    def add(self, v: Tensor) -> None:
-        self.total += v.double()
-
-    def input_gram(self, x: Tensor) -> Tensor:
-        # the cache holds x, so its storage (and that storage's id) stays the same while the entry lives
-        key = (id(x.untyped_storage()), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
-        hit = self._grams.get(key)
-        if hit is not None:
-            return hit[1]
-        gram = _gram(_acc(x))
-        if self._gram_cache is not None and len(self._grams) >= self._gram_cache:
-            self._grams.pop(next(iter(self._grams)))
-        self._grams[key] = (x, gram)
-        return gram
-
-    def linear(self, x: Tensor, delta: Tensor, role: str) -> None:
-        d = _acc(delta)
-        if role == "bias":
-            self.add(d.sum(1).pow(2).sum(-1))
-        elif _ghost(x.shape[1], x.shape[-1], d.shape[-1]):  # ghost: T×T Gram matrices
-            self.add((self.input_gram(x) * _gram(d)).sum((1, 2)))
-        else:  # materialise each row's d_out × d_in gradient
-            self.add((d.transpose(1, 2) @ _acc(x)).pow(2).sum((1, 2)))
-
-    def embedding(self, ids: Tensor, delta: Tensor) -> None:
-        d = _acc(delta)
-        same = (ids[:, :, None] == ids[:, None, :]).to(d.dtype)
-        self.add((_gram(d) * same).sum((1, 2)))
-
-    def rmsnorm(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
-        self.add((_acc(delta) * _acc(_rms_normalised(module, x))).sum(1).pow(2).sum(-1))
-
-    def hold_head_cross(self, head_delta: Tensor, head_x: Tensor) -> None:
-        """Keep the output head's part of the tied cross term: its δ gathered at the token ids, its input."""
-        d_head = _acc(head_delta)
-        g = d_head.gather(2, self.ids[:, None, :].expand(-1, d_head.shape[1], -1))  # [B, s, t]
-        self.head_cross = (g, _acc(head_x))
-
-    def tied_cross(self, emb_delta: Tensor) -> None:
-        """2⟨G_emb, G_head⟩ = 2 Σ_{t,s} δhead_{s, id_t} (δemb_t · h_s), with the held head part."""
-        if self.head_cross is None:
-            raise RuntimeError("tied embedding: the output head's backward signal did not reach the norms")
-        g, h = self.head_cross
-        a = _acc(emb_delta) @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
-        self.add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
-        self.head_cross = None
-
-
 def _sq_norms(
     captures: list[_Capture], uses: dict[int, tuple[nn.Parameter, list[tuple[_Capture, str]]]], ids: Tensor
 ) -> Tensor:
     """Per-row squared gradient norm over all trainable parameters, from saved x and δ."""
-    norms = _Norms(ids)  # the saved pass keeps every input anyway: cache every Gram
+    norms = RowNorms(ids)  # the saved pass keeps every input anyway: cache every Gram
     for _, us in uses.values():
         for cap, role in us:
             assert cap.x is not None and cap.delta is not None
@@ -630,7 +356,7 @@ class _Tap(torch.autograd.Function):
         return delta, None, None, None
 
 
-def _on_delta(spec: _TapSpec, norms: _Norms) -> Callable[[Tensor, Tensor], None]:
+def _on_delta(spec: _TapSpec, norms: RowNorms) -> Callable[[Tensor, Tensor], None]:
     def on_delta(x: Tensor, delta: Tensor) -> None:
         if spec.kind == "linear":
             for role in spec.roles:
@@ -648,7 +374,7 @@ def _on_delta(spec: _TapSpec, norms: _Norms) -> Callable[[Tensor, Tensor], None]
 
 
 @contextmanager
-def _tapping(specs: dict[int, _TapSpec], norms: _Norms, anchor: Tensor) -> Iterator[list[bool]]:
+def _tapping(specs: dict[int, _TapSpec], norms: RowNorms, anchor: Tensor) -> Iterator[list[bool]]:
     """Tap every module in ``specs`` while the context is open (the forward and the backward, which may
     recompute checkpointed layers). Yields a one-item list: set it to True before the backward, after which
     repeated calls are recomputations, not a module used twice."""
@@ -701,11 +427,11 @@ def streaming_norm_pass(
             spec.roles.append(role)
             spec.tied = spec.tied or len(us) == 2
     head_spec = specs.pop(id(head), None) if head is not None else None
-    norms = _Norms(input_ids, gram_cache=2)
+    norms = RowNorms(input_ids, gram_cache=2)
     anchor = torch.zeros((), device=input_ids.device, requires_grad=True)
     with torch.enable_grad(), _tapping(specs, norms, anchor) as backward:
         if head is not None:
-            hidden = _decoder_hidden(decoder_and_head(model)[0], input_ids, attention_mask)
+            hidden = decoder_hidden(decoder_and_head(model)[0], input_ids, attention_mask)
             logp, grad_hidden = head_pass(
                 norms if head_spec is not None else None,
                 head,

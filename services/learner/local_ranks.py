@@ -35,7 +35,7 @@ def scored_groups(
     that differ inside each group."""
     from transformers import AutoModelForCausalLM
 
-    from services.learner.grad_norms import token_logprobs
+    from services.learner.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size

@@ -177,12 +177,8 @@ def run_micro_batch(
 ) -> int:
     """One micro-batch of a step in ``mode`` ("saved", "recompute", "grpo"), its gradient handed to the
     parameters; returns the bytes the saved path keeps until the step's backward (0 for the others)."""
-    from services.learner.grad_norms import (
-        accumulate_weighted_gradients,
-        norm_pass,
-        streaming_norm_pass,
-        token_logprobs,
-    )
+    from services.learner.grad_norms import accumulate_weighted_gradients, norm_pass, streaming_norm_pass
+    from services.learner.logprobs import token_logprobs
 
     coefficients = torch.ones(ids.shape[0], dtype=torch.float64, device=ids.device)
     if mode == "saved":
@@ -215,7 +211,7 @@ def simulate_micro_batch(
     """Peak bytes of one micro-batch of the step in ``mode`` on fake tensors (:func:`run_micro_batch`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from services.learner.grad_norms import chunk_count
+    from services.learner.logprobs import chunk_count
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _fake_model(hf_config, layers, dtype, checkpointing)

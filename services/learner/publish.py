@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.learner.grad_norms import full_shape
+from services.learner.norm_rules import full_shape
 from services.weight_broker.client import PublishResult, StalePublish, VersionExists, WeightTransport
 from services.weight_broker.collective import CollectivePublisher, TransferFailed, TransferStats
 from services.weight_broker.tensors import TensorSpec, dtype_name

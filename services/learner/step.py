@@ -2,29 +2,30 @@
 
     TrajectoryTensors (prompt+response rows, behaviour log-probs, rewards, group ids)
       │
-      ├─ objective "vcpo" without PPO clipping, memory mode "saved":
+      ├─ an objective that needs gradient norms (vcpo), no PPO clipping, memory mode "saved":
       │    per micro-batch: norm_pass → log π (detached), ‖∇ log π(τ_i)‖², saved activations
       │    whole step:      trajectory_coefficients → c_i, ESS, ρ, OPOB, metrics   (vcpo.py, pure)
       │    one backward:    accumulate_weighted_gradients(c) → .grad               (no second forward)
       │
-      ├─ objective "vcpo" without PPO clipping, memory mode "recompute":
+      ├─ the same, memory mode "recompute":
       │    per micro-batch: streaming_norm_pass → log π, ‖∇ log π(τ_i)‖²            (nothing kept)
       │    whole step:      trajectory_coefficients → c_i ...
       │    per micro-batch: forward → backward of Σ_i c_i Σ_t m_it log π_it          (ordinary autograd)
       │
-      └─ any other objective (GRPO, RLOO, REINFORCE) or PPO clipping (per-token weights):
-           [vcpo: norms by the streaming norm pass]
+      └─ any other objective (grpo, rloo, reinforce) or PPO clipping (per-token weights):
+           [an objective that needs norms: norms by the streaming norm pass]
            per micro-batch: forward → policy_loss → backward                       (ordinary autograd)
 
 Both leave the step's gradient in the parameters' ``.grad`` and return the metrics; the caller applies
-``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The saved VCPO
-path keeps every micro-batch's activations until the coefficients are known (the memory of one batched forward
-of the step's trajectories); the recompute path's memory is one micro-batch's (:class:`MemoryOptions`).
+``metrics["lr_scale"]`` to the learning rate for this one step, clips and steps the optimizer. The saved
+norm-pass path keeps every micro-batch's activations until the coefficients are known (the memory of one
+batched forward of the step's trajectories); the recompute path's memory is one micro-batch's
+(:class:`MemoryOptions`).
 With ``logit_chunk_tokens``, every path but the saved norm pass runs the output head in slices of the
 positions, as many per micro-batch on every rank.
 
-Distributed (DeepSpeed ZeRO-3, each rank holding whole groups): pass ``backward=engine.backward`` and a
-:class:`StepCollectives`. Then every rank runs the same number of micro-batches (padding rows where it has
+Distributed (DeepSpeed ZeRO-3, each rank holding whole groups): :class:`StepInputs` with
+``backward=engine.backward`` and a :class:`StepCollectives`. Then every rank runs the same number of micro-batches (padding rows where it has
 too few), ρ is the global one, and each rank's loss is rescaled so that the data-parallel average of the
 ranks' gradients is the gradient of the one loss over all ranks' trajectories.
 """
@@ -39,16 +40,14 @@ from typing import Literal, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from services.learner.config import LearnerConfig
 from services.learner.grad_norms import (
     NormPassResult,
     accumulate_weighted_gradients,
-    chunk_count,
     micro_batches,
     norm_pass,
     streaming_norm_pass,
-    token_logprobs,
 )
+from services.learner.logprobs import chunk_count, token_logprobs
 from services.learner.vcpo import (
     ObjectiveConfig,
     PolicyBatch,
@@ -105,21 +104,6 @@ class MemoryOptions:
             raise ValueError(f"logit_chunk_tokens must be >= 0, got {self.logit_chunk_tokens}")
 
 
-def objective_config(learner: LearnerConfig) -> ObjectiveConfig:
-    """The pure module's objective settings from the learner's ``[learner]`` config section."""
-    return ObjectiveConfig(
-        objective=learner.objective,
-        importance_weighting=learner.importance_weighting,
-        truncation=learner.truncation,
-        ess_rule=learner.ess_rule,
-        rho_base=learner.rho_base,
-        baseline_weighting=learner.baseline_weighting,
-        loss_aggregation=learner.loss_aggregation,
-        std_normalize=learner.std_normalize,
-        ppo_clip=learner.ppo_clip,
-    )
-
-
 class StepCollectives(Protocol):
     """What the ranks of a distributed step agree on; a single-process step needs none of it.
 
@@ -151,96 +135,98 @@ Backward = Callable[[Tensor], None]
 T = TypeVar("T")
 
 
-def backward(
-    model: nn.Module,
-    batch: TrajectoryTensors,
-    config: ObjectiveConfig,
-    micro_batch_size: int | None = None,
-    ess_ratio: float | None = None,
-    backward: Backward | None = None,
-    collectives: StepCollectives | None = None,
-    memory: MemoryOptions = MemoryOptions(),
-) -> dict[str, float]:
-    """The step's gradient by the right path for ``config``: the norm pass for VCPO, autograd otherwise."""
-    if config.objective == "vcpo" and config.ppo_clip == 0:
-        return vcpo_backward(model, batch, config, micro_batch_size, ess_ratio, backward, collectives, memory)
-    norms = None
-    if config.objective == "vcpo":  # with PPO clipping: the norm pass's norms, then the per-token loss
-        spans = step_spans(len(batch), micro_batch_size, collectives)
-        chunks = head_chunks(batch, spans, memory, collectives)
-        norms = torch.cat([n for n, _ in _unpadded(_streaming_norms(model, batch, spans, chunks), spans)])
-    return policy_gradient_backward(
-        model, batch, config, micro_batch_size, ess_ratio, norms, backward, collectives, memory
-    )
+@dataclass(frozen=True, eq=False)
+class StepInputs:
+    """One step's gradient to form: the model, this rank's trajectories, the objective, and how to run it.
 
-
-def vcpo_backward(
-    model: nn.Module,
-    batch: TrajectoryTensors,
-    config: ObjectiveConfig,
-    micro_batch_size: int | None = None,
-    ess_ratio: float | None = None,
-    backward: Backward | None = None,
-    collectives: StepCollectives | None = None,
-    memory: MemoryOptions = MemoryOptions(),
-) -> dict[str, float]:
-    """Accumulate the VCPO gradient of ``batch`` into ``.grad`` by the norm pass; return the step's metrics.
-
-    ``memory.mode == "saved"``: one backward for the whole step (``backward``: default ``Tensor.backward``,
-    ``engine.backward`` under DeepSpeed) hands every parameter its gradient from the saved activations of all
-    micro-batches. ``"recompute"``: the streaming norm pass per micro-batch, then per micro-batch an ordinary
-    forward and ``backward`` of ``Σ_i c_i Σ_t m_it log π_it``: the same gradient.
+    ``micro_batch_size``: rows per forward (default: all at once). ``ess_ratio``: the global ρ when known,
+    else this step's (or the ranks' agreed one with ``collectives``). ``backward``: runs the backward of a
+    scalar (default ``Tensor.backward``; ``engine.backward`` under DeepSpeed). ``collectives``: what the ranks
+    of a distributed step agree on (:class:`StepCollectives`); ``None`` in a single process.
     """
-    if config.objective != "vcpo" or config.ppo_clip > 0:
-        raise ValueError(
-            "vcpo_backward needs objective 'vcpo' without PPO clipping; use policy_gradient_backward"
+
+    model: nn.Module
+    batch: TrajectoryTensors
+    config: ObjectiveConfig
+    micro_batch_size: int | None = None
+    ess_ratio: float | None = None
+    backward: Backward | None = None
+    collectives: StepCollectives | None = None
+    memory: MemoryOptions = MemoryOptions()
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The step's micro-batches as row spans (:func:`step_spans`)."""
+        return step_spans(len(self.batch), self.micro_batch_size, self.collectives)
+
+    def run_backward(self, loss: Tensor) -> None:
+        (self.backward or Tensor.backward)(loss)
+
+
+def backward(step: StepInputs) -> dict[str, float]:
+    """The step's gradient by the right path for its objective: the norm pass for an objective that needs
+    gradient norms (vcpo) without PPO clipping, autograd otherwise."""
+    config = step.config
+    if config.spec.needs_sq_grad_norms and config.ppo_clip == 0:
+        return vcpo_backward(step)
+    norms = None
+    if config.spec.needs_sq_grad_norms:  # with PPO clipping: the norm pass's norms, then the per-token loss
+        spans = step.spans()
+        chunks = head_chunks(step.batch, spans, step.memory, step.collectives)
+        norms = torch.cat(
+            [n for n, _ in _unpadded(_streaming_norms(step.model, step.batch, spans, chunks), spans)]
         )
-    spans = step_spans(len(batch), micro_batch_size, collectives)
-    if memory.mode == "recompute":
-        return _vcpo_recompute(model, batch, config, spans, ess_ratio, backward, collectives, memory)
-    passes = _norm_passes(model, batch, spans)
+    return policy_gradient_backward(step, norms)
+
+
+def vcpo_backward(step: StepInputs) -> dict[str, float]:
+    """Accumulate the VCPO gradient of ``step.batch`` into ``.grad`` by the norm pass; return the metrics.
+
+    ``memory.mode == "saved"``: one backward for the whole step (``step.backward``) hands every parameter its
+    gradient from the saved activations of all micro-batches. ``"recompute"``: the streaming norm pass per
+    micro-batch, then per micro-batch an ordinary forward and backward of ``Σ_i c_i Σ_t m_it log π_it``: the
+    same gradient.
+    """
+    config = step.config
+    if not config.spec.needs_sq_grad_norms or config.ppo_clip > 0:
+        raise ValueError(
+            f"vcpo_backward needs an objective weighted by gradient norms (vcpo) without PPO clipping, got "
+            f"{config.objective!r} with ppo_clip={config.ppo_clip}; use policy_gradient_backward"
+        )
+    spans = step.spans()
+    if step.memory.mode == "recompute":
+        return _vcpo_recompute(step, spans)
+    passes = _norm_passes(step.model, step.batch, spans)
     try:
         real = _unpadded(passes, spans)
         coefficients, metrics = _step_coefficients(
-            batch,
+            step,
             torch.cat([p.token_logprobs for p in real]),
             torch.cat([p.sq_grad_norms for p in real]),
-            config,
-            ess_ratio,
-            collectives,
         )
         per_pass = [coefficients[a:b] if b > a else coefficients.new_zeros(1) for a, b in spans]
-        accumulate_weighted_gradients(passes, per_pass, backward)
+        accumulate_weighted_gradients(passes, per_pass, step.backward)
     finally:
         for p in passes:
             p.release()
     return metrics
 
 
-def policy_gradient_backward(
-    model: nn.Module,
-    batch: TrajectoryTensors,
-    config: ObjectiveConfig,
-    micro_batch_size: int | None = None,
-    ess_ratio: float | None = None,
-    sq_grad_norms: Tensor | None = None,
-    backward: Backward | None = None,
-    collectives: StepCollectives | None = None,
-    memory: MemoryOptions = MemoryOptions(),
-) -> dict[str, float]:
+def policy_gradient_backward(step: StepInputs, sq_grad_norms: Tensor | None = None) -> dict[str, float]:
     """Accumulate the gradient of any objective by ordinary forward/backward per micro-batch.
 
     The objective's statistics (baselines, ESS) need the whole step, so log-probs are first computed without
     a graph for all rows, then each micro-batch is re-run with one and weighted by the whole-step values.
-    With one micro-batch (the default) the first pass is skipped.
+    With one micro-batch (the default) the first pass is skipped. ``sq_grad_norms``: every row's, for an
+    objective that needs them.
     """
-    if config.objective == "vcpo" and sq_grad_norms is None:
+    model, batch, config, collectives = step.model, step.batch, step.config, step.collectives
+    if config.spec.needs_sq_grad_norms and sq_grad_norms is None:
         raise ValueError(
-            "objective 'vcpo' needs per-trajectory gradient norms: use vcpo_backward or backward"
+            f"objective {config.objective!r} needs per-trajectory gradient norms: "
+            "use vcpo_backward or backward"
         )
-    run_backward = backward or Tensor.backward
-    spans = step_spans(len(batch), micro_batch_size, collectives)
-    chunks = head_chunks(batch, spans, memory, collectives)
+    spans = step.spans()
+    chunks = head_chunks(batch, spans, step.memory, collectives)
 
     def objective(logprobs: Tensor, rho: float | None) -> tuple[Tensor, dict[str, float]]:
         policy = _policy(batch, logprobs, sq_grad_norms)
@@ -249,69 +235,56 @@ def policy_gradient_backward(
         return policy_loss(policy, config, rho)
 
     if len(spans) == 1:
-        loss, metrics = objective(token_logprobs(model, *_ids(batch), chunks[0]), ess_ratio)
-        scale = _scale(collectives, metrics, config)
-        run_backward(loss * scale)
+        loss, metrics = objective(token_logprobs(model, *_ids(batch), chunks[0]), step.ess_ratio)
+        scale = _scale(step, metrics)
+        step.run_backward(loss * scale)
         return metrics
     with torch.no_grad():
         rows_chunks = zip(_span_rows(batch, spans), chunks, strict=True)
         scored = [token_logprobs(model, *_ids(rows), n) for rows, n in rows_chunks]
     detached = torch.cat(_unpadded(scored, spans))
-    _, metrics = objective(detached, ess_ratio)
-    scale = _scale(collectives, metrics, config)
-    rho = metrics["ess_ratio"] if ess_ratio is None else ess_ratio
+    _, metrics = objective(detached, step.ess_ratio)
+    scale = _scale(step, metrics)
+    rho = metrics["ess_ratio"] if step.ess_ratio is None else step.ess_ratio
     # every micro-batch's loss is the whole-step loss restricted to its rows, with the whole-step statistics:
     # run the full-batch loss with the graph only through this micro-batch's log-probs
     for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
         live = token_logprobs(model, *_ids(rows), n)
         if b == a:  # a padding micro-batch: zero gradient, but the same collectives as the other ranks
-            run_backward(live.sum() * 0.0)
+            step.run_backward(live.sum() * 0.0)
             continue
         loss, _ = objective(torch.cat([detached[:a], live, detached[b:]]), rho)
-        run_backward(loss * scale)
+        step.run_backward(loss * scale)
     return metrics
 
 
-def _vcpo_recompute(
-    model: nn.Module,
-    batch: TrajectoryTensors,
-    config: ObjectiveConfig,
-    spans: list[tuple[int, int]],
-    ess_ratio: float | None,
-    backward: Backward | None,
-    collectives: StepCollectives | None,
-    memory: MemoryOptions,
-) -> dict[str, float]:
+def _vcpo_recompute(step: StepInputs, spans: list[tuple[int, int]]) -> dict[str, float]:
     """VCPO with memory bounded by one micro-batch: norms first, then one weighted pass per micro-batch."""
-    chunks = head_chunks(batch, spans, memory, collectives)
+    model, batch = step.model, step.batch
+    chunks = head_chunks(batch, spans, step.memory, step.collectives)
     real = _unpadded(_streaming_norms(model, batch, spans, chunks), spans)
     logprobs, norms = torch.cat([lp for _, lp in real]), torch.cat([n for n, _ in real])
-    coefficients, metrics = _step_coefficients(batch, logprobs, norms, config, ess_ratio, collectives)
-    run_backward = backward or Tensor.backward
+    coefficients, metrics = _step_coefficients(step, logprobs, norms)
     for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
         # a padding micro-batch (b == a) weighs its row by 0: no gradient, the same collectives as its peers
         c = coefficients[a:b] if b > a else coefficients.new_zeros(1)
         logp = token_logprobs(model, *_ids(rows), n)
         terms = torch.where(rows.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
-        run_backward((c.to(terms.dtype) * terms).sum())
+        step.run_backward((c.to(terms.dtype) * terms).sum())
     return metrics
 
 
 def _step_coefficients(
-    batch: TrajectoryTensors,
-    logprobs: Tensor,
-    sq_grad_norms: Tensor,
-    config: ObjectiveConfig,
-    ess_ratio: float | None,
-    collectives: StepCollectives | None,
+    step: StepInputs, logprobs: Tensor, sq_grad_norms: Tensor
 ) -> tuple[Tensor, dict[str, float]]:
     """The step's per-trajectory coefficients (global ρ when distributed, scaled to this rank's share of the
     global loss) and its metrics, from the norm passes' log-probs and norms of all rows."""
-    policy = _policy(batch, logprobs, sq_grad_norms)
-    if collectives is not None:
-        ess_ratio = collectives.ess_ratio(valid_log_weights(policy, config))
-    coefficients, metrics = trajectory_coefficients(policy, config, ess_ratio)
-    return coefficients * _scale(collectives, metrics, config), metrics
+    policy = _policy(step.batch, logprobs, sq_grad_norms)
+    ess_ratio = step.ess_ratio
+    if step.collectives is not None:
+        ess_ratio = step.collectives.ess_ratio(valid_log_weights(policy, step.config))
+    coefficients, metrics = trajectory_coefficients(policy, step.config, ess_ratio)
+    return coefficients * _scale(step, metrics), metrics
 
 
 def _streaming_norms(
@@ -349,11 +322,11 @@ def _unpadded(items: list[T], spans: list[tuple[int, int]]) -> list[T]:
     return [item for item, (a, b) in zip(items, spans, strict=True) if b > a]
 
 
-def _scale(collectives: StepCollectives | None, metrics: dict[str, float], config: ObjectiveConfig) -> float:
+def _scale(step: StepInputs, metrics: dict[str, float]) -> float:
     """This rank's loss factor (1 when not distributed); the metrics' loss is rescaled to match."""
-    if collectives is None:
+    if step.collectives is None:
         return 1.0
-    scale = collectives.loss_scale(metrics, config.loss_aggregation)
+    scale = step.collectives.loss_scale(metrics, step.config.loss_aggregation)
     metrics["loss"] *= scale
     return scale
 

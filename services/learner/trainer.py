@@ -2,7 +2,7 @@
 
     every rank r of N, each step:
       its whole groups as TrajectoryTensors
-        ├─ step.backward(..., backward=engine.backward, collectives=DistCollectives)
+        ├─ step.backward(StepInputs(..., backward=engine.backward, collectives=DistCollectives))
         │     same micro-batch count on every rank · global ρ · loss rescaled to the global normaliser
         ├─ lr ← η₀ · s(ρ) for this step only; engine.step(): clip at grad_clip, AdamW, ZeRO-3 partitions
         └─ metrics gathered from every rank and merged (identical on all ranks)
@@ -42,8 +42,8 @@ from services.learner.memory import (
     device_budget,
     plan_memory,
 )
-from services.learner.step import MemoryOptions, TrajectoryTensors, backward, objective_config
-from services.learner.vcpo import METRIC_KEYS
+from services.learner.step import MemoryOptions, StepInputs, TrajectoryTensors, backward
+from services.learner.vcpo import METRIC_KEYS, objective_config
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +262,15 @@ class Trainer:
         batch = _to(batch, self.device)
         memory = MemoryOptions(self._memory_mode(batch), self.config.logit_chunk_tokens)
         metrics = backward(
-            self.module,
-            batch,
-            self.objective,
-            self.config.micro_batch_size,
-            backward=self._backward,
-            collectives=self.collectives,
-            memory=memory,
+            StepInputs(
+                self.module,
+                batch,
+                self.objective,
+                self.config.micro_batch_size,
+                backward=self._backward,
+                collectives=self.collectives,
+                memory=memory,
+            )
         )
         t1 = time.perf_counter()
         tokens = float(batch.attention_mask.sum())

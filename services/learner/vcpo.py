@@ -1,8 +1,11 @@
-"""The learner's objective (VCPO.md §1–§4, §6): one step's trajectories in, ``(loss, metrics)`` out.
+"""The learner's loss (VCPO.md §1, §2, §4, §6): one step's trajectories in, ``(loss, metrics)`` out.
 
 Why a module of its own: every number the learner optimises comes from here, so it is pure (tensors in,
-tensors and floats out; no I/O, no services, no model code) and testable to round-off. The per-trajectory
-gradient-norm pass (§5) lives in ``grad_norms.py`` and consumes :func:`trajectory_coefficients`.
+tensors and floats out; no I/O, no services, no model code) and testable to round-off. What differs between
+objectives (the advantage rule, whether it needs gradient norms, std-normalisation, where the zero-signal
+rule looks) each objective's module in ``objectives/`` declares; VCPO's OPOB baseline (§3) is
+``objectives/vcpo.py``. The per-trajectory gradient-norm pass (§5) lives in ``grad_norms.py`` and consumes
+:func:`trajectory_coefficients`; ESS and the step size (§2) are ``ess.py``.
 
 Rules this module decides (each function's docstring repeats the ones it applies):
 
@@ -16,12 +19,13 @@ Rules this module decides (each function's docstring repeats the ones it applies
 - The step is skipped (``step_skipped = 1``, loss ``0·Σ logπ`` so it stays differentiable) when no trajectory
   is valid, when ρ is not finite, or when a coefficient or the loss overflows the loss dtype (e.g. with
   ``C = inf`` and ``ℓ ≫ 88`` in float32). A NaN/inf loss is never returned.
-- Advantages: vcpo ``(R − b_OPOB)/σ_g``; grpo ``(R − mean_g)/σ_g``; rloo ``R_i −`` the mean of the other
-  members of its group; reinforce ``R −`` the mean over the valid batch. ``σ_g`` is the population std of the
-  group's valid rewards; divide only when ``std_normalize`` and ``σ_g > 1e-8`` (rloo, reinforce never divide).
-- Zero-signal rule: in the group objectives (vcpo, grpo, rloo) a group whose valid rewards are all equal, or
-  that has one valid member, gets ``Â = 0`` exactly. REINFORCE's baseline is the batch mean, so the same rule
-  applies to the batch (all valid rewards equal, or one valid trajectory); its groups are not zeroed.
+- Advantages: the objective's rule (vcpo ``R − b_OPOB``; grpo ``R − mean_g``; rloo ``R_i −`` the mean of the
+  other members of its group; reinforce ``R −`` the mean over the valid batch), then divided by ``σ_g``, the
+  population std of the group's valid rewards, when the objective takes std-normalisation (vcpo, grpo),
+  ``std_normalize`` is set and ``σ_g > 1e-8``.
+- Zero-signal rule: a group whose valid rewards are all equal, or that has one valid member, gets ``Â = 0``
+  exactly. An objective whose baseline is the batch's (reinforce) applies the same rule to the batch (all
+  valid rewards equal, or one valid trajectory) and its groups are not zeroed.
 - PPO clipping (``ppo_clip > 0``) replaces the sequence weight by per-token ratios (``w̄ ≡ 1`` everywhere,
   ``importance_weighting`` inert); the log-ratio is clamped to ``[-20, 20]`` before ``exp`` (as veRL does) so
   a wild token cannot overflow the loss.
@@ -30,25 +34,31 @@ Rules this module decides (each function's docstring repeats the ones it applies
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import dataclass, fields
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from services.learner.ess import (
-    distributed_effective_sample_size,
-    effective_sample_size,
-    ess_from_partial_sums,
-    ess_partial_sums,
-    lr_scale,
+from services.learner import objectives
+from services.learner.ess import effective_sample_size, lr_scale
+from services.learner.objectives import AdvantageInputs, Objective
+from services.learner.ops import (
+    F64,
+    Aggregation,
+    ISMode,
+    LRRule,
+    Weighting,
+    check_choice,
+    check_finite,
+    check_group_ids,
+    check_truncation,
+    log_loss_weight,
+    positions,
+    seg_extreme,
+    seg_sum,
+    segments,
 )
-
-Objective = Literal["vcpo", "grpo", "rloo", "reinforce"]
-ISMode = Literal["truncated", "masked", "none"]
-Aggregation = Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]
-Weighting = Literal["paper", "exact", "released"]
-LRRule = Literal["sqrt", "linear", "off"]
 
 STD_EPS = 1e-8  # σ_g at or below this is treated as zero: no division
 PPO_LOG_RATIO_LIMIT = 20.0  # per-token log-ratio clamp under PPO clipping (veRL uses the same bound)
@@ -75,50 +85,49 @@ METRIC_KEYS = (
     "ppo_clip_fraction",
     "loss",
 )
-_F64 = torch.float64
-
-
-def _check_choice(owner: str, name: str, value: object, choices: tuple[object, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_truncation(owner: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
-        raise ValueError(f"{owner}truncation must be a number > 0 (math.inf allowed), got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """How one step's loss is built (VCPO.md §3–§4); every field is validated on construction."""
 
-    objective: Objective = "vcpo"
+    objective: str = "vcpo"  # a registered objective (objectives/)
     importance_weighting: ISMode = "truncated"  # TIS = truncated, MIS = masked, none = no correction
     truncation: float = 8.0  # C (> 0, may be math.inf)
     ess_rule: LRRule = "sqrt"
     rho_base: float = 1.0  # in (0, 1]
     baseline_weighting: Weighting = "paper"
     loss_aggregation: Aggregation = "seq-mean-token-mean"
-    std_normalize: bool = True  # divide by the group's population std (vcpo, grpo)
+    std_normalize: bool = True  # divide by the group's population std (where the objective takes it)
     ppo_clip: float = 0.0  # ε; 0 = off
 
     def __post_init__(self) -> None:
         o = "ObjectiveConfig."
-        _check_choice(o, "objective", self.objective, get_args(Objective))
-        _check_choice(o, "importance_weighting", self.importance_weighting, get_args(ISMode))
-        _check_truncation(o, self.truncation)
-        _check_choice(o, "ess_rule", self.ess_rule, get_args(LRRule))
+        check_choice(o, "objective", self.objective, objectives.NAMES)
+        check_choice(o, "importance_weighting", self.importance_weighting, get_args(ISMode))
+        check_truncation(o, self.truncation)
+        check_choice(o, "ess_rule", self.ess_rule, get_args(LRRule))
         rb = self.rho_base
         if isinstance(rb, bool) or not isinstance(rb, int | float) or not 0 < rb <= 1:
             raise ValueError(f"{o}rho_base must be in (0, 1], got {rb!r}")
-        _check_choice(o, "baseline_weighting", self.baseline_weighting, get_args(Weighting))
-        _check_choice(o, "loss_aggregation", self.loss_aggregation, get_args(Aggregation))
+        check_choice(o, "baseline_weighting", self.baseline_weighting, get_args(Weighting))
+        check_choice(o, "loss_aggregation", self.loss_aggregation, get_args(Aggregation))
         if not isinstance(self.std_normalize, bool):
             raise ValueError(f"{o}std_normalize must be a bool, got {self.std_normalize!r}")
         pc = self.ppo_clip
         if isinstance(pc, bool) or not isinstance(pc, int | float) or not (math.isfinite(pc) and pc >= 0):
             raise ValueError(f"{o}ppo_clip must be a finite number >= 0, got {pc!r}")
+
+    @property
+    def spec(self) -> Objective:
+        """The registered objective this config names: what its loss asks instead of comparing names."""
+        return objectives.get(self.objective)
+
+
+def objective_config(settings: object) -> ObjectiveConfig:
+    """The objective settings held by ``settings`` (the learner's ``[learner]`` config section): every field
+    of :class:`ObjectiveConfig`, read by its name."""
+    return ObjectiveConfig(**{f.name: getattr(settings, f.name) for f in fields(ObjectiveConfig)})
 
 
 @dataclass
@@ -130,18 +139,10 @@ class PolicyBatch:
     loss_mask: Tensor  # [B, T] bool (or 0/1): tokens the model generated and is trained on
     rewards: Tensor  # [B]
     group_ids: Tensor  # [B] integer ids; trajectories of one prompt group share an id
-    sq_grad_norms: Tensor | None = None  # [B] ‖∇θ log π(τ_i)‖², required when objective == "vcpo"
+    sq_grad_norms: Tensor | None = None  # [B] ‖∇θ log π(τ_i)‖², required when the objective needs them
 
 
-# ---------------------------------------------------------------- §1 log weights, §2 ESS and step size
-
-
-def _where(bad: Tensor, limit: int = 5) -> str:
-    """``bad``'s true indices, the first ``limit`` of them, for an error message."""
-    idx = bad.nonzero().tolist()
-    shown = [tuple(i) if len(i) > 1 else i[0] for i in idx[:limit]]
-    more = f" (first {limit} of {len(idx)})" if len(idx) > limit else ""
-    return f"{shown}{more}"
+# ---------------------------------------------------------------- §1 log weights
 
 
 def sequence_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
@@ -155,164 +156,11 @@ def sequence_log_weights(logprobs: Tensor, behaviour_logprobs: Tensor, loss_mask
             "logprobs, behaviour_logprobs and loss_mask must share one [B, T] shape, got "
             f"{tuple(logprobs.shape)}, {tuple(behaviour_logprobs.shape)}, {tuple(loss_mask.shape)}"
         )
-    diff = logprobs.detach().to(_F64) - behaviour_logprobs.detach().to(_F64)
+    diff = logprobs.detach().to(F64) - behaviour_logprobs.detach().to(F64)
     return torch.where(loss_mask.bool(), diff, torch.zeros_like(diff)).sum(dim=-1)
 
 
-# ---------------------------------------------------------------- §3 the off-policy optimal baseline
-
-
-def _segments(group_ids: Tensor) -> tuple[Tensor, int]:
-    """Dense group index per trajectory (ids may be any integers) and the number of groups."""
-    uniq, inv = torch.unique(group_ids, return_inverse=True)
-    return inv, int(uniq.numel())
-
-
-def _seg_sum(x: Tensor, inv: Tensor, n: int) -> Tensor:
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
-
-
-def _seg_extreme(x: Tensor, inv: Tensor, n: int, reduce: str) -> Tensor:
-    fill = -math.inf if reduce == "amax" else math.inf
-    out = torch.full((n,), fill, dtype=x.dtype, device=x.device)
-    return out.scatter_reduce_(0, inv, x, reduce, include_self=False)
-
-
-def _log_loss_weight(log_w: Tensor, mode: str, truncation: float) -> Tensor:
-    """``log w̄``: truncated ``min(ℓ, log C)``; masked ``ℓ`` if ``ℓ ≤ log C`` else ``-inf``; none ``0``."""
-    log_c = math.log(truncation)
-    if mode == "truncated":
-        return torch.clamp(log_w, max=log_c)
-    if mode == "masked":
-        return torch.where(log_w <= log_c, log_w, torch.full_like(log_w, -math.inf))
-    return torch.zeros_like(log_w)
-
-
-def _opob_groups(
-    rewards: Tensor,
-    log_weights: Tensor,
-    sq_grad_norms: Tensor,
-    inv: Tensor,
-    n_groups: int,
-    weighting: str,
-    truncation: float,
-    lengths: Tensor | None,
-    aggregation: str,
-    importance_weighting: str,
-) -> tuple[Tensor, int]:
-    """Per-group ``b_g`` (float64 ``[G]``) and the number of groups that fell back to their mean."""
-    r, lw, g = rewards.to(_F64), log_weights.to(_F64), sq_grad_norms.detach().to(_F64)
-    nan = torch.full_like(g, math.nan)
-    log_g = torch.where(torch.isnan(g), nan, torch.where(g > 0, torch.log(g), torch.full_like(g, -math.inf)))
-    if weighting == "paper":
-        log_big_w = 2.0 * lw + log_g
-    else:
-        log_wbar = _log_loss_weight(lw, importance_weighting, truncation)
-        if weighting == "exact":
-            log_a = log_wbar
-            if aggregation == "seq-mean-token-mean":
-                assert lengths is not None
-                log_a = log_wbar - torch.log(lengths.to(_F64))
-            log_big_w = 2.0 * log_a + log_g
-        else:  # released
-            log_big_w = 2.0 * log_wbar + log_g + 2.0 * lw
-    bad = torch.isnan(log_big_w) | torch.isposinf(log_big_w)
-    clean = torch.where(bad, torch.full_like(log_big_w, -math.inf), log_big_w)
-    gmax = _seg_extreme(clean, inv, n_groups, "amax")
-    fallback = (_seg_sum(bad.to(_F64), inv, n_groups) > 0) | torch.isneginf(gmax)
-    e = torch.exp(clean - torch.where(fallback, torch.zeros_like(gmax), gmax)[inv])
-    count = _seg_sum(torch.ones_like(r), inv, n_groups)
-    mean = _seg_sum(r, inv, n_groups) / count
-    weighted = _seg_sum(e * r, inv, n_groups) / torch.where(fallback, count, _seg_sum(e, inv, n_groups))
-    lo, hi = _seg_extreme(r, inv, n_groups, "amin"), _seg_extreme(r, inv, n_groups, "amax")
-    return torch.minimum(torch.maximum(torch.where(fallback, mean, weighted), lo), hi), int(fallback.sum())
-
-
-def opob_baseline_with_stats(
-    rewards: Tensor,
-    log_weights: Tensor,
-    sq_grad_norms: Tensor,
-    group_ids: Tensor,
-    weighting: str = "paper",
-    *,
-    truncation: float = 8.0,
-    lengths: Tensor | None = None,
-    aggregation: str = "seq-mean-token-mean",
-    importance_weighting: str = "truncated",
-) -> tuple[Tensor, int]:
-    """:func:`opob_baseline` and the number of groups that fell back to their plain mean."""
-    owner = "opob_baseline "
-    _check_choice(owner, "weighting", weighting, get_args(Weighting))
-    _check_choice(owner, "aggregation", aggregation, get_args(Aggregation))
-    _check_choice(owner, "importance_weighting", importance_weighting, get_args(ISMode))
-    truncation = _check_truncation(owner, truncation)
-    n = rewards.shape[0] if rewards.dim() == 1 else -1
-    names = ("rewards", "log_weights", "sq_grad_norms", "group_ids", "lengths")
-    for name, t in zip(names, (rewards, log_weights, sq_grad_norms, group_ids, lengths), strict=True):
-        if t is not None and (t.dim() != 1 or t.shape[0] != n):
-            raise ValueError(f"opob_baseline: {name} must have shape [B] = [{n}], got {tuple(t.shape)}")
-    _check_group_ids(group_ids, "opob_baseline group_ids")
-    _check_finite(rewards, "opob_baseline rewards")
-    if weighting == "exact" and aggregation == "seq-mean-token-mean":
-        if lengths is None:
-            raise ValueError("opob_baseline: weighting 'exact' with seq-mean-token-mean needs `lengths`")
-        if bool((~(lengths > 0)).any()):
-            raise ValueError(f"opob_baseline: lengths must be > 0, bad at {_where(~(lengths > 0))}")
-    if n == 0:
-        return torch.zeros(0, dtype=_F64, device=rewards.device), 0
-    inv, n_groups = _segments(group_ids)
-    args = (weighting, truncation, lengths, aggregation, importance_weighting)
-    b, fallbacks = _opob_groups(rewards, log_weights, sq_grad_norms, inv, n_groups, *args)
-    return b[inv], fallbacks
-
-
-def opob_baseline(
-    rewards: Tensor,
-    log_weights: Tensor,
-    sq_grad_norms: Tensor,
-    group_ids: Tensor,
-    weighting: str = "paper",
-    *,
-    truncation: float = 8.0,
-    lengths: Tensor | None = None,
-    aggregation: str = "seq-mean-token-mean",
-    importance_weighting: str = "truncated",
-) -> Tensor:
-    """Each trajectory's group baseline ``b_g = Σ_g W_i R_i / Σ_g W_i`` (float64 ``[B]``, VCPO.md §3).
-
-    ``log W_i`` per weighting (``g_i`` = squared score-gradient norm, ``w̄`` per ``importance_weighting``):
-    paper ``2ℓ_i + log g_i``; exact ``2 log a_i + log g_i`` with ``log a_i = log w̄_i − log L_i`` for
-    seq-mean-token-mean (``lengths`` required) else ``log w̄_i``; released ``2 log w̄_i + log g_i + 2ℓ_i``.
-    ``g_i ≤ 0`` is weight 0. The weighted mean is a per-group softmax of ``log W`` (log space: a weight like
-    ``e^2000`` is fine). A group whose weights are all zero, or hold any NaN/+inf (``g`` NaN/inf, ``ℓ`` NaN),
-    falls back to its plain mean. ``b_g`` is clamped into ``[min R_g, max R_g]`` against round-off.
-    """
-    return opob_baseline_with_stats(
-        rewards,
-        log_weights,
-        sq_grad_norms,
-        group_ids,
-        weighting,
-        truncation=truncation,
-        lengths=lengths,
-        aggregation=aggregation,
-        importance_weighting=importance_weighting,
-    )[0]
-
-
 # ---------------------------------------------------------------- validation and advantages
-
-
-def _check_group_ids(group_ids: Tensor, what: str) -> None:
-    dt = group_ids.dtype
-    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-        raise ValueError(f"{what} must have an integer dtype, got {dt}")
-
-
-def _check_finite(t: Tensor, what: str, where: Tensor | None = None) -> None:
-    bad = ~torch.isfinite(t) if where is None else where & ~torch.isfinite(t)
-    if bool(bad.any()):
-        raise ValueError(f"{what} are non-finite at {_where(bad)}")
 
 
 def _validate(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
@@ -331,16 +179,18 @@ def _validate(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
         t = getattr(batch, name)
         if t is not None and (t.dim() != 1 or t.shape[0] != b):
             raise ValueError(f"PolicyBatch.{name} must have shape [B] = [{b}], got {tuple(t.shape)}")
-    if config.objective == "vcpo" and batch.sq_grad_norms is None:
-        raise ValueError("PolicyBatch.sq_grad_norms is required for objective 'vcpo' (the OPOB weights)")
-    _check_group_ids(batch.group_ids, "PolicyBatch.group_ids")
+    if config.spec.needs_sq_grad_norms and batch.sq_grad_norms is None:
+        raise ValueError(
+            f"PolicyBatch.sq_grad_norms is required for objective {config.objective!r} (its baseline weights)"
+        )
+    check_group_ids(batch.group_ids, "PolicyBatch.group_ids")
     if mask.dtype != torch.bool:
         not01 = (mask != 0) & (mask != 1)
         if bool(not01.any()):
-            raise ValueError(f"PolicyBatch.loss_mask must be bool or 0/1, bad values at {_where(not01)}")
+            raise ValueError(f"PolicyBatch.loss_mask must be bool or 0/1, bad values at {positions(not01)}")
         mask = mask != 0
-    _check_finite(batch.rewards, "PolicyBatch.rewards")
-    _check_finite(lp.detach(), "PolicyBatch.logprobs on masked tokens", mask)
+    check_finite(batch.rewards, "PolicyBatch.rewards")
+    check_finite(lp.detach(), "PolicyBatch.logprobs on masked tokens", mask)
     return mask
 
 
@@ -353,45 +203,26 @@ def _advantages(
     lengths: Tensor,
     g: Tensor | None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """``Â`` (float64) over valid trajectories and the baseline metrics (VCPO.md §3–§4, module rules)."""
-    count = _seg_sum(torch.ones_like(r), inv, n_groups)
-    mean = _seg_sum(r, inv, n_groups) / count
+    """``Â`` (float64) over valid trajectories by the objective's rule, and the baseline metrics (module
+    rules)."""
+    count = seg_sum(torch.ones_like(r), inv, n_groups)
+    mean = seg_sum(r, inv, n_groups) / count
     dev = r - mean[inv]
-    std = torch.sqrt(_seg_sum(dev * dev, inv, n_groups) / count)
+    std = torch.sqrt(seg_sum(dev * dev, inv, n_groups) / count)
     single = count == 1
-    zero_group = (_seg_extreme(r, inv, n_groups, "amax") == _seg_extreme(r, inv, n_groups, "amin")) | single
+    zero_group = (seg_extreme(r, inv, n_groups, "amax") == seg_extreme(r, inv, n_groups, "amin")) | single
     stats = {
         "baseline_fallbacks": 0.0,
         "baseline_shift_mean_abs": 0.0,
         "singleton_groups": float(single.sum()),
     }
-    if config.objective == "vcpo":
-        assert g is not None
-        # under PPO the loss carries no sequence weight: w̄ ≡ 1 in the exact and released weights too
-        is_mode = "none" if config.ppo_clip > 0 else config.importance_weighting
-        b, fallbacks = _opob_groups(
-            r,
-            log_w,
-            g,
-            inv,
-            n_groups,
-            config.baseline_weighting,
-            config.truncation,
-            lengths,
-            config.loss_aggregation,
-            is_mode,
-        )
-        adv = r - b[inv]
-        stats["baseline_fallbacks"] = float(fallbacks)
-        stats["baseline_shift_mean_abs"] = float((b - mean).abs().mean())
-    elif config.objective == "grpo":
-        adv = dev
-    elif config.objective == "rloo":
-        adv = r - (_seg_sum(r, inv, n_groups)[inv] - r) / torch.clamp(count[inv] - 1, min=1)
-    else:  # reinforce: the batch is the baseline's "group"
-        adv = r - r.mean()
+    objective = config.spec
+    inputs = AdvantageInputs(r, inv, n_groups, count, mean, log_w, lengths, g)
+    adv, own = objective.advantages(inputs, config)
+    stats.update(own)
+    if objective.zero_signal == "batch":  # the batch is the baseline's "group"
         zero_group = torch.full_like(zero_group, bool(r.max() == r.min()))
-    if config.objective in ("vcpo", "grpo") and config.std_normalize:
+    if objective.std_normalize and config.std_normalize:
         s = std[inv]
         adv = torch.where(s > STD_EPS, adv / torch.where(s > STD_EPS, s, torch.ones_like(s)), adv)
     return torch.where(zero_group[inv], torch.zeros_like(adv), adv), stats
@@ -417,7 +248,7 @@ def _validity(batch: PolicyBatch, config: ObjectiveConfig) -> tuple[Tensor, Tens
     """``(mask, valid, lengths, nonempty, beh_ok)``: the loss mask with skipped rows cleared, and why rows skip."""
     mask = _validate(batch, config)
     beh = batch.behaviour_logprobs.detach()
-    lengths = mask.sum(dim=-1).to(_F64)
+    lengths = mask.sum(dim=-1).to(F64)
     nonempty = lengths > 0
     beh_ok = ~(mask & ~torch.isfinite(beh)).any(dim=-1)
     valid = nonempty & beh_ok
@@ -437,7 +268,7 @@ def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | Non
     mask, valid, lengths, nonempty, beh_ok = _validity(batch, config)
     beh = batch.behaviour_logprobs.detach()
     log_w_all = sequence_log_weights(batch.logprobs, beh, mask)
-    lw, r = log_w_all[valid], batch.rewards.detach().to(_F64)[valid]
+    lw, r = log_w_all[valid], batch.rewards.detach().to(F64)[valid]
     n_valid = int(valid.sum())
     ess, local_rho = effective_sample_size(lw)
     rho = local_rho if ess_ratio is None else float(ess_ratio)
@@ -449,11 +280,11 @@ def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | Non
     m.update(skipped_empty=float((~nonempty).sum()), skipped_nonfinite=float((nonempty & ~beh_ok).sum()))
     m.update(num_trajectories=float(valid.numel()), num_valid=float(n_valid), num_tokens=float(lengths.sum()))
     if n_valid:
-        q = torch.quantile(lw, torch.tensor([0.5, 0.9, 0.99], dtype=_F64, device=lw.device)).tolist()
+        q = torch.quantile(lw, torch.tensor([0.5, 0.9, 0.99], dtype=F64, device=lw.device)).tolist()
         m.update(log_weight_max=float(lw.max()), log_weight_min=float(lw.min()))
         m.update(log_weight_p50=q[0], log_weight_p90=q[1], log_weight_p99=q[2])
-        m["frac_truncated"] = float((lw > math.log(config.truncation)).to(_F64).mean())
-        inv, n_groups = _segments(batch.group_ids[valid])
+        m["frac_truncated"] = float((lw > math.log(config.truncation)).to(F64).mean())
+        inv, n_groups = segments(batch.group_ids[valid])
         g = None if batch.sq_grad_norms is None else batch.sq_grad_norms[valid]
         adv_v, stats = _advantages(config, r, inv, n_groups, lw, lengths[valid], g)
         m.update(stats)
@@ -486,7 +317,7 @@ def _coefficients(
     if step.skip:
         return torch.zeros_like(step.log_w, dtype=dtype), step
     n_valid = step.metrics["num_valid"]
-    wbar = torch.exp(_log_loss_weight(step.log_w, config.importance_weighting, config.truncation))
+    wbar = torch.exp(log_loss_weight(step.log_w, config.importance_weighting, config.truncation))
     if config.loss_aggregation == "seq-mean-token-mean":
         denom = n_valid * torch.where(step.valid, step.lengths, torch.ones_like(step.lengths))
     elif config.loss_aggregation == "seq-mean-token-sum":
@@ -584,26 +415,3 @@ def policy_loss(
     m = _finish(step)
     m["loss"] = float(loss.detach())
     return loss, m
-
-
-# §5, the per-trajectory gradient norms OPOB needs, is model code: it lives in grad_norms.py and is
-# re-exported here so the whole of VCPO.md is reachable from one module.
-from services.learner.grad_norms import per_trajectory_sq_grad_norms  # noqa: E402
-
-__all__ = [
-    "METRIC_KEYS",
-    "ObjectiveConfig",
-    "PolicyBatch",
-    "distributed_effective_sample_size",
-    "effective_sample_size",
-    "ess_from_partial_sums",
-    "ess_partial_sums",
-    "lr_scale",
-    "opob_baseline",
-    "opob_baseline_with_stats",
-    "per_trajectory_sq_grad_norms",
-    "policy_loss",
-    "sequence_log_weights",
-    "trajectory_coefficients",
-    "valid_log_weights",
-]

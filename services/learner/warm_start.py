@@ -334,7 +334,7 @@ def train(
     """The SFT loop, in place on ``model``; returns each step's loss (mean NLL of the response tokens)."""
     import torch
 
-    from services.learner.grad_norms import token_logprobs
+    from services.learner.logprobs import token_logprobs
 
     if not examples:
         raise ValueError("warm_start: no examples to train on")

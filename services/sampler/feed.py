@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.prompts import PromptEncoder, TaskError
-from services.sampler.tasks import DatasetTasks
 from services.common.streams.consumer import StreamConsumer
 from services.common.streams.specs import Entry
+from services.sampler.tasks import DatasetTasks
 from vcpo.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,199 @@
+"""What each trainable module contributes to a row's squared score-gradient norm (the table in grad_norms.py).
+
+A module's share of ``‖∇θ log π(τ_i)‖²`` follows from its input x and its output gradient δ alone: Linear
+weights in the ghost Gram form or per-row materialised (whichever is cheaper), biases, embeddings,
+RMSNorm weights, and the cross term of a tied embedding / output head. :class:`RowNorms` sums them row by row
+in float64 from float32-or-better products; :func:`head_pass` forms the output head's share (and the
+decoder's backward signal) without autograd, over slices of the vocabulary, for the streaming pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from services.learner.logprobs import acc, slices, target_logprobs
+
+
+def rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
+    """x̂ exactly as Qwen2/Llama RMSNorm computes it (float32 statistics, cast back)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return h.to(x.dtype)
+
+
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The parameter's real shape, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def _gram(a: Tensor) -> Tensor:
+    return a @ a.transpose(1, 2)
+
+
+def _ghost(tokens: int, d_in: int, d_out: int) -> bool:
+    """Whether a linear layer's per-row norm is cheaper from T×T Gram matrices than from its d_out × d_in
+    per-row gradient."""
+    return tokens * (d_in + d_out) <= d_in * d_out
+
+
+class RowNorms:
+    """Per-row squared gradient norm, summed module by module from each module's input x and output grad δ.
+
+    Every product is summed in float32 at least (:func:`_acc`): bf16 Gram matrices and row sums lose ~3
+    digits. ``gram_cache`` bounds how many inputs' Gram matrices are kept for reuse by the layers that share
+    an input (q/k/v, gate/up); the cache holds the input too, so its address cannot be reused meanwhile.
+    """
+
+    def __init__(self, ids: Tensor, gram_cache: int | None = None) -> None:
+        self.ids = ids  # the embedding's input: the tied cross term gathers the output head's δ at them
+        self.total: Tensor = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
+        self._grams: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
+        self._gram_cache = gram_cache
+        # the output head's share of a tied cross term until the embedding's δ arrives: (g, h) with
+        # g[b, s, t] = δhead_{s, id_t} and h the head's input
+        self.head_cross: tuple[Tensor, Tensor] | None = None
+
+    def add(self, v: Tensor) -> None:
+        self.total += v.double()
+
+    def input_gram(self, x: Tensor) -> Tensor:
+        # the cache holds x, so its storage (and that storage's id) stays the same while the entry lives
+        key = (id(x.untyped_storage()), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+        hit = self._grams.get(key)
+        if hit is not None:
+            return hit[1]
+        gram = _gram(acc(x))
+        if self._gram_cache is not None and len(self._grams) >= self._gram_cache:
+            self._grams.pop(next(iter(self._grams)))
+        self._grams[key] = (x, gram)
+        return gram
+
+    def linear(self, x: Tensor, delta: Tensor, role: str) -> None:
+        d = acc(delta)
+        if role == "bias":
+            self.add(d.sum(1).pow(2).sum(-1))
+        elif _ghost(x.shape[1], x.shape[-1], d.shape[-1]):  # ghost: T×T Gram matrices
+            self.add((self.input_gram(x) * _gram(d)).sum((1, 2)))
+        else:  # materialise each row's d_out × d_in gradient
+            self.add((d.transpose(1, 2) @ acc(x)).pow(2).sum((1, 2)))
+
+    def embedding(self, ids: Tensor, delta: Tensor) -> None:
+        d = acc(delta)
+        same = (ids[:, :, None] == ids[:, None, :]).to(d.dtype)
+        self.add((_gram(d) * same).sum((1, 2)))
+
+    def rmsnorm(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
+        self.add((acc(delta) * acc(rms_normalised(module, x))).sum(1).pow(2).sum(-1))
+
+    def hold_head_cross(self, head_delta: Tensor, head_x: Tensor) -> None:
+        """Keep the output head's part of the tied cross term: its δ gathered at the token ids, its input."""
+        d_head = acc(head_delta)
+        g = d_head.gather(2, self.ids[:, None, :].expand(-1, d_head.shape[1], -1))  # [B, s, t]
+        self.head_cross = (g, acc(head_x))
+
+    def tied_cross(self, emb_delta: Tensor) -> None:
+        """2⟨G_emb, G_head⟩ = 2 Σ_{t,s} δhead_{s, id_t} (δemb_t · h_s), with the held head part."""
+        if self.head_cross is None:
+            raise RuntimeError("tied embedding: the output head's backward signal did not reach the norms")
+        g, h = self.head_cross
+        a = acc(emb_delta) @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
+        self.add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
+        self.head_cross = None
+
+
+@contextmanager
+def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+@torch.no_grad()
+def head_pass(
+    norms: RowNorms | None,
+    head: nn.Linear,
+    roles: Sequence[str],
+    hidden: Tensor,
+    input_ids: Tensor,
+    response_mask: Tensor,
+    chunks: int,
+    tied: bool,
+) -> tuple[Tensor, Tensor]:
+    """The output head's whole share of the norm pass, without autograd: ``(log-probs [B, T] as
+    :func:`token_logprobs`, ∂f/∂hidden [B, T, H] in hidden's dtype)``, and the head's per-row squared gradient
+    norm added to ``norms`` (``None``: the head does not train).
+
+    Two sweeps over the gathered head weight, so no ``[B, T, vocab]`` tensor exists:
+
+    - positions in ``chunks`` slices: the logits' logsumexp and the targets' log-probs;
+    - vocabulary in ``chunks`` slices: the backward signal δ_s = m_s (e_{y_s} − p_s) of f = Σ_s m_s log π(y_s),
+      with p_s = exp(logits_s − logsumexp_s), from that slice of the logits alone. Its products with the head's
+      weight sum to ∂f/∂hidden; the Gram matrix Σ_v δ_t[v] δ_s[v] (ghost form) and the per-row gradient's
+      squared norm are sums over the slices too.
+
+    The decoder's backward then starts from ∂f/∂hidden, so the head is never recomputed or differentiated
+    through (a checkpointed head would run its forward twice more). ``tied``: also keep the head's part of the
+    cross term with the embedding (δhead_{s, id_t}) for :meth:`RowNorms.tied_cross`.
+    """
+    h = hidden[:, :-1].detach()
+    targets, m = input_ids[:, 1:], response_mask[:, 1:]
+    hx = acc(h)
+    mf = m.to(hx.dtype)
+    b_rows, s_len, width = h.shape
+    vocab = full_shape(head.weight)[0]
+    vocab_chunk = -(-vocab // chunks)
+    train_weight = norms is not None and "weight" in roles
+    dd = hx.new_zeros(b_rows, s_len, s_len) if train_weight and _ghost(s_len, width, vocab) else None
+    weight_sq = hx.new_zeros(b_rows)
+    bias_sq = hx.new_zeros(b_rows)
+    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if norms is not None and tied else None
+    grad_h = hx.new_zeros(b_rows, s_len, width)
+    logp = hx.new_zeros(b_rows, input_ids.shape[1])
+    with gathered(list(head.parameters())):
+        weight, bias = head.weight, head.bias
+        lses = []
+        for a, b in slices(s_len, chunks):
+            logp[:, a + 1 : b + 1], lse = target_logprobs(
+                acc(nn.functional.linear(h[:, a:b], weight, bias)), targets[:, a:b]
+            )
+            lses.append(lse)
+        logsumexp = torch.cat(lses, dim=1)
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            w = weight[v0:v1]
+            logits = acc(nn.functional.linear(h, w, None if bias is None else bias[v0:v1]))
+            d = logits.sub_(logsumexp[..., None]).exp_().mul_(-mf[..., None])  # −m_s p_s, in place
+            del logits
+            hit = ((targets >= v0) & (targets < v1)).to(hx.dtype) * mf
+            d.scatter_add_(2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None])
+            grad_h += d.to(w.dtype) @ w
+            if train_weight:
+                if dd is not None:
+                    dd += _gram(d)
+                else:
+                    weight_sq += (d.transpose(1, 2) @ hx).pow(2).sum((1, 2))
+            if norms is not None and "bias" in roles:
+                bias_sq += d.sum(1).pow(2).sum(-1)
+            if cross is not None:
+                inside = (input_ids >= v0) & (input_ids < v1)
+                idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
+                cross += torch.where(inside[:, None, :], d.gather(2, idx), 0.0)
+    if norms is not None:
+        if dd is not None:
+            weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
+        norms.add(weight_sq + bias_sq)
+        if cross is not None:  # cross[b, s, t] = δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
+            norms.head_cross = (cross, hx)
+    grad_hidden = torch.cat([grad_h, grad_h.new_zeros(b_rows, 1, width)], dim=1).to(hidden.dtype)
+    return logp, grad_hidden
