@@ -63,8 +63,8 @@ import xxhash
 from services.common.memory import ALLOCATOR_ENV
 from services.common.redis_server import free_port
 from services.common.service_process import ServiceProcess
-from services.weight_broker.client import GrpcTransport, TcpTransport, WeightTransport
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
+from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
 
 MiB = 1 << 20
 TARGET_BROKER_OVER_SOCKET = 0.5

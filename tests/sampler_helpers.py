@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from services.weight_broker.client import WeightTransport
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import WeightTransport
 
 versions = itertools.count(1_000_000)  # versions loaded straight into the session's engine (they only grow)
 

@@ -331,10 +331,10 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     from services.common.config import RunConfig, StreamsConfig
     from services.common.observability import Metrics, grpc_server
     from services.common.streams import StreamProducer, StreamTail, stream_specs
-    from services.weight_broker.client import GrpcTransport
     from services.weight_broker.member import BrokerMember
     from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
     from services.weight_broker.store import MemoryStore
+    from services.weight_broker.transports import GrpcTransport
 
     weights = stream_specs(RunConfig(run_id="member"), StreamsConfig())["weights"]
     servicer = WeightBrokerServicer(

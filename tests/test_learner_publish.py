@@ -13,9 +13,9 @@ import torch
 from services.common.observability import Metrics, grpc_server
 from services.common.redis_server import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.weight_broker.client import GrpcTransport, RetryPolicy
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore
+from services.weight_broker.transports import GrpcTransport, RetryPolicy
 
 BUCKET = 200_000  # bytes: several buckets for the tiny model
 
@@ -212,7 +212,7 @@ class _FlakyTransport:
         self.fail, self.then, self.calls = fail, then, 0
 
     def publish_once(self, version: int, specs: Any, tensors: Any) -> Any:
-        from services.weight_broker.client import PublishResult
+        from services.weight_broker.transports import PublishResult
 
         self.calls += 1
         for _ in tensors:  # consumes the gathered buckets as a real transport does
@@ -232,7 +232,7 @@ def test_a_publish_rides_out_a_broker_restart_and_a_redone_version_counts_as_pub
     retrying for ``retry_s``. A learner group restarted from its checkpoint redoes steps whose versions the
     broker already holds, or has moved past: both count as published, so the run goes on."""
     from services.learner.publish import publish_version
-    from services.weight_broker.client import StalePublish, VersionExists
+    from services.weight_broker.transports import StalePublish, VersionExists
 
     module = torch.nn.Linear(4, 4)
     flaky = _FlakyTransport(fail=5)

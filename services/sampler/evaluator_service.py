@@ -22,7 +22,7 @@ from services.sampler.evaluation import EvalRunner
 from services.sampler.service import environment_registry, make_engine, make_evaluator
 from services.sampler.tasks import PromptEncoder
 from services.sampler.weights import WeightSync
-from services.weight_broker.client import transport_from_config
+from services.weight_broker.transports import transport_from_config
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ The messages are the gRPC path's, byte for byte, and go through the same code on
 (``apply_publish``, ``fetch_responses``, ``receive_fetch`` and the servicer's bookkeeping): the same
 manifest and per-tensor checksums, the same all-or-nothing commit, the same metrics and announcements. A
 connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off resumes from the
-first tensor the sink has not received (client.py).
+first tensor the sink has not received (transports/base.py).
 """
 
 from __future__ import annotations
