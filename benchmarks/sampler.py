@@ -72,7 +72,8 @@ from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings
 from services.sampler.service import SamplerService
 from services.sampler.tasks import PromptEncoder, arith_rows, load_dataset
-from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.announce import Announcer
+from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports import GrpcTransport

@@ -43,7 +43,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     """An in-process weight broker (gRPC) that announces each version on the run's `weights` stream."""
     from services.common.config import StreamsConfig
     from services.common.streams import StreamProducer, stream_specs
-    from services.weight_broker.servicer import Announcer
+    from services.weight_broker.announce import Announcer
     from services.weight_broker.store import MemoryStore
     from tests.test_weight_broker import Broker
 

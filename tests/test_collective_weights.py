@@ -331,8 +331,9 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     from services.common.config import RunConfig, StreamsConfig
     from services.common.observability import Metrics, grpc_server
     from services.common.streams import StreamProducer, StreamTail, stream_specs
+    from services.weight_broker.announce import Announcer
     from services.weight_broker.member import BrokerMember
-    from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+    from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
     from services.weight_broker.store import MemoryStore
     from services.weight_broker.transports import GrpcTransport
 

@@ -16,8 +16,9 @@ from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import GrpcServer, Metrics, grpc_server
 from services.common.streams import StreamProducer, StreamTail, stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.weight_broker.announce import Announcer
 from services.weight_broker.protocol import publish_requests
-from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports import (

@@ -18,8 +18,8 @@ group does not carry goes through the broker with :class:`TcpTransport`.
 from __future__ import annotations
 
 from services.common.config import RunConfig, StreamsConfig
+from services.weight_broker.announce import Announcer
 from services.weight_broker.config import WeightBrokerConfig, broker_host
-from services.weight_broker.servicer import Announcer
 from services.weight_broker.transports.base import (
     BrokerUnavailable,
     PublishResult,

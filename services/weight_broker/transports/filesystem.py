@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from services.weight_broker.announce import Announcer
 from services.weight_broker.protocol import IntegrityError, apply_publish, fetch_responses, publish_requests
-from services.weight_broker.servicer import Announcer
 from services.weight_broker.store import DiskStore, PublishRejected, version_dir
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports.base import (
