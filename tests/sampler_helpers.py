@@ -146,8 +146,9 @@ def broadcast_versions(
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
     ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
-    from services.weight_broker.collective import CollectivePublisher, GroupSpec, TransferFailed, WeightGroup
+    from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.tensors import TensorSpec
+    from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 0)
     publisher = CollectivePublisher(group, bucket_bytes=1 << 20)

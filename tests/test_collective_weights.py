@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from services.common.redis_server import free_port
-from services.weight_broker.collective import (
-    ALIGN,
-    CollectivePublisher,
-    CollectiveReceiver,
-    GroupSpec,
-    TransferFailed,
-    WeightGroup,
-    bucket_layout,
-)
+from services.weight_broker.collective import ALIGN, CollectivePublisher, CollectiveReceiver, bucket_layout
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
 
 def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -55,7 +48,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     if behaviour == "arrive-and-die":  # counted in at the rendezvous, then killed before it connects
         import torch.distributed as dist
 
-        from services.weight_broker.collective import arrive, open_store
+        from services.weight_broker.weight_group import arrive, open_store
 
         arrive(dist.PrefixStore(spec.prefix(), open_store(spec)), "ranks_arrived", spec.world_size, 30)
         os._exit(3)

@@ -137,7 +137,8 @@ def test_the_publish_outcome_travels_on_the_backends_device(monkeypatch: pytest.
 def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any], out: Any) -> None:
     try:
         from services.learner.publish import GatherStats, publish_collective
-        from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
+        from services.weight_broker.collective import CollectivePublisher
+        from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
         module = _zero3_module(rank, port, model_dir)
         publisher = CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000) if rank == 0 else None
@@ -153,7 +154,8 @@ def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any],
 
 
 def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
-    from services.weight_broker.collective import CollectiveReceiver, GroupSpec, TransferFailed, WeightGroup
+    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 1)
     if behaviour == "die-after-header":

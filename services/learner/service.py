@@ -45,9 +45,9 @@ from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
 from services.learner.publish import publish_collective, publish_version, rank0_code
 from services.learner.trainer import StepResult, Trainer
-from services.weight_broker.collective import TransferFailed
 from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
 from services.weight_broker.transports import WeightTransport, transport_from_config
+from services.weight_broker.weight_group import TransferFailed
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ Client side (other services may import these):
 - ``transports/``: the ``WeightTransport`` interface, its ``tcp``, ``grpc`` and ``filesystem`` transports and
   ``transport_from_config``.
 - ``follower``: a sampler's loop that notices newer versions and loads each whole.
-- ``collective``: the collective transport: the weight group, rank 0's publisher, the receivers.
+- ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
+- ``collective``: what travels over the weight group: rank 0's publisher and the receivers.
 - ``group_control``: the weight group's control plane (members' seats in Redis, learner rank 0's coordinator).
 
 Shared by both sides (the client side and the broker agree through these):
@@ -23,8 +24,8 @@ Shared by both sides (the client side and the broker agree through these):
 - ``announce``: announcements of committed versions on the run's ``weights`` stream.
 - ``dataplane``: the TCP data plane's frames and the client's two calls.
 
-Server side (the broker's process; nothing outside the broker imports these, except ``ray_actor.start_broker``,
-which the Ray launcher calls to place the broker):
+Server side (the broker's process; nothing outside the broker imports these, except
+``ray_actor.start_broker``, which the Ray launcher calls to place the broker):
 
 - ``servicer``: the gRPC service and the broker's metrics.
 - ``dataplane_server``: the TCP data plane's server, over the servicer.

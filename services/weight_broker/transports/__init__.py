@@ -11,8 +11,8 @@
   process; announcements go to the ``weights`` stream directly.
 
 :func:`transport_from_config` picks one from a run's ``[weight_broker]`` section. The collective transport
-(``collective.py``) is not one of these: it broadcasts into a process group, and what the
-group does not carry goes through the broker with :class:`TcpTransport`.
+(``weight_group.py``, ``collective.py``) is not one of these: it broadcasts into a process group, and what
+the group does not carry goes through the broker with :class:`TcpTransport`.
 """
 
 from __future__ import annotations
