@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from services.common.redis_server import free_port
-from services.weight_broker.client import GrpcTransport, TcpTransport, WeightTransport
+from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
 
 MiB = 1 << 20
@@ -216,7 +216,8 @@ def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, lis
 def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results: Any) -> None:
     """A sampler engine's worker: joins the weight group, then takes each version as it is broadcast (the
     control plane would call ``receive`` on the announcement; here the receiver waits in it)."""
-    from services.weight_broker.collective import CollectiveReceiver, GroupSpec, WeightGroup
+    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
     try:
         group = WeightGroup(GroupSpec(**spec), rank)
@@ -246,7 +247,8 @@ def run_collective(
     """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer)."""
-    from services.weight_broker.collective import CollectivePublisher, GroupSpec, WeightGroup
+    from services.weight_broker.collective import CollectivePublisher
+    from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
     spec: dict[str, Any] = {
         "host": "127.0.0.1",

@@ -52,7 +52,7 @@ def _rank(
     from services.learner.publish import publish_version
     from services.learner.trainer import Trainer
     from services.learner.vcpo import objective_config
-    from services.weight_broker.client import GrpcTransport
+    from services.weight_broker.transports import GrpcTransport
 
     torch.set_num_threads(1)  # two ranks share this machine's cores
     configs = {

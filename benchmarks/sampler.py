@@ -75,10 +75,11 @@ from services.common.tiny_model import build_tiny_model, count_parameters
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings
 from services.sampler.service import SamplerService
-from services.weight_broker.client import GrpcTransport
-from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.announce import Announcer
+from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import GrpcTransport
 from vcpo.v1 import rollout_pb2
 
 TARGET_SERVICE_OVER_ENGINE = 0.8

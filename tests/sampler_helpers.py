@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from services.weight_broker.client import WeightTransport
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import WeightTransport
 
 versions = itertools.count(1_000_000)  # versions loaded straight into the session's engine (they only grow)
 
@@ -44,7 +44,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     from services.common.config import StreamsConfig
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
-    from services.weight_broker.servicer import Announcer
+    from services.weight_broker.announce import Announcer
     from services.weight_broker.store import MemoryStore
     from tests.test_weight_broker import Broker
 
@@ -148,8 +148,9 @@ def broadcast_versions(
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
     ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
-    from services.weight_broker.collective import CollectivePublisher, GroupSpec, TransferFailed, WeightGroup
+    from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.tensors import TensorSpec
+    from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 0)
     publisher = CollectivePublisher(group, bucket_bytes=1 << 20)

@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from services.common.redis_server import free_port
-from services.weight_broker.collective import (
-    ALIGN,
-    CollectivePublisher,
-    CollectiveReceiver,
-    GroupSpec,
-    TransferFailed,
-    WeightGroup,
-    bucket_layout,
-)
+from services.weight_broker.collective import ALIGN, CollectivePublisher, CollectiveReceiver, bucket_layout
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
 
 def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -55,7 +48,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     if behaviour == "arrive-and-die":  # counted in at the rendezvous, then killed before it connects
         import torch.distributed as dist
 
-        from services.weight_broker.collective import arrive, open_store
+        from services.weight_broker.weight_group import arrive, open_store
 
         arrive(dist.PrefixStore(spec.prefix(), open_store(spec)), "ranks_arrived", spec.world_size, 30)
         os._exit(3)
@@ -333,10 +326,11 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     from services.common.streams.consumer import StreamTail
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
-    from services.weight_broker.client import GrpcTransport
+    from services.weight_broker.announce import Announcer
     from services.weight_broker.member import BrokerMember
-    from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
+    from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
     from services.weight_broker.store import MemoryStore
+    from services.weight_broker.transports import GrpcTransport
 
     weights = stream_specs(RunConfig(run_id="member"), StreamsConfig())["weights"]
     servicer = WeightBrokerServicer(

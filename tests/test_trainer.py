@@ -161,7 +161,7 @@ def _step_publish_resume(
     from services.learner.batching import to_tensors
     from services.learner.publish import gathered_tensors, publish_version
     from services.learner.trainer import Trainer
-    from services.weight_broker.client import GrpcTransport
+    from services.weight_broker.transports import GrpcTransport
 
     def weights(t: Trainer) -> dict[str, torch.Tensor]:
         return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}

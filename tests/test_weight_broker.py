@@ -18,7 +18,12 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.weight_broker.client import (
+from services.weight_broker.announce import Announcer
+from services.weight_broker.protocol import publish_requests
+from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore
+from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import (
     BrokerUnavailable,
     FilesystemTransport,
     GrpcTransport,
@@ -26,10 +31,6 @@ from services.weight_broker.client import (
     StalePublish,
     VersionExists,
 )
-from services.weight_broker.protocol import publish_requests
-from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore
-from services.weight_broker.tensors import TensorSpec
 from vcpo.v1 import weights_pb2, weights_pb2_grpc
 
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=30)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from services.weight_broker import dataplane
-from services.weight_broker.client import StalePublish, TcpTransport, VersionExists
-from services.weight_broker.dataplane import DataPlaneServer
+from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.protocol import publish_requests
 from services.weight_broker.store import MemoryStore, VersionNotFound
+from services.weight_broker.transports import StalePublish, TcpTransport, VersionExists
 from tests.test_weight_broker import (
     FAST,
     Broker,

@@ -17,8 +17,8 @@ from services.common.observability import check_health
 from services.common.redis_server import free_port
 from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
-from services.weight_broker.client import GrpcTransport
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import GrpcTransport
 
 ROOT = Path(__file__).parent.parent
 

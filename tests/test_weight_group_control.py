@@ -17,8 +17,7 @@ import torch
 from services.common.observability import Metrics
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_broker.client import WeightTransport
-from services.weight_broker.collective import CollectiveReceiver, GroupSpec, TransferFailed, WeightGroup
+from services.weight_broker.collective import CollectiveReceiver
 from services.weight_broker.group_control import (
     GroupCoordinator,
     GroupRegistry,
@@ -29,6 +28,8 @@ from services.weight_broker.group_control import (
 from services.weight_broker.member import serve_seat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
+from services.weight_broker.transports import WeightTransport
+from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, version_tensors
 from vcpo.v1 import weights_pb2
 

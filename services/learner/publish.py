@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from services.learner.norm_rules import full_shape
-from services.weight_broker.client import PublishResult, StalePublish, VersionExists, WeightTransport
-from services.weight_broker.collective import CollectivePublisher, TransferFailed, TransferStats
+from services.weight_broker.collective import CollectivePublisher, TransferStats
 from services.weight_broker.tensors import TensorSpec, dtype_name
+from services.weight_broker.transports import PublishResult, StalePublish, VersionExists, WeightTransport
+from services.weight_broker.weight_group import TransferFailed
 
 log = logging.getLogger(__name__)
 

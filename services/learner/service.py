@@ -17,6 +17,10 @@ per step (a step redone after a restart appears again; the last line for a step 
 version, the group ids trained and each one's lag, the mean reward, the groups consumed but not trained on
 since the previous step (dropped by lag or rejected, with why), the step's metrics and phase times. The
 launcher's progress line, run report and ledger are built from it.
+
+The pieces it drives: ``trainer.py`` (the ZeRO-3 engine and its step), ``feed.py`` (the scored stream),
+``publish.py`` (a version to the broker or into the weight group), ``metrics.py`` (rank 0's Prometheus
+metrics), ``servicer.py`` (rank 0's Status call); ``supervisor.py`` and ``ray_group.py`` run the ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,158 +44,19 @@ from services.common.observability import GrpcServer, Metrics, MetricsServer, gr
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.specs import connect, stream_specs
 from services.common.tiny_model import run_model
-from services.learner.batching import REJECT_REASONS, place_groups, to_tensors
+from services.learner.batching import place_groups, to_tensors
 from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
+from services.learner.metrics import LearnerMetrics
 from services.learner.publish import publish_collective, publish_version, rank0_code
-from services.learner.trainer import StepResult, Trainer
-from services.weight_broker.client import WeightTransport, transport_from_config
-from services.weight_broker.collective import TransferFailed
+from services.learner.servicer import LearnerState, StatusServicer
+from services.learner.trainer import Trainer
 from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
+from services.weight_broker.transports import WeightTransport, transport_from_config
+from services.weight_broker.weight_group import TransferFailed
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
-
-GAUGES = {  # step metric -> (gauge name, help)
-    "ess": ("vcpo_learner_ess", "Effective sample size of the last step's importance weights"),
-    "ess_ratio": (
-        "vcpo_learner_ess_ratio",
-        "ESS over the number of valid trajectories (rho) of the last step",
-    ),
-    "lr_scale": ("vcpo_learner_lr_scale", "Learning-rate scale s(rho) applied to the last step"),
-    "lr": ("vcpo_learner_lr", "Learning rate of the last step"),
-    "grad_norm": ("vcpo_learner_grad_norm", "Global gradient norm of the last step, before clipping"),
-    "loss": ("vcpo_learner_loss", "Policy loss of the last step"),
-    "baseline_shift_mean_abs": (
-        "vcpo_learner_opob_shift",
-        "Mean |OPOB baseline - group mean reward| of the last step",
-    ),
-    "frac_truncated": ("vcpo_learner_truncated_fraction", "Share of trajectories whose weight was truncated"),
-    "advantage_abs_mean": ("vcpo_learner_advantage_abs_mean", "Mean |advantage| of the last step"),
-    "recompute": (
-        "vcpo_learner_recompute",
-        "1 when the last step ran the recompute memory path (a second forward per micro-batch), 0 saved",
-    ),
-}
-QUANTILES = {
-    "log_weight_min": "0",
-    "log_weight_p50": "0.5",
-    "log_weight_p90": "0.9",
-    "log_weight_p99": "0.99",
-    "log_weight_max": "1",
-}
-
-
-class LearnerMetrics:
-    """The learner's Prometheus metrics (rank 0 serves them)."""
-
-    def __init__(self, metrics: Metrics, k: int) -> None:
-        self.version = metrics.gauge("vcpo_learner_policy_version", "Policy version of the current weights")
-        self.steps = metrics.counter("vcpo_learner_steps_total", "Optimizer steps taken by this process")
-        self.skipped = metrics.counter("vcpo_learner_steps_skipped_total", "Steps skipped by the VCPO guard")
-        self.gauges = {key: metrics.gauge(name, doc) for key, (name, doc) in GAUGES.items()}
-        self.log_weight = metrics.gauge(
-            "vcpo_learner_log_weight",
-            "Quantiles of the last step's sequence log importance weights",
-            ["quantile"],
-        )
-        self.staleness = metrics.histogram(
-            "vcpo_learner_staleness_versions",
-            "Lag t - policy_version_start of every scored group consumed (trained or dropped)",
-            buckets=[float(b) for b in range(max(k, 1) + 2)] + [float(k + 4), float(k + 8)],
-        )
-        self.trained = metrics.counter("vcpo_learner_groups_trained_total", "Scored groups trained on")
-        self.dropped = metrics.counter(
-            "vcpo_learner_groups_dropped_total", "Scored groups never trained on, by cause", ["cause"]
-        )
-        for cause in ("lag", *REJECT_REASONS):
-            self.dropped.labels(cause)
-        self.phase = metrics.histogram(
-            "vcpo_learner_phase_seconds",
-            "Time of each phase of the learner's loop: wait (reading scored groups), gradient, optimizer, "
-            "publish, checkpoint",
-            ["phase"],
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-        )
-        self.tokens = metrics.counter("vcpo_learner_tokens_total", "Tokens (prompt + response) trained on")
-        self.tokens_per_second = metrics.gauge("vcpo_learner_tokens_per_second", "Tokens/s of the last step")
-        self.reward_mean = metrics.gauge(
-            "vcpo_learner_reward_mean", "Mean reward of the trajectories the last step trained on"
-        )
-        self.published = metrics.counter(
-            "vcpo_learner_versions_published_total",
-            "Versions published, by path: collective (broadcast into the weight group) or broker",
-            ["path"],
-        )
-        self.group_events = metrics.counter(
-            "vcpo_weight_group_events_total",
-            "The collective transport's weight group: formed, form_failed, broadcast_failed",
-            ["event"],
-        )
-        for event in ("formed", "form_failed", "broadcast_failed"):
-            self.group_events.labels(event)
-        self.group_epoch = metrics.gauge("vcpo_weight_group_epoch", "Epoch of the weight group (0: none)")
-
-    def offered(self, items: list[Offered]) -> None:
-        for o in items:
-            if o.outcome == "rejected":
-                self.dropped.labels(o.reason).inc()
-                continue
-            self.staleness.observe(o.lag)
-            if o.outcome == "dropped":
-                self.dropped.labels("lag").inc()
-            else:
-                self.trained.inc()
-
-    def step(self, result: StepResult, publish_s: float) -> None:
-        m = result.metrics
-        self.version.set(result.version)
-        self.steps.inc()
-        if m["step_skipped"]:
-            self.skipped.inc()
-        for key, gauge in self.gauges.items():
-            gauge.set(m[key])
-        for key, q in QUANTILES.items():
-            self.log_weight.labels(q).set(m[key])
-        for phase in ("gradient", "optimizer"):
-            self.phase.labels(phase).observe(result.timings[f"{phase}_s"])
-        self.phase.labels("publish").observe(publish_s)
-        self.tokens.inc(result.timings["tokens_all_ranks"])
-        self.tokens_per_second.set(result.timings["tokens_all_ranks"] / max(result.timings["step_s"], 1e-9))
-
-
-@dataclass
-class LearnerState:
-    """What the Status call reports."""
-
-    state: int = common_pb2.ServiceStatus.STARTING
-    detail: str = "starting"
-    version: int = 0
-    step: int = 0
-    figures: dict[str, float] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-
-
-class StatusServicer(common_pb2_grpc.StatusServicer):
-    def __init__(self, status: LearnerState, run_id: str) -> None:
-        self.status, self.run_id = status, run_id
-
-    def GetStatus(
-        self, request: common_pb2.StatusRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ServiceStatus:
-        s = self.status
-        figures = {k: v for k, v in s.figures.items() if math.isfinite(v)}
-        figures["step"] = float(s.step)
-        return common_pb2.ServiceStatus(
-            service="learner",
-            replica_id="rank0",
-            run_id=self.run_id,
-            policy_version=s.version,
-            state=s.state,  # type: ignore[arg-type]
-            detail=s.detail,
-            uptime_seconds=time.monotonic() - s.started,
-            figures=figures,
-        )
 
 
 def checkpoint_dir(learner: LearnerConfig, run: RunConfig) -> Path:

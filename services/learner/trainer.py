@@ -9,7 +9,7 @@
       publish_version(...) after the step (publish.py), checkpoints (save/load) as collectives
 
 The process group is initialised from the usual environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``), set by ``services.learner.main`` (plain processes) or the Ray actor group.
+``WORLD_SIZE``, ``LOCAL_RANK``), set by ``services.learner.supervisor`` (plain processes) or the Ray actor group.
 The model comes through ``AutoModelForCausalLM.from_pretrained`` (a hub id or a local directory); with
 ZeRO-3 it is partitioned while it loads (``HfDeepSpeedConfig``), so no rank ever holds a full copy.
 """

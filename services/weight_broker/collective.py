@@ -1,7 +1,9 @@
 """The collective weight transport: the learner broadcasts a version into every receiving engine worker.
 
-One process group joins the publisher (rank 0, the learner's exporting rank) and every receiver (each sampler
-engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A version travels as:
+The weight group (``weight_group.py``) joins the publisher (rank 0, the learner's exporting rank) and every
+receiver (each sampler engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. This module is
+what travels over it (:class:`CollectivePublisher` sends, :class:`CollectiveReceiver` receives). A version
+travels as:
 
     announce  rank 0 sets ``announce/<n>`` = version in the group's store; receivers poll for it (no collective
               is pending while the group is idle, so no timeout runs), then enter the broadcast
@@ -17,7 +19,7 @@ engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. A versio
 
 Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
 timeout, a bad digest) leaves every engine on its previous version. A failed collective leaves the group
-unusable: its members close it and the control plane forms a new one (:class:`GroupSpec` ``epoch``).
+unusable: its members close it and the control plane forms a new one (``GroupSpec.epoch``).
 """
 
 from __future__ import annotations
@@ -28,304 +30,18 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import xxhash
 
 from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
+from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
 
-_RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20
-
-
-class TransferFailed(RuntimeError):
-    """A version did not reach every member of the group; no member applied it. The group must be re-formed."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where and how the weight group meets: the control plane hands the same spec to every member.
-
-    ``world_size`` counts the publisher and every receiving worker. ``epoch`` names this forming of the group:
-    a re-formed group (a member joined, restarted or failed) gets a new one, so no key of an old rendezvous
-    is read by a new one.
-    """
-
-    host: str
-    port: int
-    world_size: int
-    backend: str = "gloo"  # "gloo" | "nccl"
-    epoch: int = 0
-    timeout_s: float = 120.0
-    form_timeout_s: float = 30.0  # how long every rank waits for all the others to arrive at the rendezvous
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.world_size < 2:
-            raise ValueError(
-                f"a weight group needs the publisher and at least one receiver, got {self.world_size}"
-            )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"weight group port must be in 1..65535, got {self.port}")
-        if self.timeout_s <= 0 or self.form_timeout_s <= 0:
-            raise ValueError(
-                f"weight group timeouts must be > 0, got timeout_s={self.timeout_s}, "
-                f"form_timeout_s={self.form_timeout_s}"
-            )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "port": self.port,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "epoch": self.epoch,
-            "timeout_s": self.timeout_s,
-            "form_timeout_s": self.form_timeout_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
-        return cls(
-            str(d["host"]),
-            int(d["port"]),
-            int(d["world_size"]),
-            str(d.get("backend", "gloo")),
-            int(d.get("epoch", 0)),
-            float(d.get("timeout_s", 120.0)),
-            float(d.get("form_timeout_s", 30.0)),
-        )
-
-    def prefix(self) -> str:
-        """The key prefix of this epoch's rendezvous and announcements in the group's store."""
-        return f"vcpo-weights/{self.epoch}"
-
-
-def open_store(spec: GroupSpec, master: bool = False, port: int | None = None) -> Any:
-    """A TCP store client of ``spec``'s rendezvous (or, ``master``, the store itself, listening on ``port``:
-    0 binds a free one, read back from ``.port``)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        spec.host,
-        spec.port if port is None else port,
-        spec.world_size,
-        is_master=master,
-        timeout=timedelta(seconds=spec.form_timeout_s),
-        wait_for_workers=False,
-    )
-
-
-def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float = 0.02) -> int:
-    """Count this process in at ``key`` of ``store`` and wait until ``expected`` have arrived; returns how many
-    had arrived (fewer than ``expected`` after ``timeout_s``)."""
-    arrived = int(store.add(key, 1))
-    deadline = time.monotonic() + timeout_s
-    while arrived < expected and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        arrived = int(store.add(key, 0))
-    return arrived
-
-
-class AnnouncementWatch:
-    """A receiver's view of rank 0's announcements (``announce/<n>`` = version, in order) in one epoch's
-    store: the weight group's own, or a client of the store held by a process that is not a rank itself (a
-    sampler's driver, whose engine workers are the ranks)."""
-
-    def __init__(self, store: Any, closed: Any = None) -> None:
-        self._store = store
-        self._on_failure = closed  # called once the store is gone (e.g. to close the group)
-        self.seq = 0  # announcements taken
-
-    @classmethod
-    def of(cls, spec: GroupSpec) -> AnnouncementWatch:
-        import torch.distributed as dist
-
-        try:
-            return cls(dist.PrefixStore(spec.prefix(), open_store(spec)))
-        except Exception as exc:
-            raise TransferFailed(
-                f"the weight group's store at {spec.host}:{spec.port} is unreachable: {exc}"
-            ) from exc
-
-    def next(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
-        """The version of the next broadcast once rank 0 announced it (then receive it); None after
-        ``timeout_s`` (0: look once) without one. Raises :class:`TransferFailed` if the store is gone with its
-        host, the publisher."""
-        key = f"announce/{self.seq + 1}"
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self._store.check([key]):
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(poll_s)
-            version = int(self._store.get(key))
-        except Exception as exc:
-            if self._on_failure is not None:
-                self._on_failure()
-            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
-        self.seq += 1
-        return version
-
-
-class WeightGroup:
-    """This process's membership of the weight group: a process group outside torch.distributed's default
-    one (which ZeRO-3 or vLLM's tensor parallelism may own), formed over its own TCP store."""
-
-    def __init__(
-        self, spec: GroupSpec, rank: int, device: torch.device | None = None, store: Any = None
-    ) -> None:
-        """Join as ``rank``: rank 0 hosts the store (or passes ``store``, a master it opened already, to learn a
-        free port before announcing the spec). Every rank first waits, up to ``form_timeout_s``, until all
-        ``world_size`` have arrived (:class:`TransferFailed` otherwise), so a member that never comes costs the
-        others that long, not the collective timeout."""
-        if not 0 <= rank < spec.world_size:
-            raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
-        import torch.distributed as dist
-
-        self.spec, self.rank = spec, rank
-        # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA ones
-        # through the host (the GPU test of the receiver's bounce path uses that)
-        if spec.backend == "nccl":
-            self.device = device or torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = device or torch.device("cpu")
-        timeout = timedelta(seconds=spec.timeout_s)
-        try:
-            self._store = store if store is not None else open_store(spec, master=rank == 0)
-            prefixed = dist.PrefixStore(spec.prefix(), self._store)
-            arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
-        except Exception as exc:
-            raise TransferFailed(
-                f"weight group epoch {spec.epoch} at {spec.host}:{spec.port}: {exc}"
-            ) from exc
-        if arrived < spec.world_size:
-            raise TransferFailed(
-                f"weight group epoch {spec.epoch}: {arrived} of {spec.world_size} ranks arrived "
-                f"within {spec.form_timeout_s:.0f}s"
-            )
-        self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
-        self._announcements = prefixed  # rank 0 sets announce/<n>
-        self._seq = 0  # announcements made (rank 0)
-        if spec.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
-        else:
-            # connecting (every rank's address through the store) is bounded by the forming timeout, as the
-            # arrival is: a member that arrived and then died would otherwise hold every other rank here for
-            # the whole collective timeout (a chaos run saw a sampler's join wait 120 s for a killed broker)
-            try:
-                self._pg = dist.ProcessGroupGloo(
-                    prefixed,
-                    rank,
-                    spec.world_size,
-                    timedelta(seconds=min(spec.form_timeout_s, spec.timeout_s)),
-                )
-            except Exception as exc:
-                raise TransferFailed(
-                    f"weight group epoch {spec.epoch}: the ranks did not connect within "
-                    f"{spec.form_timeout_s:.0f}s: {exc}"
-                ) from exc
-            self._pg.set_timeout(timeout)
-        self._closed = False
-
-    def broadcast(self, tensor: torch.Tensor) -> Any:
-        """Start broadcasting ``tensor`` from rank 0 (in place on the others); returns the work to wait on."""
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return self._pg.broadcast([tensor], opts)
-
-    def announce(self, version: int) -> None:
-        """Rank 0, before each broadcast: tell every member a version is coming (:meth:`next_announcement`).
-        Members wait for this, not inside a collective, so an idle group never reaches its timeout."""
-        self._seq += 1
-        self._announcements.set(f"announce/{self._seq}", str(version))
-
-    def next_announcement(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
-        """A receiver: the version of the next broadcast, once rank 0 announces it (then call ``receive``);
-        None after ``timeout_s`` without one. Raises :class:`TransferFailed` (closing the group) if the
-        store is gone with its host, the publisher."""
-        return self.watch.next(timeout_s, poll_s)
-
-    def all_ok(self, ok: bool) -> bool:
-        """True on every rank if every rank passed True."""
-        import torch.distributed as dist
-
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.wait(self._pg.allreduce([t], opts))
-        return bool(t.item() == 1)
-
-    def wait(self, work: Any, check_every_s: float = 0.05) -> None:
-        """Wait for a collective of this group, giving up (:class:`TransferFailed`, the group closed) as soon
-        as another rank has declared it failed in the store: rank 0 after a failed broadcast, or a receiver
-        whose own part failed (a peer died). Without it a rank waiting for bytes that will never come waits
-        out the whole timeout, since neither a closed gloo group nor a dead peer wakes every rank: a chaos run
-        saw rank 0 wait 120 s in a commit vote whose failure the broker had seen at once. A rank whose
-        collective fails marks it so, before raising the collective's own error."""
-        nap, last = 5e-5, time.monotonic()
-        while not work.is_completed():
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
-            if time.monotonic() - last < check_every_s:
-                continue
-            last = time.monotonic()
-            try:
-                failed = self._announcements.check(["failed"])
-                why = self._announcements.get("failed").decode(errors="replace") if failed else ""
-                why = why if why and why != "1" else "rank 0 declared the broadcast failed"
-            except Exception as exc:
-                failed, why = True, f"the weight group's store is unreachable: {exc}"
-            if failed:
-                self.close()
-                raise TransferFailed(why)
-        try:
-            work.wait()  # raises the collective's own error, if it had one
-        except Exception as exc:
-            self._mark_failed(f"rank {self.rank}'s part failed: {str(exc).splitlines()[0][:300]}")
-            raise
-
-    def _mark_failed(self, why: str) -> None:
-        """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
-        try:
-            self._announcements.compare_set("failed", "", why)
-        except Exception:
-            log.debug("could not mark the collective failed", exc_info=True)
-
-    def abort(self) -> None:
-        """Rank 0, after a failed broadcast: tell every receiver still waiting in it to give up, then close."""
-        self._mark_failed("rank 0 declared the broadcast failed")
-        self.close()
-
-    @property
-    def closed(self) -> bool:
-        """Closed after a failed collective (or by ``close``): the control plane must form a new group."""
-        return self._closed
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._pg.shutdown()
-        except Exception:  # a broken group may refuse a clean shutdown; it is dropped anyway
-            log.debug("weight group shutdown raised", exc_info=True)
-        # Never let a closed group be destroyed: ~ProcessGroupGloo joins its worker threads, which may still
-        # wait on a peer that died, and the garbage collector runs that destructor on whichever thread
-        # allocates next. A chaos run saw the broker's receiving thread stuck 75 s in it (the learner's next
-        # broadcast waited as long). A closed group keeps a few idle threads and sockets until the process
-        # exits; there is one per failed or re-formed epoch.
-        _RETIRED.append(self._pg)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """The broker's TCP data plane: the gRPC service's publish and fetch messages over a plain socket.
 
+This module is the protocol both ends speak (frames, the JSON request and status frames) and the client's
+two calls, :func:`publish` and :func:`fetch`, which the TCP transport makes; the broker's server is
+``dataplane_server.py``.
+
 Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
 Python bytes object and the GIL), a loopback socket about twice that. Weight bytes are the one bulk flow,
 so they may take this path; everything else (latest, list, status, health) stays on gRPC.
@@ -18,32 +22,24 @@ The messages are the gRPC path's, byte for byte, and go through the same code on
 (``apply_publish``, ``fetch_responses``, ``receive_fetch`` and the servicer's bookkeeping): the same
 manifest and per-tensor checksums, the same all-or-nothing commit, the same metrics and announcements. A
 connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off resumes from the
-first tensor the sink has not received (client.py).
+first tensor the sink has not received (``transports/base.py``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import select
 import socket
-import socketserver
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from services.weight_broker.protocol import BrokenStream
-from services.weight_broker.store import PublishRejected, VersionNotFound
+from services.weight_broker.store import VersionNotFound
 from services.weight_broker.wire import Message
-
-if TYPE_CHECKING:
-    from services.weight_broker.servicer import WeightBrokerServicer
-
-log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # a bigger length prefix is garbage, not a chunk
@@ -122,92 +118,7 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-class _Handler(socketserver.BaseRequestHandler):
-    server: _Server
-
-    def handle(self) -> None:
-        sock: socket.socket = self.request
-        tune(sock)
-        sock.settimeout(self.server.timeout_s)
-        try:
-            request = recv_json(sock)
-            op = request.get("op")
-            if op == "publish":
-                self._publish(sock)
-            elif op == "fetch":
-                self._fetch(sock, request)
-            else:
-                send_json(sock, {"ok": False, "reason": "invalid", "message": f"unknown op {op!r}"})
-        except (BrokenStream, OSError) as exc:
-            log.warning("data-plane connection from %s broke off: %s", self.client_address, exc)
-
-    def _publish(self, sock: socket.socket) -> None:
-        try:
-            reply = self.server.servicer.publish_messages(frames(sock))
-        except PublishRejected as exc:
-            # refused, perhaps at the manifest: answer at once, then read and drop what the client still had
-            # in flight until it sees the answer and closes (closing with unread data would reset the
-            # connection and could lose the answer)
-            send_json(sock, {"ok": False, "reason": exc.reason, "message": str(exc)})
-            sock.shutdown(socket.SHUT_WR)
-            while sock.recv(1 << 20):
-                pass
-            return
-        send_json(
-            sock,
-            {
-                "ok": True,
-                "policy_version": reply.policy_version,
-                "total_bytes": reply.total_bytes,
-                "seconds": reply.seconds,
-            },
-        )
-
-    def _fetch(self, sock: socket.socket, request: dict[str, Any]) -> None:
-        version = request.get("version")
-        try:
-            messages = self.server.servicer.fetch_messages(
-                None if version is None else int(version),
-                str(request.get("start_tensor", "")),
-                int(request.get("max_chunk_bytes") or 0),
-            )
-        except VersionNotFound as exc:
-            send_json(sock, {"ok": False, "reason": "not_found", "message": str(exc)})
-            return
-        send_json(sock, {"ok": True})
-        for message in messages:
-            send_frame(sock, message)
-        send_end(sock)
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address: tuple[str, int], servicer: WeightBrokerServicer, timeout_s: float) -> None:
-        self.servicer, self.timeout_s = servicer, timeout_s
-        super().__init__(address, _Handler)
-
-
-class DataPlaneServer:
-    """Serves the data plane for ``servicer`` on ``host:port`` (0: a free port) in a background thread."""
-
-    def __init__(
-        self, servicer: WeightBrokerServicer, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300
-    ):
-        self._server = _Server((host, port), servicer, timeout_s)
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="broker-data-plane", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-# ------------------------------------------------------------------------------------------- client side
+# ------------------------------------------------------------------------------------------- client calls
 
 
 def connect(address: str, timeout_s: float) -> socket.socket:

@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from services.weight_broker.collective import CollectiveReceiver, TransferFailed, WeightGroup
+from services.weight_broker.collective import CollectiveReceiver
 from services.weight_broker.group_control import MemberSeat
 from services.weight_broker.servicer import WeightBrokerServicer
 from services.weight_broker.store import PublishRejected, StoredVersion
 from services.weight_broker.tensors import TensorSpec, checksum, manifest_of, tensor_bytes, version_checksum
+from services.weight_broker.weight_group import TransferFailed, WeightGroup
 from services.weight_broker.wire import Chunk
 
 log = logging.getLogger(__name__)

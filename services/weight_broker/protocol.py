@@ -1,4 +1,4 @@
-"""The publish and fetch protocols as plain functions, shared by the gRPC servicer and both client transports.
+"""The publish and fetch protocols as plain functions, shared by the gRPC servicer and the transports.
 
     learner:  publish_requests(specs, tensors) ─► PublishRequest stream ─► apply_publish(store) ─► version
     sampler:  fetch_responses(store) ─► FetchResponse stream ─► receive_fetch(sink) ─► sink(name, tensor) × n

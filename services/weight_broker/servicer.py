@@ -15,6 +15,7 @@ import grpc
 
 from services.common.observability import Metrics
 from services.common.streams.producer import StreamProducer
+from services.weight_broker.announce import Announcer
 from services.weight_broker.protocol import apply_publish, fetch_responses
 from services.weight_broker.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
 from services.weight_broker.wire import Message
@@ -51,27 +52,6 @@ class BrokerMetrics:
         self.announce_failures = metrics.counter(
             "vcpo_broker_announce_failures_total",
             "Announcements that could not be written to the weights stream",
-        )
-
-
-class Announcer:
-    """Writes a WeightAnnouncement for each committed version to the run's `weights` stream."""
-
-    def __init__(
-        self, producer: StreamProducer[weights_pb2.WeightAnnouncement], transport: str, location: str
-    ):
-        self.producer, self.transport, self.location = producer, transport, location
-
-    def announce(self, manifest: weights_pb2.VersionManifest, location: str | None = None) -> None:
-        self.producer.put(
-            weights_pb2.WeightAnnouncement(
-                policy_version=manifest.policy_version,
-                manifest=manifest,
-                transport=self.transport,
-                location=location or self.location,
-                published_unix=time.time(),
-            ),
-            int(manifest.policy_version),
         )
 
 

@@ -1,6 +1,6 @@
 """Tensors as bytes: dtypes, zero-copy views, checksums, manifests and the safetensors file layout.
 
-Shared by the broker's stores, its gRPC servicer and both client transports, so every path agrees on
+Shared by the broker's stores, its gRPC servicer and the client transports, so every path agrees on
 what a version's bytes are. A version is an ordered list of tensors in Hugging Face naming; each tensor's
 checksum is ``xxh3_128:<hex>`` of its raw little-endian bytes, and the version checksum is the same hash
 over the lines ``name\\0tensor_checksum\\n`` in transfer order.

@@ -1,0 +1,105 @@
+"""The broker's side of the TCP data plane: a threaded socket server that hands each connection's publish or
+fetch to the gRPC servicer's own methods (``publish_messages``, ``fetch_messages``), so both paths share the
+store, the checks, the metrics and the announcements. The frames and the connection protocol are in
+:mod:`services.weight_broker.dataplane`, shared with the TCP transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+from typing import Any
+
+from services.weight_broker.dataplane import frames, recv_json, send_end, send_frame, send_json, tune
+from services.weight_broker.protocol import BrokenStream
+from services.weight_broker.servicer import WeightBrokerServicer
+from services.weight_broker.store import PublishRejected, VersionNotFound
+
+log = logging.getLogger(__name__)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        tune(sock)
+        sock.settimeout(self.server.timeout_s)
+        try:
+            request = recv_json(sock)
+            op = request.get("op")
+            if op == "publish":
+                self._publish(sock)
+            elif op == "fetch":
+                self._fetch(sock, request)
+            else:
+                send_json(sock, {"ok": False, "reason": "invalid", "message": f"unknown op {op!r}"})
+        except (BrokenStream, OSError) as exc:
+            log.warning("data-plane connection from %s broke off: %s", self.client_address, exc)
+
+    def _publish(self, sock: socket.socket) -> None:
+        try:
+            reply = self.server.servicer.publish_messages(frames(sock))
+        except PublishRejected as exc:
+            # refused, perhaps at the manifest: answer at once, then read and drop what the client still had
+            # in flight until it sees the answer and closes (closing with unread data would reset the
+            # connection and could lose the answer)
+            send_json(sock, {"ok": False, "reason": exc.reason, "message": str(exc)})
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(1 << 20):
+                pass
+            return
+        send_json(
+            sock,
+            {
+                "ok": True,
+                "policy_version": reply.policy_version,
+                "total_bytes": reply.total_bytes,
+                "seconds": reply.seconds,
+            },
+        )
+
+    def _fetch(self, sock: socket.socket, request: dict[str, Any]) -> None:
+        version = request.get("version")
+        try:
+            messages = self.server.servicer.fetch_messages(
+                None if version is None else int(version),
+                str(request.get("start_tensor", "")),
+                int(request.get("max_chunk_bytes") or 0),
+            )
+        except VersionNotFound as exc:
+            send_json(sock, {"ok": False, "reason": "not_found", "message": str(exc)})
+            return
+        send_json(sock, {"ok": True})
+        for message in messages:
+            send_frame(sock, message)
+        send_end(sock)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], servicer: WeightBrokerServicer, timeout_s: float) -> None:
+        self.servicer, self.timeout_s = servicer, timeout_s
+        super().__init__(address, _Handler)
+
+
+class DataPlaneServer:
+    """Serves the data plane for ``servicer`` on ``host:port`` (0: a free port) in a background thread."""
+
+    def __init__(
+        self, servicer: WeightBrokerServicer, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300
+    ):
+        self._server = _Server((host, port), servicer, timeout_s)
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="broker-data-plane", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
