@@ -22,6 +22,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_layout.py
 
 format: setup
 	$(VENV)/bin/ruff format .

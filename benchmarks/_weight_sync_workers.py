@@ -30,8 +30,8 @@ import torch
 import xxhash
 
 from services.common.redis_server import free_port
-from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
+from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
 
 MiB = 1 << 20
 PUBLISHES = 3  # the last one is timed as the steady state

@@ -44,3 +44,26 @@ def test_the_registry_names_need_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_the_helm_schema_offers_exactly_the_registered_objectives() -> None:
+    """The chart's values schema lists the objectives too (helm refuses others before a pod starts); adding an
+    objective module must add it there, which this test says."""
+    import json
+
+    schema = json.loads((Path(__file__).parent.parent / "helm/vcpo-rl/values.schema.json").read_text())
+    found: list[list[str]] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("objective"), dict) and "enum" in node["objective"]:
+                found.append(node["objective"]["enum"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    assert found, "no objective enum in values.schema.json"
+    assert all(sorted(enum) == list(objectives.NAMES) for enum in found), found

@@ -19,9 +19,9 @@ from services.evaluator.build import ENGINE_SEED_OFFSET, evaluation_agent
 from services.evaluator.evaluator import Evaluator
 from services.evaluator.sets import load_eval_sets
 from services.reward.pool import ScoringPool
+from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.environments.registry import EnvironmentRegistry
-from services.sampler.service import environment_registry, make_engine
 
 
 def evaluate_model(

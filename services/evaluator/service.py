@@ -6,7 +6,7 @@ published versions and evaluates the due ones, so evaluation takes nothing from 
 
 Run by the launcher as a Ray actor (``services/evaluator/ray_actor.py``, ``evaluation.gpus`` GPUs); its metrics
 endpoint is ``<run_dir>/evaluator/evaluator.endpoints.json``. Its engine and environment registry have the
-samplers' settings (services.sampler.service.make_engine, environment_registry).
+samplers' settings (services.sampler.build: make_engine, environment_registry).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from services.common.streams.metrics import StreamMetrics
 from services.common.streams.specs import connect, stream_specs
 from services.evaluator.build import ENGINE_SEED_OFFSET, make_evaluator
 from services.evaluator.runner import EvalRunner
+from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
-from services.sampler.service import environment_registry, make_engine
 from services.sampler.weights import WeightSync
 from services.weight_broker.transports import transport_from_config
 

@@ -5,7 +5,7 @@ Public to other packages (the evaluator builds on these; everything else is the 
 - config.py: ``SamplerServiceConfig`` and the sections it reads, ``[evaluation]`` included (evaluation runs
   on engines with the sampler's settings);
 - engine.py: the step-engine interface (``GenerationEngine``, ``Sampling``, ``TokenDelta``);
-- service.py: ``make_engine`` and ``environment_registry``, the engine and environment registry with the
+- build.py: ``make_engine`` and ``environment_registry``, the engine and environment registry with the
   sampler's settings;
 - agent.py, groups.py: the agent loop that runs a task's n samples as episodes in an engine (``AgentLoop``,
   ``Group``);

@@ -2,8 +2,8 @@
 
 Used by the plain entry point (``python -m services.sampler``) and the Ray actor alike; the generation
 engine can be handed in (tests of the loop's logic use a scripted one), otherwise it is vLLM.
-:func:`make_engine` and :func:`environment_registry` are public: the dedicated evaluator and the eval command
-(services/evaluator/) build their engine and environment registry with the sampler's settings through them.
+The engine and the environment registry are built by :mod:`services.sampler.build`, which the evaluator uses
+too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import threading
 from typing import Any
 
 import grpc
-import redis
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
@@ -24,12 +23,11 @@ from services.common.streams.consumer import StreamConsumer, StreamTail
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
-from services.common.tiny_model import run_model
 from services.sampler.agent import AgentLoop
+from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.cotenant import Cotenant, EngineShare, cotenant_for
-from services.sampler.engine import GenerationEngine, Sampling, VllmEngine, VllmSettings
-from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
+from services.sampler.engine import GenerationEngine, Sampling
 from services.sampler.feed import TaskFeed
 from services.sampler.metrics import SamplerMetrics
 from services.sampler.sampler import Sampler
@@ -38,44 +36,9 @@ from services.sampler.tasks import DatasetTasks
 from services.sampler.weights import CollectiveWeightSync, WeightSync
 from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat
 from services.weight_broker.transports import transport_from_config
-from vcpo.v1 import common_pb2_grpc, registry_pb2, registry_pb2_grpc
+from vcpo.v1 import common_pb2_grpc, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> GenerationEngine:
-    """vLLM with the sampler's engine settings, on ``model`` (default: the run's policy)."""
-    s, run = cfg.sampler, cfg.run
-    return VllmEngine(
-        VllmSettings(
-            model=model or run_model(run),
-            dtype=s.dtype,
-            max_model_len=s.max_model_len,
-            tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-            enforce_eager=s.enforce_eager,
-            seed=run.seed * 1000 + replica,
-            collective_weights=cfg.weight_broker.transport == "collective",
-        )
-    )
-
-
-def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
-    """The run's environment registry as ``owner`` runs it, with the run file's environments registered
-    (idempotent: every replica registers the same)."""
-    s = cfg.sampler
-    registry = EnvironmentRegistry(
-        client,
-        cfg.run.run_id,
-        owner,
-        s.n,
-        max_message_bytes=s.max_request_bytes,
-        breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
-    )
-    for env in s.environments:
-        registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
-    return registry
 
 
 class SamplerService:

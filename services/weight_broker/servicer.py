@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from services.common.observability import Metrics
-from services.common.streams.producer import StreamProducer
 from services.weight_broker.announce import Announcer
 from services.weight_broker.protocol import apply_publish, fetch_responses
 from services.weight_broker.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore

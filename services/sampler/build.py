@@ -1,0 +1,50 @@
+"""A sampler's engine and environment registry, built from its config.
+
+Public: the dedicated evaluator and the eval command (services/evaluator/) build theirs here, so they sample
+with the same engine settings and reach the same environments as the training replicas.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from services.common.tiny_model import run_model
+from services.sampler.config import SamplerServiceConfig
+from services.sampler.engine import GenerationEngine, VllmEngine, VllmSettings
+from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
+from vcpo.v1 import registry_pb2
+
+
+def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> GenerationEngine:
+    """vLLM with the sampler's engine settings, on ``model`` (default: the run's policy)."""
+    s, run = cfg.sampler, cfg.run
+    return VllmEngine(
+        VllmSettings(
+            model=model or run_model(run),
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+            enforce_eager=s.enforce_eager,
+            seed=run.seed * 1000 + replica,
+            collective_weights=cfg.weight_broker.transport == "collective",
+        )
+    )
+
+
+def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
+    """The run's environment registry as ``owner`` runs it, with the run file's environments registered
+    (idempotent: every replica registers the same)."""
+    s = cfg.sampler
+    registry = EnvironmentRegistry(
+        client,
+        cfg.run.run_id,
+        owner,
+        s.n,
+        max_message_bytes=s.max_request_bytes,
+        breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
+    )
+    for env in s.environments:
+        registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
+    return registry
