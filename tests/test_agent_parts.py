@@ -123,11 +123,12 @@ def test_validate_spec_fills_defaults() -> None:
         ({"step_timeout_seconds": -1}, r"step_timeout_seconds must be a positive number of seconds, got -1"),
         ({"weight": -0.5}, r"weight must be >= 0, got -0.5"),
         ({"tool_parser": "xml"}, r"unknown tool_parser 'xml'"),
+        ({"scorer": "mth"}, r"unknown scorer 'mth'; registered scorers: environment, math"),
     ],
 )
 def test_validate_spec_names_what_is_wrong(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message):
-        validate_spec(spec(**fields), group_size=4)
+        validate_spec(spec(**fields), group_size=4, scorers={"math", "environment"})
 
 
 def test_a_spec_without_a_backend_is_refused() -> None:
@@ -320,8 +321,14 @@ def test_token_auth_refuses_calls_without_the_token(tmp_path: Path) -> None:
     token, source = resolve_api_token("", "", tmp_path)
     assert source == str(tmp_path / "api_token") and len(token) >= 32
     assert (tmp_path / "api_token").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "api_token").read_text() == token  # no trailing newline: a client may read it whole
     assert resolve_api_token("", "", tmp_path) == (token, source)  # every replica reads the same one
     assert resolve_api_token("given", "", tmp_path) == ("given", "configuration")
+    (tmp_path / "mine").write_text("written-by-hand\n")  # a file a person wrote, newline and all
+    assert resolve_api_token("", str(tmp_path / "mine"), tmp_path) == (
+        "written-by-hand",
+        str(tmp_path / "mine"),
+    )
     refused: list[str] = []
 
     def add(server: grpc.Server) -> list[str]:

@@ -23,7 +23,7 @@ from services.sampler.environments.parsers import make_parser
 from services.sampler.environments.python_env import PythonEnvironment
 from services.sampler.environments.registry import EnvironmentRegistry
 from services.sampler.groups import Group
-from vcpo.v1 import environment_pb2, registry_pb2, rollout_pb2
+from vcpo.v1 import environment_pb2, environment_pb2_grpc, registry_pb2, rollout_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +67,7 @@ def test_parse_endpoint() -> None:
         ("h:0", "1..65535"),
         ("h:x", "1..65535"),
         ("::1:80", "brackets"),
+        ("http://127.0.0.1:50070", "without a scheme or a path"),
     ):
         with pytest.raises(ValueError, match=why):
             parse_endpoint(bad)
@@ -107,6 +108,42 @@ def test_grpc_environment_round_trip_and_failures(servers: Any, tmp_path: Path) 
         die.step("s", action(), 5)
     assert info.value.reason == "unavailable"  # the server went away mid-call
     assert not die.healthy(1) and not GrpcEnvironment("x", "127.0.0.1:1").healthy(1)
+
+
+class _NoHealth(environment_pb2_grpc.EnvironmentServicer):
+    """An environment server that serves vcpo.v1.Environment but not grpc.health.v1, and answers Step with
+    an observation of the size asked for."""
+
+    def Step(self, request: Any, context: Any) -> environment_pb2.StepResponse:
+        size = int(request.action.text)
+        return environment_pb2.StepResponse(observation=environment_pb2.Observation(text="x" * size))
+
+
+def test_a_server_without_health_and_a_reply_over_the_limit_are_explained() -> None:
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    environment_pb2_grpc.add_EnvironmentServicer_to_server(_NoHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = GrpcEnvironment("bare", f"127.0.0.1:{port}", max_message_bytes=4096)
+    try:
+        problem = env.health_problem(5)
+        assert problem is not None and not env.healthy(5)
+        assert (
+            f"the server at 127.0.0.1:{port} answered UNIMPLEMENTED to grpc.health.v1.Health/Check" in problem
+        )
+        assert "must serve grpc.health.v1.Health" in problem and "grpc-health-check in Node.js" in problem
+        assert env.step("s", action("100"), 5).observation.text == "x" * 100
+        with pytest.raises(EnvironmentFailure) as info:
+            env.step("s", action("10000"), 5)
+        assert "RESOURCE_EXHAUSTED" in str(info.value)
+        assert "the limit is sampler.env_max_message_bytes = 4096 bytes" in str(info.value)
+    finally:
+        env.shutdown()
+        server.stop(0)
 
 
 def test_python_environment_runs_code_and_explains_bad_calls() -> None:

@@ -101,3 +101,55 @@ def test_grpc_server_reports_a_port_it_cannot_bind() -> None:
             grpc_server(lambda s: [], port=port, host="127.0.0.1")
     finally:
         first.stop(0)
+
+
+def test_grpc_servers_offer_reflection_v1_and_v1alpha_without_the_api_token() -> None:
+    """A reflection client (grpcurl, Postman) lists the services and reads their protos from the server itself,
+    over grpc.reflection.v1 and v1alpha, also where the API token guards the service."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from services.common.auth import TokenAuthInterceptor
+
+    def add(server: grpc.Server) -> list[str]:
+        common_pb2_grpc.add_StatusServicer_to_server(_Status(), server)
+        return ["vcpo.v1.Status"]
+
+    guard = TokenAuthInterceptor("secret", {"vcpo.v1.Status"}, lambda _: None)
+    server = grpc_server(add, port=0, interceptors=[guard])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for version in ("v1", "v1alpha"):
+                call = channel.stream_stream(
+                    f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                )
+                listed, found = call(
+                    iter(
+                        [
+                            reflection_pb2.ServerReflectionRequest(list_services=""),
+                            reflection_pb2.ServerReflectionRequest(file_containing_symbol="vcpo.v1.Status"),
+                        ]
+                    ),
+                    timeout=5,
+                )
+                names = {s.name for s in listed.list_services_response.service}
+                assert names == {
+                    "vcpo.v1.Status",
+                    "grpc.health.v1.Health",
+                    "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection",
+                }, version
+                files = [
+                    descriptor_pb2.FileDescriptorProto.FromString(raw)
+                    for raw in found.file_descriptor_response.file_descriptor_proto
+                ]
+                status = next(f for f in files if f.name == "vcpo/v1/common.proto")
+                service = next(s for s in status.service if s.name == "Status")
+                assert [m.name for m in service.method] == ["GetStatus"], version
+            with pytest.raises(grpc.RpcError) as info:  # the service itself still needs the token
+                common_pb2_grpc.StatusStub(channel).GetStatus(common_pb2.StatusRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0)

@@ -182,6 +182,42 @@ def test_multi_turn_episodes_line_up_token_for_token(
     assert 'vcpo_sampler_env_episodes_total{environment="game",replica="sampler-0"}' in metrics
 
 
+def test_the_last_turn_within_max_turns_reaches_the_environment(
+    make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess]
+) -> None:
+    """max_turns = 2 against an environment that would end an episode only at its 3rd step: both of the
+    model's turns reach Step (the environment judges the last one too), the 2nd step's observation is not
+    shown to the model, and the episode ends as tool_budget."""
+    env = env_process("normal", steps=3)
+    stack = make_stack(k=4, groups_per_step=1, dataset="", n=2, max_tokens=12)
+    register(
+        stack,
+        name="judged",
+        endpoint=env.endpoint,
+        tool_parser="turn",
+        max_turns=2,
+        scorer="environment",
+        step_timeout_seconds=10,
+    )
+    assert submit(stack, "judged", 1, "last").accepted == 1
+    stack.learner.publish(0)
+    stack.start()
+    (group,) = wait_until(lambda: rollouts(stack), what="the group")
+    sessions = [f"{group.group_id}/{i}" for i in range(len(group.trajectories))]
+    closes = lambda: {c["session_id"] for c in env.calls() if c["method"] == "close"}  # noqa: E731
+    wait_until(lambda: closes() >= set(sessions), what="the sessions closed")
+    tokenizer = stack.service.engine.tokenizer
+    for session, traj in zip(sessions, group.trajectories, strict=True):
+        steps = episode_calls(env.calls(), session)  # reset, step, step, close: the 2nd turn was judged
+        assert traj.num_turns == 2 and traj.finish_reason == "tool_budget"
+        assert traj.reward.value == 0.0  # the environment rewards only the step that ends an episode
+        mask, tokens = list(traj.loss_mask), list(traj.response_tokens)
+        first = mask.index(False)
+        second = mask.index(True, first)
+        assert all(mask[second:])  # turn, observation, turn: nothing observed after the last turn
+        assert steps[1]["action"] == tokenizer.decode(tokens[second:], skip_special_tokens=True)
+
+
 def test_registry_calls_need_the_token_and_bad_registrations_are_named(
     make_stack: Callable[..., Stack],
 ) -> None:
@@ -215,6 +251,25 @@ def test_registry_calls_need_the_token_and_bad_registrations_are_named(
     with pytest.raises(grpc.RpcError) as info:
         stub.EnvironmentStatus(registry_pb2.EnvironmentStatusRequest(name="nope"), metadata=stack.auth)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # a scorer nobody registered is refused at registration, naming the registered ones
+    with pytest.raises(grpc.RpcError) as info:
+        register(stack, name="typo", builtin="python", scorer="exact_mtach")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown scorer 'exact_mtach'; registered scorers: " in info.value.details()
+    assert "exact_match" in info.value.details() and "environment" in info.value.details()
+    # and so are submitted tasks with an unknown scorer or a split other than train, each named
+    tasks = [
+        rollout_pb2.Task(task_id="s", prompt="hi", scorer="nope"),
+        rollout_pb2.Task(task_id="t", prompt="hi", split="test"),
+        rollout_pb2.Task(task_id="ok", prompt="hi", scorer="math", split="train"),
+    ]
+    requests = iter(registry_pb2.SubmitTasksRequest(task=t) for t in tasks)
+    reply = stub.SubmitTasks(requests, timeout=10, metadata=stack.auth)
+    assert (reply.accepted, reply.rejected) == (1, 2)
+    assert "task #0: task 's': unknown scorer 'nope'; registered scorers: " in reply.errors[0]
+    assert reply.errors[0].endswith("[unknown_scorer]")
+    assert "task #1: task 't': split 'test': submitted tasks are trained on" in reply.errors[1]
+    assert reply.errors[1].endswith("[bad_split]")
 
 
 def test_a_hanging_and_a_crashing_environment_fail_only_their_own_groups(

@@ -46,7 +46,7 @@ def resolve_api_token(token: str, token_file: str, run_dir: Path) -> tuple[str, 
             f"API token file {path} exists but is empty; remove it or configure a token"
         ) from None
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+        f.write(secrets.token_urlsafe(32))  # no newline: clients that read the file whole send it as is
     return path.read_text().strip(), str(path)
 
 

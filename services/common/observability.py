@@ -37,6 +37,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from services.common.reflection import enable_reflection
+
 log = logging.getLogger(__name__)
 
 PREFIX = "vcpo_"
@@ -214,7 +216,8 @@ def grpc_server(
     """Build, bind and start a gRPC server.
 
     ``add_servicers(server)`` registers the service's servicers and returns their full names
-    (e.g. ``["vcpo.v1.RewardService"]``); each is reported SERVING by the health service once started.
+    (e.g. ``["vcpo.v1.RewardService"]``); each is reported SERVING by the health service once started, and
+    listed by server reflection (v1 and v1alpha, :mod:`services.common.reflection`).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -229,6 +232,7 @@ def grpc_server(
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    enable_reflection(server, names)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # newer grpcio raises instead of returning 0

@@ -26,6 +26,8 @@ TASK_ERROR_REASONS = (
     "bad_row",
     "bad_payload",
     "environment_failed",
+    "bad_split",
+    "unknown_scorer",
 )
 """The ``reason`` labels :class:`TaskError` is raised with (bounded, so they can label a metric)."""
 

@@ -6,6 +6,7 @@
                   after each engine step: parser.find_call(turn text) ─► a complete call ends the turn there
     call          env.step(action) (thread pool, deadline) ─► observation tokens appended (masked out of the
                   loss) ─► next turn;   done / max_turns / token budget ─► the episode ends
+                  (the max_turns-th turn's call still goes to Step: the environment judges every turn)
     end           a turn that ends without a call is the final answer; env.close(session) in the background
     failure       a reset or step that fails or outlives its deadline fails the whole group: its requests are
                   stopped, its sessions closed, and the sampler gives the group up (the task is retried)
@@ -122,9 +123,7 @@ class AgentLoop:
         if call is None:  # a turn without a call: the model's final answer
             self._end(ep, delta.finish_reason or "stop")
             return
-        if ep.response.turns >= eg.handle.spec.max_turns:
-            self._end(ep, "tool_budget")
-            return
+        # every call reaches Step, the last turn's within max_turns too: the environment judges it
         spec = eg.handle.spec
         self._call(ep, "step", eg.handle.env.step, ep.key, call, spec.step_timeout_seconds)
 
@@ -187,6 +186,9 @@ class AgentLoop:
         ep.response.environment_reward = (ep.response.environment_reward or 0.0) + step.reward
         if step.done:
             self._end(ep, "stop")
+            return
+        if ep.response.turns >= eg.handle.spec.max_turns:  # that was the last turn the budget allows
+            self._end(ep, "tool_budget")
             return
         tokens = self._observation_tokens(eg, step.observation.text)
         if self._room(eg, ep) < len(tokens) + 1:  # the answer leaves no room for another turn

@@ -6,6 +6,8 @@ with the same engine settings and reach the same environments as the training re
 
 from __future__ import annotations
 
+import logging
+
 import redis
 
 from services.common.tiny_model import run_model
@@ -13,6 +15,8 @@ from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, VllmEngine, VllmSettings
 from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
 from vcpo.v1 import registry_pb2
+
+log = logging.getLogger(__name__)
 
 
 def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> GenerationEngine:
@@ -33,6 +37,20 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
     )
 
 
+def known_scorers(plugins: list[str]) -> frozenset[str] | None:
+    """The scorer names the reward service knows: its built-ins and those its ``reward.plugins`` register.
+    None (names go unchecked) when a plugin cannot be imported in this process (the reward service's image may
+    hold what the sampler's lacks); a warning says so."""
+    from services.reward.scorers import load_plugins, scorer_names
+
+    try:
+        load_plugins(plugins)
+    except ImportError as exc:
+        log.warning("scorer names are not checked at registration: %s", exc)
+        return None
+    return frozenset(scorer_names())
+
+
 def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: str) -> EnvironmentRegistry:
     """The run's environment registry as ``owner`` runs it, with the run file's environments registered
     (idempotent: every replica registers the same)."""
@@ -42,8 +60,9 @@ def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: 
         cfg.run.run_id,
         owner,
         s.n,
-        max_message_bytes=s.max_request_bytes,
+        max_message_bytes=s.env_max_message_bytes,
         breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
+        scorers=known_scorers(cfg.reward.plugins),
     )
     for env in s.environments:
         registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))

@@ -115,7 +115,13 @@ class SamplerConfig(Section):
     max_request_bytes: int = Field(
         4 << 20,
         ge=1024,
-        description="Largest gRPC message a client may send (and an environment may answer).",
+        description="Largest gRPC message a client of the registry API may send.",
+    )
+    env_max_message_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="Largest message exchanged with an environment server (a Reset or Step reply, a task "
+        "sent to Reset); a larger reply fails its group, naming this setting.",
     )
     env_threads: int = Field(
         64, ge=1, description="Threads calling environments (a hanging call holds one until its deadline)."

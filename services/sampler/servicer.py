@@ -70,6 +70,7 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
                 if handle is not None:
                     task.scorer = handle.spec.scorer
             try:
+                self._check_fields(task)
                 self.validate(task)
             except TaskError as exc:
                 errors.append(f"task #{i}: {exc} [{exc.reason}]")
@@ -80,6 +81,23 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
         if good:
             self.tasks.put_many(good)
         return registry_pb2.SubmitTasksResponse(accepted=len(good), rejected=len(errors), errors=errors)
+
+    def _check_fields(self, task: rollout_pb2.Task) -> None:
+        """The enumerated fields of a submitted task: its split and its scorer (TaskError naming the choices)."""
+        if task.split != "train":
+            raise TaskError(
+                "bad_split",
+                task.task_id,
+                f"split {task.split!r}: submitted tasks are trained on, so the split is 'train' (or empty); "
+                "held-out tasks belong in [evaluation] sets",
+            )
+        known = self.registry.scorers
+        if task.scorer and known is not None and task.scorer not in known:
+            raise TaskError(
+                "unknown_scorer",
+                task.task_id,
+                f"unknown scorer {task.scorer!r}; registered scorers: {', '.join(sorted(known))}",
+            )
 
     def ListEnvironments(
         self, request: registry_pb2.ListEnvironmentsRequest, context: grpc.ServicerContext

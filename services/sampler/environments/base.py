@@ -56,5 +56,10 @@ class Environment(ABC):
         """Whether it answers health checks (a built-in in this process always does)."""
         return True
 
+    def health_problem(self, timeout_s: float) -> str | None:
+        """None when :meth:`healthy`, else what came back instead, worded for the person who registered it; ""
+        when nothing more than "not healthy" is known."""
+        return None if self.healthy(timeout_s) else ""
+
     def shutdown(self) -> None:  # noqa: B027 (optional: most environments hold nothing to release)
         """Release connections and processes (the registry calls it when the environment is replaced)."""

@@ -23,8 +23,37 @@ from vcpo.v1 import environment_pb2, environment_pb2_grpc, rollout_pb2
 SERVICE = "vcpo.v1.Environment"
 
 
+HEALTH_ADVICE = (
+    "Environment servers must serve grpc.health.v1.Health beside vcpo.v1.Environment: the sampler checks it "
+    "when the environment is registered and before it sends episodes again after failures, so a server that is "
+    "up but not ready is not sent work. Add a health servicer that reports SERVING for "
+    f"{SERVICE!r} (or for the server, ''): grpcio-health-checking in Python, grpc-health-check in Node.js "
+    "(services/sampler/environments/server.py does it for Python environments)."
+)
+
+
+def _health_failure(endpoint: str, code: grpc.StatusCode | None, details: str, timeout_s: float) -> str:
+    """What a failed health check at ``endpoint`` means, for the person registering it."""
+    name = code.name if code is not None else "UNKNOWN"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"the server at {endpoint} answered UNIMPLEMENTED to grpc.health.v1.Health/Check. {HEALTH_ADVICE}"
+        )
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (
+            f"nothing at endpoint {endpoint!r} answered gRPC health checks within {timeout_s:g}s ({name}: "
+            f"{details}); is a vcpo.v1.Environment server listening there, reachable from the sampler?"
+        )
+    return f"the health check at {endpoint} failed with {name}: {details}. {HEALTH_ADVICE}"
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``host:port`` or ``[v6 address]:port`` as (host, port); ValueError naming the bad value."""
+    if "://" in endpoint or "/" in endpoint:
+        raise ValueError(
+            f"{endpoint!r}: give host:port, without a scheme or a path (e.g. 10.0.0.5:50070 or "
+            "env-server.default.svc:50070, not http://10.0.0.5:50070)"
+        )
     host, sep, port_text = endpoint.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{endpoint!r} is not host:port")
@@ -43,7 +72,7 @@ class GrpcEnvironment(Environment):
 
     def __init__(self, name: str, endpoint: str, max_message_bytes: int = 4 << 20) -> None:
         parse_endpoint(endpoint)
-        self.name, self.endpoint = name, endpoint
+        self.name, self.endpoint, self.max_message_bytes = name, endpoint, max_message_bytes
         self._closed = False
         self.channel = grpc.insecure_channel(
             endpoint,
@@ -78,6 +107,11 @@ class GrpcEnvironment(Environment):
                 grpc.StatusCode.UNAVAILABLE: "unavailable",
             }.get(code, "error")
             name = code.name if code is not None else "UNKNOWN"
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+                details += (
+                    f" (the limit is sampler.env_max_message_bytes = {self.max_message_bytes} bytes; raise it "
+                    "or make the environment's replies smaller)"
+                )
             raise EnvironmentFailure(
                 self.name, reason, f"{method} at {self.endpoint}: {name}: {details}"
             ) from None
@@ -108,19 +142,30 @@ class GrpcEnvironment(Environment):
         self._call("Close", environment_pb2.CloseRequest(session_id=session_id), timeout_s)
 
     def healthy(self, timeout_s: float) -> bool:
+        return self.health_problem(timeout_s) is None
+
+    def health_problem(self, timeout_s: float) -> str | None:
+        status_names = health_pb2.HealthCheckResponse.ServingStatus.Name
         for service in (SERVICE, ""):
             if self._closed:
-                return False
+                return "the client was shut down"
             try:
                 reply = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND and service:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                if code == grpc.StatusCode.NOT_FOUND and service:
                     continue  # the server does not name its services: ask about the server
-                return False
+                return _health_failure(self.endpoint, code, details, timeout_s)
             except ValueError:  # the channel was closed meanwhile
-                return False
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-        return False
+                return "the client was shut down"
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return None
+            return (
+                f"the server at {self.endpoint} says it is {status_names(reply.status)}, not SERVING "
+                f"(grpc.health.v1 Check of {service or 'the server'!r}); set it SERVING once it can take episodes"
+            )
+        return f"the server at {self.endpoint} knows neither {SERVICE!r} nor '' in grpc.health.v1"
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -28,7 +28,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +56,11 @@ class Unreachable(SpecError):
     """The spec is well formed but nothing answers at its endpoint."""
 
 
-def validate_spec(spec: registry_pb2.EnvironmentSpec, group_size: int) -> registry_pb2.EnvironmentSpec:
-    """A copy of ``spec`` with defaults filled in; SpecError naming what is wrong."""
+def validate_spec(
+    spec: registry_pb2.EnvironmentSpec, group_size: int, scorers: Collection[str] | None = None
+) -> registry_pb2.EnvironmentSpec:
+    """A copy of ``spec`` with defaults filled in; SpecError naming what is wrong. ``scorers``: the names a
+    ``scorer`` may take (None: not checked)."""
     from services.sampler.environments.builtin import BUILTINS
     from services.sampler.environments.grpc_env import parse_endpoint
 
@@ -105,6 +108,11 @@ def validate_spec(spec: registry_pb2.EnvironmentSpec, group_size: int) -> regist
         out.weight = 1.0
     if out.max_turns == 0:
         out.max_turns = DEFAULT_MAX_TURNS
+    if out.scorer and scorers is not None and out.scorer not in scorers:
+        raise SpecError(
+            f"environment {out.name!r}: unknown scorer {out.scorer!r}; registered scorers: "
+            f"{', '.join(sorted(scorers))}"
+        )
     if not out.tool_parser:
         out.tool_parser = DEFAULT_PARSER
     if out.tool_parser not in PARSERS:
@@ -210,6 +218,7 @@ class EnvironmentRegistry:
         refresh_s: float = 2.0,
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
         make_env: Callable[[registry_pb2.EnvironmentSpec, int], Environment] = make_environment,
+        scorers: Collection[str] | None = None,
     ) -> None:
         self.client, self.replica_id, self.group_size = client, replica_id, group_size
         self.key = f"vcpo:{run_id}:environments"
@@ -217,6 +226,7 @@ class EnvironmentRegistry:
         self.live_key = f"vcpo:{run_id}:environments:live"
         self.max_message_bytes, self.refresh_s = max_message_bytes, refresh_s
         self._breaker, self._make_env = breaker, make_env
+        self.scorers = scorers  # the names a spec's or a submitted task's scorer may take; None: unchecked
         self.handles: dict[str, Handle] = {}
         self._lock = threading.Lock()
         self._refreshed = 0.0
@@ -224,14 +234,16 @@ class EnvironmentRegistry:
     # ------------------------------------------------------------------ registration (gRPC thread)
     def register(self, spec: registry_pb2.EnvironmentSpec) -> tuple[registry_pb2.EnvironmentSpec, bool]:
         """Validate, check the backend answers, store for every replica; (the stored spec, created?)."""
-        spec = validate_spec(spec, self.group_size)
+        spec = validate_spec(spec, self.group_size, self.scorers)
         env = self._make_env(spec, self.max_message_bytes)
         try:
-            if not env.healthy(HEALTH_TIMEOUT_S):
-                raise Unreachable(
-                    f"environment {spec.name!r}: nothing at endpoint {spec.endpoint!r} answered gRPC health "
-                    f"checks within {HEALTH_TIMEOUT_S:g}s (is a vcpo.v1.Environment server listening there?)"
+            problem = env.health_problem(HEALTH_TIMEOUT_S)
+            if problem is not None:
+                problem = problem or (
+                    f"nothing at endpoint {spec.endpoint!r} answered gRPC health checks within "
+                    f"{HEALTH_TIMEOUT_S:g}s (is a vcpo.v1.Environment server listening there?)"
                 )
+                raise Unreachable(f"environment {spec.name!r}: {problem}")
         finally:
             env.shutdown()
         created = bool(self.client.hset(self.key, spec.name, spec.SerializeToString()))
