@@ -8,7 +8,6 @@ the service's ranks until they stop.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 
 from services.common.redis_server import free_port
 from services.common.synthetic import make_group
+from services.learner.supervisor import set_rank_env
 from vcpo.v1 import rollout_pb2
 
 
@@ -71,13 +71,7 @@ def scored_groups(
 def _entry(
     target: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    set_rank_env(rank, world, port)
     try:
         out.put((rank, "ok", target(rank, *args)))
     except BaseException:

@@ -24,9 +24,8 @@ from services.common.redis_server import free_port
 from services.learner.config import LearnerServiceConfig
 
 
-def _rank_main(
-    cfg_json: str, rank: int, world: int, port: int, max_steps: int, crash_after_step: int
-) -> None:
+def set_rank_env(rank: int, world: int, port: int) -> None:
+    """The environment torch.distributed reads in a rank of a one-machine group whose rank 0 listens on ``port``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -34,6 +33,12 @@ def _rank_main(
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
+
+
+def _rank_main(
+    cfg_json: str, rank: int, world: int, port: int, max_steps: int, crash_after_step: int
+) -> None:
+    set_rank_env(rank, world, port)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(message)s")
     from services.learner.service import LearnerRank
 
