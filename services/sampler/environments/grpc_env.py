@@ -25,8 +25,8 @@ SERVICE = "vcpo.v1.Environment"
 
 HEALTH_ADVICE = (
     "Environment servers must serve grpc.health.v1.Health beside vcpo.v1.Environment: the sampler checks it "
-    "when the environment is registered and before it sends episodes again after failures, so a server that is "
-    "up but not ready is not sent work. Add a health servicer that reports SERVING for "
+    "when the environment is registered, so a server that is down or not ready is refused with the reason "
+    "rather than sent episodes that fail. Add a health servicer that reports SERVING for "
     f"{SERVICE!r} (or for the server, ''): grpcio-health-checking in Python, grpc-health-check in Node.js "
     "(services/sampler/environments/server.py does it for Python environments)."
 )
