@@ -205,6 +205,41 @@ def test_registry_shares_specs_through_redis_and_counts_for_every_replica(redis_
     assert one.status("calc").healthy  # type: ignore[union-attr]  # the closed replica no longer counts
 
 
+def test_an_unregistered_environment_drains_its_admitted_tasks_then_is_removed_everywhere(
+    redis_client: redis.Redis,
+) -> None:
+    made: list[NullEnvironment] = []
+
+    def make(s: registry_pb2.EnvironmentSpec, max_bytes: int) -> Environment:
+        made.append(NullEnvironment(s.name))
+        return made[-1]
+
+    one = EnvironmentRegistry(redis_client, "drain", "sampler-0", 2, make_env=make)
+    two = EnvironmentRegistry(redis_client, "drain", "sampler-1", 2, make_env=make)
+    one.register(spec(name="game", endpoint="127.0.0.1:5000"))
+    assert two.known("game")
+    with pytest.raises(KeyError):
+        one.unregister("nope")
+    one.admitted("game", 3)
+    assert one.unregister("game") == ("draining", 3)
+    status = two.status("game")
+    assert status is not None and (status.state, status.tasks_outstanding) == ("draining", 3)
+    assert one.draining() == {"game"}
+    one.settled("game")
+    two.settled("game")
+    two.refresh(force=True)
+    assert two.known("game") and two.status("game").state == "draining"  # type: ignore[union-attr]
+    one.settled("game")  # the last admitted task is done: the next refresh anywhere removes it
+    two.refresh(force=True)
+    assert two.status("game") is None and "game" not in two.handles and one.draining() == set()
+    one.refresh(force=True)
+    assert "game" not in one.handles and all(env.shut for env in made)
+    # registered again, it is active; a drain with nothing outstanding removes it at once
+    one.register(spec(name="game", endpoint="127.0.0.1:5000"))
+    assert one.status("game").state == "active"  # type: ignore[union-attr]
+    assert one.unregister("game") == ("removed", 0) and one.status("game") is None
+
+
 # ---------------------------------------------------------------------------------------------- feed
 
 

@@ -218,6 +218,49 @@ def test_the_last_turn_within_max_turns_reaches_the_environment(
         assert steps[1]["action"] == tokenizer.decode(tokens[second:], skip_special_tokens=True)
 
 
+def test_an_unregistered_environment_finishes_its_admitted_tasks_then_is_gone(
+    make_stack: Callable[..., Stack], env_process: Callable[..., EnvProcess]
+) -> None:
+    """UnregisterEnvironment: tasks already admitted run to the end and reach the learner (none lost), new ones
+    are refused by name, and once none is outstanding the environment is gone from every call."""
+    env = env_process("normal", steps=1)
+    stack = make_stack(k=4, groups_per_step=1, dataset="", n=2, max_tokens=8)
+    stub = stack.registry()
+    register(stack, name="leaving", endpoint=env.endpoint, tool_parser="turn", scorer="environment")
+    assert submit(stack, "leaving", 3, "admitted").accepted == 3
+    reply = stub.UnregisterEnvironment(
+        registry_pb2.UnregisterEnvironmentRequest(name="leaving"), metadata=stack.auth, timeout=10
+    )
+    assert (reply.state, reply.tasks_outstanding) == ("draining", 3)
+    late = submit(stack, "leaving", 1, "late")
+    assert (late.accepted, late.rejected) == (0, 1) and late.errors[0].endswith("[environment_draining]")
+    status = stub.EnvironmentStatus(
+        registry_pb2.EnvironmentStatusRequest(name="leaving"), metadata=stack.auth
+    )
+    assert (status.state, status.tasks_outstanding) == ("draining", 3)
+    stack.learner.publish(0)
+    stack.start()
+    groups = wait_until(lambda: len(g := rollouts(stack)) >= 3 and g, what="the 3 admitted tasks' groups")
+    assert sorted(g.task.task_id for g in groups) == ["admitted0", "admitted1", "admitted2"]
+
+    def gone() -> bool:
+        try:
+            stub.EnvironmentStatus(registry_pb2.EnvironmentStatusRequest(name="leaving"), metadata=stack.auth)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.NOT_FOUND
+        return False
+
+    wait_until(gone, what="the drained environment removed")
+    listed = stub.ListEnvironments(registry_pb2.ListEnvironmentsRequest(), metadata=stack.auth)
+    assert [e.name for e in listed.environments] == []
+    with pytest.raises(grpc.RpcError) as info:
+        stub.UnregisterEnvironment(
+            registry_pb2.UnregisterEnvironmentRequest(name="leaving"), metadata=stack.auth
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'leaving'" in info.value.details()
+    assert len(rollouts(stack)) == 3  # nothing more was sampled for it
+
+
 def test_registry_calls_need_the_token_and_bad_registrations_are_named(
     make_stack: Callable[..., Stack],
 ) -> None:

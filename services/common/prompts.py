@@ -28,6 +28,7 @@ TASK_ERROR_REASONS = (
     "environment_failed",
     "bad_split",
     "unknown_scorer",
+    "environment_draining",
 )
 """The ``reason`` labels :class:`TaskError` is raised with (bounded, so they can label a metric)."""
 

@@ -61,11 +61,13 @@ class TaskFeed:
         weight: Weight | None = None,
         max_attempts: int = 3,
         max_waiting: int = 64,
+        on_settled: Callable[[str], None] | None = None,
     ) -> None:
         if dataset is None and stream is None:
             raise ValueError("a task feed needs a dataset, the tasks stream, or both")
         self.encoder, self.dataset, self.stream = encoder, dataset, stream
         self.on_error = on_error
+        self.on_settled = on_settled  # a submitted task of this environment is done (drains count them)
         self.environment_known = environment_known
         self.weight = weight or (lambda name: 1.0)
         self.max_attempts, self.max_waiting = max_attempts, max_waiting
@@ -114,6 +116,7 @@ class TaskFeed:
         if prepared.entry_id is not None and self.stream is not None:
             self.stream.ack([prepared.entry_id])
             self._outstanding.discard(prepared.entry_id)
+            self._settled(prepared.task)
 
     def retry(self, prepared: PreparedTask, failure: str | None = None) -> None:
         """Generate this task again (its group was given up); ``failure``: its environment failed it, which
@@ -233,11 +236,16 @@ class TaskFeed:
             task.CopyFrom(merged)
         return self.encoder.encode(task)
 
+    def _settled(self, task: rollout_pb2.Task) -> None:
+        if task.environment and self.on_settled is not None:
+            self.on_settled(task.environment)
+
     def _reject(self, exc: TaskError, entry: Entry[rollout_pb2.Task] | None = None) -> None:
         self.errors[exc.reason] = self.errors.get(exc.reason, 0) + 1
         self.last_error = str(exc)
         log.warning("task rejected (%s): %s", exc.reason, exc)
         if entry is not None and self.stream is not None:
             self.stream.reject(entry, exc.reason, str(exc))
+            self._settled(entry.message)
         if self.on_error is not None:
             self.on_error(exc)

@@ -97,6 +97,7 @@ class SamplerService:
             environment_known=self.environments.known,
             weight=self._environment_weight,
             max_attempts=s.env_max_attempts,
+            on_settled=self.environments.settled,
         )
         self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
         # the co-tenant of this engine: the evaluator, with [evaluation] placement = "shared"
@@ -145,7 +146,13 @@ class SamplerService:
             client, specs["tasks"], stream_metrics, cfg.streams.producer_wait_timeout_s
         )
         status = StatusServicer(self.sampler.status, run.run_id, self.replica_id)
-        registry = RegistryServicer(self.feed.validate, tasks_producer, self.environments, self._task_error)
+        registry = RegistryServicer(
+            self.feed.validate,
+            tasks_producer,
+            self.environments,
+            self._task_error,
+            run_file_environments=[e.name for e in s.environments],
+        )
 
         def add(server: grpc.Server) -> list[str]:
             common_pb2_grpc.add_StatusServicer_to_server(status, server)

@@ -5,14 +5,18 @@ that does not answer health checks: FAILED_PRECONDITION) and stores it for every
 checks every task the way the sampler will (environment registered, payload JSON, prompt, context length),
 gives a task of an environment that environment's scorer when it names none, and puts the good ones on the
 run's `tasks` stream, where any replica picks them up; the reply counts both and names each rejected task
-with its reason. The registry's calls need the run's API token (services.common.auth).
+with its reason. ``UnregisterEnvironment`` takes an environment out of service: it drains (no more tasks
+accepted; the admitted ones run to the end, counted by the registry as submitted and settled) and is removed
+when none is left; the run file's environments are refused (FAILED_PRECONDITION). The registry's calls need
+the run's API token (services.common.auth).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 
 import grpc
 
@@ -50,14 +54,17 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
         tasks: StreamProducer[rollout_pb2.Task],
         registry: EnvironmentRegistry,
         on_error: Callable[[TaskError], None] | None = None,
+        run_file_environments: Collection[str] = (),
     ) -> None:
         self.validate, self.tasks, self.registry, self.on_error = validate, tasks, registry, on_error
+        self.run_file_environments = set(run_file_environments)  # the run file's: not unregistered by a call
 
     def SubmitTasks(
         self, request_iterator: Iterator[registry_pb2.SubmitTasksRequest], context: grpc.ServicerContext
     ) -> registry_pb2.SubmitTasksResponse:
         good: list[tuple[rollout_pb2.Task, int]] = []
         errors: list[str] = []
+        draining = self.registry.draining()
         for i, request in enumerate(request_iterator):
             task = rollout_pb2.Task()
             task.CopyFrom(request.task)
@@ -70,6 +77,12 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
                 if handle is not None:
                     task.scorer = handle.spec.scorer
             try:
+                if task.environment in draining:
+                    raise TaskError(
+                        "environment_draining",
+                        task.task_id,
+                        f"environment {task.environment!r} is unregistered and draining: it takes no more tasks",
+                    )
                 self._check_fields(task)
                 self.validate(task)
             except TaskError as exc:
@@ -80,6 +93,8 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
             good.append((task, 0))
         if good:
             self.tasks.put_many(good)
+            for name, count in Counter(t.environment for t, _ in good if t.environment).items():
+                self.registry.admitted(name, count)  # what a drain waits for
         return registry_pb2.SubmitTasksResponse(accepted=len(good), rejected=len(errors), errors=errors)
 
     def _check_fields(self, task: rollout_pb2.Task) -> None:
@@ -115,6 +130,28 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("unreachable") from exc
         return registry_pb2.RegisterEnvironmentResponse(name=spec.name, created=created)
+
+    def UnregisterEnvironment(
+        self, request: registry_pb2.UnregisterEnvironmentRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.UnregisterEnvironmentResponse:
+        if request.name in self.run_file_environments:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"environment {request.name!r} is listed in the run file ([[sampler.environments]]); remove it "
+                "there and restart the samplers",
+            )
+        try:
+            state, outstanding = self.registry.unregister(request.name)
+        except KeyError:
+            known = [s.name for s in self.registry.specs()]
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no environment named {request.name!r} is registered (known: {known})",
+            )
+            raise AssertionError("unreachable") from None
+        return registry_pb2.UnregisterEnvironmentResponse(
+            name=request.name, state=state, tasks_outstanding=outstanding
+        )
 
     def EnvironmentStatus(
         self, request: registry_pb2.EnvironmentStatusRequest, context: grpc.ServicerContext

@@ -224,6 +224,7 @@ class EnvironmentRegistry:
         self.key = f"vcpo:{run_id}:environments"
         self.stats_key = f"vcpo:{run_id}:environments:stats"
         self.live_key = f"vcpo:{run_id}:environments:live"
+        self.draining_key = f"vcpo:{run_id}:environments:draining"
         self.max_message_bytes, self.refresh_s = max_message_bytes, refresh_s
         self._breaker, self._make_env = breaker, make_env
         self.scorers = scorers  # the names a spec's or a submitted task's scorer may take; None: unchecked
@@ -246,10 +247,55 @@ class EnvironmentRegistry:
                 raise Unreachable(f"environment {spec.name!r}: {problem}")
         finally:
             env.shutdown()
-        created = bool(self.client.hset(self.key, spec.name, spec.SerializeToString()))
+        pipe = self.client.pipeline()
+        pipe.hset(self.key, spec.name, spec.SerializeToString())
+        pipe.hdel(self.draining_key, spec.name)  # registering a draining environment makes it active again
+        created = bool(pipe.execute()[0])
         log.info("environment %s %s: %s", spec.name, "registered" if created else "updated", _describe(spec))
         self.refresh(force=True)
         return spec, created
+
+    # ------------------------------------------------------------------ unregistering (gRPC thread)
+    def unregister(self, name: str) -> tuple[str, int]:
+        """Stop accepting tasks for ``name`` and remove it once its admitted tasks are done; (state,
+        outstanding). KeyError if it is not registered."""
+        if not self.client.hexists(self.key, name):
+            raise KeyError(name)
+        self.client.hset(self.draining_key, name, str(time.time()))
+        outstanding = self.outstanding(name)
+        log.info("environment %s unregistered: draining %d outstanding task(s)", name, outstanding)
+        removed = name in self.finish_drains()
+        return ("removed" if removed else "draining"), outstanding
+
+    def draining(self) -> set[str]:
+        """The environments that take no more tasks and are finishing the ones they admitted."""
+        raw: Any = self.client.hkeys(self.draining_key)
+        return {n.decode() for n in raw}
+
+    def admitted(self, name: str, count: int) -> None:
+        """``count`` submitted tasks of ``name`` are on the tasks stream."""
+        self.client.hincrby(self.stats_key, f"{name}:admitted", count)
+
+    def settled(self, name: str) -> None:
+        """A submitted task of ``name`` is done: its group is on the rollouts stream, or it was dead-lettered."""
+        self.client.hincrby(self.stats_key, f"{name}:settled", 1)
+
+    def outstanding(self, name: str) -> int:
+        admitted, settled = self.client.hmget(self.stats_key, f"{name}:admitted", f"{name}:settled")
+        return max(0, int(admitted or 0) - int(settled or 0))
+
+    def finish_drains(self) -> set[str]:
+        """Remove the draining environments with nothing outstanding; their names."""
+        removed = set()
+        for name in self.draining():
+            if self.outstanding(name) == 0:
+                pipe = self.client.pipeline()
+                pipe.hdel(self.key, name)
+                pipe.hdel(self.draining_key, name)
+                if pipe.execute()[0]:
+                    log.info("environment %s drained: its registration is removed", name)
+                removed.add(name)
+        return removed
 
     def specs(self) -> list[registry_pb2.EnvironmentSpec]:
         out = []
@@ -277,8 +323,13 @@ class EnvironmentRegistry:
         if not force and now - self._refreshed < self.refresh_s:
             return
         self._refreshed = now
+        self.finish_drains()
         specs = {s.name: s for s in self.specs()}
         with self._lock:
+            for name in [n for n, h in self.handles.items() if n not in specs and h.open_sessions == 0]:
+                gone = self.handles.pop(name)  # unregistered and drained: nothing of it runs here
+                for env in [gone.env, *gone.retired]:
+                    env.shutdown()
             for name, spec in specs.items():
                 handle = self.handles.get(name)
                 if handle is not None and handle.spec == spec:
@@ -349,6 +400,8 @@ class EnvironmentRegistry:
             last_error = f"paused by the circuit breaker ({', '.join(paused)}); last error: {last_error}"
         return registry_pb2.EnvironmentStatusResponse(
             spec=spec,
+            state="draining" if self.client.hexists(self.draining_key, name) else "active",
+            tasks_outstanding=self.outstanding(name),
             healthy=not paused,
             tasks_queued=queued,
             episodes_running=running,
