@@ -212,12 +212,14 @@ def grpc_server(
     max_workers: int = 16,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """Build, bind and start a gRPC server.
 
     ``add_servicers(server)`` registers the service's servicers and returns their full names
     (e.g. ``["vcpo.v1.RewardService"]``); each is reported SERVING by the health service once started, and
-    listed by server reflection (v1 and v1alpha, :mod:`services.common.reflection`).
+    listed by server reflection (v1 and v1alpha, :mod:`services.common.reflection`). With ``credentials``
+    (:func:`services.common.tls.server_credentials`) it listens with TLS only.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -234,7 +236,12 @@ def grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, names)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
     except RuntimeError:  # newer grpcio raises instead of returning 0
         bound = 0
     if bound == 0:

@@ -6,6 +6,7 @@ with the same engine settings and reach the same environments as the training re
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import redis
@@ -13,7 +14,7 @@ import redis
 from services.common.tiny_model import run_model
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, VllmEngine, VllmSettings
-from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry
+from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry, make_environment
 from vcpo.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: 
         max_message_bytes=s.env_max_message_bytes,
         breaker=lambda: CircuitBreaker(s.env_failures_to_open, s.env_cooldown_s),
         scorers=known_scorers(cfg.reward.plugins),
+        make_env=functools.partial(make_environment, tls=s.env_tls),
     )
     for env in s.environments:
         registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, SecretStr, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.common.tls import ClientTls, ServerTls
 from services.reward.config import RewardConfig
 from services.weight_broker.config import WeightBrokerConfig
 
@@ -116,6 +117,16 @@ class SamplerConfig(Section):
         4 << 20,
         ge=1024,
         description="Largest gRPC message a client of the registry API may send.",
+    )
+    api_tls: ServerTls = Field(
+        default_factory=ServerTls,
+        description="TLS of the registry API and status server ([sampler.api_tls]: cert_file, key_file, and "
+        "client_ca_file to require client certificates); empty: plaintext.",
+    )
+    env_tls: ClientTls = Field(
+        default_factory=ClientTls,
+        description="What the sampler trusts and presents when it calls environments registered with tls = "
+        "true ([sampler.env_tls]: ca_file, cert_file, key_file).",
     )
     env_max_message_bytes: int = Field(
         4 << 20,

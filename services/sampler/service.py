@@ -23,6 +23,7 @@ from services.common.streams.consumer import StreamConsumer, StreamTail
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
+from services.common.tls import server_credentials
 from services.sampler.agent import AgentLoop
 from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
@@ -164,7 +165,13 @@ class SamplerService:
         auth = TokenAuthInterceptor(token, {"vcpo.v1.EnvironmentRegistry"}, self._refused)
         offset = replica if s.port_per_replica else 0
         port = s.grpc_port + offset if s.grpc_port else 0
-        self.server = grpc_server(add, port=port, max_message_bytes=s.max_request_bytes, interceptors=[auth])
+        self.server = grpc_server(
+            add,
+            port=port,
+            max_message_bytes=s.max_request_bytes,
+            interceptors=[auth],
+            credentials=server_credentials(s.api_tls),
+        )
         self.http = serve_metrics(self.registry, port=s.metrics_port + offset if s.metrics_port else 0)
         self.endpoints = write_endpoints(
             run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url

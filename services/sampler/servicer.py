@@ -22,7 +22,7 @@ import grpc
 
 from services.common.prompts import TaskError
 from services.common.streams.producer import StreamProducer
-from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable
+from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable, public
 from services.sampler.sampler import SamplerState
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
 
@@ -117,7 +117,7 @@ class RegistryServicer(registry_pb2_grpc.EnvironmentRegistryServicer):
     def ListEnvironments(
         self, request: registry_pb2.ListEnvironmentsRequest, context: grpc.ServicerContext
     ) -> registry_pb2.ListEnvironmentsResponse:
-        return registry_pb2.ListEnvironmentsResponse(environments=self.registry.specs())
+        return registry_pb2.ListEnvironmentsResponse(environments=[public(s) for s in self.registry.specs()])
 
     def RegisterEnvironment(
         self, request: registry_pb2.RegisterEnvironmentRequest, context: grpc.ServicerContext

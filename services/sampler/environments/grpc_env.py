@@ -68,18 +68,30 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 class GrpcEnvironment(Environment):
-    """A client of one ``vcpo.v1.Environment`` server at ``endpoint``: one insecure channel, a deadline per call."""
+    """A client of one ``vcpo.v1.Environment`` server at ``endpoint``: one channel (plaintext, or TLS with
+    ``credentials``), a deadline per call, and the environment's ``token`` as bearer metadata if it has one."""
 
-    def __init__(self, name: str, endpoint: str, max_message_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        name: str,
+        endpoint: str,
+        max_message_bytes: int = 4 << 20,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
+    ) -> None:
         parse_endpoint(endpoint)
         self.name, self.endpoint, self.max_message_bytes = name, endpoint, max_message_bytes
         self._closed = False
-        self.channel = grpc.insecure_channel(
-            endpoint,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
+        # the environment's own token, if it asks for one (not the run's API token)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self.channel = (
+            grpc.secure_channel(endpoint, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(endpoint, options=options)
         )
         self.stub = environment_pb2_grpc.EnvironmentStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -93,7 +105,7 @@ class GrpcEnvironment(Environment):
         if self._closed:
             raise self._shut(method)
         try:
-            return getattr(self.stub, method)(request, timeout=max(timeout_s, 0.001))
+            return getattr(self.stub, method)(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
         except ValueError:
             if not self._closed:
                 raise
@@ -150,7 +162,9 @@ class GrpcEnvironment(Environment):
             if self._closed:
                 return "the client was shut down"
             try:
-                reply = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                reply = self.health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=self._metadata
+                )
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = exc.details() if hasattr(exc, "details") else str(exc)

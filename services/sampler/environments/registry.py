@@ -34,6 +34,7 @@ from typing import Any
 
 import redis
 
+from services.common.tls import ClientTls
 from services.sampler.environments.base import Environment
 from services.sampler.environments.parsers import DEFAULT_PARSER, PARSERS, ToolParser, make_parser
 from vcpo.v1 import registry_pb2
@@ -122,13 +123,34 @@ def validate_spec(
     return out
 
 
-def make_environment(spec: registry_pb2.EnvironmentSpec, max_message_bytes: int) -> Environment:
+def make_environment(
+    spec: registry_pb2.EnvironmentSpec, max_message_bytes: int, tls: ClientTls | None = None
+) -> Environment:
+    """The environment a spec names: a built-in, or a client of its endpoint (over TLS when ``spec.tls``,
+    trusting and presenting what ``tls`` says; with its ``auth_token`` on every call)."""
+    from services.common.tls import channel_credentials
     from services.sampler.environments.builtin import BUILTINS
     from services.sampler.environments.grpc_env import GrpcEnvironment
 
     if spec.WhichOneof("backend") == "builtin":
         return BUILTINS[spec.builtin](spec.name)
-    return GrpcEnvironment(spec.name, spec.endpoint, max_message_bytes=max_message_bytes)
+    credentials = channel_credentials(tls or ClientTls()) if spec.tls else None
+    return GrpcEnvironment(
+        spec.name,
+        spec.endpoint,
+        max_message_bytes=max_message_bytes,
+        credentials=credentials,
+        token=spec.auth_token,
+    )
+
+
+def public(spec: registry_pb2.EnvironmentSpec) -> registry_pb2.EnvironmentSpec:
+    """``spec`` as calls return it: its auth token masked."""
+    out = registry_pb2.EnvironmentSpec()
+    out.CopyFrom(spec)
+    if out.auth_token:
+        out.auth_token = "***"
+    return out
 
 
 class CircuitBreaker:
@@ -399,7 +421,7 @@ class EnvironmentRegistry:
         if paused:
             last_error = f"paused by the circuit breaker ({', '.join(paused)}); last error: {last_error}"
         return registry_pb2.EnvironmentStatusResponse(
-            spec=spec,
+            spec=public(spec),
             state="draining" if self.client.hexists(self.draining_key, name) else "active",
             tasks_outstanding=self.outstanding(name),
             healthy=not paused,

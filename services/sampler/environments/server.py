@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
+from services.common.auth import TokenAuthInterceptor
 from services.common.observability import GrpcServer, grpc_server
+from services.common.tls import ServerTls, server_credentials
 from services.sampler.environments.base import Environment, EnvironmentFailure
 from vcpo.v1 import environment_pb2, environment_pb2_grpc
 
@@ -63,15 +65,26 @@ def serve_environment(
     host: str = "127.0.0.1",
     max_workers: int = 16,
     max_message_bytes: int = 4 << 20,
+    tls: ServerTls | None = None,
+    token: str = "",
 ) -> GrpcServer:
-    """Start a gRPC server of ``env``, with health (SERVING for "" and ``vcpo.v1.Environment``)."""
+    """Start a gRPC server of ``env``, with health (SERVING for "" and ``vcpo.v1.Environment``); over TLS with
+    ``tls``, and refusing Environment calls without ``authorization: Bearer <token>`` when ``token`` is set
+    (register it with the same ``auth_token``)."""
 
     def add(server: grpc.Server) -> list[str]:
         environment_pb2_grpc.add_EnvironmentServicer_to_server(EnvironmentServicer(env), server)
         return ["vcpo.v1.Environment"]
 
+    interceptors = [TokenAuthInterceptor(token, {"vcpo.v1.Environment"})] if token else []
     return grpc_server(
-        add, port=port, host=host, max_workers=max_workers, max_message_bytes=max_message_bytes
+        add,
+        port=port,
+        host=host,
+        max_workers=max_workers,
+        max_message_bytes=max_message_bytes,
+        interceptors=interceptors,
+        credentials=server_credentials(tls) if tls is not None else None,
     )
 
 
