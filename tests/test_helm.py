@@ -650,6 +650,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["redis.auth.password=p@ss/word"], "/redis/auth/password"),
         (["monitoring.serviceMonitor.interval=soon"], "/monitoring/serviceMonitor/interval"),
         (["reward.minReplicas=0"], "/reward/minReplicas"),
+        (["tls.apiSecrets=x"], "apiSecrets"),
         (
             ["environments[0].name=calc", "environments[0].builtin=python", "environments[0].endpoint=h:1"],
             "/environments/0",
@@ -918,3 +919,45 @@ def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
         out = helm("template", "r", str(CHART), "--set", flag, "--set", "sharedStorage.size=5Gi")
         assert f"raise sharedStorage.size to at least {math.ceil(3 * w)}Gi" in errors(out), errors(out)
         render("--set", flag, "--set", "sharedStorage.size=5Gi", "--set", "sharedStorage.existingClaim=mine")
+
+
+def test_tls_secrets_are_mounted_where_the_samplers_settings_point(tmp_path: Path) -> None:
+    """tls.* Secrets: each mounted read-only in every Ray pod, and the VCPO_SAMPLER__*_TLS__* variables that name
+    the files make the run's config (the launcher reads them and hands them to the samplers)."""
+    plain = render()
+    assert not [e for e in container(group(plain, "sampler"))["env"] if "_TLS__" in e["name"]]
+    docs = render(
+        "--set",
+        "tls.apiSecret=api-cert",
+        "--set",
+        "tls.clientCaSecret=clients",
+        "--set",
+        "tls.envCaSecret=env-ca",
+        "--set",
+        "tls.envClientSecret=env-client",
+    )
+    for name in ("head", "sampler", "learner"):
+        pod = group(docs, name)["template"]["spec"]
+        mounts = {m["name"]: m for m in container(group(docs, name))["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for volume, secret, path in (
+            ("tls-api", "api-cert", "/etc/vcpo/tls/api"),
+            ("tls-client-ca", "clients", "/etc/vcpo/tls/client-ca"),
+            ("tls-env-ca", "env-ca", "/etc/vcpo/tls/env-ca"),
+            ("tls-env-client", "env-client", "/etc/vcpo/tls/env-client"),
+        ):
+            assert mounts[volume]["mountPath"] == path and mounts[volume]["readOnly"], (name, volume)
+            assert volumes[volume]["secret"]["secretName"] == secret, (name, volume)
+    env = {e["name"]: e["value"] for e in container(group(docs, "head"))["env"] if "_TLS__" in e["name"]}
+    _, _ = run_config(docs, tmp_path)
+    cfg = load_config(SystemConfig, [tmp_path / "run.toml"], env=env)
+    assert cfg.sampler.api_tls.cert_file == "/etc/vcpo/tls/api/tls.crt"
+    assert cfg.sampler.api_tls.key_file == "/etc/vcpo/tls/api/tls.key"
+    assert cfg.sampler.api_tls.client_ca_file == "/etc/vcpo/tls/client-ca/ca.crt"
+    assert cfg.sampler.env_tls.ca_file == "/etc/vcpo/tls/env-ca/ca.crt"
+    assert (cfg.sampler.env_tls.cert_file, cfg.sampler.env_tls.key_file) == (
+        "/etc/vcpo/tls/env-client/tls.crt",
+        "/etc/vcpo/tls/env-client/tls.key",
+    )
+    out = helm("template", "r", str(CHART), "--set", "tls.clientCaSecret=clients")
+    assert out.returncode != 0 and "tls.clientCaSecret (mutual TLS) needs tls.apiSecret" in errors(out)

@@ -28,6 +28,31 @@ Secret) and the API token; Ray's workers inherit it, so the hub token reaches ev
     secretKeyRef:
       name: {{ include "vcpo-rl.apiTokenSecret" . }}
       key: {{ include "vcpo-rl.apiTokenKey" . }}
+{{- with .Values.tls }}
+{{- if and .clientCaSecret (not .apiSecret) }}
+{{- fail "tls.clientCaSecret (mutual TLS) needs tls.apiSecret, the client API's own certificate" }}
+{{- end }}
+{{- if .apiSecret }}
+- name: VCPO_SAMPLER__API_TLS__CERT_FILE
+  value: /etc/vcpo/tls/api/tls.crt
+- name: VCPO_SAMPLER__API_TLS__KEY_FILE
+  value: /etc/vcpo/tls/api/tls.key
+{{- end }}
+{{- if .clientCaSecret }}
+- name: VCPO_SAMPLER__API_TLS__CLIENT_CA_FILE
+  value: /etc/vcpo/tls/client-ca/ca.crt
+{{- end }}
+{{- if .envCaSecret }}
+- name: VCPO_SAMPLER__ENV_TLS__CA_FILE
+  value: /etc/vcpo/tls/env-ca/ca.crt
+{{- end }}
+{{- if .envClientSecret }}
+- name: VCPO_SAMPLER__ENV_TLS__CERT_FILE
+  value: /etc/vcpo/tls/env-client/tls.crt
+- name: VCPO_SAMPLER__ENV_TLS__KEY_FILE
+  value: /etc/vcpo/tls/env-client/tls.key
+{{- end }}
+{{- end }}
 {{- if include "vcpo-rl.hubEnabled" . }}
 - name: HF_TOKEN
   valueFrom:
@@ -56,6 +81,11 @@ Secret) and the API token; Ray's workers inherit it, so the hub token reaches ev
   mountPath: {{ .Values.sharedStorage.mountPath }}
 - name: dshm
   mountPath: /dev/shm
+{{- range $mount := include "vcpo-rl.tlsMounts" . | fromYamlArray }}
+- name: {{ $mount.volume }}
+  mountPath: {{ printf "/etc/vcpo/tls/%s" $mount.dir }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -72,6 +102,12 @@ Secret) and the API token; Ray's workers inherit it, so the hub token reaches ev
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.rayCluster.shmSize }}
+{{- range $mount := include "vcpo-rl.tlsMounts" . | fromYamlArray }}
+- name: {{ $mount.volume }}
+  secret:
+    secretName: {{ $mount.secret }}
+    defaultMode: 0440
+{{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -251,4 +287,19 @@ entrypoint, rayJob.redeployKey), at most 47 characters (KubeRay's limit for RayJ
 {{- define "vcpo-rl.jobName" -}}
 {{- $hash := printf "%s\n%s\n%s\n%s" (include "vcpo-rl.runToml" .) (include "vcpo-rl.rayClusterSpec" .) (include "vcpo-rl.entrypoint" .) .Values.rayJob.redeployKey | sha256sum | trunc 8 -}}
 {{- printf "%s-%s" (include "vcpo-rl.fullname" . | trunc 38 | trimSuffix "-") $hash -}}
+{{- end -}}
+
+{{/*
+The TLS Secrets given in values, as [{volume, dir, secret}]: each is mounted read-only at /etc/vcpo/tls/<dir>,
+where the VCPO_SAMPLER__*_TLS__* variables of vcpo-rl.rayEnv point.
+*/}}
+{{- define "vcpo-rl.tlsMounts" -}}
+{{- $out := list }}
+{{- range $key, $dir := dict "apiSecret" "api" "clientCaSecret" "client-ca" "envCaSecret" "env-ca" "envClientSecret" "env-client" }}
+{{- $secret := get $.Values.tls $key }}
+{{- if $secret }}
+{{- $out = append $out (dict "volume" (printf "tls-%s" $dir) "dir" $dir "secret" $secret) }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
 {{- end -}}
