@@ -8,6 +8,7 @@ It needs only gRPC and the generated ``vcpo.v1`` messages (``make proto``, or an
         --env-endpoint 127.0.0.1:50070 --tasks 8
 
 Every registry call carries ``authorization: Bearer <token>``; a wrong token is refused (UNAUTHENTICATED).
+``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS) reaches a sampler whose API uses TLS.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def main() -> int:
     parser.add_argument("--env-endpoint", required=True, help="host:port of the environment server")
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--watch-s", type=float, default=30, help="how long to follow its status")
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="the CA of a sampler whose API uses TLS ([sampler.api_tls]); default: plaintext",
+    )
+    parser.add_argument("--tls-cert", type=Path, help="a client certificate, when the API requires one")
+    parser.add_argument("--tls-key", type=Path, help="the key of --tls-cert")
     args = parser.parse_args()
     try:
         token = args.token_file.read_text().strip()
@@ -47,7 +55,16 @@ def main() -> int:
         return 2
     auth = (("authorization", f"Bearer {token}"),)
 
-    with grpc.insecure_channel(args.sampler) as channel:
+    if args.tls_ca is None:
+        channel = grpc.insecure_channel(args.sampler)
+    else:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=args.tls_ca.read_bytes(),
+            private_key=args.tls_key.read_bytes() if args.tls_key else None,
+            certificate_chain=args.tls_cert.read_bytes() if args.tls_cert else None,
+        )
+        channel = grpc.secure_channel(args.sampler, credentials)
+    with channel:
         registry = registry_pb2_grpc.EnvironmentRegistryStub(channel)
         spec = registry_pb2.EnvironmentSpec(
             name=args.env_name,

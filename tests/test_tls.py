@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -196,4 +197,39 @@ def test_the_sampler_calls_a_tls_environment_with_its_token(pki: dict[str, str])
     finally:
         for client in (env, wrong, plain):
             client.shutdown()
+        server.stop(0)
+
+
+@pytest.mark.slow
+def test_the_example_client_reaches_a_sampler_whose_api_uses_tls(
+    make_stack: Any, pki: dict[str, str], tmp_path: Path
+) -> None:
+    """[sampler.api_tls] on a real sampler: the example client with --tls-ca registers and submits; without it
+    the plaintext call gets nothing back."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    tls = {"cert_file": pki["server"] + ".pem", "key_file": pki["server"] + ".key"}
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=8, api_tls=tls)
+    server = serve_environment(BUILTINS["python"]("python"))
+
+    def client(*extra: str) -> subprocess.CompletedProcess[str]:
+        command = [
+            sys.executable,
+            "examples/submit_tasks.py",
+            "--sampler",
+            f"127.0.0.1:{stack.service.server.port}",
+        ]
+        command += ["--token-file", str(tmp_path / "api_token"), "--env-endpoint", f"127.0.0.1:{server.port}"]
+        command += ["--tasks", "2", "--watch-s", "0", *extra]
+        return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120)
+
+    try:
+        secured = client("--tls-ca", pki["ca"] + ".pem")
+        assert secured.returncode == 0, secured.stderr
+        assert "submitted: 2 accepted, 0 rejected" in secured.stdout
+        plain = client()
+        assert plain.returncode == 1 and "registration refused: UNAVAILABLE" in plain.stderr
+    finally:
         server.stop(0)
