@@ -26,6 +26,7 @@ from services.reward.pool import Outcome
 from services.reward.scorers import ScoreInput
 from services.sampler.config import EvaluationConfig
 from services.sampler.engine import Sampling, TokenDelta
+from services.sampler.environments.base import Environment
 from vcpo.v1 import rollout_pb2
 
 # ----------------------------------------------------------------------------------------- the logic
@@ -316,7 +317,7 @@ def test_a_newer_version_waits_for_a_generating_round_at_most_max_delay_s() -> N
     assert evaluator.pump() == [] and evaluator.rounds["abandoned"] == 2
 
 
-class Guessing:
+class Guessing(Environment):
     """An in-process environment: each step is the model's guess at the task's reference; a right guess ends
     the episode with reward 1, a wrong one is answered "no" until the second, which ends it with 0. A task
     whose prompt is "c" makes it fail."""

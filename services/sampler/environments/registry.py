@@ -260,12 +260,7 @@ class EnvironmentRegistry:
         spec = validate_spec(spec, self.group_size, self.scorers)
         env = self._make_env(spec, self.max_message_bytes)
         try:
-            # an environment that only says yes or no (``healthy``, the older interface) is asked that
-            explain = getattr(env, "health_problem", None)
-            if explain is not None:
-                problem = explain(HEALTH_TIMEOUT_S)
-            else:
-                problem = None if env.healthy(HEALTH_TIMEOUT_S) else ""
+            problem = env.health_problem(HEALTH_TIMEOUT_S)
             if problem is not None:
                 problem = problem or (
                     f"nothing at endpoint {spec.endpoint!r} answered gRPC health checks within "
