@@ -7,15 +7,19 @@
     wait(work)                  a collective, given up as soon as any rank marks the store ``failed``
 
 The group lives outside torch.distributed's default group (which ZeRO-3 or vLLM's tensor parallelism may own):
-NCCL on GPU, gloo on CPU, the same code. Members wait for announcements in the store, never inside a
-collective, so an idle group never reaches its timeout. Any failure is a :class:`TransferFailed`: the group
-is closed on every member and the control plane (``group_control.py``) forms a new epoch. What travels over
-the group, and how, is ``collective.py``.
+NCCL on GPU, gloo on CPU, the same code. An NCCL epoch whose ranks would share a GPU (which NCCL refuses)
+runs on gloo instead, on every rank alike. Members wait for announcements in the store, never inside a
+collective, so an idle group never reaches its timeout. Any failure is a :class:`TransferFailed`, raised to
+the caller on every backend (an NCCL failure never takes the process down): the group is closed on every
+member and the control plane (``group_control.py``) forms a new epoch. What travels over the group, and how,
+is ``collective.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +30,15 @@ import torch
 log = logging.getLogger(__name__)
 
 _RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
+
+# torch's NCCL error handling, read once by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp)
+# has the watchdog take the whole process down when a collective fails or times out: a sampler killed
+# mid-broadcast would kill learner rank 0 with it. The weight group's failures are expected and survivable
+# (the version goes through the broker, a new epoch forms), so its group is built with 2 (CleanUpOnly): the
+# watchdog aborts the communicator and the collective's error reaches :meth:`WeightGroup.wait` instead.
+NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+NCCL_CLEAN_UP_ONLY = "2"
+_ENV_LOCK = threading.Lock()
 
 
 class TransferFailed(RuntimeError):
@@ -118,6 +131,42 @@ def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float 
     return arrived
 
 
+def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A ProcessGroupNCCL over ``store`` whose failures are raised to the caller, never fatal to the process
+    (:data:`NCCL_ERROR_HANDLING_VARS`; the variables are restored once it is built, so no other group of the
+    process is changed). NCCL connects lazily, at the first collective."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARS}
+        os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARS, NCCL_CLEAN_UP_ONLY))
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def device_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device``: its UUID (the same in every process, whatever CUDA_VISIBLE_DEVICES
+    numbers it as)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
+    """The ranks that share one GPU (empty: none do), from the identities every rank set at ``gpu/<rank>`` of
+    an epoch's ``store`` before it arrived (:func:`device_identity`)."""
+    by_gpu: dict[str, list[int]] = {}
+    for r in range(world_size):
+        by_gpu.setdefault(store.get(f"gpu/{r}").decode(), []).append(r)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
 class AnnouncementWatch:
     """A receiver's view of rank 0's announcements (``announce/<n>`` = version, in order) in one epoch's
     store: the weight group's own, or a client of the store held by a process that is not a rank itself (a
@@ -185,6 +234,8 @@ class WeightGroup:
         try:
             self._store = store if store is not None else open_store(spec, master=rank == 0)
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
+            if spec.backend == "nccl":  # before arriving: every rank's is there once all have arrived
+                prefixed.set(f"gpu/{rank}", device_identity(self.device))
             arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
         except Exception as exc:
             raise TransferFailed(
@@ -198,10 +249,25 @@ class WeightGroup:
         self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
         self._announcements = prefixed  # rank 0 sets announce/<n>
         self._seq = 0  # announcements made (rank 0)
+        self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
         if spec.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+            try:
+                shared = shared_gpus(prefixed, spec.world_size)
+            except Exception as exc:
+                raise TransferFailed(f"weight group epoch {spec.epoch}: {exc}") from exc
+            if shared:
+                # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), as when a
+                # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
+                # read the same identities, so every rank falls back to gloo (through host memory) alike
+                self.backend, self.device = "gloo", torch.device("cpu")
+                if rank == 0:
+                    log.warning(
+                        "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU",
+                        spec.epoch,
+                        "; ".join(", ".join(map(str, ranks)) for ranks in shared),
+                    )
+        if self.backend == "nccl":
+            self._pg: Any = nccl_backend(prefixed, rank, spec.world_size, timeout)
         else:
             # connecting (every rank's address through the store) is bounded by the forming timeout, as the
             # arrival is: a member that arrived and then died would otherwise hold every other rank here for
@@ -275,7 +341,10 @@ class WeightGroup:
                 self.close()
                 raise TransferFailed(why)
         try:
-            work.wait()  # raises the collective's own error, if it had one
+            # raises the collective's own error, if it had one. Given a timeout, every backend's wait does; a
+            # NCCL wait without one only orders the current stream after the collective and returns, as if a
+            # failed broadcast's bytes had arrived. The collective has completed here, so nothing waits.
+            work.wait(timedelta(seconds=self.spec.timeout_s))
         except Exception as exc:
             self._mark_failed(f"rank {self.rank}'s part failed: {str(exc).splitlines()[0][:300]}")
             raise
@@ -302,7 +371,12 @@ class WeightGroup:
             return
         self._closed = True
         try:
-            self._pg.shutdown()
+            if self.backend == "nccl":
+                # abort (ncclCommAbort), not shutdown: a communicator's destroy waits for its kernels, and a
+                # kernel waiting for a dead or departed peer never finishes
+                self._pg.abort()
+            else:
+                self._pg.shutdown()
         except Exception:  # a broken group may refuse a clean shutdown; it is dropped anyway
             log.debug("weight group shutdown raised", exc_info=True)
         # Never let a closed group be destroyed: ~ProcessGroupGloo joins its worker threads, which may still

@@ -1,0 +1,261 @@
+"""The weight group under NCCL: its failure handling and the shared-GPU fallback.
+
+On CPU, torch has no ProcessGroupNCCL: these tests stand one in (a recorder, never a transport) to check what
+the weight group asks of it, and run the fallback's gloo group for real. The ``gpu``-marked tests run the same
+paths on CUDA: ranks on one GPU (any machine with a GPU), and real NCCL between GPUs (two or more).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.common.redis_server import free_port
+from services.weight_broker import weight_group
+from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from tests.test_collective_weights import _receiver, is_version, specs_of, version_tensors
+
+
+class StandInNCCL:
+    """Records how the weight group builds and closes its NCCL backend; moves nothing."""
+
+    built: ClassVar[list[StandInNCCL]] = []
+
+    class Options:
+        _timeout: timedelta | None = None
+
+    def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+        self.rank, self.size, self.timeout = rank, size, options._timeout
+        self.env = {name: os.environ.get(name) for name in weight_group.NCCL_ERROR_HANDLING_VARS}
+        self.calls: list[str] = []
+        StandInNCCL.built.append(self)
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+@pytest.fixture
+def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> type[StandInNCCL]:
+    StandInNCCL.built = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNCCL, raising=False)
+    return StandInNCCL
+
+
+def gpus(monkeypatch: pytest.MonkeyPatch, by_rank: list[str]) -> None:
+    """Each rank's GPU identity, as device_identity would read it (ranks run in threads named rank-<n>)."""
+    monkeypatch.setattr(
+        weight_group,
+        "device_identity",
+        lambda device: by_rank[int(threading.current_thread().name.split("-")[1])],
+    )
+
+
+def form(spec: GroupSpec) -> list[WeightGroup]:
+    """Every rank of ``spec`` joined from a thread of this process (each waits for all the others)."""
+    groups: list[Any] = [None] * spec.world_size
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightGroup(spec, rank, torch.device("cpu"))
+
+    threads = [threading.Thread(target=join, args=(r,), name=f"rank-{r}") for r in range(spec.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(g is not None for g in groups), groups
+    return groups
+
+
+def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built with torch's CleanUpOnly error handling (its default takes the process down when a collective
+    fails or times out: a sampler killed mid-broadcast would kill learner rank 0), and the process's own setting
+    is back once the group is built."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    gpus(monkeypatch, ["GPU-a", "GPU-b", "GPU-c"])
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=42)
+    groups = form(spec)
+    assert sorted(b.rank for b in stand_in_nccl.built) == [0, 1, 2]
+    for built in stand_in_nccl.built:
+        assert built.env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2"}
+        assert built.timeout == timedelta(seconds=42) and built.size == 3
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    assert all(g.backend == "nccl" for g in groups)
+    groups[1].close()
+    groups[1].close()  # once
+    # abort (ncclCommAbort), not shutdown: destroying a communicator waits for a kernel a dead peer never ends
+    assert [b.calls for b in stand_in_nccl.built if b.rank == 1] == [["abort"]]
+    for g in groups:
+        g.close()
+
+
+def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NCCL refuses two ranks of a communicator on one GPU (a learner and a sampler given fractions of it):
+    every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact."""
+    gpus(monkeypatch, ["GPU-a", "GPU-b", "GPU-a"])
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=60, epoch=4)
+    with caplog.at_level(logging.WARNING, logger=weight_group.__name__):
+        groups = form(spec)
+    assert stand_in_nccl.built == []
+    assert [(g.backend, g.device.type) for g in groups] == [("gloo", "cpu")] * 3
+    assert "weight group epoch 4 runs on gloo, not NCCL: ranks 0, 2 share a GPU" in caplog.text
+    got: dict[int, Any] = {}
+
+    def receive(rank: int) -> None:
+        version, tensors, _ = CollectiveReceiver(groups[rank]).receive()
+        got[rank] = (version, is_version(version, tensors))
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    tensors = version_tensors(12)
+    CollectivePublisher(groups[0], bucket_bytes=8192).send(12, specs_of(tensors), iter(tensors))
+    for t in threads:
+        t.join(timeout=60)
+    assert got == {1: (12, True), 2: (12, True)}
+    for g in groups:
+        g.close()
+
+
+class FailedQuietly:
+    """A collective that completed with an error which only a timed wait raises: NCCL's work after a peer
+    died (its untimed wait only orders the current stream after it, and returns)."""
+
+    def __init__(self) -> None:
+        self.waits: list[timedelta | None] = []
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits.append(timeout)
+        if timeout:
+            raise RuntimeError("NCCL communicator was aborted: remote process exited")
+        return True
+
+
+def test_a_collective_that_completed_with_an_error_fails_and_marks_the_group() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
+    groups = form(spec)
+    work = FailedQuietly()
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        groups[1].wait(work)
+    assert work.waits == [timedelta(seconds=30)]
+    # the mark every other rank's wait watches for, so none waits out the timeout for this one
+    assert groups[0]._announcements.get("failed").decode().startswith("rank 1's part failed: NCCL")
+    with pytest.raises(TransferFailed, match="rank 1's part failed"):
+        groups[0].wait(_Pending())
+    for g in groups:
+        g.close()
+
+
+class _Pending:
+    def is_completed(self) -> bool:
+        return False
+
+
+# ------------------------------------------------------------------ on GPUs
+
+
+def _gpu_receiver(spec: GroupSpec, rank: int, gpu: int, behaviour: str, out: Any) -> None:  # a process
+    torch.cuda.set_device(gpu)
+    _receiver(spec, rank, 1, behaviour, out)
+
+
+def _gpu_publisher(
+    spec: GroupSpec, version: int, out: Any
+) -> None:  # a process: a teardown shows as its exit
+    torch.cuda.set_device(0)
+    group = WeightGroup(spec, 0)
+    tensors = [(n, t.cuda()) for n, t in version_tensors(version)]
+    t0 = time.monotonic()
+    try:
+        stats = CollectivePublisher(group, bucket_bytes=8192).send(version, specs_of(tensors), iter(tensors))
+        out.put(("sent", group.backend, stats.gb_per_s, time.monotonic() - t0))
+    except TransferFailed as exc:
+        out.put(("failed", group.backend, str(exc), time.monotonic() - t0))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def run_gpu_group(
+    behaviours: list[str], gpus: list[int], timeout_s: float = 20
+) -> tuple[Any, list[Any], Any]:
+    """A publisher process on GPU 0 and a receiver process per behaviour on ``gpus`` (backend nccl)."""
+    spec = GroupSpec(
+        "127.0.0.1", free_port(), world_size=1 + len(behaviours), backend="nccl", timeout_s=timeout_s
+    )
+    ctx = mp.get_context("spawn")
+    out, results = ctx.Queue(), ctx.Queue()
+    receivers = [
+        ctx.Process(target=_gpu_receiver, args=(spec, r + 1, gpu, b, out), daemon=True)
+        for r, (b, gpu) in enumerate(zip(behaviours, gpus, strict=True))
+    ]
+    publisher = ctx.Process(target=_gpu_publisher, args=(spec, 21, results), daemon=True)
+    for p in [*receivers, publisher]:
+        p.start()
+    return publisher, receivers, (out, results)
+
+
+@pytest.mark.gpu
+def test_ranks_on_one_gpu_fall_back_to_gloo_and_deliver_the_version_exactly() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    publisher, _, (out, results) = run_gpu_group(["ok"], [0])
+    assert results.get(timeout=120)[:2] == ("sent", "gloo")
+    assert out.get(timeout=60) == (1, 21, True)
+    publisher.join(timeout=30)
+    assert publisher.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_nccl_between_gpus_delivers_the_version_exactly() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL refuses two ranks on one)")
+    n = min(torch.cuda.device_count() - 1, 2)
+    publisher, _, (out, results) = run_gpu_group(["ok"] * n, list(range(1, n + 1)))
+    status, backend, gb_per_s, seconds = results.get(timeout=120)
+    assert (status, backend) == ("sent", "nccl")
+    assert sorted(out.get(timeout=60) for _ in range(n)) == [(r, 21, True) for r in range(1, n + 1)]
+    print(f"NCCL weight group, {n} receiver(s): {gb_per_s:.2f} GB/s ({seconds:.2f} s, small version)")
+    publisher.join(timeout=30)
+    assert publisher.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_nccl_a_receiver_killed_mid_broadcast_fails_the_version_and_the_publisher_lives() -> None:
+    """The publisher's process survives (torch's default NCCL error handling would end it) and raises the
+    failure; a surviving receiver gives up too, with nothing applied."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL refuses two ranks on one)")
+    behaviours = ["die-after-header", "ok"][: torch.cuda.device_count() - 1]
+    publisher, receivers, (out, results) = run_gpu_group(behaviours, list(range(1, len(behaviours) + 1)))
+    status, backend, why, seconds = results.get(timeout=180)
+    assert (status, backend) == ("failed", "nccl") and "version 21" in why, why
+    assert seconds < 60, seconds  # within the group's 20 s timeout and the watchdog's abort, not hung
+    publisher.join(timeout=60)
+    assert publisher.exitcode == 0, f"the publisher's process ended with {publisher.exitcode}"
+    if len(behaviours) > 1:
+        rank, status, why = out.get(timeout=60)
+        assert (rank, status) == (2, "failed") and "version 21" in why
+    receivers[0].join(timeout=30)
+    assert receivers[0].exitcode == 3  # the one killed mid-broadcast
