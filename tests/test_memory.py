@@ -157,11 +157,23 @@ def _preset(name: str) -> LearnerConfig:
     return SystemConfig(**tomllib.loads((ROOT / "deploy" / "presets" / name).read_text())).learner
 
 
+def _broadcast_bucket(name: str) -> int:
+    """The preset's weight-group bucket when rank 0 broadcasts in the background (collective), else 0."""
+    from deploy.config import SystemConfig
+
+    wb = SystemConfig(**tomllib.loads((ROOT / "deploy" / "presets" / name).read_text())).weight_broker
+    return wb.group_bucket_mb << 20 if wb.transport == "collective" else 0
+
+
 @pytest.mark.parametrize("preset", ["qwen2.5-7b-math.toml", "qwen2.5-7b-simpletir.toml"])
 def test_the_7b_presets_fit_80gb_gpus(preset: str) -> None:
     learner = _preset(preset)
     assert learner.max_sequence_tokens >= 4096  # sized for sampler.max_model_len
-    plan = plan_memory(qwen25_7b_config(), learner, "bf16", learner.num_ranks, 80 * 10**9, CUDA_CONTEXT)
+    bucket = _broadcast_bucket(preset)
+    assert bucket > 0  # the GPU presets broadcast: rank 0's buffers overlap the step
+    plan = plan_memory(
+        qwen25_7b_config(), learner, "bf16", learner.num_ranks, 80 * 10**9, CUDA_CONTEXT, bucket
+    )
     assert plan.peak("recompute") <= plan.usable, plan.summary()
     # and the saved path alone could not hold a step of the preset's rows (16 per group, 4 groups per rank)
     rows = 16 * 4
@@ -175,10 +187,28 @@ def test_the_helm_7b_values_fit_80gb_gpus(tmp_path: Path) -> None:
 
     _, cfg = run_config(render(*scenario_args("multi-gpu-values.yaml")), tmp_path)
     assert cfg.run.model == "Qwen/Qwen2.5-7B" and cfg.learner.activation_checkpointing
+    assert cfg.weight_broker.transport == "collective"
     plan = plan_memory(
-        qwen25_7b_config(), cfg.learner, "bf16", cfg.learner.num_ranks, 80 * 10**9, CUDA_CONTEXT
+        qwen25_7b_config(),
+        cfg.learner,
+        "bf16",
+        cfg.learner.num_ranks,
+        80 * 10**9,
+        CUDA_CONTEXT,
+        cfg.weight_broker.group_bucket_mb << 20,
     )
     assert plan.peak("recompute") <= plan.usable, plan.summary()
+
+
+def test_rank_0s_background_broadcast_buffers_are_counted() -> None:
+    """Under NCCL rank 0 broadcasts a version while the next step runs: two bucket buffers and the largest
+    weight (Qwen2.5-7B's embedding, 152064 x 3584 in bf16) on its GPU beside the step."""
+    learner = _preset("qwen2.5-7b-math.toml")
+    without = plan_memory(qwen25_7b_config(), learner, "bf16", 8, 80 * 10**9, CUDA_CONTEXT)
+    with_ = plan_memory(qwen25_7b_config(), learner, "bf16", 8, 80 * 10**9, CUDA_CONTEXT, 256 << 20)
+    assert with_.fixed - without.fixed == 2 * (256 << 20) + 152064 * 3584 * 2
+    assert with_.peak("recompute") - without.peak("recompute") == with_.fixed - without.fixed
+    assert "(with 1.5 GiB of weight broadcast buffers)" in with_.summary()
 
 
 def test_max_sequence_tokens_follows_the_sampler() -> None:

@@ -294,8 +294,11 @@ class MemoryPlan:
 
     def summary(self) -> str:
         gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+        broadcast = self.states.get("weight_broadcast", 0)
         return (
-            f"model states {gib(self.fixed)}, one micro-batch: recompute {gib(self.recompute.peak)}, saved "
+            f"model states {gib(self.fixed)}"
+            + (f" (with {gib(broadcast)} of weight broadcast buffers)" if broadcast else "")
+            + f", one micro-batch: recompute {gib(self.recompute.peak)}, saved "
             f"{gib(self.saved.peak)} (+{gib(self.saved.retained)} per further micro-batch); device budget "
             f"{gib(self.budget)} ({int(HEADROOM * 100)}% kept free)"
         )
@@ -317,12 +320,27 @@ def device_budget(learner: LearnerConfig, device: torch.device) -> int:
     return min(total, int(text)) if text.isdigit() else total
 
 
+def broadcast_buffer_bytes(shape: ModelShape, precision: str, bucket_bytes: int) -> int:
+    """Rank 0's GPU memory for a background broadcast into the weight group (the collective transport under
+    NCCL), which overlaps the next step: two bucket buffers, and the largest weight copied back from the
+    host staging buffer to go out on its own (weight_broker/collective.py)."""
+    weight = 2 if precision == "bf16" else 4
+    return 2 * bucket_bytes + shape.largest_param * weight
+
+
 def plan_memory(
-    hf_config: Any, learner: LearnerConfig, precision: str, world_size: int, budget: int, overhead: int = 0
+    hf_config: Any,
+    learner: LearnerConfig,
+    precision: str,
+    world_size: int,
+    budget: int,
+    overhead: int = 0,
+    broadcast_bucket_bytes: int = 0,
 ) -> MemoryPlan:
     """Estimate the configured step's memory; raise ``ValueError`` naming the keys to change when even the
     least memory-hungry allowed mode cannot fit ``budget``. ``overhead``: bytes outside torch's tensors
-    (:data:`CUDA_CONTEXT` on a GPU)."""
+    (:data:`CUDA_CONTEXT` on a GPU). ``broadcast_bucket_bytes``: the weight group's bucket when rank 0
+    broadcasts on this device while stepping (:func:`broadcast_buffer_bytes`; 0: it does not)."""
     if learner.max_sequence_tokens < 2:
         raise ValueError(
             f"learner.max_sequence_tokens = {learner.max_sequence_tokens}: the learner's memory is sized for "
@@ -343,9 +361,13 @@ def plan_memory(
     t2, r2 = max(tokens // 2, 2), half.retained
     b = (r1 / t1 - r2 / t2) / (t1 - t2) if t1 != t2 else 0.0
     a = r1 / t1 - b * t1
+    shape = model_shape(hf_config)
+    states = model_state_bytes(shape, precision, world_size)
+    if broadcast_bucket_bytes > 0:
+        states["weight_broadcast"] = broadcast_buffer_bytes(shape, precision, broadcast_bucket_bytes)
     plan = MemoryPlan(
         budget=budget,
-        states=model_state_bytes(model_shape(hf_config), precision, world_size),
+        states=states,
         recompute=recompute,
         saved=saved,
         saved_per_token=max(a, 0.0),

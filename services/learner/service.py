@@ -75,14 +75,20 @@ class LearnerRank:
     def __init__(self, cfg: LearnerServiceConfig, stop: threading.Event | None = None) -> None:
         self.cfg, self.learner, self.run = cfg, cfg.learner, cfg.run
         self.stop = stop or threading.Event()
-        self.trainer = Trainer(self.learner, run_model(self.run), seed=self.run.seed)
+        collective = cfg.weight_broker.transport == "collective"
+        self.trainer = Trainer(
+            self.learner,
+            run_model(self.run),
+            seed=self.run.seed,
+            broadcast_bucket_bytes=cfg.weight_broker.group_bucket_mb << 20 if collective else 0,
+        )
         self.rank, self.world = self.trainer.rank, self.trainer.world_size
         self.ckpt_dir = checkpoint_dir(self.learner, self.run)
         self.status = LearnerState()
         self.feed: ScoredFeed | None = None
         self.transport: WeightTransport | None = None
         self.coordinator: GroupCoordinator | None = None  # rank 0, collective transport: the weight group
-        self.collective = cfg.weight_broker.transport == "collective"
+        self.collective = collective
         self.metrics: LearnerMetrics | None = None
         self.http: MetricsServer | None = None
         self.server: GrpcServer | None = None

@@ -191,7 +191,12 @@ class StepResult:
 class Trainer:
     """One rank of the learner. Every method that touches the model is a collective across all ranks."""
 
-    def __init__(self, learner: LearnerConfig, model: str, seed: int = 0) -> None:
+    def __init__(
+        self, learner: LearnerConfig, model: str, seed: int = 0, broadcast_bucket_bytes: int = 0
+    ) -> None:
+        """``broadcast_bucket_bytes``: the weight group's bucket when rank 0 broadcasts versions in the
+        background (the collective transport); on a GPU its buffers overlap the next step, and the memory
+        plan counts them (0: versions go through the broker)."""
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -222,6 +227,7 @@ class Trainer:
                 self.world_size,
                 device_budget(learner, device),
                 CUDA_CONTEXT if device.type == "cuda" else 0,
+                broadcast_bucket_bytes if device.type == "cuda" else 0,
             )
             if self.rank == 0:
                 log.info("learner memory: %s", self.memory_plan.summary())
