@@ -242,11 +242,12 @@ def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results
 
 
 def run_collective(
-    named: list[tuple[str, torch.Tensor]], receivers: int, bucket_mib: int
+    named: list[tuple[str, torch.Tensor]], receivers: int, bucket_mib: int, digests: bool = True
 ) -> dict[str, float]:
     """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
-    background broadcast from its staging buffer (the fourth version; the third allocated the buffer)."""
+    background broadcast from its staging buffer (the fourth version; the third allocated the buffer).
+    ``digests``: the publisher sends bucket digests that every receiver checks (weight_broker.group_digests)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -266,7 +267,7 @@ def run_collective(
         p.start()
     try:
         group = WeightGroup(GroupSpec(**spec), 0)
-        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, digests=digests)
         specs = [TensorSpec.of(name, t) for name, t in named]
         publisher.send(1, specs, iter(named))
         _collect(results, receivers, procs, timeout_s=600)

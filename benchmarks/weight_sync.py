@@ -34,6 +34,11 @@ Headline figures (the JSON object on the last line), at the largest size measure
                           broker's whole life: the publishes (a version is retained until the next one
                           commits, so two are held at once), the single fetch and the fan-out (target <= 2.5)
 
+    collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
+                          publish until it holds the version, against the socket (target >= 0.8);
+                          ..._without_digests: the same without bucket digests (group_digests = false)
+    collective_N_over_1   N receivers' seconds over one's (target <= 1.3: flat in receivers)
+
 Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
 
     python benchmarks/weight_sync.py [--quick] [--sizes 64 256 1024] [--fetchers 4]
@@ -239,6 +244,7 @@ def main() -> None:
 
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
+    without_digests: dict[str, float] = {}
     for size in sizes:
         named = build_model(size * MiB)
         socket = socket_gbps(named, args.socket_repeats)
@@ -247,6 +253,8 @@ def main() -> None:
             print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
         if size == sizes[-1] or not args.quick:
             collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
+            if size == sizes[-1]:  # beside it: the same broadcast without the bucket digests' CPU
+                without_digests = run_collective(named, args.receivers[0], args.bucket_mib, digests=False)
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
 
@@ -312,6 +320,10 @@ def main() -> None:
             f"{r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}"
         )
     print("all collective receivers' digests equal the publisher's")
+    print(
+        f"without bucket digests (weight_broker.group_digests = false), {args.receivers[0]} receiver: "
+        f"{without_digests['seconds']:.2f} s"
+    )
 
     largest = max(r["size_mib"] for r in rows)
     at_largest = {r["transport"]: r for r in rows if r["size_mib"] == largest}
@@ -328,6 +340,9 @@ def main() -> None:
     collective_gbps = big["bytes"] / coll[one]["seconds"] / 1e9
     headline = {
         "collective_over_socket": round(collective_gbps / big["socket_gbps"], 3),
+        "collective_over_socket_without_digests": round(
+            big["bytes"] / without_digests["seconds"] / 1e9 / big["socket_gbps"], 3
+        ),
         f"collective_{many}_over_{one}": round(coll[many]["seconds"] / coll[one]["seconds"], 3),
         f"broker_{many}_over_{one}": round(
             (big["publish_s"] + big["fanout_s"]) / (big["publish_s"] + big["fetch_s"]), 3

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from services.common.redis_server import free_port
-from services.weight_broker.collective import ALIGN, CollectivePublisher, CollectiveReceiver, bucket_layout
+from services.weight_broker.collective import (
+    ALIGN,
+    CollectivePublisher,
+    CollectiveReceiver,
+    _digest,
+    bucket_layout,
+)
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
@@ -68,7 +74,10 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         os._exit(0)
     if behaviour == "die-idle":  # joins, then is killed between broadcasts (as a sampler replica may be)
         os._exit(3)
-    receiver = CollectiveReceiver(group, bounce=behaviour == "bounce")  # bounce: as a GPU worker receives
+    if behaviour == "corrupt":  # every bucket's first byte flipped after it arrived, as if damaged in transit
+        receiver: CollectiveReceiver = _Corrupting(group)
+    else:
+        receiver = CollectiveReceiver(group, bounce=behaviour == "bounce")  # bounce: as a GPU worker receives
     if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
         time.sleep(2.0)
     for _ in range(versions):
@@ -85,6 +94,14 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
             continue
         out.put((rank, version, is_version(version, tensors)))
     group.close()
+
+
+class _Corrupting(CollectiveReceiver):
+    def _direct(self, layout: Any, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
+        buffers, _ = super()._direct(layout, hashed)
+        for buf in buffers:
+            buf[0] ^= 0xFF
+        return buffers, [_digest(buf) if hashed else 0 for buf in buffers]  # what it holds, hashed
 
 
 def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
@@ -237,6 +254,27 @@ def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
     assert [r[:2] for r in results[:2]] == [(1, "failed")] * 2
     assert "version 8: not committed" in results[0][2]
     assert results[2] == (1, 10, True)
+    group.close()
+
+
+def test_bucket_digests_vote_down_bytes_damaged_in_transit() -> None:
+    """A receiver whose buckets differ from what was sent votes the version down on every member; built without
+    digests (``weight_broker.group_digests = false``), the publisher lets the damaged copy through: what the
+    setting saves in CPU it gives up in this check."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30)
+    procs, out = start_receivers(spec, ["ok", "corrupt"], versions=2)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(13)
+    with pytest.raises(TransferFailed, match="version 13: a receiver voted against it"):
+        CollectivePublisher(group, bucket_bytes=8192).send(13, specs_of(tensors), iter(tensors))
+    first = sorted(out.get(timeout=60) for _ in range(2))
+    assert [r[:2] for r in first] == [(1, "failed"), (2, "failed")]  # nothing applied anywhere
+    assert all("version 13: not committed" in why for *_, why in first)
+    tensors = version_tensors(14)
+    CollectivePublisher(group, bucket_bytes=8192, digests=False).send(14, specs_of(tensors), iter(tensors))
+    assert sorted(out.get(timeout=60) for _ in range(2)) == [(1, 14, True), (2, 14, False)]
+    for p in procs:
+        p.join(timeout=30)
     group.close()
 
 

@@ -961,3 +961,22 @@ def test_tls_secrets_are_mounted_where_the_samplers_settings_point(tmp_path: Pat
     )
     out = helm("template", "r", str(CHART), "--set", "tls.clientCaSecret=clients")
     assert out.returncode != 0 and "tls.clientCaSecret (mutual TLS) needs tls.apiSecret" in errors(out)
+
+
+def test_the_weight_groups_settings_reach_the_run_file(tmp_path: Path) -> None:
+    _, cfg = run_config(render(), tmp_path)
+    wb = cfg.weight_broker
+    assert (wb.transport, wb.group_port, wb.group_timeout_s, wb.group_form_timeout_s) == (
+        "collective",
+        29600,
+        120.0,
+        30.0,
+    )
+    assert (wb.group_bucket_mb, wb.group_digests) == (256, True)
+    _, cfg = run_config(
+        render("--set", "weightBroker.group.digests=false", "--set", "weightBroker.group.bucketMiB=64"),
+        tmp_path,
+    )
+    assert (cfg.weight_broker.group_bucket_mb, cfg.weight_broker.group_digests) == (64, False)
+    out = helm("template", "r", str(CHART), "--set-string", "weightBroker.group.digests=no")
+    assert out.returncode != 0 and "/weightBroker/group/digests': got string, want boolean" in errors(out)

@@ -13,7 +13,8 @@ travels as:
               ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
               views of their bucket buffers (on a GPU worker: of host copies, see ``bounce``)
     digests   int64 [buckets]: each bucket's xxh3-64 when the publisher holds its buckets on the CPU (zeros
-              when they are on a GPU: hashing there would copy every bucket to the host)
+              when they are on a GPU, where hashing would copy every bucket to the host, or when the publisher
+              was built without digests; the header says which)
     vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
               rank, anything else (or a failed collective) discards it on every rank
 
@@ -116,12 +117,17 @@ class TransferStats:
 class CollectivePublisher:
     """Rank 0: broadcasts versions. ``send`` is called once per version; every receiver calls ``receive``."""
 
-    def __init__(self, group: WeightGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, group: WeightGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, digests: bool = True
+    ) -> None:
+        """``digests``: send each bucket's digest for every receiver to check before the vote (taken only where
+        the buckets are in host memory: hashing a GPU's would copy each to the host)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
             )
         self.group, self.bucket_bytes = group, bucket_bytes
+        self.digests = digests
         self._buffers: list[torch.Tensor] = []
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._pending: Future[TransferStats] | None = None
@@ -202,10 +208,11 @@ class CollectivePublisher:
         if not specs:
             raise ValueError(f"version {version} has no tensors")
         layout = bucket_layout(specs, self.bucket_bytes)
+        hashed = self.digests and self.group.device.type == "cpu"
         header = json.dumps(
             {
                 "bucket_bytes": self.bucket_bytes,
-                "digests": self.group.device.type == "cpu",
+                "digests": hashed,
                 "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
             }
         ).encode()
@@ -217,7 +224,7 @@ class CollectivePublisher:
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )
-            digests, source_error = self._send_buckets(layout, specs, iter(tensors))
+            digests, source_error = self._send_buckets(layout, specs, iter(tensors), hashed)
             group.wait(group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)))
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
@@ -241,7 +248,7 @@ class CollectivePublisher:
         return self._buffers[slot][:nbytes]
 
     def _send_buckets(
-        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any
+        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any, hashed: bool
     ) -> tuple[list[int], Exception | None]:
         """Broadcast every bucket; returns their digests and the source's error, if any.
 
@@ -263,7 +270,7 @@ class CollectivePublisher:
                     error = exc
             if direct is not None:
                 work = self.group.broadcast(direct)
-                digests.append(_digest(direct))
+                digests.append(_digest(direct) if hashed else 0)
                 self.group.wait(work)
                 continue
             slot = b % 2
@@ -277,7 +284,7 @@ class CollectivePublisher:
                 except Exception as exc:  # reported after the vote
                     error = exc
             in_flight[slot] = self.group.broadcast(buf)
-            digests.append(_digest(buf))
+            digests.append(_digest(buf) if hashed else 0)
         for work in in_flight:
             if work is not None:
                 self.group.wait(work)

@@ -293,12 +293,13 @@ class GroupCoordinator:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | None = None,
         on_event: Callable[[str], None] | None = None,
+        digests: bool = True,
     ) -> None:
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range = port, port_range
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.device = device
+        self.device, self.digests = device, digests
         self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
@@ -451,7 +452,7 @@ class GroupCoordinator:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:
             raise FormFailed(str(exc), []) from exc
-        return _Formed(group, CollectivePublisher(group, self.bucket_bytes), frozenset(ranks))
+        return _Formed(group, CollectivePublisher(group, self.bucket_bytes, self.digests), frozenset(ranks))
 
 
 def coordinator_from_config(
@@ -477,4 +478,5 @@ def coordinator_from_config(
         bucket_bytes=wb.group_bucket_mb << 20,
         device=device if backend == "nccl" else None,
         on_event=on_event,
+        digests=wb.group_digests,
     )
