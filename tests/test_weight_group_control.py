@@ -44,7 +44,8 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> Non
 class Receiver(threading.Thread):
     """A receiving member as a sampler's loop is one: join what the seat hands over, leave a superseded or
     broken epoch, receive every announced version. ``refuse``: leave the group at the next announcement
-    instead of receiving it (a member gone mid-broadcast)."""
+    instead of receiving it (a member gone mid-broadcast). ``hang``: at the next announcement, stop
+    heartbeating and stand still, its connections open (a process stopped or stuck in a driver call)."""
 
     def __init__(self, registry: GroupRegistry, name: str) -> None:
         super().__init__(name=name, daemon=True)
@@ -52,6 +53,7 @@ class Receiver(threading.Thread):
         self.got: list[tuple[int, int, bool]] = []  # (epoch, version, exactly the version's tensors)
         self.failures: list[str] = []
         self.refuse = False
+        self.hang = False
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -74,6 +76,10 @@ class Receiver(threading.Thread):
                     self.refuse = False
                     group.close()
                     continue
+                if self.hang:
+                    self.seat.stop()
+                    self.halt.wait()
+                    break
                 got, tensors, _ = CollectiveReceiver(group).receive()
                 self.got.append((group.spec.epoch, got, got == version and is_version(got, tensors)))
             except TransferFailed as exc:
@@ -218,6 +224,37 @@ def test_a_member_that_never_arrives_is_left_out_and_the_rest_form(
     finally:
         a.halt.set()
         a.join(10)
+
+
+def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
+    registry: GroupRegistry,
+) -> None:
+    """A member that stops answering with its connections open (a stopped process; under NCCL between the GPUs
+    of one node, a dead one too) would hold every rank in the broadcast until the group's timeout (60 s here):
+    rank 0 fails it once the member's heartbeat has expired (1 s), and the others give up with it."""
+    coordinator = GroupCoordinator(
+        registry, "127.0.0.1", "gloo", timeout_s=60, form_timeout_s=3, bucket_bytes=8192
+    )
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    for r in (a, b):
+        r.start()
+    try:
+        _until("a formed group", lambda: coordinator.wait_formed(0.1))
+        _publish(coordinator, 1)
+        _until("version 1", lambda: a.versions() == [1] and b.versions() == [1])
+        b.hang = True
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match=r"version 2: .*member sampler-1\.b stopped heartbeating"):
+            _publish(coordinator, 2)
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+        _until("a's part given up", lambda: any("version 2" in f for f in a.failures), timeout_s=5)
+        assert a.versions() == [1]  # nothing applied
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        for r in (a, b):
+            r.join(10)
+        coordinator.close()
 
 
 # ---------------------------------------------------------------------------------------------- the sampler side

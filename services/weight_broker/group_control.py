@@ -426,6 +426,16 @@ class GroupCoordinator:
                 error = exc
         raise RuntimeError(f"no free port in {self.port}..{self.port + self.port_range - 1}: {error}")
 
+    def _gone(self, members: frozenset[str]) -> str | None:
+        """Why an epoch's members are not all alive (a heartbeat expired: the process died or hung), or None;
+        rank 0 asks while a broadcast is pending. Redis out of reach gives no verdict."""
+        try:
+            live = self.registry.live()
+        except Exception:
+            return None
+        gone = sorted(members - set(live))
+        return f"member {', '.join(gone)} stopped heartbeating (dead or hung)" if gone else None
+
     def _form(self, live: dict[str, Member]) -> _Formed:
         import torch.distributed as dist
 
@@ -452,7 +462,9 @@ class GroupCoordinator:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:
             raise FormFailed(str(exc), []) from exc
-        return _Formed(group, CollectivePublisher(group, self.bucket_bytes, self.digests), frozenset(ranks))
+        members = frozenset(ranks)
+        group.members_gone = lambda: self._gone(members)
+        return _Formed(group, CollectivePublisher(group, self.bucket_bytes, self.digests), members)
 
 
 def coordinator_from_config(

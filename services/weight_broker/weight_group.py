@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -249,6 +250,10 @@ class WeightGroup:
         self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
         self._announcements = prefixed  # rank 0 sets announce/<n>
         self._seq = 0  # announcements made (rank 0)
+        # rank 0: the control plane's word on the members (None: all alive; else why not), asked every
+        # alive_every_s while a collective is pending (group_control.py sets it)
+        self.members_gone: Callable[[], str | None] | None = None
+        self.alive_every_s = 1.0
         self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
         if spec.backend == "nccl":
             try:
@@ -325,6 +330,7 @@ class WeightGroup:
         saw rank 0 wait 120 s in a commit vote whose failure the broker had seen at once. A rank whose
         collective fails marks it so, before raising the collective's own error."""
         nap, last = 5e-5, time.monotonic()
+        asked = last
         while not work.is_completed():
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
@@ -337,6 +343,14 @@ class WeightGroup:
                 why = why if why and why != "1" else "rank 0 declared the broadcast failed"
             except Exception as exc:
                 failed, why = True, f"the weight group's store is unreachable: {exc}"
+            if not failed and self.members_gone is not None and last - asked >= self.alive_every_s:
+                # a member that hung, or died without its connections closing (NCCL between the GPUs of one
+                # node notices neither), would hold every rank here until the timeout
+                asked = last
+                gone = self.members_gone()
+                if gone:
+                    self._mark_failed(gone)
+                    failed, why = True, gone
             if failed:
                 self.close()
                 raise TransferFailed(why)
