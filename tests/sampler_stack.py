@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from services.common.streams.specs import stream_specs
 from services.sampler.engine import GenerationEngine
 from services.sampler.service import SamplerService
 from tests.sampler_helpers import LearnerStandIn, announcing_broker, sampler_config
-from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2_grpc
+from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2_grpc, rollout_pb2
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
@@ -28,6 +29,34 @@ def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "c
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def rollouts(stack: Stack) -> list[rollout_pb2.TrajectoryGroup]:
+    """Every trajectory group the stack's sampler has written to the rollouts stream."""
+    return [
+        rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
+        for _, fields in stack.client.xrange(stack.specs["rollouts"].key)
+    ]
+
+
+def check_example_client(
+    stack: Stack, submit: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """An example client (examples/submit_tasks.py, or the Node one), run as ``submit(token_file, *flags)``
+    against the calculator environment: it registers the environment and submits 3 tasks, which run with the
+    registration's scorer; with a wrong token the registration is refused."""
+    client = submit(tmp_path / "api_token", "--tasks", "3", "--watch-s", "1")
+    assert client.returncode == 0, client.stderr
+    assert "environment 'calculator' registered" in client.stdout
+    assert "submitted: 3 accepted, 0 rejected" in client.stdout and "healthy=True" in client.stdout
+    stack.learner.publish(0)
+    stack.start()
+    groups = wait_until(lambda: len(g := rollouts(stack)) >= 3 and g, what="the client's 3 tasks")
+    assert {g.task.task_id for g in groups} == {"calculator:0", "calculator:1", "calculator:2"}
+    assert all(g.task.scorer == "math" and g.task.reference for g in groups)  # the registration's scorer
+    (tmp_path / "wrong").write_text("not-the-token\n")
+    wrong = submit(tmp_path / "wrong")
+    assert wrong.returncode == 1 and "registration refused: UNAUTHENTICATED" in wrong.stderr
 
 
 class Stack:

@@ -22,7 +22,7 @@ import pytest
 
 from services.sampler.environments.base import EnvironmentFailure
 from services.sampler.environments.grpc_env import GrpcEnvironment
-from tests.sampler_stack import Stack, wait_until
+from tests.sampler_stack import Stack, check_example_client
 from vcpo.v1 import environment_pb2, rollout_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,13 +212,6 @@ def test_the_node_calculator_computes_what_the_python_one_does(node_env: Callabl
         env.shutdown()
 
 
-def rollouts(stack: Stack) -> list[rollout_pb2.TrajectoryGroup]:
-    return [
-        rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
-        for _, fields in stack.client.xrange(stack.specs["rollouts"].key)
-    ]
-
-
 def submit_tasks(
     stack: Stack, token_file: Path, endpoint: str, *extra: str
 ) -> subprocess.CompletedProcess[str]:
@@ -246,15 +239,6 @@ def test_the_node_client_registers_the_node_environment_and_its_tasks_run(
 ) -> None:
     stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=8)
     server = node_env()
-    client = submit_tasks(stack, tmp_path / "api_token", server.endpoint, "--tasks", "3", "--watch-s", "1")
-    assert client.returncode == 0, client.stderr
-    assert "environment 'calculator' registered" in client.stdout
-    assert "submitted: 3 accepted, 0 rejected" in client.stdout and "healthy=True" in client.stdout
-    stack.learner.publish(0)
-    stack.start()
-    groups = wait_until(lambda: len(g := rollouts(stack)) >= 3 and g, what="the client's 3 tasks")
-    assert {g.task.task_id for g in groups} == {"calculator:0", "calculator:1", "calculator:2"}
-    assert all(g.task.scorer == "math" and g.task.reference for g in groups)  # the registration's scorer
-    (tmp_path / "wrong").write_text("not-the-token\n")
-    wrong = submit_tasks(stack, tmp_path / "wrong", server.endpoint)
-    assert wrong.returncode == 1 and "registration refused: UNAUTHENTICATED" in wrong.stderr
+    check_example_client(
+        stack, lambda token_file, *flags: submit_tasks(stack, token_file, server.endpoint, *flags), tmp_path
+    )

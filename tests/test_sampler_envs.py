@@ -21,7 +21,7 @@ import pytest
 from services.common.auth import bearer
 from services.sampler.environments.parsers import make_parser
 from tests.sampler_helpers import hf_model, max_abs_diff, version_weights
-from tests.sampler_stack import Stack, wait_until
+from tests.sampler_stack import Stack, check_example_client, rollouts, wait_until
 from vcpo.v1 import registry_pb2, rollout_pb2
 
 pytestmark = pytest.mark.slow
@@ -89,13 +89,6 @@ def submit(stack: Stack, environment: str, count: int, prefix: str) -> registry_
     tasks = [rollout_pb2.Task(task_id=f"{prefix}{i}", prompt=f"Play round {i}.") for i in range(count)]
     requests = iter(registry_pb2.SubmitTasksRequest(environment=environment, task=t) for t in tasks)
     return stack.registry().SubmitTasks(requests, timeout=15, metadata=stack.auth)
-
-
-def rollouts(stack: Stack) -> list[rollout_pb2.TrajectoryGroup]:
-    return [
-        rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
-        for _, fields in stack.client.xrange(stack.specs["rollouts"].key)
-    ]
 
 
 def episode_calls(calls: list[dict[str, Any]], session: str) -> list[dict[str, Any]]:
@@ -399,52 +392,27 @@ def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
     try:
         assert env.stdout is not None
         endpoint = env.stdout.readline().split()[-1]
-        client = subprocess.run(
-            [
-                sys.executable,
-                "examples/submit_tasks.py",
-                "--sampler",
-                f"127.0.0.1:{stack.service.server.port}",
-                "--token-file",
-                str(tmp_path / "api_token"),
-                "--env-endpoint",
-                endpoint,
-                "--tasks",
-                "3",
-                "--watch-s",
-                "1",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert client.returncode == 0, client.stderr
-        assert "environment 'calculator' registered" in client.stdout
-        assert "submitted: 3 accepted, 0 rejected" in client.stdout and "healthy=True" in client.stdout
-        stack.learner.publish(0)
-        stack.start()
-        groups = wait_until(lambda: len(g := rollouts(stack)) >= 3 and g, what="the client's 3 tasks")
-        assert {g.task.task_id for g in groups} == {"calculator:0", "calculator:1", "calculator:2"}
-        assert all(g.task.scorer == "math" and g.task.reference for g in groups)  # the registration's scorer
-        (tmp_path / "wrong").write_text("not-the-token\n")
-        wrong = subprocess.run(
-            [
-                sys.executable,
-                "examples/submit_tasks.py",
-                "--sampler",
-                f"127.0.0.1:{stack.service.server.port}",
-                "--token-file",
-                str(tmp_path / "wrong"),
-                "--env-endpoint",
-                endpoint,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert wrong.returncode == 1 and "registration refused: UNAUTHENTICATED" in wrong.stderr
+
+        def submit(token_file: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [
+                    sys.executable,
+                    "examples/submit_tasks.py",
+                    "--sampler",
+                    f"127.0.0.1:{stack.service.server.port}",
+                    "--token-file",
+                    str(token_file),
+                    "--env-endpoint",
+                    endpoint,
+                    *flags,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120 if flags else 60,  # the tasks' run, or only the refused registration
+            )
+
+        check_example_client(stack, submit, tmp_path)
     finally:
         env.kill()
         env.wait(10)
