@@ -32,11 +32,7 @@ class ServerTls(BaseModel):
 
     @model_validator(mode="after")
     def _complete(self) -> ServerTls:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError(
-                f"TLS needs both cert_file and key_file (got cert_file={self.cert_file!r}, "
-                f"key_file={self.key_file!r})"
-            )
+        _require_pair("TLS", self.cert_file, self.key_file)
         if self.client_ca_file and not self.cert_file:
             raise ValueError("client_ca_file (mutual TLS) needs the server's cert_file and key_file too")
         return self
@@ -61,12 +57,16 @@ class ClientTls(BaseModel):
 
     @model_validator(mode="after")
     def _complete(self) -> ClientTls:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError(
-                f"a client certificate needs both cert_file and key_file (got cert_file={self.cert_file!r}, "
-                f"key_file={self.key_file!r})"
-            )
+        _require_pair("a client certificate", self.cert_file, self.key_file)
         return self
+
+
+def _require_pair(what: str, cert_file: str, key_file: str) -> None:
+    """A certificate and its key come together, or neither does."""
+    if bool(cert_file) != bool(key_file):
+        raise ValueError(
+            f"{what} needs both cert_file and key_file (got cert_file={cert_file!r}, key_file={key_file!r})"
+        )
 
 
 def _read(path: str, what: str) -> bytes:
