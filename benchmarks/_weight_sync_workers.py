@@ -242,12 +242,18 @@ def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results
 
 
 def run_collective(
-    named: list[tuple[str, torch.Tensor]], receivers: int, bucket_mib: int, digests: bool = True
+    named: list[tuple[str, torch.Tensor]],
+    receivers: int,
+    bucket_mib: int,
+    digests: bool = True,
+    shared_memory: bool = False,
 ) -> dict[str, float]:
     """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer).
-    ``digests``: the publisher sends bucket digests that every receiver checks (weight_broker.group_digests)."""
+    ``digests``: the publisher sends bucket digests that every receiver checks (weight_broker.group_digests).
+    ``shared_memory``: the receivers copy each version out of the publisher's /dev/shm segment instead
+    (weight_broker.group_shared_memory; the publisher must confirm it used it for every version)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -267,7 +273,9 @@ def run_collective(
         p.start()
     try:
         group = WeightGroup(GroupSpec(**spec), 0)
-        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, digests=digests)
+        publisher = CollectivePublisher(
+            group, bucket_bytes=bucket_mib * MiB, digests=digests, shared_memory=shared_memory
+        )
         specs = [TensorSpec.of(name, t) for name, t in named]
         publisher.send(1, specs, iter(named))
         _collect(results, receivers, procs, timeout_s=600)
@@ -277,10 +285,13 @@ def run_collective(
         out = _collect(results, receivers, procs, timeout_s=600)
         # in the background from a staging buffer (versions 3 and 4: the first allocates the buffer)
         staged_blocked = []
+        planes = {stats.extra["shared_memory"]}
         for version in (3, 4):
             staged_blocked.append(publisher.send_background(version, specs, iter(named)))
-            publisher.wait()
+            planes.add(publisher.wait().extra["shared_memory"])  # type: ignore[union-attr]
             _collect(results, receivers, procs, timeout_s=600)
+        if planes != {1.0 if shared_memory else 0.0}:
+            raise SystemExit(f"the publisher did not {'' if shared_memory else 'not '}use shared memory")
         publisher.close()
         group.close()
     finally:

@@ -37,6 +37,8 @@ Headline figures (the JSON object on the last line), at the largest size measure
     collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
                           publish until it holds the version, against the socket (target >= 0.8);
                           ..._without_digests: the same without bucket digests (group_digests = false)
+    collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host), and
+    collective_shm_N_over_1      its N receivers' seconds over one's
     collective_N_over_1   N receivers' seconds over one's (target <= 1.3: flat in receivers)
 
 Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
@@ -245,6 +247,7 @@ def main() -> None:
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
     without_digests: dict[str, float] = {}
+    shm: dict[int, dict[str, float]] = {}
     for size in sizes:
         named = build_model(size * MiB)
         socket = socket_gbps(named, args.socket_repeats)
@@ -255,6 +258,10 @@ def main() -> None:
             collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
             if size == sizes[-1]:  # beside it: the same broadcast without the bucket digests' CPU
                 without_digests = run_collective(named, args.receivers[0], args.bucket_mib, digests=False)
+                shm = {  # and through shared memory: every receiver copies the version out of /dev/shm
+                    n: run_collective(named, n, args.bucket_mib, shared_memory=True)
+                    for n in (args.receivers[0], args.receivers[-1])
+                }
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
 
@@ -324,6 +331,10 @@ def main() -> None:
         f"without bucket digests (weight_broker.group_digests = false), {args.receivers[0]} receiver: "
         f"{without_digests['seconds']:.2f} s"
     )
+    print(
+        "through shared memory (weight_broker.group_shared_memory = true): "
+        + ", ".join(f"{n} receiver(s) {c['seconds']:.2f} s" for n, c in shm.items())
+    )
 
     largest = max(r["size_mib"] for r in rows)
     at_largest = {r["transport"]: r for r in rows if r["size_mib"] == largest}
@@ -344,6 +355,8 @@ def main() -> None:
             big["bytes"] / without_digests["seconds"] / 1e9 / big["socket_gbps"], 3
         ),
         f"collective_{many}_over_{one}": round(coll[many]["seconds"] / coll[one]["seconds"], 3),
+        "collective_shm_over_socket": round(big["bytes"] / shm[one]["seconds"] / 1e9 / big["socket_gbps"], 3),
+        f"collective_shm_{many}_over_{one}": round(shm[many]["seconds"] / shm[one]["seconds"], 3),
         f"broker_{many}_over_{one}": round(
             (big["publish_s"] + big["fanout_s"]) / (big["publish_s"] + big["fetch_s"]), 3
         ),

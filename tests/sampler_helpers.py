@@ -144,16 +144,21 @@ class LearnerStandIn:
 
 
 def broadcast_versions(
-    spec: dict[str, Any], weights_file: str, plan: list[tuple[int, str]], out: Any
+    spec: dict[str, Any],
+    weights_file: str,
+    plan: list[tuple[int, str]],
+    out: Any,
+    shared_memory: bool = False,
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
-    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version)."""
+    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version).
+    ``shared_memory``: staged in /dev/shm for the engine's workers to copy out (reported with each version)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.tensors import TensorSpec
     from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 0)
-    publisher = CollectivePublisher(group, bucket_bytes=1 << 20)
+    publisher = CollectivePublisher(group, bucket_bytes=1 << 20, shared_memory=shared_memory)
     weights = torch.load(weights_file)
     for version, how in plan:
         items = list(weights[version].items())
@@ -161,7 +166,8 @@ def broadcast_versions(
         source = iter(items if how == "whole" else items[: len(items) // 2])
         try:
             stats = publisher.send(version, specs, source)
-            out.put((version, "sent", stats.bytes))
+            out.put((version, "sent", stats.bytes, stats.extra["shared_memory"] == 1.0))
         except TransferFailed as exc:
             out.put((version, "failed", str(exc)))
+    publisher.close()
     group.close()

@@ -88,7 +88,8 @@ def failed_load(engine: Any, weights: dict[str, Any]) -> dict[str, Any]:
 
 def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str) -> dict[str, Any]:
     """A version broadcast by a learner process through the weight group into the workers' registered
-    ``vcpo_collective`` engine (each in its own process here, as on GPU machines)."""
+    ``vcpo_collective`` engine (each in its own process here, as on GPU machines), through /dev/shm: what
+    a learner and a sampler sharing a GPU use."""
     import multiprocessing as mp
 
     import torch
@@ -109,7 +110,7 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    learner = ctx.Process(target=broadcast_versions, args=(spec, path, [(version, "whole")], out))
+    learner = ctx.Process(target=broadcast_versions, args=(spec, path, [(version, "whole")], out, True))
     learner.start()
     try:
         engine.join_weight_group({**spec, "rank_offset": 1})

@@ -227,6 +227,7 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     # vcpo_collective backend (registered by the worker extension's import) and serves the broadcast version
     coll = result["collective"]
     assert coll["sent"][1] == "sent" and coll["serving"] is True
+    assert coll["sent"][3] is True  # the workers copied it out of the learner's /dev/shm segment
     expected = hf_logprobs(
         hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"], coll["tokens"]
     )
@@ -342,7 +343,9 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
 ) -> None:
     """A run applies version after version from the weight group, with generation between stage and apply
     (the sampler keeps generating under its loaded version while the next one is received): every apply serves
-    exactly its version's weights, and every generation before an apply its loaded version's."""
+    exactly its version's weights, and every generation before an apply its loaded version's. The first two
+    versions come through /dev/shm (weight_broker.group_shared_memory), the last two, in the next epoch, over
+    the sockets."""
     import multiprocessing as mp
 
     from services.common.redis_server import free_port
@@ -358,36 +361,46 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     weights = {v: version_weights(tiny_model_dir, 30 + i) for i, v in enumerate(plan)}
     weights_file = tmp_path / "versions.pt"
     torch.save(weights, weights_file)
-    spec = {
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "world_size": 2,
-        "backend": "gloo",
-        "epoch": 1,
-        "timeout_s": 60.0,
-    }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    learner = ctx.Process(
-        target=broadcast_versions, args=(spec, str(weights_file), [(v, "whole") for v in plan], out)
-    )
-    learner.start()
-    try:
-        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
-        serving: int | None = None
-        for version in plan:
-            vllm_engine.stage_collective(version)
-            assert out.get(timeout=60)[:2] == (version, "sent")
-            if serving is not None:  # received, not yet applied: still the loaded version
-                assert_matches(
-                    tiny_model_dir, weights[serving], generate(vllm_engine, prompts, sampling).values()
-                )
-            vllm_engine.apply_collective(version)
-            serving = version
-            assert_matches(
-                tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
+    learners = []
+    serving: int | None = None
+    for half, shared in ((plan[:2], True), (plan[2:], False)):  # an epoch each, as after a re-forming
+        spec = {
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "world_size": 2,
+            "backend": "gloo",
+            "epoch": len(learners) + 1,
+            "timeout_s": 60.0,
+        }
+        learners.append(
+            ctx.Process(
+                target=broadcast_versions,
+                args=(spec, str(weights_file), [(v, "whole") for v in half], out, shared),
             )
-    finally:
-        learner.join(timeout=60)
-        if learner.is_alive():
-            learner.kill()
+        )
+        learners[-1].start()
+        try:
+            vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+            for version in half:
+                vllm_engine.stage_collective(version)
+                assert out.get(timeout=60) == (
+                    version,
+                    "sent",
+                    sum(t.nbytes for t in weights[version].values()),
+                    shared,
+                )
+                if serving is not None:  # received, not yet applied: still the loaded version
+                    assert_matches(
+                        tiny_model_dir, weights[serving], generate(vllm_engine, prompts, sampling).values()
+                    )
+                vllm_engine.apply_collective(version)
+                serving = version
+                assert_matches(
+                    tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
+                )
+        finally:
+            learners[-1].join(timeout=60)
+            if learners[-1].is_alive():
+                learners[-1].kill()

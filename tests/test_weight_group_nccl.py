@@ -109,14 +109,18 @@ def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
     stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """NCCL refuses two ranks of a communicator on one GPU (a learner and a sampler given fractions of it):
-    every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact."""
+    every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact through
+    host shared memory (the ranks are on one host), not once per receiver over a socket."""
     gpus(monkeypatch, ["GPU-a", "GPU-b", "GPU-a"])
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=60, epoch=4)
     with caplog.at_level(logging.WARNING, logger=weight_group.__name__):
         groups = form(spec)
     assert stand_in_nccl.built == []
     assert [(g.backend, g.device.type) for g in groups] == [("gloo", "cpu")] * 3
-    assert "weight group epoch 4 runs on gloo, not NCCL: ranks 0, 2 share a GPU" in caplog.text
+    assert (
+        "weight group epoch 4 runs on gloo, not NCCL: ranks 0, 2 share a GPU (versions go through host "
+        "shared memory)" in caplog.text
+    )
     got: dict[int, Any] = {}
 
     def receive(rank: int) -> None:
@@ -127,10 +131,13 @@ def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
     for t in threads:
         t.start()
     tensors = version_tensors(12)
-    CollectivePublisher(groups[0], bucket_bytes=8192).send(12, specs_of(tensors), iter(tensors))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)  # weight_broker.group_shared_memory unset
+    stats = publisher.send(12, specs_of(tensors), iter(tensors))
     for t in threads:
         t.join(timeout=60)
     assert got == {1: (12, True), 2: (12, True)}
+    assert stats.extra["shared_memory"] == 1.0
+    publisher.close()
     for g in groups:
         g.close()
 
@@ -189,7 +196,8 @@ def _gpu_publisher(
     t0 = time.monotonic()
     try:
         stats = CollectivePublisher(group, bucket_bytes=8192).send(version, specs_of(tensors), iter(tensors))
-        out.put(("sent", group.backend, stats.gb_per_s, time.monotonic() - t0))
+        plane = f"{group.backend}+shm" if stats.extra["shared_memory"] else group.backend
+        out.put(("sent", plane, stats.gb_per_s, time.monotonic() - t0))
     except TransferFailed as exc:
         out.put(("failed", group.backend, str(exc), time.monotonic() - t0))
     out.close()
@@ -221,7 +229,7 @@ def test_ranks_on_one_gpu_fall_back_to_gloo_and_deliver_the_version_exactly() ->
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     publisher, _, (out, results) = run_gpu_group(["ok"], [0])
-    assert results.get(timeout=120)[:2] == ("sent", "gloo")
+    assert results.get(timeout=120)[:2] == ("sent", "gloo+shm")  # one host: through /dev/shm, page-locked
     assert out.get(timeout=60) == (1, 21, True)
     publisher.join(timeout=30)
     assert publisher.exitcode == 0

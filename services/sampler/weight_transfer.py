@@ -120,8 +120,9 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             )
         self._staged = (version, tensors)
         log.info(
-            "received version %d: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
+            "received version %d%s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
             version,
+            " (mapped from the learner's shared memory)" if stats.extra.get("shared_memory") else "",
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,

@@ -18,6 +18,13 @@ travels as:
     vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
               rank, anything else (or a failed collective) discards it on every rank
 
+Members on one host (``WeightGroup.same_host``) may skip the buckets' sockets: the publisher stages the whole
+version in a /dev/shm segment (``shared_memory.py``; its staging buffer, so nothing is copied twice), the
+header names it, and every receiver maps it copy-on-write before the vote: its tensors are views of the
+publisher's pages, one copy in memory however many receivers hold it. Ranks that share a GPU always do (NCCL
+refuses them); a gloo group does with ``shared_memory``. A publisher that cannot reserve the segment (/dev/shm
+too small) warns and sends buckets.
+
 Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
 timeout, a bad digest) leaves every engine on its previous version. A failed collective leaves the group
 unusable: its members close it and the control plane forms a new one (``GroupSpec.epoch``).
@@ -36,6 +43,7 @@ from typing import Any
 import torch
 import xxhash
 
+from services.weight_broker.shared_memory import SharedSegment, Staging
 from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -43,6 +51,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20
+WHOLE = 1 << 62  # a bucket size no version reaches: the whole version as one bucket (staging, shared memory)
 
 
 @dataclass(frozen=True)
@@ -118,16 +127,24 @@ class CollectivePublisher:
     """Rank 0: broadcasts versions. ``send`` is called once per version; every receiver calls ``receive``."""
 
     def __init__(
-        self, group: WeightGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, digests: bool = True
+        self,
+        group: WeightGroup,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        digests: bool = True,
+        shared_memory: bool = False,
     ) -> None:
         """``digests``: send each bucket's digest for every receiver to check before the vote (taken only where
-        the buckets are in host memory: hashing a GPU's would copy each to the host)."""
+        the buckets are in host memory: hashing a GPU's would copy each to the host). ``shared_memory``: with
+        every member on this host, stage versions in /dev/shm for the receivers to map (see the module
+        docstring; ranks sharing a GPU do regardless)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
             )
         self.group, self.bucket_bytes = group, bucket_bytes
         self.digests = digests
+        self.shared = group.same_host and (shared_memory or group.shares_gpu)
+        self._segments = Staging()
         self._buffers: list[torch.Tensor] = []
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._pending: Future[TransferStats] | None = None
@@ -160,8 +177,12 @@ class CollectivePublisher:
             self.group.device.type == "cuda"
         ):  # the current CUDA device is per thread: this thread's is not set
             with torch.cuda.device(self.group.device):
-                return self.send(version, specs, iter(staged))
-        return self.send(version, specs, iter(staged))
+                stats = self.send(version, specs, iter(staged))
+        else:
+            stats = self.send(version, specs, iter(staged))
+        if self.shared:  # the next version's segment, reserved now rather than while the learner waits
+            self._segments.reserve_spare(bucket_layout(specs, WHOLE)[0].nbytes)
+        return stats
 
     def wait(self) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
@@ -172,18 +193,38 @@ class CollectivePublisher:
     def _stage(
         self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
-        """The version copied into the staging buffer, packed as one unbounded bucket; views into it."""
-        [whole] = bucket_layout(specs, 1 << 62)
-        if self._staging.numel() < whole.nbytes:
-            self._staging = torch.empty(whole.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        """The version copied into the staging buffer, packed as one unbounded bucket; views into it. Tensors
+        that are views of it already (``send`` of what ``send_background`` staged) stay where they are."""
+        [whole] = bucket_layout(specs, WHOLE)
+        staging = self._staging_buffer(whole.nbytes)
         staged, source = [], iter(tensors)
         for i, offset in whole.items:
             tensor = _next_checked(i, specs, source)
-            view = self._staging[offset : offset + specs[i].nbytes]
-            view.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            view = staging[offset : offset + specs[i].nbytes]
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if flat.data_ptr() != view.data_ptr() or flat.device != view.device:
+                view.copy_(flat)
             staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
         _check_exhausted(source)
         return staged
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory: the shared segment when the members share it, else pinned if CUDA is
+        there. The previous version's broadcast has ended (every receiver voted) before this is called."""
+        if self.shared:
+            try:
+                return self._segments.take(nbytes)
+            except OSError as exc:
+                log.warning(
+                    "cannot stage weights in shared memory (%s: %d bytes): broadcasting over the weight "
+                    "group's sockets instead",
+                    exc,
+                    nbytes,
+                )
+                self.shared = False
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._staging[:nbytes]
 
     def close(self) -> None:
         """Wait for a background broadcast (its failure is logged, not raised) and stop its thread."""
@@ -194,6 +235,7 @@ class CollectivePublisher:
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
+        self._segments.release()
 
     def send(
         self,
@@ -207,15 +249,21 @@ class CollectivePublisher:
         t0 = time.monotonic()
         if not specs:
             raise ValueError(f"version {version} has no tensors")
-        layout = bucket_layout(specs, self.bucket_bytes)
-        hashed = self.digests and self.group.device.type == "cpu"
-        header = json.dumps(
-            {
-                "bucket_bytes": self.bucket_bytes,
-                "digests": hashed,
-                "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
-            }
-        ).encode()
+        if self.shared:  # staged before anything is announced: a failing source fails only this call
+            try:
+                tensors = self._stage(specs, tensors)
+            except Exception as exc:
+                raise TransferFailed(f"version {version}: {exc}") from exc
+        segment = self._segments.current if self.shared else None  # not if it could not be reserved
+        bucket_bytes = WHOLE if segment else self.bucket_bytes
+        layout = bucket_layout(specs, bucket_bytes)
+        shared = {"name": segment.name, "nbytes": layout[0].nbytes} if segment else None
+        hashed = self.digests and self.group.device.type == "cpu" and shared is None
+        fields: dict[str, Any] = {"bucket_bytes": bucket_bytes, "digests": hashed}
+        if shared:
+            fields["shared"] = shared
+        fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
+        header = json.dumps(fields).encode()
         group = self.group
         try:
             group.announce(version)
@@ -224,20 +272,30 @@ class CollectivePublisher:
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )
-            digests, source_error = self._send_buckets(layout, specs, iter(tensors), hashed)
+            if shared:  # the receivers map the segment now
+                digests, source_error = [0], None
+            else:
+                digests, source_error = self._send_buckets(layout, specs, iter(tensors), hashed)
             group.wait(group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)))
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
             group.abort()
             raise TransferFailed(f"version {version}: broadcast failed: {exc}") from exc
+        finally:
+            if shared:  # every receiver mapped it before it voted: its pages stay theirs, its name goes
+                self._segments.release(spare=False)
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:
-            raise TransferFailed(
-                f"version {version}: a receiver voted against it (its bucket digests differed)"
-            )
+            why = "could not read the shared memory" if shared else "its bucket digests differed"
+            raise TransferFailed(f"version {version}: a receiver voted against it ({why})")
         return TransferStats(
-            version, len(specs), sum(s.nbytes for s in specs), len(layout), time.monotonic() - t0
+            version,
+            len(specs),
+            sum(s.nbytes for s in specs),
+            len(layout),
+            time.monotonic() - t0,
+            {"shared_memory": 1.0 if shared else 0.0},
         )
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -338,14 +396,21 @@ class CollectiveReceiver:
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
-            buffers, mine = self._bounced(layout, hashed) if self.bounce else self._direct(layout, hashed)
+            read = True
+            if "shared" in header:
+                buffers, mine = self._from_shared(layout, header["shared"])
+                read = bool(buffers)
+            elif self.bounce:
+                buffers, mine = self._bounced(layout, hashed)
+            else:
+                buffers, mine = self._direct(layout, hashed)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(theirs))
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
-        good = theirs.cpu().tolist() == mine
-        if not good:
+        good = read and theirs.cpu().tolist() == mine
+        if read and not good:
             log.error("version %d: bucket digests differ from the publisher's: voting against it", version)
         try:
             committed = group.all_ok(good)
@@ -364,7 +429,32 @@ class CollectiveReceiver:
                 view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
                 tensors.append((s.name, view))
         nbytes = sum(s.nbytes for s in specs)
-        return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)
+        extra = {"shared_memory": 1.0 if "shared" in header else 0.0}
+        stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
+        return version, tensors, stats
+
+    def _from_shared(
+        self, layout: list[Bucket], shared: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """The publisher's segment, mapped copy-on-write: the version's tensors are views of the pages the
+        publisher wrote (nothing is copied; the engine's load reads them), which stay this member's until its
+        views go, whatever the publisher does next. No buffers if it cannot be mapped: this member votes the
+        version down (logged), and the group stays as it was."""
+        [whole] = layout
+        name = str(shared["name"])
+        if int(shared["nbytes"]) != whole.nbytes:
+            raise ValueError(
+                f"the header's segment holds {shared['nbytes']} bytes, its tensors {whole.nbytes}"
+            )
+        try:
+            segment = SharedSegment.attach(name, whole.nbytes)
+        except (OSError, ValueError) as exc:
+            log.error(
+                "cannot map the publisher's weight segment %s: %s: voting against the version", name, exc
+            )
+            return [], [0]
+        assert segment.tensor is not None
+        return [segment.tensor], [0]  # its views keep the mapping
 
     def _direct(self, layout: list[Bucket], hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Every bucket into its own buffer on the group's device, all queued at once (gloo runs them in

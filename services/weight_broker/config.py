@@ -70,6 +70,13 @@ class WeightBrokerConfig(Section):
         "before the commit vote. Only where the publisher holds its buckets in host memory (gloo): a GPU's are "
         "not hashed. It costs CPU on both ends (about 15% of a 1 GiB broadcast's time on 2 cores).",
     )
+    group_shared_memory: bool = Field(
+        False,
+        description="collective, gloo: when every member of the weight group runs on this host (one /dev/shm), "
+        "the publisher stages each version in /dev/shm and every receiver copies it out, instead of it crossing "
+        "a socket once per receiver. Members that share a GPU (which NCCL refuses) always do. Needs one "
+        "version's size free in /dev/shm; without it the publisher warns and uses the sockets.",
+    )
     group_member_ttl_s: float = Field(
         10.0, gt=0, description="collective: a member whose heartbeat is this old has left the group."
     )

@@ -294,12 +294,13 @@ class GroupCoordinator:
         device: torch.device | None = None,
         on_event: Callable[[str], None] | None = None,
         digests: bool = True,
+        shared_memory: bool = False,
     ) -> None:
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range = port, port_range
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.device, self.digests = device, digests
+        self.device, self.digests, self.shared_memory = device, digests, shared_memory
         self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
@@ -464,7 +465,8 @@ class GroupCoordinator:
             raise FormFailed(str(exc), []) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
-        return _Formed(group, CollectivePublisher(group, self.bucket_bytes, self.digests), members)
+        publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, self.shared_memory)
+        return _Formed(group, publisher, members)
 
 
 def coordinator_from_config(
@@ -491,4 +493,5 @@ def coordinator_from_config(
         device=device if backend == "nccl" else None,
         on_event=on_event,
         digests=wb.group_digests,
+        shared_memory=wb.group_shared_memory,
     )

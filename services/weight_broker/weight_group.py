@@ -8,7 +8,8 @@
 
 The group lives outside torch.distributed's default group (which ZeRO-3 or vLLM's tensor parallelism may own):
 NCCL on GPU, gloo on CPU, the same code. An NCCL epoch whose ranks would share a GPU (which NCCL refuses)
-runs on gloo instead, on every rank alike. Members wait for announcements in the store, never inside a
+runs on gloo instead, on every rank alike (and, its ranks on one host, moves versions through shared memory:
+``shared_memory.py``). Members wait for announcements in the store, never inside a
 collective, so an idle group never reaches its timeout. Any failure is a :class:`TransferFailed`, raised to
 the caller on every backend (an NCCL failure never takes the process down): the group is closed on every
 member and the control plane (``group_control.py``) forms a new epoch. What travels over the group, and how,
@@ -27,6 +28,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,16 @@ def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
     return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
+def same_host(store: Any, world_size: int) -> bool:
+    """Whether every rank set the same :func:`host_identity` at ``host/<rank>`` of an epoch's ``store`` (a rank
+    that set none, which is not a WeightGroup, shares nothing)."""
+    keys = [f"host/{r}" for r in range(world_size)]
+    try:
+        return store.check(keys) and len({store.get(k) for k in keys}) == 1
+    except Exception:  # the store is failing: the group's forming fails on its own
+        return False
+
+
 class AnnouncementWatch:
     """A receiver's view of rank 0's announcements (``announce/<n>`` = version, in order) in one epoch's
     store: the weight group's own, or a client of the store held by a process that is not a rank itself (a
@@ -235,7 +248,9 @@ class WeightGroup:
         try:
             self._store = store if store is not None else open_store(spec, master=rank == 0)
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
-            if spec.backend == "nccl":  # before arriving: every rank's is there once all have arrived
+            # before arriving: every rank's is there once all have arrived
+            prefixed.set(f"host/{rank}", host_identity())
+            if spec.backend == "nccl":
                 prefixed.set(f"gpu/{rank}", device_identity(self.device))
             arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
         except Exception as exc:
@@ -255,6 +270,9 @@ class WeightGroup:
         self.members_gone: Callable[[], str | None] | None = None
         self.alive_every_s = 1.0
         self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
+        self.shares_gpu = False  # that fallback happened (the publisher then stages in shared memory)
+        # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
+        self.same_host = same_host(prefixed, spec.world_size)
         if spec.backend == "nccl":
             try:
                 shared = shared_gpus(prefixed, spec.world_size)
@@ -264,12 +282,14 @@ class WeightGroup:
                 # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), as when a
                 # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
                 # read the same identities, so every rank falls back to gloo (through host memory) alike
-                self.backend, self.device = "gloo", torch.device("cpu")
+                self.backend, self.device, self.shares_gpu = "gloo", torch.device("cpu"), True
                 if rank == 0:
                     log.warning(
-                        "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU",
+                        "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU (versions go "
+                        "through %s)",
                         spec.epoch,
                         "; ".join(", ".join(map(str, ranks)) for ranks in shared),
+                        "host shared memory" if self.same_host else "host memory and sockets",
                     )
         if self.backend == "nccl":
             self._pg: Any = nccl_backend(prefixed, rank, spec.world_size, timeout)

@@ -1,0 +1,172 @@
+"""Host shared memory for the weight group's members on one host: a file in /dev/shm mapped by each of them.
+
+    host_identity()             which /dev/shm this process sees: members with the same one can share a segment
+    SharedSegment.create(n)     the publisher's: n bytes reserved up front (no SIGBUS when /dev/shm fills up)
+    SharedSegment.attach(name)  a receiver's copy-on-write mapping of the publisher's segment
+    segment.tensor              the mapping as a uint8 tensor (the publisher's page-locked where CUDA is there)
+
+The collective transport (``collective.py``) stages a version in a segment of its own and every receiver on the
+host maps it, instead of the bytes crossing loopback sockets once per receiver: one copy of the version in
+memory, however many receivers hold it. Ranks that share a GPU (which NCCL refuses) always do; gloo groups on
+one host when ``weight_broker.group_shared_memory`` is set. Files are named ``vcpo-group-<pid>-<n>``. The
+publisher unlinks each once every receiver has voted on its version (the pages live on until the last
+receiver lets go of its views), and the files of publishers that died mid-broadcast are swept when the next one
+creates its first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import re
+import socket
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "vcpo-group-"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)$")
+_count = itertools.count()
+_swept: list[bool] = []  # once per process, before its first segment
+
+
+def host_identity() -> str:
+    """The /dev/shm this process maps files from: the kernel's boot id and the device of its tmpfs mount (a
+    container with its own /dev/shm differs; containers of one pod share theirs). Unique to this process where
+    there is none, so it shares with no one."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat(SHM_DIR).st_dev}/{socket.gethostname()}"
+    except OSError:
+        return f"no-shm/{socket.gethostname()}/{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale() -> int:
+    """Remove the segments of publishers that are gone (they died without closing); returns how many."""
+    removed = 0
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        match = _NAME.match(path.name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    if removed:
+        log.info("removed %d weight segment(s) of dead publishers from %s", removed, SHM_DIR)
+    return removed
+
+
+class SharedSegment:
+    """One mapped file of /dev/shm (see the module docstring)."""
+
+    def __init__(self, name: str, nbytes: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.name, self.nbytes, self.owner = name, nbytes, owner
+        self._mmap = mapping
+        self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        self._registered = False
+        if owner and torch.cuda.is_available():  # page-locked like a pinned staging buffer: fast GPU copies
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self._registered = int(err) == 0
+            if not self._registered:
+                log.warning("could not page-lock weight segment %s (cudaError %d)", name, int(err))
+
+    @classmethod
+    def create(cls, nbytes: int) -> SharedSegment:
+        """A new segment of ``nbytes``, its space reserved now: OSError (ENOSPC) if /dev/shm cannot hold it."""
+        if not _swept:
+            _swept.append(True)
+            sweep_stale()
+        name = f"{PREFIX}{os.getpid()}-{next(_count)}"
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # tmpfs: a full /dev/shm fails here, not as SIGBUS on a write
+            mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return cls(name, nbytes, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int) -> SharedSegment:
+        """The publisher's segment ``name`` (it must hold at least ``nbytes``), mapped copy-on-write: reads
+        share the publisher's pages, a write (an engine's loader may convert a tensor in place) copies the page
+        it touches. The mapping, and the pages, outlive the name: the publisher unlinks it after the vote."""
+        if not _NAME.match(name):
+            raise ValueError(f"{name!r} is not a weight segment's name")
+        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"weight segment {name} holds {size} bytes, the header said {nbytes}")
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, nbytes, mapping, owner=False)
+
+    def close(self) -> None:
+        """Unmap (once no tensor views of it are left) and, the publisher's, unlink."""
+        if self.tensor is not None and self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        self.tensor = None
+        with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+            self._mmap.close()
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+class Staging:
+    """The publisher's segments: the version being staged or sent (``current``), and the next one's
+    (``spare``), reserved and page-locked in the background so the learner does not wait for it."""
+
+    def __init__(self) -> None:
+        self.current: SharedSegment | None = None
+        self.spare: SharedSegment | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the current segment: the one staged and not yet sent, the spare, or a new one
+        (OSError if /dev/shm cannot hold it)."""
+        if self.current is None or self.current.nbytes < nbytes:
+            self.release(spare=False)  # staged and never sent, or too small
+            spare, self.spare = self.spare, None
+            if spare is not None and spare.nbytes >= nbytes:
+                self.current = spare
+            else:
+                if spare is not None:
+                    spare.close()
+                self.current = SharedSegment.create(nbytes)
+        assert self.current.tensor is not None
+        return self.current.tensor[:nbytes]
+
+    def reserve_spare(self, nbytes: int) -> None:
+        if self.spare is None:
+            with contextlib.suppress(OSError):  # the next take tries again, and says why if it cannot
+                self.spare = SharedSegment.create(nbytes)
+
+    def release(self, spare: bool = True) -> None:
+        """Unlink and unmap the current segment (receivers that mapped it keep its pages until they let go
+        of them) and, ``spare``, the spare."""
+        for segment in (self.current, self.spare if spare else None):
+            if segment is not None:
+                segment.close()
+        self.current = None
+        if spare:
+            self.spare = None

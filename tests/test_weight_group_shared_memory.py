@@ -1,0 +1,284 @@
+"""The collective transport's shared-memory path: members on one host map each version from the /dev/shm
+segment the publisher staged it in, over real gloo groups (threads of this process, or receiver processes)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.redis_server import free_port
+from services.weight_broker import shared_memory, weight_group
+from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver, TransferStats
+from services.weight_broker.shared_memory import SHM_DIR, SharedSegment, sweep_stale
+from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from tests.test_collective_weights import is_version, specs_of, start_receivers, version_tensors
+from tests.test_weight_group_nccl import form
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"{shared_memory.PREFIX}{os.getpid()}-*")}
+
+
+def receive_in_threads(groups: list[WeightGroup], versions: int) -> tuple[dict[int, list[Any]], Any]:
+    """Every receiver rank of ``groups`` receives ``versions`` versions in a thread; each result is (version,
+    bit-exact, its stats) or ("failed", why)."""
+    got: dict[int, list[Any]] = {g.rank: [] for g in groups[1:]}
+
+    def receive(group: WeightGroup) -> None:
+        for _ in range(versions):
+            try:
+                version, tensors, stats = CollectiveReceiver(group).receive()
+                got[group.rank].append((version, is_version(version, tensors), stats))
+            except TransferFailed as exc:
+                got[group.rank].append(("failed", str(exc)))
+
+    threads = [threading.Thread(target=receive, args=(g,)) for g in groups[1:]]
+    for t in threads:
+        t.start()
+
+    def join() -> None:
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive()
+
+    return got, join
+
+
+@pytest.fixture
+def group3() -> Iterator[list[WeightGroup]]:
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30))
+    yield groups
+    for g in groups:
+        g.close()
+
+
+def test_receivers_map_each_version_and_keep_it_after_the_publisher_moves_on(
+    group3: list[WeightGroup],
+) -> None:
+    """Every receiver maps the publisher's segment (one copy of the version in memory, however many hold it).
+    Its name goes once every receiver has voted; the pages stay with the receivers' views, unchanged by the
+    versions staged after it, and a receiver's write into its views touches only its own copy of the page."""
+    assert all(g.same_host for g in group3)  # every rank set the same /dev/shm identity before arriving
+    publisher = CollectivePublisher(group3[0], bucket_bytes=8192, shared_memory=True)
+    assert publisher.shared
+    held: dict[int, list[Any]] = {1: [], 2: []}
+
+    def receive(group: WeightGroup) -> None:
+        for _ in range(2):
+            held[group.rank].append(CollectiveReceiver(group).receive())
+
+    threads = [threading.Thread(target=receive, args=(g,)) for g in group3[1:]]
+    for t in threads:
+        t.start()
+    sent = []
+    for version in (5, 6):
+        tensors = version_tensors(version)
+        sent.append(publisher.send(version, specs_of(tensors), iter(tensors)))
+        assert not segments()  # unlinked after the vote
+    for t in threads:
+        t.join(timeout=60)
+    assert [s.extra["shared_memory"] for s in sent] == [1.0, 1.0]
+    assert [s.buckets for s in sent] == [1, 1]  # the whole version, no buckets over the sockets
+    publisher.close()
+    (v5, tensors5, stats5), (v6, tensors6, _) = held[1]
+    assert (v5, v6) == (5, 6) and stats5.extra["shared_memory"] == 1.0
+    assert is_version(5, tensors5) and is_version(6, tensors6)  # 5 intact after 6 was staged
+    assert [v for v, *_ in held[2]] == [5, 6] and is_version(5, held[2][0][1])
+    tensors5[0][1].zero_()  # rank 1's engine converts a weight in place: copy-on-write
+    assert is_version(5, held[2][0][1]) and not is_version(5, tensors5)
+
+
+def test_a_background_broadcast_stages_once_into_the_segment(group3: list[WeightGroup]) -> None:
+    """``send_background`` stages into the segment itself (the staging buffer is the segment, so the bytes are
+    copied once on the publisher), and the next version's segment is reserved once a broadcast ends, not when
+    the learner stages; a weight changed after it returned does not reach the receivers."""
+    publisher = CollectivePublisher(group3[0], bucket_bytes=8192, shared_memory=True)
+    got, join = receive_in_threads(group3, versions=2)
+    spare = None
+    for version in (11, 12):
+        tensors = version_tensors(version)
+        publisher.send_background(version, specs_of(tensors), iter(tensors))
+        staged = publisher._segments.current
+        assert staged is not None and (spare is None or staged is spare)  # the spare reserved meanwhile
+        for _, t in tensors:  # the optimizer steps on
+            t.zero_()
+        stats = publisher.wait()
+        assert isinstance(stats, TransferStats) and stats.extra["shared_memory"] == 1.0
+        spare = publisher._segments.spare
+        assert spare is not None and segments() == {spare.name}  # the sent one's name is gone
+    join()
+    assert {r: [(v, same) for v, same, _ in got[r]] for r in got} == {
+        1: [(11, True), (12, True)],
+        2: [(11, True), (12, True)],
+    }
+    publisher.close()
+    assert not segments()
+
+
+def test_a_receiver_that_cannot_read_the_segment_votes_it_down_and_the_group_goes_on(
+    group3: list[WeightGroup], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a member with a /dev/shm of its own would: nothing is applied anywhere, the group is not broken,
+    and the next version arrives."""
+    real = SharedSegment.attach
+    refusals = [1]
+
+    def attach(name: str, nbytes: int) -> SharedSegment:
+        if threading.current_thread().name.endswith("(receive)") and refusals:  # one receiver, once
+            refusals.pop()
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+        return real(name, nbytes)
+
+    monkeypatch.setattr(SharedSegment, "attach", staticmethod(attach))
+    publisher = CollectivePublisher(group3[0], bucket_bytes=8192, shared_memory=True)
+    got: dict[int, list[Any]] = {1: [], 2: []}
+
+    def receive(group: WeightGroup) -> None:
+        for _ in range(2):
+            try:
+                version, tensors, _ = CollectiveReceiver(group).receive()
+                got[group.rank].append((version, is_version(version, tensors)))
+            except TransferFailed as exc:
+                got[group.rank].append(("failed", str(exc)))
+
+    threads = [
+        threading.Thread(target=receive, args=(group3[1],), name="rank-1 (receive)"),
+        threading.Thread(target=receive, args=(group3[2],), name="rank-2"),
+    ]
+    for t in threads:
+        t.start()
+    tensors = version_tensors(7)
+    with caplog.at_level(logging.ERROR), pytest.raises(TransferFailed, match="could not read the shared"):
+        publisher.send(7, specs_of(tensors), iter(tensors))
+    assert "cannot map the publisher's weight segment" in caplog.text
+    assert not group3[0].closed
+    tensors = version_tensors(8)
+    assert publisher.send(8, specs_of(tensors), iter(tensors)).extra["shared_memory"] == 1.0
+    for t in threads:
+        t.join(timeout=60)
+    for rank in (1, 2):
+        assert got[rank][0][0] == "failed" and "version 7: not committed" in got[rank][0][1]
+        assert got[rank][1] == (8, True)
+    publisher.close()
+
+
+def test_a_full_dev_shm_sends_buckets_instead(
+    group3: list[WeightGroup], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def full(nbytes: int) -> SharedSegment:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SharedSegment, "create", staticmethod(full))
+    publisher = CollectivePublisher(group3[0], bucket_bytes=8192, shared_memory=True)
+    got, join = receive_in_threads(group3, versions=1)
+    tensors = version_tensors(9)
+    with caplog.at_level(logging.WARNING):
+        stats = publisher.send(9, specs_of(tensors), iter(tensors))
+    join()
+    assert "cannot stage weights in shared memory" in caplog.text and "No space left" in caplog.text
+    assert stats.extra["shared_memory"] == 0.0 and stats.buckets > 1 and not publisher.shared
+    assert all(got[r][0][:2] == (9, True) for r in (1, 2))
+    publisher.close()
+
+
+def test_members_on_different_hosts_never_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    by_rank = ["boot-a/27/node-1", "boot-a/27/node-1", "boot-b/31/node-2"]
+    monkeypatch.setattr(
+        weight_group,
+        "host_identity",
+        lambda: by_rank[int(threading.current_thread().name.split("-")[1])],
+    )
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30))
+    try:
+        assert [g.same_host for g in groups] == [False] * 3
+        publisher = CollectivePublisher(groups[0], bucket_bytes=8192, shared_memory=True)
+        assert not publisher.shared
+        got, join = receive_in_threads(groups, versions=1)
+        tensors = version_tensors(3)
+        assert publisher.send(3, specs_of(tensors), iter(tensors)).extra["shared_memory"] == 0.0
+        join()
+        assert all(got[r][0][:2] == (3, True) for r in (1, 2))
+        publisher.close()
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_a_source_that_breaks_the_header_fails_before_anything_is_announced(
+    group3: list[WeightGroup],
+) -> None:
+    publisher = CollectivePublisher(group3[0], bucket_bytes=8192, shared_memory=True)
+    tensors = version_tensors(8)
+    with pytest.raises(TransferFailed, match=r"version 8: the source ended at tensor 5 \('ids'\)"):
+        publisher.send(8, specs_of(tensors), iter(tensors[:-1]))
+    assert group3[1].next_announcement(0) is None  # the receivers never heard of it
+    got, join = receive_in_threads(group3, versions=1)
+    tensors = version_tensors(10)
+    publisher.send(10, specs_of(tensors), iter(tensors))
+    join()
+    assert all(got[r][0][:2] == (10, True) for r in (1, 2))
+    publisher.close()
+
+
+def test_a_receiver_process_killed_mid_broadcast_fails_the_version_everywhere() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
+    procs, out = start_receivers(spec, ["ok", "die-after-header"], versions=2)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192, shared_memory=True)
+    assert publisher.shared
+    tensors = version_tensors(7)
+    with pytest.raises(TransferFailed, match="version 7"):
+        publisher.send(7, specs_of(tensors), iter(tensors))
+    rank, status, why = out.get(timeout=60)
+    assert (rank, status) == (1, "failed") and "version 7" in why  # nothing applied
+    for p in procs:
+        p.join(timeout=30)
+    assert procs[1].exitcode == 3
+    publisher.close()
+    group.close()
+    assert not segments()
+
+
+def test_segments_of_dead_publishers_are_swept() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    pid = int(dead.stdout)
+    stale = SHM_DIR / f"{shared_memory.PREFIX}{pid}-1"
+    stale.write_bytes(b"x" * 10)
+    mine = SharedSegment.create(64)
+    try:
+        assert sweep_stale() == 1 and not stale.exists()
+        assert (SHM_DIR / mine.name).exists()  # a live publisher's stays
+    finally:
+        mine.close()
+        stale.unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="is not a weight segment's name"):
+        SharedSegment.attach("../etc/passwd", 10)
+    with pytest.raises(ValueError, match="holds 64 bytes, the header said 128"):
+        seg = SharedSegment.create(64)
+        try:
+            SharedSegment.attach(seg.name, 128)
+        finally:
+            seg.close()
+
+
+def test_the_segment_is_reserved_up_front() -> None:
+    """Its bytes are allocated when it is created (posix_fallocate), so a /dev/shm without room fails there with
+    ENOSPC, never as a SIGBUS when the learner writes into the mapping."""
+    seg = SharedSegment.create(8 << 20)
+    try:
+        assert os.stat(SHM_DIR / seg.name).st_blocks * 512 >= 8 << 20
+        assert seg.tensor is not None and seg.tensor.numel() == 8 << 20
+        assert torch.count_nonzero(seg.tensor) == 0
+    finally:
+        seg.close()
