@@ -414,3 +414,31 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
         sync.stop()
         if engine.group is not None:
             engine.group.close()
+
+
+def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_setting(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """``weight_broker.group_shared_memory`` reaches the publisher of every epoch the learner's coordinator forms
+    (its members here on this host): the version is mapped from /dev/shm, not sent over the sockets."""
+    from services.weight_broker.config import WeightBrokerConfig
+    from services.weight_broker.group_control import coordinator_from_config
+
+    run_id = f"wg-shm-{time.monotonic_ns()}"
+    wb = WeightBrokerConfig(
+        group_shared_memory=True, group_timeout_s=20, group_form_timeout_s=3, group_member_ttl_s=1.0
+    )
+    coordinator = coordinator_from_config(wb, redis_url, run_id, redis_client, torch.device("cpu"))
+    a = Receiver(GroupRegistry(redis_client, run_id, ttl_s=1.0), "sampler-0.a")
+    a.start()
+    try:
+        _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        publisher = coordinator.publisher()
+        assert publisher is not None and publisher.shared
+        tensors = version_tensors(3)
+        assert publisher.send(3, specs_of(tensors), iter(tensors)).extra["shared_memory"] == 1.0
+        _until("version 3", lambda: a.got == [(coordinator.epoch, 3, True)])
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()
