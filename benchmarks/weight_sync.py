@@ -37,8 +37,9 @@ Headline figures (the JSON object on the last line), at the largest size measure
     collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
                           publish until it holds the version, against the socket (target >= 0.8);
                           ..._without_digests: the same without bucket digests (group_digests = false)
-    collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host), and
-    collective_shm_N_over_1      its N receivers' seconds over one's
+    collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host; the
+                          receivers map the publisher's segment), collective_shm_N_over_1 its N receivers'
+                          seconds over one's, learner_blocked_s_per_version_shm its staged publish's wait
     collective_N_over_1   N receivers' seconds over one's (target <= 1.3: flat in receivers)
 
 Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
@@ -362,6 +363,7 @@ def main() -> None:
         ),
         "collective_seconds": {str(n): round(c["seconds"], 3) for n, c in coll.items()},
         "learner_blocked_s_per_version": round(coll[one]["staged_blocked_s"], 3),
+        "learner_blocked_s_per_version_shm": round(shm[one]["staged_blocked_s"], 3),
         "learner_blocked_s_without_staging": round(coll[one]["blocked_s"], 3),
         "broker_learner_blocked_s_per_version": round(big["publish_s"], 3),
         "target_collective_over_socket": TARGET_COLLECTIVE_OVER_SOCKET,

@@ -85,12 +85,16 @@ def test_receivers_map_each_version_and_keep_it_after_the_publisher_moves_on(
     for version in (5, 6):
         tensors = version_tensors(version)
         sent.append(publisher.send(version, specs_of(tensors), iter(tensors)))
-        assert not segments()  # unlinked after the vote
+        assert publisher._reserving is not None
+        publisher._reserving.result()
+        spare = publisher._segments.spare
+        assert spare is not None and segments() == {spare.name}  # the sent one unlinked after the vote
     for t in threads:
         t.join(timeout=60)
     assert [s.extra["shared_memory"] for s in sent] == [1.0, 1.0]
     assert [s.buckets for s in sent] == [1, 1]  # the whole version, no buckets over the sockets
     publisher.close()
+    assert not segments()
     (v5, tensors5, stats5), (v6, tensors6, _) = held[1]
     assert (v5, v6) == (5, 6) and stats5.extra["shared_memory"] == 1.0
     assert is_version(5, tensors5) and is_version(6, tensors6)  # 5 intact after 6 was staged
@@ -115,6 +119,8 @@ def test_a_background_broadcast_stages_once_into_the_segment(group3: list[Weight
             t.zero_()
         stats = publisher.wait()
         assert isinstance(stats, TransferStats) and stats.extra["shared_memory"] == 1.0
+        assert publisher._reserving is not None
+        publisher._reserving.result()  # on the broadcast thread, after the broadcast
         spare = publisher._segments.spare
         assert spare is not None and segments() == {spare.name}  # the sent one's name is gone
     join()

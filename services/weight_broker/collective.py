@@ -148,6 +148,7 @@ class CollectivePublisher:
         self._buffers: list[torch.Tensor] = []
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._pending: Future[TransferStats] | None = None
+        self._reserving: Future[None] | None = None  # the next version's segment (shared memory)
         self._thread: ThreadPoolExecutor | None = None
 
     def send_background(
@@ -165,9 +166,7 @@ class CollectivePublisher:
             raise ValueError(f"version {version} has no tensors")
         self.wait()
         staged = self._stage(specs, tensors)
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
-        self._pending = self._thread.submit(self._send_in_thread, version, specs, staged)
+        self._pending = self._worker().submit(self._send_in_thread, version, specs, staged)
         return time.monotonic() - t0
 
     def _send_in_thread(
@@ -177,12 +176,13 @@ class CollectivePublisher:
             self.group.device.type == "cuda"
         ):  # the current CUDA device is per thread: this thread's is not set
             with torch.cuda.device(self.group.device):
-                stats = self.send(version, specs, iter(staged))
-        else:
-            stats = self.send(version, specs, iter(staged))
-        if self.shared:  # the next version's segment, reserved now rather than while the learner waits
-            self._segments.reserve_spare(bucket_layout(specs, WHOLE)[0].nbytes)
-        return stats
+                return self.send(version, specs, iter(staged))
+        return self.send(version, specs, iter(staged))
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
+        return self._thread
 
     def wait(self) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
@@ -212,6 +212,9 @@ class CollectivePublisher:
         """``nbytes`` of host memory: the shared segment when the members share it, else pinned if CUDA is
         there. The previous version's broadcast has ended (every receiver voted) before this is called."""
         if self.shared:
+            reserving, self._reserving = self._reserving, None
+            if reserving is not None:  # runs on the broadcast thread, never queued behind this call
+                reserving.result()
             try:
                 return self._segments.take(nbytes)
             except OSError as exc:
@@ -233,8 +236,9 @@ class CollectivePublisher:
         except TransferFailed as exc:
             log.warning("the last background broadcast failed: %s", exc)
         if self._thread is not None:
-            self._thread.shutdown()
+            self._thread.shutdown()  # after any reservation queued on it
             self._thread = None
+        self._reserving = None
         self._segments.release()
 
     def send(
@@ -284,6 +288,8 @@ class CollectivePublisher:
         finally:
             if shared:  # every receiver mapped it before it voted: its pages stay theirs, its name goes
                 self._segments.release(spare=False)
+                # the next version's segment, reserved and populated off the learner's and the caller's time
+                self._reserving = self._worker().submit(self._segments.reserve_spare, layout[0].nbytes)
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:

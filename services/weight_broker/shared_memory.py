@@ -97,7 +97,10 @@ class SharedSegment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)  # tmpfs: a full /dev/shm fails here, not as SIGBUS on a write
-            mapping = mmap.mmap(fd, nbytes)
+            # its page tables filled now, in one pass (a spare is reserved in the background): the learner's
+            # staging copy would otherwise take a fault per page while it waits
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, nbytes, flags=flags)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
