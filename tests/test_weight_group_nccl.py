@@ -97,6 +97,8 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert "NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     assert all(g.backend == "nccl" for g in groups)
+    # ranks on one host and distinct GPUs: NCCL moves the versions, whatever group_shared_memory says
+    assert groups[0].same_host and not CollectivePublisher(groups[0], shared_memory=True).shared
     groups[1].close()
     groups[1].close()  # once
     # abort (ncclCommAbort), not shutdown: destroying a communicator waits for a kernel a dead peer never ends

@@ -143,7 +143,8 @@ class CollectivePublisher:
             )
         self.group, self.bucket_bytes = group, bucket_bytes
         self.digests = digests
-        self.shared = group.same_host and (shared_memory or group.shares_gpu)
+        # not instead of NCCL between GPUs, which moves the bytes device to device
+        self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging()
         self._buffers: list[torch.Tensor] = []
         self._staging = torch.empty(0, dtype=torch.uint8)

@@ -72,10 +72,12 @@ class WeightBrokerConfig(Section):
     )
     group_shared_memory: bool = Field(
         False,
-        description="collective, gloo: when every member of the weight group runs on this host (one /dev/shm), "
-        "the publisher stages each version in /dev/shm and every receiver copies it out, instead of it crossing "
-        "a socket once per receiver. Members that share a GPU (which NCCL refuses) always do. Needs one "
-        "version's size free in /dev/shm; without it the publisher warns and uses the sockets.",
+        description="collective, gloo: when every member of the weight group runs on one host (one /dev/shm), "
+        "the publisher stages each version in /dev/shm and every receiver maps it, instead of it crossing a "
+        "socket once per receiver. Members that share a GPU (which NCCL refuses) always do; NCCL between GPUs "
+        "never does. Needs up to 3 versions' size free in /dev/shm (the one sent, the next one's reserved "
+        "segment, the one the receivers hold until they load it); without it the publisher warns and uses "
+        "the sockets.",
     )
     group_member_ttl_s: float = Field(
         10.0, gt=0, description="collective: a member whose heartbeat is this old has left the group."
