@@ -162,21 +162,28 @@ def device_identity(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
-    """The ranks that share one GPU (empty: none do), from the identities every rank set at ``gpu/<rank>`` of
-    an epoch's ``store`` before it arrived (:func:`device_identity`)."""
-    by_gpu: dict[str, list[int]] = {}
+def ranks_by(store: Any, kind: str, world_size: int) -> dict[str, list[int]]:
+    """The ranks grouped by the identity each set at ``<kind>/<rank>`` of an epoch's ``store`` before it
+    arrived."""
+    by_identity: dict[str, list[int]] = {}
     for r in range(world_size):
-        by_gpu.setdefault(store.get(f"gpu/{r}").decode(), []).append(r)
-    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+        by_identity.setdefault(store.get(f"{kind}/{r}").decode(), []).append(r)
+    return by_identity
+
+
+def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
+    """The ranks that share one GPU (empty: none do), from the identities every rank set at ``gpu/<rank>``
+    (:func:`device_identity`)."""
+    return [ranks for ranks in ranks_by(store, "gpu", world_size).values() if len(ranks) > 1]
 
 
 def same_host(store: Any, world_size: int) -> bool:
-    """Whether every rank set the same :func:`host_identity` at ``host/<rank>`` of an epoch's ``store`` (a rank
-    that set none, which is not a WeightGroup, shares nothing)."""
-    keys = [f"host/{r}" for r in range(world_size)]
+    """Whether every rank set the same :func:`host_identity` at ``host/<rank>`` (a rank that set none, which is
+    not a WeightGroup, shares nothing)."""
     try:
-        return store.check(keys) and len({store.get(k) for k in keys}) == 1
+        if not store.check([f"host/{r}" for r in range(world_size)]):
+            return False
+        return len(ranks_by(store, "host", world_size)) == 1
     except Exception:  # the store is failing: the group's forming fails on its own
         return False
 
@@ -270,7 +277,6 @@ class WeightGroup:
         self.members_gone: Callable[[], str | None] | None = None
         self.alive_every_s = 1.0
         self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
-        self.shares_gpu = False  # that fallback happened (the publisher then stages in shared memory)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
         if spec.backend == "nccl":
@@ -282,7 +288,7 @@ class WeightGroup:
                 # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), as when a
                 # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
                 # read the same identities, so every rank falls back to gloo (through host memory) alike
-                self.backend, self.device, self.shares_gpu = "gloo", torch.device("cpu"), True
+                self.backend, self.device = "gloo", torch.device("cpu")
                 if rank == 0:
                     log.warning(
                         "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU (versions go "
@@ -311,6 +317,12 @@ class WeightGroup:
                 ) from exc
             self._pg.set_timeout(timeout)
         self._closed = False
+
+    @property
+    def shares_gpu(self) -> bool:
+        """This NCCL epoch fell back to gloo because ranks share a GPU (the publisher then stages in shared
+        memory)."""
+        return self.spec.backend == "nccl" and self.backend == "gloo"
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start broadcasting ``tensor`` from rank 0 (in place on the others); returns the work to wait on."""
