@@ -8,10 +8,11 @@ line (a restarted replica serves on another port) and empties it when the run st
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from services.common.pids import pid_alive
 
 
 def prometheus_targets(
@@ -60,11 +61,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _alive(pid: Any) -> bool:
     """Whether a process of this machine still runs (no PID, as for the broker's URL: assume it does)."""
-    try:
-        if pid:
-            os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    return True
+    return not pid or pid_alive(int(pid))

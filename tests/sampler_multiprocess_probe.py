@@ -1,6 +1,7 @@
 """Run by tests/test_sampler_engine.py in its own process: the vLLM engine core in a separate process (as on
 GPU machines). Prints one JSON line: a version applied through the staging file (greedy tokens and
-log-probs), an in-flight swap (which tokens ``quiesce`` handed back before it, which came after) and a load
+log-probs; the staging directories of dead engines swept at start-up, none left by its own loads), an
+in-flight swap (which tokens ``quiesce`` handed back before it, which came after) and a load
 that fails inside the workers (the error raised, the version served afterwards and its tokens), and a version
 broadcast through the weight group into the workers."""
 
@@ -129,11 +130,22 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
 def main() -> None:
     model_dir, seed_a, seed_b, seed_c = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    import subprocess
     import tempfile
+    from pathlib import Path
 
     from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into, version_weights
 
+    staging = Path(tempfile.mkdtemp())
+    os.environ["VCPO_WEIGHT_STAGING"] = str(staging)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # staging left by a dead engine, by this process's previous life (a container restarts under its PID)
+    # and by an engine that still runs (the test's process stands in for it)
+    for pid in (dead.pid, os.getpid(), os.getppid()):
+        (staging / f"vcpo-weights-{pid}").mkdir()
+        (staging / f"vcpo-weights-{pid}" / "model.safetensors").write_bytes(b"stale")
     engine = VllmEngine(
         VllmSettings(
             model=model_dir,
@@ -146,8 +158,9 @@ def main() -> None:
     )
     try:
         a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
+        out: dict[str, Any] = {"staging_at_start": sorted(os.listdir(staging)), "live": os.getppid()}
         load_into(engine, a)
-        out: dict[str, Any] = {"exact_in_flight": engine.exact_in_flight}
+        out["exact_in_flight"] = engine.exact_in_flight
         prompt = engine.tokenizer.encode("12+7=")
         out["staged"] = greedy(engine, prompt)
         prompts = [engine.tokenizer.encode(q) for q in ("12+7=", "The cat", "3+4=")]
@@ -156,6 +169,7 @@ def main() -> None:
         out["after_failed_load"] = greedy(engine, prompt)
         with tempfile.TemporaryDirectory() as tmp:
             out["collective"] = collective(engine, version_weights(model_dir, seed_c), prompt, tmp)
+        out["staging_after_loads"] = sorted(os.listdir(staging))
         print("RESULT " + json.dumps(out), flush=True)
     finally:
         engine.close()

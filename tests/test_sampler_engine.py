@@ -199,6 +199,10 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(line[len("RESULT ") :])
+    # the dead engine's staging and the probe's previous life's went at start-up, the running one's stayed;
+    # the probe's own loads (staged, failed, in flight) left nothing
+    assert result["staging_at_start"] == [f"vcpo-weights-{result['live']}"]
+    assert result["staging_after_loads"] == result["staging_at_start"]
     assert result["exact_in_flight"] is True
     a, b = version_weights(tiny_model_dir, 11), version_weights(tiny_model_dir, 12)
     model_a = hf_model(tiny_model_dir, a)

@@ -27,6 +27,7 @@ weights. At temperature 1 without top-k/top-p that is the model's own log-softma
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -40,8 +41,12 @@ from typing import Any
 import torch
 
 from services.common.model_dirs import resolve_model_dir
+from services.common.pids import sweep_dead
 
 log = logging.getLogger(__name__)
+
+# where a multi-process engine's workers read each broker-path version from (under $VCPO_WEIGHT_STAGING)
+STAGING_DIR = "vcpo-weights-{pid}"
 
 Sink = Callable[[str, torch.Tensor], None]
 
@@ -292,6 +297,13 @@ class VllmEngine(GenerationEngine):
         self._weights_epoch = 0
         self.collective_staged: int | None = None  # a version received from the weight group, not yet loaded
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
+        if not self._in_process:  # versions go to the workers through files there (``_load``)
+            sweep_dead(
+                self._staging_root,
+                STAGING_DIR.format(pid=r"(\d+)"),
+                "weight staging director(ies)",
+                include_own=True,
+            )
 
     def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None:
         from vllm import SamplingParams
@@ -381,13 +393,15 @@ class VllmEngine(GenerationEngine):
         # failure while writing it has touched nothing in the engine
         from safetensors.torch import save_file
 
-        directory = self._staging_root / f"vcpo-weights-{os.getpid()}"
+        directory = self._staging_root / STAGING_DIR.format(pid=os.getpid())
         directory.mkdir(parents=True, exist_ok=True)
         try:
             save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
             self._reload(weights_path=str(directory))
-        finally:
+        finally:  # a process killed before this leaves both: the next engine to start here sweeps them
             (directory / "model.safetensors").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
     def _reload(self, **source: Any) -> None:
         """Every load into the engine goes through here: a new prefix-cache salt first (whatever happens,

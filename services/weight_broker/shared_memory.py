@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.pids import sweep_dead
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -47,28 +49,9 @@ def host_identity() -> str:
         return f"no-shm/{socket.gethostname()}/{os.getpid()}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def sweep_stale() -> int:
     """Remove the segments of publishers that are gone (they died without closing); returns how many."""
-    removed = 0
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        match = _NAME.match(path.name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed += 1
-    if removed:
-        log.info("removed %d weight segment(s) of dead publishers from %s", removed, SHM_DIR)
-    return removed
+    return sweep_dead(SHM_DIR, _NAME.pattern, "weight segment(s)")
 
 
 class SharedSegment:
