@@ -88,6 +88,10 @@ def _digest(buffer: torch.Tensor) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _next_checked(
     i: int, specs: Sequence[TensorSpec], source: Iterator[tuple[str, torch.Tensor]]
 ) -> torch.Tensor:
@@ -173,9 +177,8 @@ class CollectivePublisher:
     def _send_in_thread(
         self, version: int, specs: Sequence[TensorSpec], staged: list[tuple[str, torch.Tensor]]
     ) -> TransferStats:
-        if (
-            self.group.device.type == "cuda"
-        ):  # the current CUDA device is per thread: this thread's is not set
+        # the current CUDA device is per thread: this thread's is not set
+        if self.group.device.type == "cuda":
             with torch.cuda.device(self.group.device):
                 return self.send(version, specs, iter(staged))
         return self.send(version, specs, iter(staged))
@@ -202,7 +205,7 @@ class CollectivePublisher:
         for i, offset in whole.items:
             tensor = _next_checked(i, specs, source)
             view = staging[offset : offset + specs[i].nbytes]
-            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat = _bytes(tensor)
             if flat.data_ptr() != view.data_ptr() or flat.device != view.device:
                 view.copy_(flat)
             staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
@@ -344,8 +347,11 @@ class CollectivePublisher:
             buf = self._buffer(slot, bucket.nbytes)
             if error is None:
                 try:
+                    # straight from the source (staged host memory, pinned under CUDA), no device copy of
+                    # each weight on the way; the host waits for the broadcast, queued after the copies
                     for i, offset in bucket.items:
-                        buf[offset : offset + specs[i].nbytes].copy_(self._take(i, specs, source))
+                        flat = _bytes(_next_checked(i, specs, source))
+                        buf[offset : offset + specs[i].nbytes].copy_(flat, non_blocking=True)
                 except Exception as exc:  # reported after the vote
                     error = exc
             in_flight[slot] = self.group.broadcast(buf)
@@ -361,9 +367,9 @@ class CollectivePublisher:
         return digests, error
 
     def _take(self, i: int, specs: Sequence[TensorSpec], source: Any) -> torch.Tensor:
-        """The source's next tensor, checked against the header, as flat bytes on the group's device."""
-        tensor = _next_checked(i, specs, source)
-        return tensor.detach().to(self.group.device).contiguous().reshape(-1).view(torch.uint8)
+        """The source's next tensor, checked against the header, as flat bytes on the group's device (a weight
+        bigger than a bucket: its own broadcast)."""
+        return _bytes(_next_checked(i, specs, source).to(self.group.device, non_blocking=True))
 
 
 class CollectiveReceiver:
