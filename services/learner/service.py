@@ -98,6 +98,9 @@ class LearnerRank:
         self._offered: list[Offered] = []  # consumed by rank 0 since the last step's audit line
         self._broker_checked = time.monotonic()  # when rank 0 last asked the broker for its latest version
         self._superseded = -1  # versions up to this one are on the broker already (see start)
+        # the newest version published through the broker's own path (under NCCL a broker without a GPU is
+        # not in the weight group, so it holds only these: never a sign it lost the group's newer ones)
+        self._given_broker = -1
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -114,6 +117,7 @@ class LearnerRank:
             )
         latest = self._broker_latest() if self.rank == 0 else None
         self._superseded = int(_broadcast(-1 if latest is None else latest))
+        self._given_broker = self._superseded  # a learner of an earlier start gave it these
         if self._superseded > self.trainer.version:
             log.info(
                 "the broker holds versions up to %d, which a failed learner group published after this "
@@ -194,9 +198,9 @@ class LearnerRank:
                 break
             if message[0] == "idle":
                 continue
-            if message[0] == "republish":  # the broker lost the current version (restarted, memory storage)
+            if message[0] == "republish":  # the broker lost its versions (restarted, memory storage)
                 self._superseded = -1  # whatever it held before, it does not hold now
-                self._publish()
+                self._publish(via_broker=True)  # the group's members hold it already
                 continue
             groups = [rollout_pb2.TrajectoryGroup.FromString(b) for b in message[1]]
             self._step(groups)
@@ -281,17 +285,18 @@ class LearnerRank:
             publish_s,
         )
 
-    def _publish(self) -> tuple[float, str]:
+    def _publish(self, via_broker: bool = False) -> tuple[float, str]:
         """Publish the current version (every rank: the gathers are collectives); returns the seconds this
         rank was blocked and the path: ``collective`` (staged, then broadcast into the weight group while the
         next step runs) or ``broker`` (the broker's path: no transport configured as collective, no group
-        formed yet, or the group's last broadcast failed, which is counted and forms a new group), or
-        ``superseded`` (a step redone after a restart whose version the broker already holds: not sent again)."""
+        formed yet, the group's last broadcast failed, which is counted and forms a new group, or
+        ``via_broker``), or ``superseded`` (a step redone after a restart whose version the broker already
+        holds: not sent again)."""
         t0 = time.perf_counter()
         version, path = self.trainer.version, "broker"
         if version <= self._superseded:  # a redone step: the broker holds this version already
             return 0.0, "superseded"
-        if self.collective:
+        if self.collective and not via_broker:
             publisher = self.coordinator.publisher() if self.coordinator is not None else None
             if rank0_code(int(publisher is not None)):
                 try:
@@ -317,6 +322,7 @@ class LearnerRank:
                 self.learner.publish_bucket_mb << 20,
                 retry_s=self.cfg.weight_broker.publish_retry_s,
             )
+            self._given_broker = version
         if self.clock is not None:
             self.clock.published(version)
         if self.metrics is not None:
@@ -324,10 +330,13 @@ class LearnerRank:
         return time.perf_counter() - t0, path
 
     def _broker_lost_version(self, every_s: float = 10.0) -> bool:
-        """Rank 0, while it waits for groups (at most every ``every_s``): whether the broker no longer holds
-        the current version, as after a restart with memory storage. Samplers that start then could get no
-        weights until the next step; the learner republishes at once instead. A broker that does not answer
-        is not asked again until ``every_s`` has passed (its clients retry on their own)."""
+        """Rank 0, while it waits for groups (at most every ``every_s``): whether the broker lost versions the
+        learner gave it, as after a restart with memory storage: it holds none, or none as new as the last one
+        published through its path. Samplers that start then could get no weights until the next step; the
+        learner republishes the current version through the broker at once instead. Versions the weight group
+        carried are not asked for: a broker outside the group (under NCCL, without a GPU) never had them. A
+        broker that does not answer is not asked again until ``every_s`` has passed (its clients retry on
+        their own)."""
         now = time.monotonic()
         if self.transport is None or now - self._broker_checked < every_s:
             return False
@@ -335,10 +344,12 @@ class LearnerRank:
         latest = self._broker_latest()
         if latest == -1:
             return False
-        if latest is None or latest < self.trainer.version:
+        if latest is None or latest < self._given_broker:
             log.warning(
-                "the broker holds version %s, not the current %d (restarted?): republishing",
+                "the broker holds version %s, not version %d the learner published through it (restarted?): "
+                "republishing the current version %d",
                 latest,
+                self._given_broker,
                 self.trainer.version,
             )
             return True

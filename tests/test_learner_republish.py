@@ -1,0 +1,69 @@
+"""Learner rank 0 republishes through the broker only when the broker lost versions it was given: not because
+the weight group carried newer ones the broker never had (under NCCL a broker without a GPU is no member).
+Unit tests of LearnerRank's decision and its publish path, with the transports stubbed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.learner import service
+from services.learner.service import LearnerRank
+
+
+class Broker:
+    def __init__(self, latest: int | None) -> None:
+        self.latest_version: int | None = latest
+        self.where = "broker"
+
+    def latest(self) -> int | None:
+        if self.latest_version == -1:
+            raise ConnectionError("broker unreachable")
+        return self.latest_version
+
+
+def rank0(latest: int | None, given: int, version: int) -> Any:
+    rank = LearnerRank.__new__(LearnerRank)
+    rank.transport = Broker(latest)  # type: ignore[assignment]
+    rank.trainer = SimpleNamespace(version=version, module=None)  # type: ignore[assignment]
+    rank._given_broker, rank._broker_checked = given, 0.0
+    return rank
+
+
+@pytest.mark.parametrize(
+    ("latest", "given", "version", "lost"),
+    [
+        (0, 0, 12, False),  # versions 1..12 went through the group only: the broker never had them
+        (12, 12, 12, False),
+        (None, 0, 12, True),  # restarted with memory storage: it holds nothing
+        (3, 5, 9, True),  # holds less than the learner gave it
+        (-1, 5, 9, False),  # no answer: no verdict (its clients retry)
+    ],
+)
+def test_republish_only_when_the_broker_lost_what_it_was_given(
+    latest: int | None, given: int, version: int, lost: bool
+) -> None:
+    assert rank0(latest, given, version)._broker_lost_version(every_s=10.0) is lost
+
+
+def test_the_broker_is_asked_at_most_every_interval() -> None:
+    rank = rank0(None, 0, 4)
+    assert rank._broker_lost_version(every_s=10.0)
+    assert not rank._broker_lost_version(every_s=10.0)  # asked a moment ago
+
+
+def test_a_republish_goes_through_the_broker_and_counts_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(service, "publish_collective", lambda *a, **k: calls.append("collective"))
+    monkeypatch.setattr(service, "publish_version", lambda *a, **k: calls.append("broker"))
+    rank = rank0(0, 0, 7)
+    rank.collective, rank._superseded, rank.rank = True, -1, 0
+    rank.coordinator = SimpleNamespace(publisher=lambda: object())  # type: ignore[assignment]
+    rank.learner = SimpleNamespace(publish_bucket_mb=1)  # type: ignore[assignment]
+    rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=1.0))  # type: ignore[assignment]
+    rank.clock, rank.metrics = None, None
+    assert rank._publish()[1] == "collective" and rank._given_broker == 0
+    assert rank._publish(via_broker=True)[1] == "broker" and rank._given_broker == 7
+    assert calls == ["collective", "broker"]
