@@ -408,3 +408,56 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
             learners[-1].join(timeout=60)
             if learners[-1].is_alive():
                 learners[-1].kill()
+
+
+def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A version received from the weight group that fails inside the worker's load (a mid-model tensor of the
+    wrong shape, which the header cannot catch) leaves the version unknown; the next broadcast version is
+    received and loaded, and the engine serves exactly its weights. vLLM's worker keeps its update session
+    marked active after a failed load: without ending it, every later version is refused ("already active")."""
+    import multiprocessing as mp
+
+    from services.common.redis_server import free_port
+
+    good = version_weights(tiny_model_dir, 41)
+    bad_name = next(n for n in sorted(good) if ".layers.1." in n and n.endswith("down_proj.weight"))
+    broken = dict(version_weights(tiny_model_dir, 40))
+    broken[bad_name] = broken[bad_name][:, :-1].contiguous()
+    v_bad, v_good = next(versions), next(versions)
+    weights_file = tmp_path / "versions.pt"
+    torch.save({v_bad: broken, v_good: good}, weights_file)
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": "gloo",
+        "epoch": 1,
+        "timeout_s": 60.0,
+    }
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(
+        target=broadcast_versions,
+        args=(spec, str(weights_file), [(v_bad, "whole"), (v_good, "whole")], out),
+    )
+    learner.start()
+    try:
+        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+        vllm_engine.stage_collective(v_bad)
+        assert out.get(timeout=60)[:2] == (v_bad, "sent")
+        with pytest.raises(Exception, match="size"):
+            vllm_engine.apply_collective(v_bad)
+        assert vllm_engine.loaded_version is None and vllm_engine.collective_staged is None
+        vllm_engine.stage_collective(v_good)
+        assert out.get(timeout=60)[:2] == (v_good, "sent")
+        vllm_engine.apply_collective(v_good)
+        assert vllm_engine.loaded_version == v_good
+        prompts = [vllm_engine.tokenizer.encode(q) for q in ("12+7=", "The cat")]
+        sampling = Sampling(temperature=1.0, max_tokens=8, seed=9)
+        assert_matches(tiny_model_dir, good, generate(vllm_engine, prompts, sampling).values())
+    finally:
+        learner.join(timeout=60)
+        if learner.is_alive():
+            learner.kill()

@@ -459,6 +459,10 @@ class VllmEngine(GenerationEngine):
             self.llm.collective_rpc("finish_weight_update")
         except BaseException:
             self.loaded_version, self._current = None, None
+            try:  # so that the next broadcast version can be taken (a named worker method, as above)
+                self.llm.collective_rpc("vcpo_end_failed_weight_update")
+            except Exception:
+                log.exception("could not end the failed weight update session")
             raise
         # the rollback source of a later broker-path version is the initial weights (``_restore``)
         self.loaded_version, self._current = version, None
