@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -461,3 +464,23 @@ def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
         learner.join(timeout=60)
         if learner.is_alive():
             learner.kill()
+
+
+def test_the_sampler_asks_nvml_not_cuda_whether_a_gpu_is_there() -> None:
+    """torch's default ``torch.cuda.is_available()`` initializes the CUDA driver, and a vLLM engine then forks
+    its engine core and workers, which fail on GPU machines: importing any sampler module switches torch to
+    the NVML check first (the replica's member registration asks before vLLM is imported)."""
+    code = (
+        "import os; import services.sampler.service; "
+        "print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'), 'vllm' in __import__('sys').modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "False"]

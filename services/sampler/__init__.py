@@ -13,3 +13,11 @@ Public to other packages (the evaluator builds on these; everything else is the 
 - cotenant.py: ``Cotenant`` and ``EngineShare``, how a replica shares its engine (held-out evaluation with
   ``placement = "shared"``): the only way the loop reaches a co-tenant.
 """
+
+import os
+
+# before anything asks torch whether CUDA is there: torch's default check initializes the CUDA driver, and a
+# vLLM engine then forks its engine core and workers (fork is vLLM's default outside Ray), which fail with a
+# CUDA initialization error. vLLM sets this on import, too late when the replica asked first (its member
+# registration, the engine's own check). NVML answers without initializing CUDA.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
