@@ -411,12 +411,42 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
             learner.kill()
 
 
-def _cuda_receiver(spec: GroupSpec, out: Any) -> None:
+def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
     group = WeightGroup(spec, 1, device=torch.device("cuda", 0))  # gloo moves CUDA tensors through the host
-    version, tensors, _ = CollectiveReceiver(group).receive()  # bounce: two CUDA buffers, pinned host copies
-    pinned = all(t.device.type == "cpu" and t.is_pinned() for _, t in tensors)
-    out.put((version, pinned and is_version(version, tensors)))
+    for _ in range(versions):
+        version, tensors, _ = CollectiveReceiver(group).receive()  # bounce: CUDA buffers, pinned host copies
+        pinned = all(t.device.type == "cpu" and t.is_pinned() for _, t in tensors)
+        out.put((version, pinned and is_version(version, tensors)))
     group.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_publisher_broadcasts_in_the_background_from_page_locked_staging() -> None:
+    """The learner's side on a GPU, over gloo (which moves CUDA tensors through the host) so one GPU runs it:
+    CUDA source tensors staged into the exact-size page-locked buffer, broadcast from the background thread on
+    a stream of its own (CUDA bucket buffers, non-blocking copies, the big tensor's own device copy), two
+    versions back to back into a CUDA receiver, bit-exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_cuda_receiver, args=(spec, out, 2))
+    proc.start()
+    cuda = torch.device("cuda", 0)
+    group = WeightGroup(spec, 0, device=cuda)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    try:
+        for version in (42, 43):
+            tensors = [(n, t.to(cuda)) for n, t in version_tensors(version)]
+            publisher.send_background(version, specs_of(tensors), iter(tensors))
+            assert publisher._staging.pinned and publisher._staging.take(1).is_pinned()
+            assert out.get(timeout=60) == (version, True)
+        assert publisher.wait() is not None and publisher._stream is not None
+    finally:
+        publisher.close()
+        proc.join(timeout=30)
+        group.close()
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 from services.common.redis_server import free_port
 from services.weight_broker import shared_memory, weight_group
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver, TransferStats
-from services.weight_broker.shared_memory import SHM_DIR, SharedSegment, sweep_stale
+from services.weight_broker.shared_memory import SHM_DIR, PinnedStaging, SharedSegment, sweep_stale
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, start_receivers, version_tensors
 from tests.test_weight_group_nccl import form
@@ -272,3 +272,24 @@ def test_the_segment_is_reserved_up_front() -> None:
         assert torch.count_nonzero(seg.tensor) == 0
     finally:
         seg.close()
+
+
+def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
+    """The publisher's staging buffer outside /dev/shm: exactly the bytes asked for (torch's pinned allocator
+    would round a 65 GB version up to 128 GB), the same memory for the next version of the same size, a new
+    buffer for a bigger one, and views that outlive its release stay readable."""
+    staging = PinnedStaging()
+    nbytes = (5 << 20) + 3
+    first = staging.take(nbytes)
+    assert first.numel() == nbytes and first.dtype == torch.uint8
+    assert staging._tensor is not None and staging._tensor.numel() == nbytes
+    first.fill_(7)
+    again = staging.take(nbytes - 100)
+    assert again.data_ptr() == first.data_ptr() and bool((again == 7).all())
+    bigger = staging.take(nbytes + 1)
+    assert bigger.numel() == nbytes + 1 and staging._tensor.numel() == nbytes + 1
+    assert staging.pinned is torch.cuda.is_available()  # page-locked where CUDA is there
+    view = bigger[:10]
+    view.fill_(3)
+    staging.release()  # a view is still held: the mapping goes when it does
+    assert view.tolist() == [3] * 10 and not staging.pinned

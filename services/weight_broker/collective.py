@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import xxhash
 
-from services.weight_broker.shared_memory import SharedSegment, Staging
+from services.weight_broker.shared_memory import PinnedStaging, SharedSegment, Staging
 from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -151,7 +151,8 @@ class CollectivePublisher:
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging()
         self._buffers: list[torch.Tensor] = []
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging = PinnedStaging()
+        self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
         self._reserving: Future[None] | None = None  # the next version's segment (shared memory)
         self._thread: ThreadPoolExecutor | None = None
@@ -177,11 +178,13 @@ class CollectivePublisher:
     def _send_in_thread(
         self, version: int, specs: Sequence[TensorSpec], staged: list[tuple[str, torch.Tensor]]
     ) -> TransferStats:
-        # the current CUDA device is per thread: this thread's is not set
-        if self.group.device.type == "cuda":
-            with torch.cuda.device(self.group.device):
-                return self.send(version, specs, iter(staged))
-        return self.send(version, specs, iter(staged))
+        if self.group.device.type != "cuda":
+            return self.send(version, specs, iter(staged))
+        # the current CUDA device is per thread (this one's is not set); a stream of its own, or its copies and
+        # collectives would queue behind the training's kernels on the default stream, and these in turn
+        self._stream = self._stream or torch.cuda.Stream(self.group.device)
+        with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
+            return self.send(version, specs, iter(staged))
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._thread is None:
@@ -213,8 +216,8 @@ class CollectivePublisher:
         return staged
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of host memory: the shared segment when the members share it, else pinned if CUDA is
-        there. The previous version's broadcast has ended (every receiver voted) before this is called."""
+        """``nbytes`` of host memory: the shared segment when the members share it, else page-locked where CUDA
+        is there. The previous version's broadcast has ended (every receiver voted) before this is called."""
         if self.shared:
             reserving, self._reserving = self._reserving, None
             if reserving is not None:  # runs on the broadcast thread, never queued behind this call
@@ -222,16 +225,10 @@ class CollectivePublisher:
             try:
                 return self._segments.take(nbytes)
             except OSError as exc:
-                log.warning(
-                    "cannot stage weights in shared memory (%s: %d bytes): broadcasting over the weight "
-                    "group's sockets instead",
-                    exc,
-                    nbytes,
-                )
+                why = f"cannot stage weights in shared memory ({exc}: {nbytes} bytes)"
+                log.warning("%s: broadcasting over the weight group's sockets instead", why)
                 self.shared = False
-        if self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        return self._staging[:nbytes]
+        return self._staging.take(nbytes)
 
     def close(self) -> None:
         """Wait for a background broadcast (its failure is logged, not raised) and stop its thread."""
@@ -244,6 +241,7 @@ class CollectivePublisher:
             self._thread = None
         self._reserving = None
         self._segments.release()
+        self._staging.release()
 
     def send(
         self,

@@ -4,6 +4,7 @@
     SharedSegment.create(n)     the publisher's: n bytes reserved up front (no SIGBUS when /dev/shm fills up)
     SharedSegment.attach(name)  a receiver's copy-on-write mapping of the publisher's segment
     segment.tensor              the mapping as a uint8 tensor (the publisher's page-locked where CUDA is there)
+    PinnedStaging               the publisher's staging buffer otherwise: private, exact-size, page-locked
 
 The collective transport (``collective.py``) stages a version in a segment of its own and every receiver on the
 host maps it, instead of the bytes crossing loopback sockets once per receiver: one copy of the version in
@@ -54,6 +55,53 @@ def sweep_stale() -> int:
     return sweep_dead(SHM_DIR, _NAME.pattern, "weight segment(s)")
 
 
+def page_lock(tensor: torch.Tensor, what: str) -> bool:
+    """Page-lock host memory where CUDA is there (``cudaHostRegister``, portable: pinned for every device's
+    context, whichever thread registers it), for fast asynchronous copies to a GPU; False where there is no
+    CUDA, or it failed (logged)."""
+    if not torch.cuda.is_available() or tensor.numel() == 0:
+        return False
+    err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 1))  # Portable
+    if err != 0:
+        log.warning("could not page-lock %s (cudaError %d)", what, err)
+    return err == 0
+
+
+def _unlock(tensor: torch.Tensor | None, registered: bool) -> None:
+    if tensor is not None and registered:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+class PinnedStaging:
+    """The publisher's staging buffer when its members do not share /dev/shm: private host memory of exactly
+    the size asked for, page-locked where CUDA is there, kept for the next version (grown if it is bigger).
+    Not torch's pinned allocator, which rounds each allocation up to a power of two and caches it: a 65 GB
+    version would pin 128 GB of the learner's host."""
+
+    def __init__(self) -> None:
+        self._mmap: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self._registered = False
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self._tensor is None or self._tensor.numel() < nbytes:
+            self.release()
+            self._mmap = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(nbytes, 1))
+            self._registered = page_lock(self._tensor, f"the {nbytes}-byte weight staging buffer")
+        return self._tensor[:nbytes]
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered
+
+    def release(self) -> None:
+        """Let the buffer go: unmapped once no view of it is left (tensors of ``torch.frombuffer`` keep the
+        mapping object alive, not open: closing it under a view would leave the view dangling)."""
+        _unlock(self._tensor, self._registered)
+        self._mmap, self._tensor, self._registered = None, None, False
+
+
 class SharedSegment:
     """One mapped file of /dev/shm (see the module docstring)."""
 
@@ -61,13 +109,8 @@ class SharedSegment:
         self.name, self.nbytes, self.owner = name, nbytes, owner
         self._mmap = mapping
         self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-        self._registered = False
-        if owner and torch.cuda.is_available():  # page-locked like a pinned staging buffer: fast GPU copies
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            self._registered = int(err) == 0
-            if not self._registered:
-                log.warning("could not page-lock weight segment %s (cudaError %d)", name, int(err))
+        # page-locked like a pinned staging buffer: fast GPU copies
+        self._registered = owner and page_lock(self.tensor, f"weight segment {name}")
 
     @classmethod
     def create(cls, nbytes: int) -> SharedSegment:
@@ -109,11 +152,11 @@ class SharedSegment:
         return cls(name, nbytes, mapping, owner=False)
 
     def close(self) -> None:
-        """Unmap (once no tensor views of it are left) and, the publisher's, unlink."""
-        if self.tensor is not None and self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        """Unmap (the publisher's own views must not be used after this; receivers never close theirs, whose
+        views keep the mapping) and, the publisher's, unlink."""
+        _unlock(self.tensor, self._registered)
         self.tensor = None
-        with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+        with contextlib.suppress(BufferError):  # the publisher's staged views are not used after this
             self._mmap.close()
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
