@@ -201,6 +201,7 @@ def main() -> None:
             dtype=dtype,
             checkpointing=args.checkpointing,
             logit_chunk_tokens=chunk,
+            device_type=torch.device(args.device).type,
         ).peak
     longest, few, many = max(lengths), micro[0], micro[-1]
     figures = {

@@ -11,6 +11,9 @@ tokens (2 groups of 8; 64 prompt + 192 response tokens), on CPU, timed side by s
                 same final gradient is formed once the group's baseline is known
   brute-shared  per-trajectory autograd on one batched forward (retain_graph, B backward passes), then the
                 weighted backward: the naive way to write it
+  vcpo-f32-gemm (CUDA only) the VCPO step with its float32 products as float32 GEMMs on the CUDA cores,
+                instead of from bf16 parts on the tensor cores (services/learner/mm32.py); the two paths'
+                norms and gradients are compared (split_vs_f32_gemm_*)
 
 The VCPO and brute-force gradients and norms are compared (max_rel_err). Reported: median seconds of
 --repeats runs per method, and ratios. The last line is one JSON object with the headline figures.
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 from services.learner.logprobs import token_logprobs
+from services.learner.mm32 import products
 from services.learner.step import StepInputs, TrajectoryTensors, policy_gradient_backward, vcpo_backward
 from services.learner.vcpo import ObjectiveConfig, PolicyBatch, trajectory_coefficients
 
@@ -212,6 +216,37 @@ def main() -> None:
         "brute-norms-only": lambda: brute_norms(model, batch),
         "brute-shared": lambda: run_brute_shared(model, batch),
     }
+    extra: dict[str, float] = {}
+    if torch.device(args.device).type == "cuda":
+        # the floor under any comparison of two runs: the same path again (atomics in CUDA backward kernels)
+        model.zero_grad(set_to_none=True)
+        vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
+        again = per_trajectory_sq_grad_norms(
+            model, batch.input_ids, batch.attention_mask, batch.response_mask
+        )
+        extra["rerun_norm_err"] = float(((vcpo_norms - again).abs() / again.abs()).max())
+        extra["rerun_grad_err"] = max(
+            rel(g, p.grad) for g, p in zip(vcpo_grads, model.parameters(), strict=True)
+        )
+        with products("plain"):
+            model.zero_grad(set_to_none=True)
+            vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
+            plain_grads = grads_of(model)
+            plain_norms = per_trajectory_sq_grad_norms(
+                model, batch.input_ids, batch.attention_mask, batch.response_mask
+            )
+        extra["split_vs_f32_gemm_norm_err"] = float(
+            ((vcpo_norms - plain_norms).abs() / plain_norms.abs()).max()
+        )
+        extra["split_vs_f32_gemm_grad_err"] = max(
+            rel(g, p) for g, p in zip(vcpo_grads, plain_grads, strict=True)
+        )
+
+        def run_plain() -> None:
+            with products("plain"):
+                run_vcpo(model, batch)
+
+        methods["vcpo-f32-gemm"] = run_plain
     for fn in methods.values():  # warm-up
         fn()
     seconds = {name: timed(fn, repeats) for name, fn in methods.items()}
@@ -224,6 +259,13 @@ def main() -> None:
     for name, sec in seconds.items():
         print(f"{name:<18} {sec:>8.3f} {sec / seconds['grpo']:>7.2f} {sec / seconds['vcpo']:>7.2f}")
     print(f"vcpo vs brute force: norms max rel err {norm_err:.2e}, gradient max rel err {grad_err:.2e}")
+    if extra:
+        print(
+            f"tensor-core split vs float32 GEMMs: norms max rel err {extra['split_vs_f32_gemm_norm_err']:.2e}, "
+            f"gradient max rel err {extra['split_vs_f32_gemm_grad_err']:.2e} (the same path run again: "
+            f"{extra['rerun_norm_err']:.2e}, {extra['rerun_grad_err']:.2e})"
+        )
+        extra["f32_gemm_over_vcpo"] = seconds["vcpo-f32-gemm"] / seconds["vcpo"]
     print(
         f"step: ESS ratio {metrics['ess_ratio']:.3f}, LR scale {metrics['lr_scale']:.3f}, loss {metrics['loss']:.4f}"
     )
@@ -243,6 +285,7 @@ def main() -> None:
                 "device": args.device,
                 "dtype": args.dtype,
                 "targets": {"vcpo_over_grpo": "<= 1.5", "brute_over_vcpo": ">= 3"},
+                **{k: float(f"{v:.3e}") for k, v in extra.items()},
             }
         )
     )

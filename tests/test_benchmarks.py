@@ -48,9 +48,14 @@ def test_vcpo_step_benchmark_quick_mode_prints_its_figures() -> None:
 def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
     _, figures = run_quick("vcpo_step.py", "--device", "cuda")
     assert figures["device"] == "cuda" and figures["max_rel_err"] < 1e-3
+    # the tensor cores' split products against float32 GEMMs: both float32-accurate, summed in other orders
+    assert figures["split_vs_f32_gemm_norm_err"] < 1e-5 and figures["split_vs_f32_gemm_grad_err"] < 1e-5
     _, figures = run_quick("vcpo_step.py", "--device", "cuda", "--dtype", "bfloat16")
     assert figures["dtype"] == "bfloat16" and figures["vcpo_over_grpo"] > 0
     assert figures["norm_max_rel_err"] < 0.1  # bf16 round-off of two different computations
+    # the same bf16 activations through both paths: float32 sums apart, then one rounding of the gradient
+    assert figures["split_vs_f32_gemm_norm_err"] < 1e-4 and figures["split_vs_f32_gemm_grad_err"] < 1e-2
+    assert figures["f32_gemm_over_vcpo"] > 0
 
 
 @pytest.mark.gpu

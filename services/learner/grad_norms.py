@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from services.learner.logprobs import acc, decoder_and_head, decoder_hidden, token_logprobs
+from services.learner.mm32 import mm32
 from services.learner.norm_rules import RowNorms, full_shape, head_pass, rms_normalised
 
 
@@ -181,7 +182,7 @@ def _weighted_grad_fn(
             assert cap.x is not None and cap.delta is not None
             d = acc(cap.delta) * coefficients.to(grad.dtype)[:, None, None]
             if cap.kind == "linear" and role == "weight":
-                grad += d.reshape(-1, d.shape[-1]).T @ acc(cap.x).reshape(-1, cap.x.shape[-1])
+                grad += mm32(d.reshape(-1, d.shape[-1]).T, cap.x.reshape(-1, cap.x.shape[-1]))
             elif cap.kind == "linear" and role == "bias":
                 grad += d.sum((0, 1))
             elif cap.kind == "embedding":

@@ -207,13 +207,16 @@ def simulate_micro_batch(
     dtype: torch.dtype,
     checkpointing: bool,
     logit_chunk_tokens: int,
+    device_type: str = "cpu",
 ) -> StepMemory:
-    """Peak bytes of one micro-batch of the step in ``mode`` on fake tensors (:func:`run_micro_batch`)."""
+    """Peak bytes of one micro-batch of the step in ``mode`` on fake tensors (:func:`run_micro_batch`), as
+    it runs on a ``device_type`` device (on CUDA the norm pass forms float32 products from bf16 parts)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from services.learner.logprobs import chunk_count
+    from services.learner.mm32 import products
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), products("split" if device_type == "cuda" else "plain"):
         model = _fake_model(hf_config, layers, dtype, checkpointing)
         ids, attention, response = _batch(rows, tokens, int(hf_config.vocab_size))
         tracker = LiveBytes()
@@ -233,6 +236,7 @@ def step_memory(
     dtype: torch.dtype,
     checkpointing: bool,
     logit_chunk_tokens: int,
+    device_type: str = "cpu",
 ) -> StepMemory:
     """:func:`simulate_micro_batch` at the model's real depth, from one- and two-layer simulations."""
     one, two = (
@@ -245,6 +249,7 @@ def step_memory(
             dtype=dtype,
             checkpointing=checkpointing,
             logit_chunk_tokens=logit_chunk_tokens,
+            device_type=device_type,
         )
         for n in (1, 2)
     )
@@ -336,11 +341,13 @@ def plan_memory(
     budget: int,
     overhead: int = 0,
     broadcast_bucket_bytes: int = 0,
+    device_type: str = "cpu",
 ) -> MemoryPlan:
     """Estimate the configured step's memory; raise ``ValueError`` naming the keys to change when even the
     least memory-hungry allowed mode cannot fit ``budget``. ``overhead``: bytes outside torch's tensors
     (:data:`CUDA_CONTEXT` on a GPU). ``broadcast_bucket_bytes``: the weight group's bucket when rank 0
-    broadcasts on this device while stepping (:func:`broadcast_buffer_bytes`; 0: it does not)."""
+    broadcasts on this device while stepping (:func:`broadcast_buffer_bytes`; 0: it does not). ``device_type``:
+    the step's device ("cuda" or "cpu"), whose code paths the simulation follows."""
     if learner.max_sequence_tokens < 2:
         raise ValueError(
             f"learner.max_sequence_tokens = {learner.max_sequence_tokens}: the learner's memory is sized for "
@@ -351,6 +358,7 @@ def plan_memory(
         dtype=dtype,
         checkpointing=learner.activation_checkpointing,
         logit_chunk_tokens=learner.logit_chunk_tokens,
+        device_type=device_type,
     )
     rows, tokens = learner.micro_batch_size, learner.max_sequence_tokens
     recompute = step_memory(hf_config, mode="recompute", rows=rows, tokens=tokens, **common)

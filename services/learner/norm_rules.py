@@ -3,7 +3,7 @@
 A module's share of ``‖∇θ log π(τ_i)‖²`` follows from its input x and its output gradient δ alone: Linear
 weights in the ghost Gram form or per-row materialised (whichever is cheaper), biases, embeddings,
 RMSNorm weights, and the cross term of a tied embedding / output head. :class:`RowNorms` sums them row by row
-in float64 from float32-or-better products; :func:`head_pass` forms the output head's share (and the
+in float64 from float32-or-better products (:mod:`mm32`: on the tensor cores on a GPU); :func:`head_pass` forms the output head's share (and the
 decoder's backward signal) without autograd, over slices of the vocabulary, for the streaming pass.
 """
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from services.learner.logprobs import acc, slices, target_logprobs
+from services.learner.mm32 import gram32, mm32
 
 
 def rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
@@ -29,10 +30,6 @@ def rms_normalised(module: nn.Module, x: Tensor) -> Tensor:
 def full_shape(param: nn.Parameter) -> tuple[int, ...]:
     """The parameter's real shape, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
     return tuple(getattr(param, "ds_shape", param.shape))
-
-
-def _gram(a: Tensor) -> Tensor:
-    return a @ a.transpose(1, 2)
 
 
 def _ghost(tokens: int, d_in: int, d_out: int) -> bool:
@@ -67,25 +64,23 @@ class RowNorms:
         hit = self._grams.get(key)
         if hit is not None:
             return hit[1]
-        gram = _gram(acc(x))
+        gram = gram32(x)
         if self._gram_cache is not None and len(self._grams) >= self._gram_cache:
             self._grams.pop(next(iter(self._grams)))
         self._grams[key] = (x, gram)
         return gram
 
     def linear(self, x: Tensor, delta: Tensor, role: str) -> None:
-        d = acc(delta)
         if role == "bias":
-            self.add(d.sum(1).pow(2).sum(-1))
-        elif _ghost(x.shape[1], x.shape[-1], d.shape[-1]):  # ghost: T×T Gram matrices
-            self.add((self.input_gram(x) * _gram(d)).sum((1, 2)))
+            self.add(acc(delta).sum(1).pow(2).sum(-1))
+        elif _ghost(x.shape[1], x.shape[-1], delta.shape[-1]):  # ghost: T×T Gram matrices
+            self.add((self.input_gram(x) * gram32(delta)).sum((1, 2)))
         else:  # materialise each row's d_out × d_in gradient
-            self.add((d.transpose(1, 2) @ acc(x)).pow(2).sum((1, 2)))
+            self.add(mm32(delta.transpose(1, 2), x).pow(2).sum((1, 2)))
 
     def embedding(self, ids: Tensor, delta: Tensor) -> None:
-        d = acc(delta)
-        same = (ids[:, :, None] == ids[:, None, :]).to(d.dtype)
-        self.add((_gram(d) * same).sum((1, 2)))
+        gram = gram32(delta)
+        self.add((gram * (ids[:, :, None] == ids[:, None, :]).to(gram.dtype)).sum((1, 2)))
 
     def rmsnorm(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
         self.add((acc(delta) * acc(rms_normalised(module, x))).sum(1).pow(2).sum(-1))
@@ -94,14 +89,14 @@ class RowNorms:
         """Keep the output head's part of the tied cross term: its δ gathered at the token ids, its input."""
         d_head = acc(head_delta)
         g = d_head.gather(2, self.ids[:, None, :].expand(-1, d_head.shape[1], -1))  # [B, s, t]
-        self.head_cross = (g, acc(head_x))
+        self.head_cross = (g, head_x)
 
     def tied_cross(self, emb_delta: Tensor) -> None:
         """2⟨G_emb, G_head⟩ = 2 Σ_{t,s} δhead_{s, id_t} (δemb_t · h_s), with the held head part."""
         if self.head_cross is None:
             raise RuntimeError("tied embedding: the output head's backward signal did not reach the norms")
         g, h = self.head_cross
-        a = acc(emb_delta) @ h.transpose(1, 2)  # [B, t, s] = δemb_t · h_s
+        a = mm32(emb_delta, h.transpose(1, 2))  # [B, t, s] = δemb_t · h_s
         self.add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
         self.head_cross = None
 
@@ -148,18 +143,20 @@ def head_pass(
     """
     h = hidden[:, :-1].detach()
     targets, m = input_ids[:, 1:], response_mask[:, 1:]
-    hx = acc(h)
-    mf = m.to(hx.dtype)
+    hdt = h.dtype if h.dtype in (torch.float32, torch.float64) else torch.float32  # acc(h)'s
+    mf = m.to(hdt)
     b_rows, s_len, width = h.shape
     vocab = full_shape(head.weight)[0]
     vocab_chunk = -(-vocab // chunks)
     train_weight = norms is not None and "weight" in roles
-    dd = hx.new_zeros(b_rows, s_len, s_len) if train_weight and _ghost(s_len, width, vocab) else None
-    weight_sq = hx.new_zeros(b_rows)
-    bias_sq = hx.new_zeros(b_rows)
-    cross = hx.new_zeros(b_rows, s_len, input_ids.shape[1]) if norms is not None and tied else None
-    grad_h = hx.new_zeros(b_rows, s_len, width)
-    logp = hx.new_zeros(b_rows, input_ids.shape[1])
+    dd = (
+        h.new_zeros(b_rows, s_len, s_len, dtype=hdt) if train_weight and _ghost(s_len, width, vocab) else None
+    )
+    weight_sq = h.new_zeros(b_rows, dtype=hdt)
+    bias_sq = h.new_zeros(b_rows, dtype=hdt)
+    cross = h.new_zeros(b_rows, s_len, input_ids.shape[1], dtype=hdt) if norms is not None and tied else None
+    grad_h = h.new_zeros(b_rows, s_len, width, dtype=hdt)
+    logp = h.new_zeros(b_rows, input_ids.shape[1], dtype=hdt)
     with gathered(list(head.parameters())):
         weight, bias = head.weight, head.bias
         lses = []
@@ -175,14 +172,14 @@ def head_pass(
             logits = acc(nn.functional.linear(h, w, None if bias is None else bias[v0:v1]))
             d = logits.sub_(logsumexp[..., None]).exp_().mul_(-mf[..., None])  # −m_s p_s, in place
             del logits
-            hit = ((targets >= v0) & (targets < v1)).to(hx.dtype) * mf
+            hit = ((targets >= v0) & (targets < v1)).to(hdt) * mf
             d.scatter_add_(2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None])
             grad_h += d.to(w.dtype) @ w
             if train_weight:
                 if dd is not None:
-                    dd += _gram(d)
+                    dd += gram32(d)
                 else:
-                    weight_sq += (d.transpose(1, 2) @ hx).pow(2).sum((1, 2))
+                    weight_sq += mm32(d.transpose(1, 2), h).pow(2).sum((1, 2))
             if norms is not None and "bias" in roles:
                 bias_sq += d.sum(1).pow(2).sum(-1)
             if cross is not None:
@@ -191,9 +188,9 @@ def head_pass(
                 cross += torch.where(inside[:, None, :], d.gather(2, idx), 0.0)
     if norms is not None:
         if dd is not None:
-            weight_sq = (norms.input_gram(hx) * dd).sum((1, 2))
+            weight_sq = (norms.input_gram(h) * dd).sum((1, 2))
         norms.add(weight_sq + bias_sq)
         if cross is not None:  # cross[b, s, t] = δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
-            norms.head_cross = (cross, hx)
+            norms.head_cross = (cross, h)
     grad_hidden = torch.cat([grad_h, grad_h.new_zeros(b_rows, 1, width)], dim=1).to(hidden.dtype)
     return logp, grad_hidden

@@ -228,6 +228,7 @@ class Trainer:
                 device_budget(learner, device),
                 CUDA_CONTEXT if device.type == "cuda" else 0,
                 broadcast_bucket_bytes if device.type == "cuda" else 0,
+                device.type,
             )
             if self.rank == 0:
                 log.info("learner memory: %s", self.memory_plan.summary())
