@@ -2,8 +2,9 @@
 # The GPU checks of the learner: every `gpu`-marked test of the learner paths and the CUDA benchmarks, logged
 # to $OUT (default runs/gpu-checks). For a machine with one CUDA GPU and this repository with its generated
 # gen/ (make proto). Where the project's Python dependencies are not installed, put their wheels in .whl/
-# (deepspeed, hjson, pydantic, pydantic-core, annotated-types, typing-inspection, redis, grpcio,
-# grpcio-health-checking, protobuf, xxhash): they are installed into /tmp/site and put on the path first.
+# (scripts/gpu_wheels.sh gathers them: deepspeed, hjson, pydantic, pydantic-core, annotated-types,
+# typing-inspection, redis, grpcio, grpcio-health-checking, grpcio-reflection, protobuf, xxhash): they are
+# installed into /tmp/site and put on the path first.
 #
 #   bash scripts/gpu_checks.sh            # tests, then benchmarks; exit status: the tests'
 #   bash scripts/gpu_checks.sh tests      # only the tests (bench: only the benchmarks), to fit a time limit
