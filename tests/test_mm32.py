@@ -110,7 +110,7 @@ def test_the_memory_estimate_follows_the_split_path_on_fake_tensors() -> None:
 )
 def test_tensor_core_products_have_float32_accuracy_on_cuda(da: torch.dtype, db: torch.dtype) -> None:
     a, b = operand((4, 256, 1024), da, 8).cuda(), operand((4, 1024, 192), db, 9).cuda()
-    assert m.splits(a)
+    assert m.splits(a) and m._out_dtype_runs(a.device)  # CUDA's probe passes
     got = m.mm32(a, b)
     exact = a.double() @ b.double()
     assert got.dtype == torch.float32
@@ -126,3 +126,10 @@ def test_tensor_core_products_have_float32_accuracy_on_cuda(da: torch.dtype, db:
     with m.products("plain"):
         plain = m.mm32(a, b)
     assert bool(((plain.double() - exact).abs() <= float32_bound(a, b)).all())
+
+
+def test_a_device_without_float32_output_gemms_keeps_float32_gemms(caplog: pytest.LogCaptureFixture) -> None:
+    # a CPU build has no bf16 GEMM with a float32 output: the probe says so once and warns (as a ROCm build might)
+    with caplog.at_level("WARNING"):
+        assert not m._out_dtype_runs(torch.device("cpu"))
+    assert "float32 GEMMs instead" in caplog.text

@@ -24,6 +24,8 @@ benchmark times the two side by side.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,6 +34,8 @@ import torch
 from torch import Tensor
 
 from services.learner.logprobs import acc
+
+log = logging.getLogger(__name__)
 
 PARTS = 3  # bf16 parts of a float32 operand: 8 significant bits each, 24 in all
 _MODES = ("auto", "split", "plain")
@@ -59,7 +63,21 @@ def splits(t: Tensor) -> bool:
     mode = _mode.get()
     if mode == "plain" or t.dtype == torch.float64 or not _HAS_OUT_DTYPE:
         return False
-    return mode == "split" or t.is_cuda
+    return mode == "split" or (t.is_cuda and _out_dtype_runs(t.device))
+
+
+@functools.cache
+def _out_dtype_runs(device: torch.device) -> bool:
+    """Whether this device's build runs bf16 GEMMs with a float32 output (CUDA's does; a ROCm build may not):
+    tried once per device, else the products stay float32 GEMMs, with a warning."""
+    try:
+        one = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return bool(torch.equal(_tensor_core_mm(one, one), torch.full((2, 2), 2.0, device=device)))
+    except RuntimeError as e:
+        log.warning(
+            "bf16 GEMMs with a float32 output do not run on %s (%s): float32 GEMMs instead", device, e
+        )
+        return False
 
 
 def bf16_parts(t: Tensor, parts: int = PARTS) -> list[Tensor]:
