@@ -218,7 +218,7 @@ def main() -> None:
     }
     extra: dict[str, float] = {}
     if torch.device(args.device).type == "cuda":
-        # the floor under any comparison of two runs: the same path again (atomics in CUDA backward kernels)
+        # the floor under any comparison of two runs: the same path again (the CUDA backward is not deterministic)
         model.zero_grad(set_to_none=True)
         vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
         again = per_trajectory_sq_grad_norms(

@@ -13,9 +13,9 @@ On an H200, a bf16 VCPO step of a 0.25B model at 16 × 1024 tokens took 4.3 GRPO
 2.6 with these (``benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --size 200m --length 1024``, its
 ``vcpo-f32-gemm`` row, side by side). The split products stayed within 0.05 of float32's worst-case error
 bound at that model's shapes (``tests/test_mm32.py`` checks the bound on CUDA), and the step's norms and
-gradient differed from the float32 GEMMs' no more than two runs of either path differ (the bf16 backward's
-atomics). A float32 *model* is split on both sides: at 10M parameters its step was 1.2× slower than with
-float32 GEMMs.
+gradient differed from the float32 GEMMs' no more than two runs of either path differ (the bf16 backward
+is not deterministic). A float32 *model* is split on both sides: at 10M parameters its step was 1.2× slower
+than with float32 GEMMs.
 
 Elsewhere (a CPU, float64 references) the product is the plain one of the float32-or-better operands.
 :func:`products` forces either way: the memory estimate simulates the GPU's path on fake tensors, and the
