@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing as mp
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +174,37 @@ def broadcast_versions(
             out.put((version, "failed", str(exc)))
     publisher.close()
     group.close()
+
+
+@contextmanager
+def broadcasting(
+    weights_file: str | Path,
+    plan: list[tuple[int, str]],
+    *,
+    epoch: int = 1,
+    timeout_s: float = 60.0,
+    shared_memory: bool = False,
+) -> Iterator[tuple[dict[str, Any], Any]]:
+    """:func:`broadcast_versions` in a spawned process, rank 0 of a 2-member gloo weight group on a free
+    port: yields ``(spec, queue of its reports)`` for the engine to join as rank 1; on exit the process is
+    joined, and killed if it is still there after 60 s."""
+    from services.common.redis_server import free_port
+
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": "gloo",
+        "epoch": epoch,
+        "timeout_s": timeout_s,
+    }
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(target=broadcast_versions, args=(spec, str(weights_file), plan, out, shared_memory))
+    learner.start()
+    try:
+        yield spec, out
+    finally:
+        learner.join(timeout=60)
+        if learner.is_alive():
+            learner.kill()

@@ -91,34 +91,18 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     """A version broadcast by a learner process through the weight group into the workers' registered
     ``vcpo_collective`` engine (each in its own process here, as on GPU machines), through /dev/shm: what
     a learner and a sampler sharing a GPU use."""
-    import multiprocessing as mp
-
     import torch
 
-    from services.common.redis_server import free_port
-    from tests.sampler_helpers import broadcast_versions, versions
+    from tests.sampler_helpers import broadcasting, versions
 
     version = next(versions)
     path = os.path.join(tmp, "collective.pt")
     torch.save({version: weights}, path)
-    spec = {
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "world_size": 2,
-        "backend": "gloo",
-        "epoch": 0,
-        "timeout_s": 120.0,
-    }
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    learner = ctx.Process(target=broadcast_versions, args=(spec, path, [(version, "whole")], out, True))
-    learner.start()
-    try:
+    plan = [(version, "whole")]
+    with broadcasting(path, plan, epoch=0, timeout_s=120.0, shared_memory=True) as (spec, out):
         engine.join_weight_group({**spec, "rank_offset": 1})
         seconds = engine.receive_collective(version)
         sent = out.get(timeout=120)
-    finally:
-        learner.join(timeout=60)
     return {
         "sent": list(sent),
         "seconds": seconds,

@@ -14,7 +14,7 @@ import torch
 
 from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch
 from tests.sampler_helpers import (
-    broadcast_versions,
+    broadcasting,
     hf_logprobs,
     hf_model,
     load_into,
@@ -279,9 +279,6 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     group into vLLM's worker (gloo). A staged version leaves the model alone until it is applied, a newer one
     replaces it, and the engine then serves exactly the new weights, prefix cache included; a version whose
     source dies part-way is voted down and the engine keeps serving the one before."""
-    import multiprocessing as mp
-
-    from services.common.redis_server import free_port
 
     greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
     tok = vllm_engine.tokenizer
@@ -302,22 +299,8 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
         },
         weights_file,
     )
-    spec = {
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "world_size": 2,
-        "backend": "gloo",
-        "epoch": 1,
-        "timeout_s": 60.0,
-    }
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    learner = ctx.Process(
-        target=broadcast_versions,
-        args=(spec, str(weights_file), [(v_skipped, "whole"), (v_new, "whole"), (v_cut, "cut")], out),
-    )
-    learner.start()
-    try:
+    plan = [(v_skipped, "whole"), (v_new, "whole"), (v_cut, "cut")]
+    with broadcasting(weights_file, plan) as (spec, out):
         vllm_engine.join_weight_group({**spec, "rank_offset": 1})
         assert vllm_engine.stage_collective(v_skipped) > 0  # received into the worker, not loaded
         assert out.get(timeout=60)[:2] == (v_skipped, "sent")
@@ -336,10 +319,6 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
         assert (version, status) == (v_cut, "failed") and "the source ended" in why
         assert vllm_engine.loaded_version == v_new
         assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
-    finally:
-        learner.join(timeout=60)
-        if learner.is_alive():
-            learner.kill()
     # the broker path still works after a collective version, and rolls back to what it can restore
     load_into(vllm_engine, old)
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
@@ -353,9 +332,6 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     exactly its version's weights, and every generation before an apply its loaded version's. The first two
     versions come through /dev/shm (weight_broker.group_shared_memory), the last two, in the next epoch, over
     the sockets."""
-    import multiprocessing as mp
-
-    from services.common.redis_server import free_port
 
     sampling = Sampling(temperature=1.0, max_tokens=8, seed=5)
     tok = vllm_engine.tokenizer
@@ -368,27 +344,10 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     weights = {v: version_weights(tiny_model_dir, 30 + i) for i, v in enumerate(plan)}
     weights_file = tmp_path / "versions.pt"
     torch.save(weights, weights_file)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    learners = []
     serving: int | None = None
-    for half, shared in ((plan[:2], True), (plan[2:], False)):  # an epoch each, as after a re-forming
-        spec = {
-            "host": "127.0.0.1",
-            "port": free_port(),
-            "world_size": 2,
-            "backend": "gloo",
-            "epoch": len(learners) + 1,
-            "timeout_s": 60.0,
-        }
-        learners.append(
-            ctx.Process(
-                target=broadcast_versions,
-                args=(spec, str(weights_file), [(v, "whole") for v in half], out, shared),
-            )
-        )
-        learners[-1].start()
-        try:
+    for epoch, (half, shared) in enumerate(((plan[:2], True), (plan[2:], False)), 1):  # as after a re-forming
+        plan_half = [(v, "whole") for v in half]
+        with broadcasting(weights_file, plan_half, epoch=epoch, shared_memory=shared) as (spec, out):
             vllm_engine.join_weight_group({**spec, "rank_offset": 1})
             for version in half:
                 vllm_engine.stage_collective(version)
@@ -407,10 +366,6 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
                 assert_matches(
                     tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
                 )
-        finally:
-            learners[-1].join(timeout=60)
-            if learners[-1].is_alive():
-                learners[-1].kill()
 
 
 def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
@@ -420,9 +375,6 @@ def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
     wrong shape, which the header cannot catch) leaves the version unknown; the next broadcast version is
     received and loaded, and the engine serves exactly its weights. vLLM's worker keeps its update session
     marked active after a failed load: without ending it, every later version is refused ("already active")."""
-    import multiprocessing as mp
-
-    from services.common.redis_server import free_port
 
     good = version_weights(tiny_model_dir, 41)
     bad_name = next(n for n in sorted(good) if ".layers.1." in n and n.endswith("down_proj.weight"))
@@ -431,22 +383,7 @@ def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
     v_bad, v_good = next(versions), next(versions)
     weights_file = tmp_path / "versions.pt"
     torch.save({v_bad: broken, v_good: good}, weights_file)
-    spec = {
-        "host": "127.0.0.1",
-        "port": free_port(),
-        "world_size": 2,
-        "backend": "gloo",
-        "epoch": 1,
-        "timeout_s": 60.0,
-    }
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    learner = ctx.Process(
-        target=broadcast_versions,
-        args=(spec, str(weights_file), [(v_bad, "whole"), (v_good, "whole")], out),
-    )
-    learner.start()
-    try:
+    with broadcasting(weights_file, [(v_bad, "whole"), (v_good, "whole")]) as (spec, out):
         vllm_engine.join_weight_group({**spec, "rank_offset": 1})
         vllm_engine.stage_collective(v_bad)
         assert out.get(timeout=60)[:2] == (v_bad, "sent")
@@ -460,10 +397,6 @@ def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
         prompts = [vllm_engine.tokenizer.encode(q) for q in ("12+7=", "The cat")]
         sampling = Sampling(temperature=1.0, max_tokens=8, seed=9)
         assert_matches(tiny_model_dir, good, generate(vllm_engine, prompts, sampling).values())
-    finally:
-        learner.join(timeout=60)
-        if learner.is_alive():
-            learner.kill()
 
 
 def test_the_sampler_asks_nvml_not_cuda_whether_a_gpu_is_there() -> None:
