@@ -162,6 +162,30 @@ def rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def max_rel_err(a: Tensor, reference: Tensor) -> float:
+    """The largest element-wise relative error (per-trajectory norms)."""
+    return float(((a - reference).abs() / reference.abs()).max())
+
+
+def max_grad_err(grads: list[Tensor], reference: list[Tensor]) -> float:
+    """The largest relative error (in norm) of any parameter's gradient."""
+    return max(rel(g, r) for g, r in zip(grads, reference, strict=True))
+
+
+def vcpo_result(model: nn.Module, batch: TrajectoryTensors) -> tuple[dict[str, float], list[Tensor], Tensor]:
+    """One VCPO step's metrics, its gradient, and the per-trajectory squared gradient norms."""
+    from services.learner.grad_norms import per_trajectory_sq_grad_norms
+
+    model.zero_grad(set_to_none=True)
+    metrics = vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
+    grads = grads_of(model)
+    return (
+        metrics,
+        grads,
+        per_trajectory_sq_grad_norms(model, batch.input_ids, batch.attention_mask, batch.response_mask),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -197,17 +221,9 @@ def main() -> None:
     batch = make_batch(model, rows, length, prompt)
 
     # correctness first: the same norms and the same gradient
-    model.zero_grad(set_to_none=True)
-    metrics = vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
-    vcpo_grads = grads_of(model)
-    from services.learner.grad_norms import per_trajectory_sq_grad_norms
-
-    vcpo_norms = per_trajectory_sq_grad_norms(
-        model, batch.input_ids, batch.attention_mask, batch.response_mask
-    )
+    metrics, vcpo_grads, vcpo_norms = vcpo_result(model, batch)
     brute = run_brute(model, batch)
-    norm_err = float(((vcpo_norms - brute).abs() / brute.abs()).max())
-    grad_err = max(rel(g, p.grad) for g, p in zip(vcpo_grads, model.parameters(), strict=True))
+    norm_err, grad_err = max_rel_err(vcpo_norms, brute), max_grad_err(vcpo_grads, grads_of(model))
 
     methods: dict[str, Callable[[], object]] = {
         "grpo": lambda: run_grpo(model, batch),
@@ -219,28 +235,13 @@ def main() -> None:
     extra: dict[str, float] = {}
     if torch.device(args.device).type == "cuda":
         # the floor under any comparison of two runs: the same path again (the CUDA backward is not deterministic)
-        model.zero_grad(set_to_none=True)
-        vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
-        again = per_trajectory_sq_grad_norms(
-            model, batch.input_ids, batch.attention_mask, batch.response_mask
-        )
-        extra["rerun_norm_err"] = float(((vcpo_norms - again).abs() / again.abs()).max())
-        extra["rerun_grad_err"] = max(
-            rel(g, p.grad) for g, p in zip(vcpo_grads, model.parameters(), strict=True)
-        )
+        _, again_grads, again_norms = vcpo_result(model, batch)
+        extra["rerun_norm_err"] = max_rel_err(vcpo_norms, again_norms)
+        extra["rerun_grad_err"] = max_grad_err(vcpo_grads, again_grads)
         with products("plain"):
-            model.zero_grad(set_to_none=True)
-            vcpo_backward(StepInputs(model, batch, ObjectiveConfig()))
-            plain_grads = grads_of(model)
-            plain_norms = per_trajectory_sq_grad_norms(
-                model, batch.input_ids, batch.attention_mask, batch.response_mask
-            )
-        extra["split_vs_f32_gemm_norm_err"] = float(
-            ((vcpo_norms - plain_norms).abs() / plain_norms.abs()).max()
-        )
-        extra["split_vs_f32_gemm_grad_err"] = max(
-            rel(g, p) for g, p in zip(vcpo_grads, plain_grads, strict=True)
-        )
+            _, plain_grads, plain_norms = vcpo_result(model, batch)
+        extra["split_vs_f32_gemm_norm_err"] = max_rel_err(vcpo_norms, plain_norms)
+        extra["split_vs_f32_gemm_grad_err"] = max_grad_err(vcpo_grads, plain_grads)
 
         def run_plain() -> None:
             with products("plain"):
