@@ -14,10 +14,15 @@ import torch
 from torch import Tensor, nn
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of ``dtype``: float32 for bf16/fp16 (their sums of products would round at
+    every addition), float32 and float64 as they are."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def acc(t: Tensor) -> Tensor:
-    """``t`` in an accumulation dtype: float32 for bf16/fp16 activations (their sums of products would round
-    at every addition), float32 and float64 as they are."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    """``t`` in its accumulation dtype (:func:`acc_dtype`)."""
+    return t.to(acc_dtype(t.dtype))
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

@@ -3,8 +3,9 @@
 A module's share of ``‖∇θ log π(τ_i)‖²`` follows from its input x and its output gradient δ alone: Linear
 weights in the ghost Gram form or per-row materialised (whichever is cheaper), biases, embeddings,
 RMSNorm weights, and the cross term of a tied embedding / output head. :class:`RowNorms` sums them row by row
-in float64 from float32-or-better products (:mod:`mm32`: on the tensor cores on a GPU); :func:`head_pass` forms the output head's share (and the
-decoder's backward signal) without autograd, over slices of the vocabulary, for the streaming pass.
+in float64 from float32-or-better products (:mod:`mm32`: on the tensor cores on a GPU); :func:`head_pass`
+forms the output head's share (and the decoder's backward signal) without autograd, over slices of the
+vocabulary, for the streaming pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from services.learner.logprobs import acc, slices, target_logprobs
+from services.learner.logprobs import acc, acc_dtype, slices, target_logprobs
 from services.learner.mm32 import gram32, mm32
 
 
@@ -143,7 +144,7 @@ def head_pass(
     """
     h = hidden[:, :-1].detach()
     targets, m = input_ids[:, 1:], response_mask[:, 1:]
-    hdt = h.dtype if h.dtype in (torch.float32, torch.float64) else torch.float32  # acc(h)'s
+    hdt = acc_dtype(h.dtype)
     mf = m.to(hdt)
     b_rows, s_len, width = h.shape
     vocab = full_shape(head.weight)[0]
