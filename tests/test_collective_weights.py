@@ -50,6 +50,13 @@ def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec.of(n, t) for n, t in tensors]
 
 
+def formed(group: WeightGroup, world: int) -> None:
+    """Wait (30 s at most) until every rank has said its side of the group is up (``test/formed/<rank>``)."""
+    from datetime import timedelta
+
+    group._store.wait([f"test/formed/{r}" for r in range(world)], timedelta(seconds=30))
+
+
 def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: Any) -> None:  # a process
     if behaviour == "arrive-and-die":  # counted in at the rendezvous, then killed before it connects
         import torch.distributed as dist
@@ -63,6 +70,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     except TransferFailed as exc:
         out.put((rank, "failed", str(exc)))
         return
+    group._store.set(f"test/formed/{rank}", "1")
     if behaviour == "die-after-header":  # joins, sees a version start, and is killed mid-broadcast
         head = torch.zeros(3, dtype=torch.int64)
         group.broadcast(head).wait()
@@ -73,6 +81,9 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         time.sleep(120)
         os._exit(0)
     if behaviour == "die-idle":  # joins, then is killed between broadcasts (as a sampler replica may be)
+        # only once every rank's side of the group is up: a gloo rank whose constructor returned may still be
+        # the peer of another rank's handshake, which an exit then breaks (CI saw rank 0's connect fail so)
+        formed(group, spec.world_size)
         os._exit(3)
     if behaviour == "corrupt":  # every bucket's first byte flipped after it arrived, as if damaged in transit
         receiver: CollectiveReceiver = _Corrupting(group)
@@ -187,6 +198,7 @@ def test_a_receiver_killed_between_broadcasts_fails_the_next_one_fast(world: int
     behaviours = ["ok", "die-idle", "ok"][: world - 1]
     procs, out = start_receivers(spec, behaviours, versions=1)
     group = WeightGroup(spec, 0)
+    group._store.set("test/formed/0", "1")
     procs[1].join(timeout=30)
     assert procs[1].exitcode == 3
     tensors = version_tensors(7)
