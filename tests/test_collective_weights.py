@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from services.common.redis_server import free_port
-from services.weight_broker.collective import (
-    ALIGN,
-    CollectivePublisher,
-    CollectiveReceiver,
-    _digest,
-    bucket_layout,
-)
+from services.weight_broker.buckets import ALIGN, bucket_layout, digest, pieces
+from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
@@ -108,11 +103,11 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
 
 
 class _Corrupting(CollectiveReceiver):
-    def _direct(self, layout: Any, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
-        buffers, _ = super()._direct(layout, hashed)
+    def _direct(self, layout: Any, piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
+        buffers, _ = super()._direct(layout, piece, hashed)
         for buf in buffers:
             buf[0] ^= 0xFF
-        return buffers, [_digest(buf) if hashed else 0 for buf in buffers]  # what it holds, hashed
+        return buffers, [digest(buf) if hashed else 0 for buf in buffers]  # what it holds, hashed
 
 
 def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
@@ -476,3 +471,48 @@ def test_a_cuda_receiver_stages_the_version_in_pinned_host_memory() -> None:
     assert out.get(timeout=60) == (41, True)
     proc.join(timeout=30)
     group.close()
+
+
+def test_pieces_cover_a_bucket_in_order_at_most_the_bucket_size_each() -> None:
+    assert pieces(20_000, 8192) == [(0, 8192), (8192, 16384), (16384, 20_000)]
+    assert pieces(8192, 8192) == [(0, 8192)] and pieces(100, 8192) == [(0, 100)]
+    assert pieces(0, 8192) == [(0, 0)]  # an empty bucket is still one broadcast on every rank
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 64"):
+        pieces(100, 16)
+
+
+class _FromHost(CollectivePublisher):
+    """Sends a weight as a GPU publisher sends one from its host staging buffer: through its two buffers."""
+
+    def _in_place(self, flat: torch.Tensor) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("publisher_cls", [CollectivePublisher, _FromHost])
+def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_cls: type) -> None:
+    """A GPU receiver bounces each piece through two buffers of at most the bucket size, and a publisher
+    sending from host memory fills two such buffers, whatever the largest weight: never a buffer of the
+    largest weight's size on a GPU (an embedding of a 70B model is 2 GB)."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
+    tensors = [*version_tensors(3), ("model.lm_head.weight", torch.randn(2000, 7))]  # 56 kB: 7 pieces
+    results: list[Any] = []
+
+    def receive() -> None:
+        group = WeightGroup(spec, 1)
+        receiver = CollectiveReceiver(group, bounce=True)  # as a GPU worker receives
+        version, got, _ = receiver.receive()
+        results.append((version, got, receiver.device_bytes))
+        group.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    group = WeightGroup(spec, 0)
+    publisher = publisher_cls(group, bucket_bytes=8192)
+    publisher.send(3, specs_of(tensors), iter(tensors))
+    thread.join(timeout=60)
+    group.close()
+    [(version, got, device_bytes)] = results
+    assert version == 3 and [n for n, _ in got] == [n for n, _ in tensors]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, tensors, strict=True))
+    assert device_bytes == 2 * 8192  # two pieces' buffers, not two of the 56 kB weight
+    assert all(buf.numel() <= 8192 for buf in publisher._buffers)

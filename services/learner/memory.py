@@ -327,10 +327,11 @@ def device_budget(learner: LearnerConfig, device: torch.device) -> int:
 
 def broadcast_buffer_bytes(shape: ModelShape, precision: str, bucket_bytes: int) -> int:
     """Rank 0's GPU memory for a background broadcast into the weight group (the collective transport under
-    NCCL), which overlaps the next step: two bucket buffers, and the largest weight copied back from the
-    host staging buffer to go out on its own (weight_broker/collective.py)."""
+    NCCL), which overlaps the next step: two buffers of at most a bucket, which every piece of the version
+    goes through from the host staging buffer, a weight larger than a bucket too (weight_broker/buckets.py);
+    no more than the version holds."""
     weight = 2 if precision == "bf16" else 4
-    return 2 * bucket_bytes + shape.largest_param * weight
+    return 2 * min(bucket_bytes, shape.num_params * weight)
 
 
 def plan_memory(

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from services.learner.norm_rules import full_shape
-from services.weight_broker.collective import CollectivePublisher, TransferStats
+from services.weight_broker.buckets import TransferStats
+from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.tensors import TensorSpec, dtype_name
 from services.weight_broker.transports import PublishResult, StalePublish, VersionExists, WeightTransport
 from services.weight_broker.weight_group import TransferFailed

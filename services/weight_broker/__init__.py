@@ -13,6 +13,7 @@ Client side (other services may import these):
 - ``follower``: a sampler's loop that notices newer versions and loads each whole.
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
 - ``collective``: what travels over the weight group: rank 0's publisher and the receivers.
+- ``buckets``: how a version is cut for the weight group (buckets, the pieces they travel in, digests).
 - ``group_control``: the weight group's control plane (members' seats in Redis, learner rank 0's coordinator).
 
 Shared by both sides (the client side and the broker agree through these):

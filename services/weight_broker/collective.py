@@ -35,96 +35,29 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
+from services.weight_broker.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    WHOLE,
+    Bucket,
+    TransferStats,
+    bucket_layout,
+    check_exhausted,
+    digest,
+    flat_bytes,
+    next_checked,
+    pieces,
+)
 from services.weight_broker.shared_memory import PinnedStaging, SharedSegment, Staging
-from services.weight_broker.tensors import TensorSpec, dtype_name, torch_dtype
+from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
-
-ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
-DEFAULT_BUCKET_BYTES = 256 << 20
-WHOLE = 1 << 62  # a bucket size no version reaches: the whole version as one bucket (staging, shared memory)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    nbytes: int
-    items: tuple[tuple[int, int], ...]  # (index into the version's tensors, byte offset in the bucket)
-
-
-def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """The buckets of a version, in order: tensors packed at 64-byte offsets while they fit ``bucket_bytes``;
-    a tensor larger than that travels alone. Publisher and receivers derive it from the same header."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
-    buckets: list[Bucket] = []
-    items: list[tuple[int, int]] = []
-    size = 0
-    for i, spec in enumerate(specs):
-        offset = -(-size // ALIGN) * ALIGN
-        if items and offset + spec.nbytes > bucket_bytes:
-            buckets.append(Bucket(size, tuple(items)))
-            items, offset = [], 0
-        items.append((i, offset))
-        size = offset + spec.nbytes
-    if items:
-        buckets.append(Bucket(size, tuple(items)))
-    return buckets
-
-
-def _digest(buffer: torch.Tensor) -> int:
-    """xxh3-64 of a CPU byte buffer as a signed int64 (0 for a device buffer: not hashed, see the header)."""
-    if buffer.device.type != "cpu" or buffer.numel() == 0:
-        return 0
-    value = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _next_checked(
-    i: int, specs: Sequence[TensorSpec], source: Iterator[tuple[str, torch.Tensor]]
-) -> torch.Tensor:
-    """The source's next tensor, which must be the header's tensor ``i`` (name, dtype, shape)."""
-    spec = specs[i]
-    item = next(source, None)
-    if item is None:
-        raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
-    name, tensor = item
-    got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-    if got != spec:
-        raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
-    return tensor
-
-
-def _check_exhausted(source: Iterator[tuple[str, torch.Tensor]]) -> None:
-    leftover = next(source, None)
-    if leftover is not None:
-        raise ValueError(f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}")
-
-
-@dataclass
-class TransferStats:
-    version: int
-    tensors: int
-    bytes: int
-    buckets: int
-    seconds: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
 class CollectivePublisher:
@@ -206,13 +139,13 @@ class CollectivePublisher:
         staging = self._staging_buffer(whole.nbytes)
         staged, source = [], iter(tensors)
         for i, offset in whole.items:
-            tensor = _next_checked(i, specs, source)
+            tensor = next_checked(i, specs, source)
             view = staging[offset : offset + specs[i].nbytes]
-            flat = _bytes(tensor)
+            flat = flat_bytes(tensor)
             if flat.data_ptr() != view.data_ptr() or flat.device != view.device:
                 view.copy_(flat)
             staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
-        _check_exhausted(source)
+        check_exhausted(source)
         return staged
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
@@ -306,6 +239,10 @@ class CollectivePublisher:
             {"shared_memory": 1.0 if shared else 0.0},
         )
 
+    def _in_place(self, flat: torch.Tensor) -> bool:
+        """Whether a bucket's one tensor can be broadcast from its own bytes: it is on the group's device."""
+        return flat.device == self.group.device
+
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         while len(self._buffers) <= slot:
             self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
@@ -316,58 +253,64 @@ class CollectivePublisher:
     def _send_buckets(
         self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any, hashed: bool
     ) -> tuple[list[int], Exception | None]:
-        """Broadcast every bucket; returns their digests and the source's error, if any.
+        """Broadcast every bucket in its :func:`pieces`; returns the buckets' digests and the source's error,
+        if any.
 
-        A bucket of one tensor goes out from the tensor's own bytes (no copy), and the source is not advanced
-        until it has gone (a gathered tensor is valid only until the next is requested). Packed buckets are
-        copied into one of two staging buffers, the next packed while the last travels. Digests are taken
+        A bucket of one tensor already on the group's device goes out from the tensor's own bytes (no copy),
+        and the source is not advanced until it has gone (a gathered tensor is valid only until the next is
+        requested). Anything else travels through one of two piece-sized buffers, the next filled while the
+        last travels: packed buckets, and a weight in host memory (staged), whatever its size, so the device
+        holds two buffers of at most the bucket size, never one of the largest weight. Digests are taken
         while a bucket is in flight. A source that fails or breaks the header does not break the group: the
-        remaining buckets still go out (their contents void) so every receiver reaches the vote, where this
+        remaining pieces still go out (their contents void) so every receiver reaches the vote, where this
         rank votes the version down."""
         digests: list[int] = []
         error: Exception | None = None
         in_flight: list[Any] = [None, None]
-        for b, bucket in enumerate(layout):
-            direct = None
+        sent = 0  # pieces through the buffers
+        for bucket in layout:
+            ranges = pieces(bucket.nbytes, self.bucket_bytes)
+            whole = None  # the bucket's one tensor, as flat bytes wherever it is
             if error is None and len(bucket.items) == 1:
                 try:
-                    direct = self._take(bucket.items[0][0], specs, source)
+                    whole = flat_bytes(next_checked(bucket.items[0][0], specs, source))
                 except Exception as exc:  # reported after the vote
                     error = exc
-            if direct is not None:
-                work = self.group.broadcast(direct)
-                digests.append(_digest(direct) if hashed else 0)
-                self.group.wait(work)
+            if whole is not None and self._in_place(whole):
+                works = [self.group.broadcast(whole[a:b]) for a, b in ranges]
+                digests.append(digest(whole) if hashed else 0)
+                for work in works:
+                    self.group.wait(work)
                 continue
-            slot = b % 2
-            if in_flight[slot] is not None:
-                self.group.wait(in_flight[slot])
-            buf = self._buffer(slot, bucket.nbytes)
-            if error is None:
-                try:
-                    # straight from the source (staged host memory, pinned under CUDA), no device copy of
-                    # each weight on the way; the host waits for the broadcast, queued after the copies
-                    for i, offset in bucket.items:
-                        flat = _bytes(_next_checked(i, specs, source))
-                        buf[offset : offset + specs[i].nbytes].copy_(flat, non_blocking=True)
-                except Exception as exc:  # reported after the vote
-                    error = exc
-            in_flight[slot] = self.group.broadcast(buf)
-            digests.append(_digest(buf) if hashed else 0)
+            for a, b in ranges:
+                slot = sent % 2
+                sent += 1
+                if in_flight[slot] is not None:
+                    self.group.wait(in_flight[slot])
+                buf = self._buffer(slot, b - a)
+                if whole is not None:
+                    buf.copy_(whole[a:b], non_blocking=True)
+                elif error is None:
+                    try:
+                        # straight from the source (staged host memory, pinned under CUDA), no device copy of
+                        # each weight on the way; the host waits for the broadcast, queued after the copies
+                        for i, offset in bucket.items:
+                            flat = flat_bytes(next_checked(i, specs, source))
+                            buf[offset : offset + specs[i].nbytes].copy_(flat, non_blocking=True)
+                    except Exception as exc:  # reported after the vote
+                        error = exc
+                in_flight[slot] = self.group.broadcast(buf)
+            # the bucket's bytes: the tensor's own, or (packed: one piece) the buffer's
+            digests.append(digest(whole if whole is not None else buf) if hashed else 0)
         for work in in_flight:
             if work is not None:
                 self.group.wait(work)
         if error is None:
             try:
-                _check_exhausted(source)
+                check_exhausted(source)
             except ValueError as exc:
                 error = exc
         return digests, error
-
-    def _take(self, i: int, specs: Sequence[TensorSpec], source: Any) -> torch.Tensor:
-        """The source's next tensor, checked against the header, as flat bytes on the group's device (a weight
-        bigger than a bucket: its own broadcast)."""
-        return _bytes(_next_checked(i, specs, source).to(self.group.device, non_blocking=True))
 
 
 class CollectiveReceiver:
@@ -381,6 +324,7 @@ class CollectiveReceiver:
             raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
         self.group = group
         self.bounce = group.device.type != "cpu" if bounce is None else bounce
+        self.device_bytes = 0  # the bounce buffers of the last version received
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
         """Receive the version being broadcast; returns ``(version, [(name, tensor)] in order, stats)`` once
@@ -401,7 +345,8 @@ class CollectiveReceiver:
             group.wait(group.broadcast(raw))
             header = json.loads(bytes(raw.cpu().numpy()))
             specs = [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in header["tensors"]]
-            layout = bucket_layout(specs, int(header["bucket_bytes"]))
+            piece = int(header["bucket_bytes"])
+            layout = bucket_layout(specs, piece)
             if len(layout) != n_buckets:
                 raise ValueError(
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
@@ -412,9 +357,9 @@ class CollectiveReceiver:
                 buffers, mine = self._from_shared(layout, header["shared"])
                 read = bool(buffers)
             elif self.bounce:
-                buffers, mine = self._bounced(layout, hashed)
+                buffers, mine = self._bounced(layout, piece, hashed)
             else:
-                buffers, mine = self._direct(layout, hashed)
+                buffers, mine = self._direct(layout, piece, hashed)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(theirs))
         except Exception as exc:
@@ -467,32 +412,39 @@ class CollectiveReceiver:
         assert segment.tensor is not None
         return [segment.tensor], [0]  # its views keep the mapping
 
-    def _direct(self, layout: list[Bucket], hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
-        """Every bucket into its own buffer on the group's device, all queued at once (gloo runs them in
-        order), each hashed while the next arrives."""
+    def _direct(self, layout: list[Bucket], piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
+        """Every bucket into its own buffer on the group's device, its pieces all queued at once (gloo runs
+        them in order), each bucket hashed while the next arrives."""
         group = self.group
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
-        works = [group.broadcast(buf) for buf in buffers]
+        works = [[group.broadcast(buf[a:b]) for a, b in pieces(buf.numel(), piece)] for buf in buffers]
         mine: list[int] = []
-        for work, buf in zip(works, buffers, strict=True):
-            group.wait(work)
-            mine.append(_digest(buf.cpu()) if hashed else 0)
+        for bucket_works, buf in zip(works, buffers, strict=True):
+            for work in bucket_works:
+                group.wait(work)
+            mine.append(digest(buf.cpu()) if hashed else 0)
         return buffers, mine
 
-    def _bounced(self, layout: list[Bucket], hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
-        """Each bucket into one of two device buffers, then copied to host memory. On CUDA the copy is queued
-        on the current stream, which the next broadcast into the same buffer waits for."""
+    def _bounced(
+        self, layout: list[Bucket], piece: int, hashed: bool
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
+        copied to host memory. On CUDA the copy is queued on the current stream, which the next broadcast
+        into the same buffer waits for."""
         group = self.group
         cuda = group.device.type == "cuda"
-        biggest = max(b.nbytes for b in layout)
-        slots = [
-            torch.empty(biggest, dtype=torch.uint8, device=group.device) for _ in range(min(2, len(layout)))
-        ]
+        ranges = [pieces(b.nbytes, piece) for b in layout]
+        size = max(b - a for bucket in ranges for a, b in bucket)
+        slots = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self.device_bytes = 2 * size
         host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
-        for b, (bucket, out) in enumerate(zip(layout, host, strict=True)):
-            slot = slots[b % 2][: bucket.nbytes]
-            group.wait(group.broadcast(slot))
-            out.copy_(slot, non_blocking=cuda)
+        n = 0
+        for bucket, out in zip(ranges, host, strict=True):
+            for a, b in bucket:
+                slot = slots[n % 2][: b - a]
+                n += 1
+                group.wait(group.broadcast(slot))
+                out[a:b].copy_(slot, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(group.device)
-        return host, [_digest(out) if hashed else 0 for out in host]  # the bytes this member keeps
+        return host, [digest(out) if hashed else 0 for out in host]  # the bytes this member keeps

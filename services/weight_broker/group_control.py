@@ -35,7 +35,8 @@ from urllib.parse import urlparse
 import redis
 import torch
 
-from services.weight_broker.collective import DEFAULT_BUCKET_BYTES, CollectivePublisher
+from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
+from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
 
 log = logging.getLogger(__name__)
