@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,7 +62,8 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         arrive(dist.PrefixStore(spec.prefix(), open_store(spec)), "ranks_arrived", spec.world_size, 30)
         os._exit(3)
     try:
-        group = WeightGroup(spec, rank)
+        # host: keeps versions in host memory as a GPU worker does, one copy per host with the others that do
+        group = WeightGroup(spec, rank, host_copies=behaviour.startswith("host"))
     except TransferFailed as exc:
         out.put((rank, "failed", str(exc)))
         return
@@ -80,15 +82,23 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         # the peer of another rank's handshake, which an exit then breaks (CI saw rank 0's connect fail so)
         formed(group, spec.world_size)
         os._exit(3)
+    if behaviour == "host-no-shm":  # as if /dev/shm could not hold the version
+        from services.weight_broker.shared_memory import Staging
+
+        def full(self: Any, nbytes: int) -> torch.Tensor:
+            raise OSError(28, "No space left on device")
+
+        Staging.take = full  # type: ignore[method-assign]
     if behaviour == "corrupt":  # every bucket's first byte flipped after it arrived, as if damaged in transit
         receiver: CollectiveReceiver = _Corrupting(group)
     else:
-        receiver = CollectiveReceiver(group, bounce=behaviour == "bounce")  # bounce: as a GPU worker receives
+        # bounce: as a GPU worker receives
+        receiver = CollectiveReceiver(group, bounce=behaviour == "bounce" or behaviour.startswith("host"))
     if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
         time.sleep(2.0)
     for _ in range(versions):
         try:
-            version, tensors, _ = receiver.receive()
+            version, tensors, stats = receiver.receive()
         except TransferFailed as exc:
             out.put((rank, "failed", str(exc)))
             if group.closed:  # a broken group: nothing more can arrive through it
@@ -98,8 +108,23 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
                 out.join_thread()
                 os._exit(0)
             continue
-        out.put((rank, version, is_version(version, tensors)))
+        if behaviour.startswith("host"):  # what it holds, and where: the file its tensors are mapped from
+            role = {0.0: "own", 1.0: "leader", 2.0: "mapped"}[stats.extra["host_copy"]]
+            out.put((rank, version, (is_version(version, tensors), role, mapped_file(tensors[0][1]))))
+        else:
+            out.put((rank, version, is_version(version, tensors)))
     group.close()
+
+
+def mapped_file(tensor: torch.Tensor) -> str:
+    """The file whose mapping holds ``tensor``'s bytes (/proc/self/maps: a path, "[heap]", "" when anonymous)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, path = line.split(maxsplit=5) if len(line.split()) > 5 else [*line.split(), ""]
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return path.strip()
+    return ""
 
 
 class _Corrupting(CollectiveReceiver):
@@ -516,3 +541,48 @@ def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, tensors, strict=True))
     assert device_bytes == 2 * 8192  # two pieces' buffers, not two of the 56 kB weight
     assert all(buf.numel() <= 8192 for buf in publisher._buffers)
+
+
+def test_receivers_on_one_host_keep_one_copy_of_each_version_between_them() -> None:
+    """Three receivers that keep versions in host memory (as GPU workers do) on one host: the lowest stages
+    each version in /dev/shm, the others' tensors are mappings of that file (no copy of their own), and all
+    hold it bit-exact; a receiver that does not keep host copies (the broker on CPU) is not part of it."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=5, timeout_s=60)
+    procs, out = start_receivers(spec, ["host", "host", "host", "ok"], versions=2)
+    group = WeightGroup(spec, 0)
+    publisher = CollectivePublisher(group, bucket_bytes=8192)
+    for version in (5, 6):
+        tensors = version_tensors(version)
+        publisher.send(version, specs_of(tensors), iter(tensors))
+    got = {(r, v): result for r, v, result in (out.get(timeout=60) for _ in range(8))}
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    group.close()
+    assert all(got[(4, v)] is True for v in (5, 6))
+    for v in (5, 6):
+        (exact1, role1, file1), (exact2, role2, file2), (exact3, role3, file3) = (
+            got[(r, v)] for r in (1, 2, 3)
+        )
+        assert exact1 and exact2 and exact3
+        assert (role1, role2, role3) == ("leader", "mapped", "mapped")
+        files = {f.removesuffix(" (deleted)") for f in (file1, file2, file3)}  # unlinked after the vote
+        assert len(files) == 1 and files.pop().startswith("/dev/shm/vcpo-group-"), (file1, file2, file3)
+    assert got[(1, 5)][2] != got[(1, 6)][2]  # a segment per version: the last one's views stay as they were
+
+
+def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_version() -> None:
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
+    procs, out = start_receivers(spec, ["host-no-shm", "host"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(4)
+    CollectivePublisher(group, bucket_bytes=8192).send(4, specs_of(tensors), iter(tensors))
+    got = sorted(out.get(timeout=60) for _ in range(2))
+    for p in procs:
+        p.join(timeout=30)
+    group.close()
+    assert [(r, v, exact, role) for r, v, (exact, role, _) in got] == [
+        (1, 4, True, "own"),
+        (2, 4, True, "own"),
+    ]
+    assert not any("/dev/shm" in where for *_, (_, _, where) in got)  # their own memory

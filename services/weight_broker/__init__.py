@@ -14,6 +14,7 @@ Client side (other services may import these):
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
 - ``collective``: what travels over the weight group: rank 0's publisher and the receivers.
 - ``buckets``: how a version is cut for the weight group (buckets, the pieces they travel in, digests).
+- ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.
 - ``group_control``: the weight group's control plane (members' seats in Redis, learner rank 0's coordinator).
 
 Shared by both sides (the client side and the broker agree through these):

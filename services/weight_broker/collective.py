@@ -53,6 +53,7 @@ from services.weight_broker.buckets import (
     next_checked,
     pieces,
 )
+from services.weight_broker.host_copy import HostCopy
 from services.weight_broker.shared_memory import PinnedStaging, SharedSegment, Staging
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
@@ -339,7 +340,9 @@ class CollectiveReceiver:
             group.close()
             raise TransferFailed(f"no version arrived: {exc}") from exc
         t0 = time.monotonic()
+        group.broadcasts += 1
         version, header_len, n_buckets = (int(x) for x in head.tolist())
+        host_copy: HostCopy | None = None  # this host's one copy, when this receiver keeps its part in it
         try:
             raw = torch.empty(header_len, dtype=torch.uint8, device=group.device)
             group.wait(group.broadcast(raw))
@@ -352,20 +355,28 @@ class CollectiveReceiver:
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
-            read = True
+            read, mine = True, None
             if "shared" in header:
                 buffers, mine = self._from_shared(layout, header["shared"])
                 read = bool(buffers)
-            elif self.bounce:
-                buffers, mine = self._bounced(layout, piece, hashed)
-            else:
-                buffers, mine = self._direct(layout, piece, hashed)
+            elif group.host_peers:
+                host_copy = group.host_copy = group.host_copy or HostCopy(group)
+                if host_copy.leader and (views := host_copy.stage(layout)) is not None:
+                    buffers, mine = self._through_buffers(layout, piece, views, hashed)
+                elif not host_copy.leader and (opened := host_copy.open(layout)) is not None:
+                    # keeps nothing: what this host loads is the leader's copy, whose digests it checks
+                    buffers, _ = self._through_buffers(layout, piece, None, False)
+                    read = opened
+                else:
+                    host_copy = None  # no segment: each keeps its own
+            if mine is None and host_copy is None:
+                buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(theirs))
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
-        good = read and theirs.cpu().tolist() == mine
+        good = read and (mine is None or theirs.cpu().tolist() == mine)
         if read and not good:
             log.error("version %d: bucket digests differ from the publisher's: voting against it", version)
         try:
@@ -374,10 +385,14 @@ class CollectiveReceiver:
             group.close()
             raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
         if not committed:
+            if host_copy is not None:
+                host_copy.failed()
             raise TransferFailed(
                 f"version {version}: not committed (the publisher's source failed, or a "
                 "member's bucket digests differed)"
             )
+        if host_copy is not None:
+            buffers = host_copy.committed(layout) or buffers  # the others: the leader's copy, mapped
         tensors: list[tuple[str, torch.Tensor]] = []
         for bucket, buf in zip(layout, buffers, strict=True):  # views: no copy
             for i, offset in bucket.items:
@@ -385,7 +400,10 @@ class CollectiveReceiver:
                 view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
                 tensors.append((s.name, view))
         nbytes = sum(s.nbytes for s in specs)
-        extra = {"shared_memory": 1.0 if "shared" in header else 0.0}
+        extra = {
+            "shared_memory": 1.0 if "shared" in header else 0.0,
+            "host_copy": 0.0 if host_copy is None else 1.0 if host_copy.leader else 2.0,
+        }
         stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
         return version, tensors, stats
 
@@ -428,23 +446,34 @@ class CollectiveReceiver:
     def _bounced(
         self, layout: list[Bucket], piece: int, hashed: bool
     ) -> tuple[list[torch.Tensor], list[int]]:
+        """Every bucket through the device buffers into host memory of its own (pinned under CUDA)."""
+        cuda = self.group.device.type == "cuda"
+        host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
+        return self._through_buffers(layout, piece, host, hashed)
+
+    def _through_buffers(
+        self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None, hashed: bool
+    ) -> tuple[list[torch.Tensor], list[int]]:
         """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
-        copied to host memory. On CUDA the copy is queued on the current stream, which the next broadcast
-        into the same buffer waits for."""
+        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). On CUDA the copy is queued
+        on the current stream, which the next broadcast into the same buffer waits for. Returns ``outs`` and
+        their digests."""
         group = self.group
         cuda = group.device.type == "cuda"
         ranges = [pieces(b.nbytes, piece) for b in layout]
         size = max(b - a for bucket in ranges for a, b in bucket)
         slots = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
         self.device_bytes = 2 * size
-        host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
         n = 0
-        for bucket, out in zip(ranges, host, strict=True):
+        for i, bucket in enumerate(ranges):
             for a, b in bucket:
                 slot = slots[n % 2][: b - a]
                 n += 1
                 group.wait(group.broadcast(slot))
-                out[a:b].copy_(slot, non_blocking=cuda)
+                if outs is not None:
+                    outs[i][a:b].copy_(slot, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(group.device)
-        return host, [digest(out) if hashed else 0 for out in host]  # the bytes this member keeps
+        if outs is None:
+            return [], []
+        return outs, [digest(out) if hashed else 0 for out in outs]  # the bytes this member keeps

@@ -139,16 +139,28 @@ class SharedSegment:
         """The publisher's segment ``name`` (it must hold at least ``nbytes``), mapped copy-on-write: reads
         share the publisher's pages, a write (an engine's loader may convert a tensor in place) copies the page
         it touches. The mapping, and the pages, outlive the name: the publisher unlinks it after the vote."""
+        fd = cls.open_file(name, nbytes)
+        try:
+            return cls.attach_fd(fd, nbytes, name)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def open_file(name: str, nbytes: int) -> int:
+        """The segment ``name``'s file, opened to map later (:meth:`attach_fd`), even once it is unlinked."""
         if not _NAME.match(name):
             raise ValueError(f"{name!r} is not a weight segment's name")
         fd = os.open(SHM_DIR / name, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ValueError(f"weight segment {name} holds {size} bytes, the header said {nbytes}")
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
             os.close(fd)
+            raise ValueError(f"weight segment {name} holds {size} bytes, the header said {nbytes}")
+        return fd
+
+    @classmethod
+    def attach_fd(cls, fd: int, nbytes: int, name: str = "") -> SharedSegment:
+        """An opened segment file mapped copy-on-write (see :meth:`attach`); the caller closes ``fd``."""
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(name, nbytes, mapping, owner=False)
 
     def close(self) -> None:

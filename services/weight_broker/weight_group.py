@@ -177,6 +177,20 @@ def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
     return [ranks for ranks in ranks_by(store, "gpu", world_size).values() if len(ranks) > 1]
 
 
+def host_peers(store: Any, rank: int, world_size: int) -> list[int]:
+    """The receivers on ``rank``'s host that keep host copies (``host_copies/<rank>``), ``rank`` among them;
+    empty unless there are two or more of them."""
+    if store.get(f"host_copies/{rank}") != b"1":
+        return []
+    mine = store.get(f"host/{rank}")
+    peers = [
+        r
+        for r in range(1, world_size)
+        if store.get(f"host_copies/{r}") == b"1" and store.get(f"host/{r}") == mine
+    ]
+    return peers if len(peers) > 1 else []
+
+
 def same_host(store: Any, world_size: int) -> bool:
     """Whether every rank set the same :func:`host_identity` at ``host/<rank>`` (a rank that set none, which is
     not a WeightGroup, shares nothing)."""
@@ -234,12 +248,19 @@ class WeightGroup:
     one (which ZeRO-3 or vLLM's tensor parallelism may own), formed over its own TCP store."""
 
     def __init__(
-        self, spec: GroupSpec, rank: int, device: torch.device | None = None, store: Any = None
+        self,
+        spec: GroupSpec,
+        rank: int,
+        device: torch.device | None = None,
+        store: Any = None,
+        host_copies: bool | None = None,
     ) -> None:
         """Join as ``rank``: rank 0 hosts the store (or passes ``store``, a master it opened already, to learn a
         free port before announcing the spec). Every rank first waits, up to ``form_timeout_s``, until all
         ``world_size`` have arrived (:class:`TransferFailed` otherwise), so a member that never comes costs the
-        others that long, not the collective timeout."""
+        others that long, not the collective timeout. ``host_copies`` (default: under NCCL, a GPU worker): this
+        receiver keeps versions in host memory, one copy per host with the others on its host that do
+        (``host_copy.py``)."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
         import torch.distributed as dist
@@ -257,6 +278,8 @@ class WeightGroup:
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
             # before arriving: every rank's is there once all have arrived
             prefixed.set(f"host/{rank}", host_identity())
+            keeps = spec.backend == "nccl" if host_copies is None else host_copies
+            prefixed.set(f"host_copies/{rank}", "1" if keeps and rank > 0 else "0")
             if spec.backend == "nccl":
                 prefixed.set(f"gpu/{rank}", device_identity(self.device))
             arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
@@ -277,6 +300,11 @@ class WeightGroup:
         self.members_gone: Callable[[], str | None] | None = None
         self.alive_every_s = 1.0
         self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
+        # the receivers on this host that keep one host copy of each version between them (this one among
+        # them; empty: this one keeps its own, if any)
+        self.host_peers = host_peers(prefixed, rank, spec.world_size)
+        self.host_copy: Any = None  # their shared copy's state (host_copy.py), released on close
+        self.broadcasts = 0  # versions whose broadcast reached this receiver (every rank counts alike)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
         if spec.backend == "nccl":
@@ -343,6 +371,28 @@ class WeightGroup:
         None after ``timeout_s`` without one. Raises :class:`TransferFailed` (closing the group) if the
         store is gone with its host, the publisher."""
         return self.watch.next(timeout_s, poll_s)
+
+    def set_key(self, key: str, value: str) -> None:
+        """Tell the other ranks something (this epoch's store, under ``key``)."""
+        self._announcements.set(key, value)
+
+    def wait_key(self, key: str, poll_s: float = 0.005) -> str:
+        """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
+        marks the collective failed (:class:`TransferFailed`, the group closed)."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        try:
+            while not self._announcements.check([key]):
+                if self._announcements.check(["failed"]) or time.monotonic() > deadline:
+                    why = "a rank declared the broadcast failed" if time.monotonic() <= deadline else ""
+                    raise TransferFailed(why or f"{key} was not set within {self.spec.timeout_s:.0f}s")
+                time.sleep(poll_s)
+            return bytes(self._announcements.get(key)).decode()
+        except TransferFailed:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if every rank passed True."""
@@ -416,6 +466,8 @@ class WeightGroup:
         if self._closed:
             return
         self._closed = True
+        if self.host_copy is not None:
+            self.host_copy.release()
         try:
             if self.backend == "nccl":
                 # abort (ncclCommAbort), not shutdown: a communicator's destroy waits for its kernels, and a
