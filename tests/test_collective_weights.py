@@ -68,7 +68,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         out.put((rank, "failed", str(exc)))
         return
     group._store.set(f"test/formed/{rank}", "1")
-    if behaviour == "die-after-header":  # joins, sees a version start, and is killed mid-broadcast
+    if behaviour.endswith("die-after-header"):  # joins, sees a version start, and is killed mid-broadcast
         head = torch.zeros(3, dtype=torch.int64)
         group.broadcast(head).wait()
         os._exit(3)
@@ -586,3 +586,22 @@ def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_vers
         (2, 4, True, "own"),
     ]
     assert not any("/dev/shm" in where for *_, (_, _, where) in got)  # their own memory
+
+
+def test_a_host_copys_leader_killed_mid_broadcast_fails_the_version_everywhere_at_once() -> None:
+    """The receiver that stages its host's copy dies before naming it: the one waiting for the name gives up
+    as soon as rank 0 declares the broadcast failed (not after the group's 90 s timeout), as the rest do."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=90)
+    procs, out = start_receivers(spec, ["host-die-after-header", "host", "ok"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(7)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="version 7"):
+        CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    results = sorted(out.get(timeout=30) for _ in range(2))
+    assert time.monotonic() - t0 < 15, time.monotonic() - t0
+    assert [r for r, *_ in results] == [2, 3]
+    assert all(status == "failed" and "version 7" in why for _, status, why in results), results
+    for p in procs:
+        p.join(timeout=30)
+    assert procs[0].exitcode == 3

@@ -30,6 +30,7 @@ class StandInNCCL:
     """Records how the weight group builds and closes its NCCL backend; moves nothing."""
 
     built: ClassVar[list[StandInNCCL]] = []
+    connects: ClassVar[bool] = True  # False: a collective never completes (as when NCCL cannot connect)
 
     class Options:
         _timeout: timedelta | None = None
@@ -40,6 +41,10 @@ class StandInNCCL:
         self.calls: list[str] = []
         StandInNCCL.built.append(self)
 
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self.calls.append("allreduce")
+        return _Work(StandInNCCL.connects)
+
     def abort(self) -> None:
         self.calls.append("abort")
 
@@ -47,9 +52,20 @@ class StandInNCCL:
         self.calls.append("shutdown")
 
 
+class _Work:
+    def __init__(self, completes: bool) -> None:
+        self.completes = completes
+
+    def is_completed(self) -> bool:
+        return self.completes
+
+    def wait(self, timeout: timedelta) -> None:
+        pass
+
+
 @pytest.fixture
 def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> type[StandInNCCL]:
-    StandInNCCL.built = []
+    StandInNCCL.built, StandInNCCL.connects = [], True
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNCCL, raising=False)
     return StandInNCCL
 
@@ -102,9 +118,39 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
     groups[1].close()
     groups[1].close()  # once
     # abort (ncclCommAbort), not shutdown: destroying a communicator waits for a kernel a dead peer never ends
-    assert [b.calls for b in stand_in_nccl.built if b.rank == 1] == [["abort"]]
+    # each rank connected while the group formed (one all-reduce: NCCL connects at the first collective)
+    assert [b.calls for b in stand_in_nccl.built if b.rank == 1] == [["allreduce", "abort"]]
     for g in groups:
         g.close()
+
+
+def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_timeout(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL connects at a group's first collective, which the weight group runs while it forms: ranks that
+    cannot connect (a wrong NCCL_SOCKET_IFNAME) give up after the forming timeout (1 s here), aborting their
+    communicator, not at the first version's broadcast after the group's 90 s."""
+    gpus(monkeypatch, ["GPU-a", "GPU-b"])
+    stand_in_nccl.connects = False
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=90, form_timeout_s=1)
+    errors: dict[int, str] = {}
+
+    def join(rank: int) -> None:
+        try:
+            WeightGroup(spec, rank, torch.device("cpu"))
+        except TransferFailed as exc:
+            errors[rank] = str(exc)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=join, args=(r,), name=f"rank-{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert sorted(errors) == [0, 1]
+    assert all("NCCL did not connect: the ranks did not connect within 1s" in why for why in errors.values())
+    assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "abort"]] * 2
 
 
 def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(

@@ -327,6 +327,7 @@ class WeightGroup:
                     )
         if self.backend == "nccl":
             self._pg: Any = nccl_backend(prefixed, rank, spec.world_size, timeout)
+            self._connect()
         else:
             # connecting (every rank's address through the store) is bounded by the forming timeout, as the
             # arrival is: a member that arrived and then died would otherwise hold every other rank here for
@@ -345,6 +346,32 @@ class WeightGroup:
                 ) from exc
             self._pg.set_timeout(timeout)
         self._closed = False
+
+    def _connect(self) -> None:
+        """NCCL builds its communicator at the first collective: one all-reduce now, so the first version's
+        broadcast does not pay for it, and a rank that cannot connect (a wrong ``NCCL_SOCKET_IFNAME``, a
+        firewall) fails the forming within ``form_timeout_s``, not the first broadcast after the group's
+        timeout (the control plane then leaves the member out for a while)."""
+        import torch.distributed as dist
+
+        limit = min(self.spec.form_timeout_s, self.spec.timeout_s)
+        deadline = time.monotonic() + limit
+        try:
+            work = self._pg.allreduce([torch.zeros(1, device=self.device)], dist.AllreduceOptions())
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not connect within {limit:.0f}s")
+                time.sleep(0.005)
+            work.wait(timedelta(seconds=limit))
+        except Exception as exc:
+            try:
+                self._pg.abort()  # never a destroy: it would wait for the pending all-reduce
+            except Exception:
+                log.debug("aborting an unconnected NCCL group raised", exc_info=True)
+            _RETIRED.append(self._pg)
+            raise TransferFailed(
+                f"weight group epoch {self.spec.epoch}: NCCL did not connect: {exc}"
+            ) from exc
 
     @property
     def shares_gpu(self) -> bool:
