@@ -176,6 +176,19 @@ def broadcast_versions(
     group.close()
 
 
+def keep_host_copies(spec: dict[str, Any], versions: int, out: Any) -> None:
+    """A receiver that keeps versions in host memory as a GPU worker does, in its own process: rank 1 of the
+    weight group, the lowest of its host's, so it stages the host's copy of each version (reported)."""
+    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+
+    group = WeightGroup(GroupSpec(**spec), 1, host_copies=True)
+    for _ in range(versions):
+        version, _, stats = CollectiveReceiver(group, bounce=True).receive()
+        out.put((version, "host copy", stats.extra["host_copy"]))
+    group.close()
+
+
 @contextmanager
 def broadcasting(
     weights_file: str | Path,
@@ -184,27 +197,34 @@ def broadcasting(
     epoch: int = 1,
     timeout_s: float = 60.0,
     shared_memory: bool = False,
+    host_copy: bool = False,
 ) -> Iterator[tuple[dict[str, Any], Any]]:
     """:func:`broadcast_versions` in a spawned process, rank 0 of a 2-member gloo weight group on a free
     port: yields ``(spec, queue of its reports)`` for the engine to join as rank 1; on exit the process is
-    joined, and killed if it is still there after 60 s."""
+    joined, and killed if it is still there after 60 s. ``host_copy``: a 3-member group whose rank 1
+    (:func:`keep_host_copies`) stages each version's host copy, for the engine to join as rank 2 keeping host
+    copies too (it then maps that copy)."""
     from services.common.redis_server import free_port
 
     spec = {
         "host": "127.0.0.1",
         "port": free_port(),
-        "world_size": 2,
+        "world_size": 3 if host_copy else 2,
         "backend": "gloo",
         "epoch": epoch,
         "timeout_s": timeout_s,
     }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    learner = ctx.Process(target=broadcast_versions, args=(spec, str(weights_file), plan, out, shared_memory))
-    learner.start()
+    procs = [ctx.Process(target=broadcast_versions, args=(spec, str(weights_file), plan, out, shared_memory))]
+    if host_copy:
+        procs.append(ctx.Process(target=keep_host_copies, args=(spec, len(plan), out)))
+    for p in procs:
+        p.start()
     try:
         yield spec, out
     finally:
-        learner.join(timeout=60)
-        if learner.is_alive():
-            learner.kill()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()

@@ -368,6 +368,35 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
                 )
 
 
+def test_an_engine_worker_loads_versions_mapped_from_its_hosts_one_copy(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """GPU workers on one host keep one host copy of each version between them: another receiver (rank 1)
+    stages it in /dev/shm, and the engine's worker (rank 2) keeps nothing of its own and loads each version
+    from a copy-on-write mapping of that file. It serves exactly each version's weights, prefix cache
+    included, the second version from a new file."""
+
+    sampling = Sampling(temperature=1.0, max_tokens=8, seed=7)
+    tok = vllm_engine.tokenizer
+    prompts = [tok.encode("Multiply and answer with the product only. " * 8 + q) for q in ("6*7=", "3*9=")]
+    assert min(len(p) for p in prompts) > 128  # longer than a KV block: the prefix cache holds them
+    plan = [next(versions) for _ in range(2)]
+    weights = {v: version_weights(tiny_model_dir, 50 + i) for i, v in enumerate(plan)}
+    weights_file = tmp_path / "versions.pt"
+    torch.save(weights, weights_file)
+    with broadcasting(weights_file, [(v, "whole") for v in plan], host_copy=True) as (spec, out):
+        vllm_engine.join_weight_group({**spec, "rank_offset": 2, "host_copies": True})
+        for version in plan:
+            vllm_engine.stage_collective(version)
+            reports = sorted((out.get(timeout=60)[:3] for _ in range(2)), key=lambda r: str(r[1]))
+            size = sum(t.nbytes for t in weights[version].values())
+            assert reports == [(version, "host copy", 1.0), (version, "sent", size)]  # rank 1 staged it
+            vllm_engine.apply_collective(version)
+            assert_matches(
+                tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
+            )
+
+
 def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
     vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

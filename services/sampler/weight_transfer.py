@@ -56,6 +56,7 @@ class CollectiveInitInfo(WeightTransferInitInfo):
     epoch: int = 0
     timeout_s: float = 120.0
     form_timeout_s: float = 30.0
+    host_copies: bool | None = None  # keep versions in host memory, one copy per host (default: GPU workers)
 
 
 @dataclass
@@ -89,7 +90,9 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             init_info.timeout_s,
             init_info.form_timeout_s,
         )
-        self.group = WeightGroup(spec, rank, self.device if spec.backend == "nccl" else None)
+        self.group = WeightGroup(
+            spec, rank, self.device if spec.backend == "nccl" else None, host_copies=init_info.host_copies
+        )
         log.info(
             "joined weight group %s:%d epoch %d as rank %d of %d",
             spec.host,
@@ -119,10 +122,13 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
                 f"{update_info.version}"
             )
         self._staged = (version, tensors)
+        where = {1.0: " (this host's copy, staged here)", 2.0: " (mapped from this host's copy)"}.get(
+            stats.extra.get("host_copy", 0.0), ""
+        )
         log.info(
             "received version %d%s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
             version,
-            " (mapped from the learner's shared memory)" if stats.extra.get("shared_memory") else "",
+            " (mapped from the learner's shared memory)" if stats.extra.get("shared_memory") else where,
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,
