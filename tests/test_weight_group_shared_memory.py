@@ -86,8 +86,8 @@ def test_receivers_map_each_version_and_keep_it_after_the_publisher_moves_on(
     for version in (5, 6):
         tensors = version_tensors(version)
         sent.append(publisher.send(version, specs_of(tensors), iter(tensors)))
-        assert publisher._reserving is not None
-        publisher._reserving.result()
+        assert publisher._segments.reserving is not None
+        publisher._segments.settle()
         spare = publisher._segments.spare
         assert spare is not None and segments() == {spare.name}  # the sent one unlinked after the vote
     for t in threads:
@@ -120,8 +120,8 @@ def test_a_background_broadcast_stages_once_into_the_segment(group3: list[Weight
             t.zero_()
         stats = publisher.wait()
         assert isinstance(stats, TransferStats) and stats.extra["shared_memory"] == 1.0
-        assert publisher._reserving is not None
-        publisher._reserving.result()  # on the broadcast thread, after the broadcast
+        assert publisher._segments.reserving is not None
+        publisher._segments.settle()  # reserved once the broadcast ended
         spare = publisher._segments.spare
         assert spare is not None and segments() == {spare.name}  # the sent one's name is gone
     join()

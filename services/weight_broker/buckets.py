@@ -40,7 +40,7 @@ def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket
     items: list[tuple[int, int]] = []
     size = 0
     for i, spec in enumerate(specs):
-        offset = -(-size // ALIGN) * ALIGN
+        offset = aligned(size)
         if items and offset + spec.nbytes > bucket_bytes:
             buckets.append(Bucket(size, tuple(items)))
             items, offset = [], 0
@@ -49,6 +49,20 @@ def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket
     if items:
         buckets.append(Bucket(size, tuple(items)))
     return buckets
+
+
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-offset // ALIGN) * ALIGN
+
+
+def bucket_offsets(layout: list[Bucket]) -> tuple[list[int], int]:
+    """Where each bucket starts in one buffer of the whole version (aligned), and that buffer's size."""
+    offsets, end = [], 0
+    for bucket in layout:
+        offsets.append(aligned(end))
+        end = offsets[-1] + bucket.nbytes
+    return offsets, end
 
 
 def pieces(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:

@@ -88,7 +88,6 @@ class CollectivePublisher:
         self._staging = PinnedStaging()
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
-        self._reserving: Future[None] | None = None  # the next version's segment (shared memory)
         self._thread: ThreadPoolExecutor | None = None
 
     def send_background(
@@ -153,11 +152,8 @@ class CollectivePublisher:
         """``nbytes`` of host memory: the shared segment when the members share it, else page-locked where CUDA
         is there. The previous version's broadcast has ended (every receiver voted) before this is called."""
         if self.shared:
-            reserving, self._reserving = self._reserving, None
-            if reserving is not None:  # runs on the broadcast thread, never queued behind this call
-                reserving.result()
             try:
-                return self._segments.take(nbytes)
+                return self._segments.take(nbytes)  # the spare, once its reservation has ended
             except OSError as exc:
                 why = f"cannot stage weights in shared memory ({exc}: {nbytes} bytes)"
                 log.warning("%s: broadcasting over the weight group's sockets instead", why)
@@ -171,9 +167,8 @@ class CollectivePublisher:
         except TransferFailed as exc:
             log.warning("the last background broadcast failed: %s", exc)
         if self._thread is not None:
-            self._thread.shutdown()  # after any reservation queued on it
+            self._thread.shutdown()
             self._thread = None
-        self._reserving = None
         self._segments.release()
         self._staging.release()
 
@@ -225,7 +220,7 @@ class CollectivePublisher:
             if shared:  # every receiver mapped it before it voted: its pages stay theirs, its name goes
                 self._segments.release(spare=False)
                 # the next version's segment, reserved and populated off the learner's and the caller's time
-                self._reserving = self._worker().submit(self._segments.reserve_spare, layout[0].nbytes)
+                self._segments.reserve_spare(layout[0].nbytes)
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:
@@ -355,22 +350,17 @@ class CollectiveReceiver:
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
-            read, mine = True, None
+            read, mine = True, None  # mine None: no digests of its own to check
             if "shared" in header:
                 buffers, mine = self._from_shared(layout, header["shared"])
                 read = bool(buffers)
-            elif group.host_peers:
-                host_copy = group.host_copy = group.host_copy or HostCopy(group)
-                if host_copy.leader and (views := host_copy.stage(layout)) is not None:
-                    buffers, mine = self._through_buffers(layout, piece, views, hashed)
-                elif not host_copy.leader and (opened := host_copy.open(layout)) is not None:
-                    # keeps nothing: what this host loads is the leader's copy, whose digests it checks
-                    buffers, _ = self._through_buffers(layout, piece, None, False)
-                    read = opened
-                else:
-                    host_copy = None  # no segment: each keeps its own
-            if mine is None and host_copy is None:
+            elif (host_copy := self._host_copy(layout)) is None:
                 buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
+            elif host_copy.leader:
+                buffers, mine = self._through_buffers(layout, piece, host_copy.views, hashed)
+            else:  # keeps nothing: what this host loads is the leader's copy, whose digests it checks
+                buffers, _ = self._through_buffers(layout, piece, None, False)
+                read = host_copy.opened
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(theirs))
         except Exception as exc:
@@ -406,6 +396,15 @@ class CollectiveReceiver:
         }
         stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
         return version, tensors, stats
+
+    def _host_copy(self, layout: list[Bucket]) -> HostCopy | None:
+        """This host's one copy of the version, when this receiver takes part in one (None: it keeps its own,
+        as when the leader has no room for it)."""
+        group = self.group
+        if not group.host_peers:
+            return None
+        group.host_copy = group.host_copy or HostCopy(group)
+        return group.host_copy if group.host_copy.begin(layout) else None
 
     def _from_shared(
         self, layout: list[Bucket], shared: dict[str, Any]

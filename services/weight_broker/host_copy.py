@@ -26,25 +26,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from services.weight_broker.buckets import ALIGN, Bucket
+from services.weight_broker.buckets import Bucket, bucket_offsets
 from services.weight_broker.shared_memory import SHM_DIR, SharedSegment, Staging
 
 log = logging.getLogger(__name__)
-
-
-def bucket_offsets(layout: list[Bucket]) -> tuple[list[int], int]:
-    """Where each bucket starts in one buffer of the whole version (64-byte aligned), and its size."""
-    offsets, end = [], 0
-    for bucket in layout:
-        start = -(-end // ALIGN) * ALIGN
-        offsets.append(start)
-        end = start + bucket.nbytes
-    return offsets, end
 
 
 class HostCopy:
@@ -55,23 +44,31 @@ class HostCopy:
         self.group = group
         self.leader = group.rank == min(group.host_peers)
         self._staging = Staging()
-        self._reserving: Future[None] | None = None
-        self._thread: ThreadPoolExecutor | None = None
         self._fd: int | None = None  # the others: the leader's file, opened before the vote
+        self.views: list[torch.Tensor] | None = None  # the leader: each bucket's place in this version's copy
+        self.opened = False  # the others: whether they could open this version's copy
+
+    def begin(self, layout: list[Bucket]) -> bool:
+        """Whether this host keeps one copy of this version: the leader staged it (``views``), the others
+        opened the leader's file (``opened``: False if they could not, and then vote the version down). False
+        when the leader has no room for it: every receiver of the host keeps its own."""
+        if self.leader:
+            self.views = self._stage(layout)
+            return self.views is not None
+        opened = self._open(layout)
+        self.opened = opened is True
+        return opened is not None
 
     def _key(self) -> str:
         return f"host_copy/{self.group.broadcasts}/{min(self.group.host_peers)}"
 
-    def stage(self, layout: list[Bucket]) -> list[torch.Tensor] | None:
+    def _stage(self, layout: list[Bucket]) -> list[torch.Tensor] | None:
         """The leader: each bucket's place in a segment of the whole version, named for the others (None,
         named empty, when /dev/shm cannot hold it: then every receiver of the host keeps its own copy)."""
         offsets, total = bucket_offsets(layout)
-        reserving, self._reserving = self._reserving, None
-        if reserving is not None:
-            reserving.result()
         self._staging.release(spare=False)  # the last version's: its engine has loaded it by now
         try:
-            whole = self._staging.take(total)
+            whole = self._staging.take(total)  # the spare reserved after the last version, or a new one
         except OSError as exc:
             log.warning(
                 "cannot stage a host copy of %d bytes in %s (%s): each receiver on this host keeps its own",
@@ -85,7 +82,7 @@ class HostCopy:
         self.group.set_key(self._key(), self._staging.current.name)
         return [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
 
-    def open(self, layout: list[Bucket]) -> bool | None:
+    def _open(self, layout: list[Bucket]) -> bool | None:
         """The others: open the leader's segment once it names it. None when it has none (keep an own copy);
         False when it cannot be opened (vote the version down, logged); True otherwise."""
         name = self.group.wait_key(self._key())
@@ -108,9 +105,7 @@ class HostCopy:
             current = self._staging.current
             if current is not None:
                 (SHM_DIR / current.name).unlink(missing_ok=True)
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-copy")
-            self._reserving = self._thread.submit(self._staging.reserve_spare, total)
+            self._staging.reserve_spare(total)
             return []
         assert self._fd is not None
         fd, self._fd = self._fd, None
@@ -137,11 +132,4 @@ class HostCopy:
         """The group closed: unlink and unmap what this receiver holds (views the engine still holds keep
         their pages)."""
         self.close_file()
-        if self._reserving is not None:
-            with contextlib.suppress(Exception):
-                self._reserving.result()
-            self._reserving = None
-        if self._thread is not None:
-            self._thread.shutdown()
-            self._thread = None
         self._staging.release()

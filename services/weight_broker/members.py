@@ -35,12 +35,8 @@ def host_peers(store: Any, rank: int, world_size: int) -> list[int]:
     empty unless there are two or more of them."""
     if store.get(f"host_copies/{rank}") != b"1":
         return []
-    mine = store.get(f"host/{rank}")
-    peers = [
-        r
-        for r in range(1, world_size)
-        if store.get(f"host_copies/{r}") == b"1" and store.get(f"host/{r}") == mine
-    ]
+    on_host = ranks_by(store, "host", world_size)[store.get(f"host/{rank}").decode()]
+    peers = [r for r in on_host if r > 0 and store.get(f"host_copies/{r}") == b"1"]
     return peers if len(peers) > 1 else []
 
 

@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -175,16 +176,20 @@ class SharedSegment:
 
 
 class Staging:
-    """The publisher's segments: the version being staged or sent (``current``), and the next one's
-    (``spare``), reserved and page-locked in the background so the learner does not wait for it."""
+    """A stager's segments (the publisher's, a host copy's leader's): the version being staged or sent
+    (``current``), and the next one's (``spare``), reserved and page-locked on a thread of its own, so neither
+    the learner nor a broadcast waits for it."""
 
     def __init__(self) -> None:
         self.current: SharedSegment | None = None
         self.spare: SharedSegment | None = None
+        self.reserving: Future[None] | None = None  # the spare's reservation, in the background
+        self._thread: ThreadPoolExecutor | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of the current segment: the one staged and not yet sent, the spare, or a new one
-        (OSError if /dev/shm cannot hold it)."""
+        """``nbytes`` of the current segment: the one staged and not yet sent, the spare (once its reservation
+        has ended), or a new one (OSError if /dev/shm cannot hold it)."""
+        self.settle()
         if self.current is None or self.current.nbytes < nbytes:
             self.release(spare=False)  # staged and never sent, or too small
             spare, self.spare = self.spare, None
@@ -198,13 +203,33 @@ class Staging:
         return self.current.tensor[:nbytes]
 
     def reserve_spare(self, nbytes: int) -> None:
+        """Reserve the next version's segment of ``nbytes`` in the background (:meth:`take` waits for it)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-segment")
+        self.reserving = self._thread.submit(self._reserve, nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
         if self.spare is None:
             with contextlib.suppress(OSError):  # the next take tries again, and says why if it cannot
                 self.spare = SharedSegment.create(nbytes)
 
+    def settle(self) -> None:
+        """Wait for the spare's reservation, if one is under way."""
+        reserving, self.reserving = self.reserving, None
+        if reserving is not None:
+            reserving.result()
+
     def release(self, spare: bool = True) -> None:
         """Unlink and unmap the current segment (receivers that mapped it keep its pages until they let go
-        of them) and, ``spare``, the spare."""
+        of them) and, ``spare``, the spare, once its reservation has ended (and the reserving thread)."""
+        if spare:
+            try:
+                self.settle()
+            except Exception:
+                log.warning("reserving the next weight segment failed", exc_info=True)
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
         for segment in (self.current, self.spare if spare else None):
             if segment is not None:
                 segment.close()

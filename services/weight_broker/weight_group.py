@@ -364,9 +364,13 @@ class WeightGroup:
         deadline = time.monotonic() + self.spec.timeout_s
         try:
             while not self._announcements.check([key]):
-                if self._announcements.check(["failed"]) or time.monotonic() > deadline:
-                    why = "a rank declared the broadcast failed" if time.monotonic() <= deadline else ""
-                    raise TransferFailed(why or f"{key} was not set within {self.spec.timeout_s:.0f}s")
+                why = self._failure() or (
+                    f"{key} was not set within {self.spec.timeout_s:.0f}s"
+                    if time.monotonic() > deadline
+                    else None
+                )
+                if why:
+                    raise TransferFailed(why)
                 time.sleep(poll_s)
             return bytes(self._announcements.get(key)).decode()
         except TransferFailed:
@@ -375,6 +379,16 @@ class WeightGroup:
         except Exception as exc:
             self.close()
             raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
+
+    def _failure(self) -> str | None:
+        """Why a rank marked the collective failed in the store (None: none did); the store's failure too."""
+        try:
+            if not self._announcements.check(["failed"]):
+                return None
+            why = self._announcements.get("failed").decode(errors="replace")
+        except Exception as exc:
+            return f"the weight group's store is unreachable: {exc}"
+        return why if why and why != "1" else "rank 0 declared the broadcast failed"
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if every rank passed True."""
@@ -401,21 +415,15 @@ class WeightGroup:
             if time.monotonic() - last < check_every_s:
                 continue
             last = time.monotonic()
-            try:
-                failed = self._announcements.check(["failed"])
-                why = self._announcements.get("failed").decode(errors="replace") if failed else ""
-                why = why if why and why != "1" else "rank 0 declared the broadcast failed"
-            except Exception as exc:
-                failed, why = True, f"the weight group's store is unreachable: {exc}"
-            if not failed and self.members_gone is not None and last - asked >= self.alive_every_s:
+            why = self._failure()
+            if why is None and self.members_gone is not None and last - asked >= self.alive_every_s:
                 # a member that hung, or died without its connections closing (NCCL between the GPUs of one
                 # node notices neither), would hold every rank here until the timeout
                 asked = last
-                gone = self.members_gone()
-                if gone:
-                    self._mark_failed(gone)
-                    failed, why = True, gone
-            if failed:
+                why = self.members_gone()
+                if why:
+                    self._mark_failed(why)
+            if why:
                 self.close()
                 raise TransferFailed(why)
         try:
