@@ -1,10 +1,19 @@
 """The services of one run: the order they start in, what each start waits for, and how each one stops.
 
-Start-up order (:meth:`Services.up`), each step waiting for the one before:
+Start-up order (:meth:`Services.up`):
 
     Redis ─► Ray ─► model + config.resolved.json ─► streams and consumer groups (slots of dead samplers given
-    back) ─► weight broker ─► learner (rank 0 has published its version) ─► reward (Serve app) ─► dedicated
-    evaluator, if any (holds version 0) ─► samplers (every replica past STARTING) ─► Prometheus targets
+    back) ─► weight broker ─┬► learner (rank 0 has published its version) ─┬► dedicated evaluator, if any
+                            ├► reward (Serve app)                           │  (holds version 0) ─► samplers
+                            └► samplers, unless they wait for the evaluator ┴► every sampler replica past
+                                                                               STARTING ─► Prometheus targets
+
+The learner, the reward app and the samplers start side by side once the broker is up (each takes seconds
+to minutes: DeepSpeed and the model on the ranks, vLLM's engine on the replicas): a replica whose engine is
+ready before the learner has published waits for that first version, as it waits for any. The samplers wait
+for the learner instead when a dedicated evaluator must hold version 0 before training moves past it, or when
+a sampler or a learner rank asks for a fraction of a GPU (they may share one, whose free memory vLLM sizes
+its cache from as it starts).
 
 Each wait polls every 0.5 s, up to 600 s: a service that finishes (fails) while it is awaited raises, and a
 stop request (Ctrl-C) meanwhile raises KeyboardInterrupt, so the launcher goes straight to stopping. The
@@ -19,8 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +73,7 @@ class Services:
         self.learner: Any = None
         self.learner_watch: Any = None  # a RankWatch (services.learner.ray_group): is a rank hung?
         self.reward_up = False
+        self.reward_start: Starting | None = None  # the reward app's deployment, on a thread of its own
         self.samplers: list[Any] = []
         self.sampler_runs: list[Any] = []
         self.evaluator: Any = None  # the dedicated evaluator's actor, when there is one
@@ -161,11 +173,20 @@ class Services:
             f"{ends.get('host')})",
         )
 
-        version = self.start_learner()
+        self.begin_learner()
+        self.reward_up = True  # from here on, stopping deletes the app
+        self.reward_start = Starting("reward", lambda: deploy_reward(section(cfg, RewardServiceConfig)))
+        ev = cfg.evaluation
+        dedicated = bool(ev.sets) and ev.placement == "dedicated"
+        if not dedicated and not _fractional_gpus(cfg):
+            self.samplers, self.sampler_runs = start_samplers(
+                section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
+            )
+        version = self.wait_learner()
+        self.watch_learner()
         self.say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
 
-        deploy_reward(section(cfg, RewardServiceConfig))
-        self.reward_up = True
+        self.wait_reward()
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
         self.say(
             "reward",
@@ -173,7 +194,6 @@ class Services:
             f"default scorer {cfg.reward.default_scorer!r}",
         )
 
-        ev = cfg.evaluation
         if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
             where = "on the sampler replicas' engines (shared)"
             if ev.placement == "dedicated":
@@ -188,9 +208,10 @@ class Services:
                 f"{names}: every {ev.every} versions {where}; results in {self.run_dir / 'metrics.jsonl'}",
             )
 
-        self.samplers, self.sampler_runs = start_samplers(
-            section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
-        )
+        if not self.samplers:
+            self.samplers, self.sampler_runs = start_samplers(
+                section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
+            )
         self.wait_samplers()
         self.say(
             "samplers",
@@ -203,14 +224,31 @@ class Services:
     def start_learner(self, generation: int = 0) -> int:
         """Start the learner group (``generation`` counts its restarts) and wait until rank 0 has published;
         returns the version it published (0, or its checkpoint's after a restart)."""
+        self.begin_learner(generation)
+        version = self.wait_learner()
+        self.watch_learner()
+        return version
+
+    def begin_learner(self, generation: int = 0) -> None:
+        """Place the learner group's ranks and start them; :meth:`wait_learner` waits for their version."""
         from services.learner.config import LearnerServiceConfig
         from services.learner.ray_group import LearnerGroup
 
         self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=generation)
         self.learner.start(self.cfg.launcher.max_steps)
-        version = self.wait_learner()
-        self.watch_learner()
-        return version
+
+    def wait_reward(self, timeout_s: float = 600.0) -> None:
+        """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""
+        assert self.reward_start is not None
+        deadline = time.monotonic() + timeout_s
+        while not self.reward_start.done(0.5):
+            if self.stopping.event.is_set():
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the reward app was not ready after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+                )
+        self.reward_start.result()
 
     def scrape_targets(self, stopped: bool = False) -> None:
         groups = (
@@ -348,13 +386,22 @@ class Services:
             return
         from ray import serve
 
+        if self.reward_start is not None and not self.reward_start.done(60.0):
+            log.warning("the reward app was still deploying after 60 s; deleting it")
+
         from services.reward.serve_app import APP_NAME
 
+        handle = None
         try:  # one replica's figures (the local run has one); the ledger does not depend on them
             handle = serve.get_app_handle(APP_NAME)
             self.summary["reward"] = handle.summary.remote().result(timeout_s=30)
         except Exception:
             log.warning("no summary from the reward app", exc_info=True)
+        finally:
+            # the handle's router pushes metrics from a thread of its own; left running past ray.shutdown,
+            # its next push started a second local Ray instance (Ray's auto-init) as the launcher exited
+            if handle is not None:
+                handle.shutdown()
         serve.delete(APP_NAME)
         self.say("reward", "stopped; groups in hand forwarded")
 
@@ -385,6 +432,37 @@ class Services:
     def stop_redis(self) -> None:
         if self.local_redis is not None:
             self.local_redis.stop()
+
+
+class Starting:
+    """A blocking start (Serve's deploy waits for its replicas) on a thread of its own, so that other services
+    start meanwhile; :meth:`result` raises what the start raised."""
+
+    def __init__(self, name: str, start: Callable[[], Any]) -> None:
+        self._error: BaseException | None = None
+        self._start = start
+        self._thread = threading.Thread(target=self._run, name=f"start-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._start()
+        except BaseException as exc:  # handed to the waiting thread by result()
+            self._error = exc
+
+    def done(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _fractional_gpus(cfg: SystemConfig) -> bool:
+    """A sampler replica or a learner rank asks for part of a GPU: they may share one."""
+    return 0 < cfg.sampler.gpus_per_replica < 1 or 0 < cfg.learner.gpus_per_rank < 1
 
 
 def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:

@@ -152,6 +152,9 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_a_balanced_ledger_and_a_report(r
     os.killpg(launch.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     assert launch.finish(timeout_s=300) == 0, launch.output[-6000:]
     assert "stopping (SIGINT)" in launch.output
+    # one Ray instance: nothing the launcher left running (a Serve handle's metrics thread once did) started
+    # a second one through Ray's auto-init after ray.shutdown
+    assert launch.output.count("Started a local Ray instance") == 1, launch.output[-6000:]
     ledger = _ledger(run_dir)
     assert ledger["balanced"], ledger
     assert ledger["steps"] >= FIRST_STOP and ledger["max_trained_lag"] <= 4
