@@ -55,6 +55,12 @@ class LauncherConfig(Section):
         gt=0,
         description="Longest wait for each service to stop (samplers, reward, the learner's checkpoint).",
     )
+    sequential_start: bool = Field(
+        False,
+        description="Start the learner, then the reward app, then the samplers, each once the one before is "
+        "up (the start-up of old: slower, its failures one at a time). By default the three start side by "
+        "side once the weight broker is up (benchmarks/startup.py compares the two).",
+    )
     warm_start_steps: int = Field(
         0, ge=0, description="Supervised warm-start steps on sampler.dataset before RL (0 = none)."
     )

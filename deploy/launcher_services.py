@@ -13,7 +13,7 @@ to minutes: DeepSpeed and the model on the ranks, vLLM's engine on the replicas)
 ready before the learner has published waits for that first version, as it waits for any. The samplers wait
 for the learner instead when a dedicated evaluator must hold version 0 before training moves past it, or when
 a sampler or a learner rank asks for a fraction of a GPU (they may share one, whose free memory vLLM sizes
-its cache from as it starts).
+its cache from as it starts). ``launcher.sequential_start`` starts each only once the one before is up.
 
 Each wait polls every 0.5 s, up to 600 s: a service that finishes (fails) while it is awaited raises, and a
 stop request (Ctrl-C) meanwhile raises KeyboardInterrupt, so the launcher goes straight to stopping. The
@@ -173,26 +173,23 @@ class Services:
             f"{ends.get('host')})",
         )
 
-        self.begin_learner()
-        self.reward_up = True  # from here on, stopping deletes the app
-        self.reward_start = Starting("reward", lambda: deploy_reward(section(cfg, RewardServiceConfig)))
+        sequential = cfg.launcher.sequential_start
         ev = cfg.evaluation
         dedicated = bool(ev.sets) and ev.placement == "dedicated"
-        if not dedicated and not _fractional_gpus(cfg):
+        self.begin_learner()
+        if sequential:
+            self.learner_up()
+        self.reward_up = True  # from here on, stopping deletes the app
+        self.reward_start = Starting("reward", lambda: deploy_reward(section(cfg, RewardServiceConfig)))
+        if sequential:
+            self.reward_ready()
+        elif not dedicated and not _fractional_gpus(cfg):
             self.samplers, self.sampler_runs = start_samplers(
                 section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
             )
-        version = self.wait_learner()
-        self.watch_learner()
-        self.say("learner", f"{cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
-
-        self.wait_reward()
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
-        self.say(
-            "reward",
-            f"Ray Serve app, {cfg.reward.min_replicas}..{cfg.reward.max_replicas} replica(s), "
-            f"default scorer {cfg.reward.default_scorer!r}",
-        )
+        if not sequential:
+            self.learner_up()
+            self.reward_ready()
 
         if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
             where = "on the sampler replicas' engines (shared)"
@@ -236,6 +233,20 @@ class Services:
 
         self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=generation)
         self.learner.start(self.cfg.launcher.max_steps)
+
+    def learner_up(self) -> None:
+        version = self.wait_learner()
+        self.watch_learner()
+        self.say("learner", f"{self.cfg.learner.num_ranks} ZeRO-3 rank(s), version {version} published")
+
+    def reward_ready(self) -> None:
+        self.wait_reward()
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # replicas log to <run_dir>/logs
+        r = self.cfg.reward
+        self.say(
+            "reward",
+            f"Ray Serve app, {r.min_replicas}..{r.max_replicas} replica(s), default scorer {r.default_scorer!r}",
+        )
 
     def wait_reward(self, timeout_s: float = 600.0) -> None:
         """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""

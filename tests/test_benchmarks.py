@@ -157,6 +157,18 @@ def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
         assert math.isfinite(figures[key]) and figures[key] > 0, (key, figures[key])
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(660)  # run_quick gives the script 600 s
+def test_startup_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("startup.py")  # two whole launcher runs: sequential, then side by side
+    assert any(line.startswith("side-by-side") for line in lines)  # the table
+    assert (figures["repeats"], figures["steps"]) == (1, 3)
+    for mode in ("sequential", "side_by_side"):
+        assert 0 < figures["services_s"][mode] < figures["ready_s"][mode], figures
+    assert figures["side_by_side_over_sequential"] > 0
+
+
 def test_vcpo_step_benchmark_builds_its_batch_on_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor of the batch lives where the model does (``--device cuda`` failed: the response mask
     stayed on the CPU). The meta device stands in for a GPU here: nothing is computed (the model's log-probs
