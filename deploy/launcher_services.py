@@ -412,7 +412,10 @@ class Services:
             # the handle's router pushes metrics from a thread of its own; left running past ray.shutdown,
             # its next push started a second local Ray instance (Ray's auto-init) as the launcher exited
             if handle is not None:
-                handle.shutdown()
+                try:
+                    handle.shutdown()
+                except Exception:  # the app is deleted below all the same
+                    log.warning("could not shut the reward app's handle down", exc_info=True)
         serve.delete(APP_NAME)
         self.say("reward", "stopped; groups in hand forwarded")
 
