@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from deploy.config import SystemConfig, section
 from deploy.launcher_restarts import LauncherMetrics
 from deploy.launcher_setup import init_ray, prepare_model, with_ports_and_redis
+from deploy.launcher_starting import Starting
 from deploy.launcher_stopping import Stopping
 from deploy.metrics_log import MetricsLog
 from deploy.targets import prometheus_targets, write_prometheus_targets
@@ -52,6 +52,7 @@ from services.common.streams.consumer import StreamConsumer
 from services.common.streams.specs import StreamSpec, connect, stream_specs
 
 log = logging.getLogger("vcpo.launch")
+T = TypeVar("T")
 
 
 class Services:
@@ -181,15 +182,13 @@ class Services:
             self.learner_up()
         self.reward_up = True  # from here on, stopping deletes the app
         self.reward_start = Starting("reward", lambda: deploy_reward(section(cfg, RewardServiceConfig)))
-        if sequential:
-            self.reward_ready()
-        elif not dedicated and not _fractional_gpus(cfg):
-            self.samplers, self.sampler_runs = start_samplers(
-                section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
-            )
         if not sequential:
+            if not dedicated and not _fractional_gpus(cfg):
+                self.samplers, self.sampler_runs = start_samplers(
+                    section(cfg, SamplerServiceConfig), max_restarts=cfg.launcher.max_restarts
+                )
             self.learner_up()
-            self.reward_ready()
+        self.reward_ready()
 
         if ev.sets:  # before the samplers: a dedicated evaluator holds version 0 before training moves on
             where = "on the sampler replicas' engines (shared)"
@@ -248,19 +247,6 @@ class Services:
             f"Ray Serve app, {r.min_replicas}..{r.max_replicas} replica(s), default scorer {r.default_scorer!r}",
         )
 
-    def wait_reward(self, timeout_s: float = 600.0) -> None:
-        """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""
-        assert self.reward_start is not None
-        deadline = time.monotonic() + timeout_s
-        while not self.reward_start.done(0.5):
-            if self.stopping.event.is_set():
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the reward app was not ready after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
-                )
-        self.reward_start.result()
-
     def scrape_targets(self, stopped: bool = False) -> None:
         groups = (
             []
@@ -293,62 +279,79 @@ class Services:
         """Until every sampler replica has its engine and weights (its status is past STARTING)."""
         import ray
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            done, _ = ray.wait(self.sampler_runs, timeout=0)
-            if done:
-                ray.get(done)
-                raise RuntimeError("a sampler finished before it generated")
+        def ready() -> bool | None:
+            _raise_if_finished(self.sampler_runs, "a sampler finished before it generated")
             statuses = ray.get([a.status.remote() for a in self.samplers], timeout=60)
-            if all(s["state"] != "STARTING" for s in statuses):
-                return
-            if self.stopping.event.is_set():
-                raise KeyboardInterrupt
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+            return True if all(s["state"] != "STARTING" for s in statuses) else None
+
+        self._await(
+            ready,
+            timeout_s,
+            f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
         )
 
     def wait_evaluator(self, timeout_s: float = 600.0) -> None:
         """Until the dedicated evaluator has its engine and the version the learner published at start."""
         import ray
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            done, _ = ray.wait([self.evaluator_run], timeout=0)
-            if done:
-                ray.get(done)
-                raise RuntimeError("the evaluator finished before it evaluated")
-            if ray.get(self.evaluator.first_version.remote(), timeout=60) is not None:
-                return
-            if self.stopping.event.is_set():
-                raise KeyboardInterrupt
-            time.sleep(0.5)
-        raise TimeoutError(
+        def ready() -> int | None:
+            _raise_if_finished([self.evaluator_run], "the evaluator finished before it evaluated")
+            version: int | None = ray.get(self.evaluator.first_version.remote(), timeout=60)
+            return version
+
+        self._await(
+            ready,
+            timeout_s,
             f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
-            f"{self.run_dir / 'logs' / 'evaluator.log'}"
+            f"{self.run_dir / 'logs' / 'evaluator.log'}",
         )
 
     def wait_learner(self, timeout_s: float = 600.0) -> int:
         """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
         returns it."""
-        import ray
 
+        def ready() -> int | None:
+            # a rank that failed at start raises here
+            _raise_if_finished(self.learner.runs, "the learner finished before it published a version")
+            version = self.learner.started()
+            return None if version is None else int(version)
+
+        return self._await(
+            ready,
+            timeout_s,
+            f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
+        )
+
+    def wait_reward(self, timeout_s: float = 600.0) -> None:
+        """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""
+        start = self.reward_start
+        assert start is not None
+
+        def ready() -> bool | None:
+            if not start.done(0):
+                return None
+            start.result()  # raises what the deploy raised
+            return True
+
+        self._await(
+            ready,
+            timeout_s,
+            f"the reward app was not ready after {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
+        )
+
+    def _await(self, ready: Callable[[], T | None], timeout_s: float, late: str) -> T:
+        """Call ``ready`` every 0.5 s until it returns something other than None (it raises for a service that
+        failed meanwhile) and return that; a stop request raises KeyboardInterrupt, and ``timeout_s`` without
+        an answer TimeoutError(``late``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            done, _ = ray.wait(self.learner.runs, timeout=0)
-            if done:
-                ray.get(done)  # a rank that failed at start raises here
-                raise RuntimeError("the learner finished before it published a version")
-            version = self.learner.started()
-            if version is not None:
-                return int(version)
+            value = ready()
+            if value is not None:
+                return value
             if self.stopping.event.is_set():
                 raise KeyboardInterrupt
             time.sleep(0.5)
-        raise TimeoutError(
-            f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}"
-        )
+        raise TimeoutError(late)
 
     def watch_learner(self) -> None:
         timeout = self.cfg.launcher.learner_hang_timeout_s
@@ -448,35 +451,19 @@ class Services:
             self.local_redis.stop()
 
 
-class Starting:
-    """A blocking start (Serve's deploy waits for its replicas) on a thread of its own, so that other services
-    start meanwhile; :meth:`result` raises what the start raised."""
-
-    def __init__(self, name: str, start: Callable[[], Any]) -> None:
-        self._error: BaseException | None = None
-        self._start = start
-        self._thread = threading.Thread(target=self._run, name=f"start-{name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._start()
-        except BaseException as exc:  # handed to the waiting thread by result()
-            self._error = exc
-
-    def done(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 def _fractional_gpus(cfg: SystemConfig) -> bool:
     """A sampler replica or a learner rank asks for part of a GPU: they may share one."""
     return 0 < cfg.sampler.gpus_per_replica < 1 or 0 < cfg.learner.gpus_per_rank < 1
+
+
+def _raise_if_finished(refs: list[Any], what: str) -> None:
+    """A service awaited at start-up that finished has failed: its error is raised, else ``what``."""
+    import ray
+
+    done, _ = ray.wait(refs, timeout=0)
+    if done:
+        ray.get(done)
+        raise RuntimeError(what)
 
 
 def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:

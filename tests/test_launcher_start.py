@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from deploy.config import SystemConfig
-from deploy.launcher_services import Starting, _fractional_gpus
+from deploy.launcher_services import Services, _fractional_gpus
+from deploy.launcher_starting import Starting
+from deploy.launcher_stopping import Stopping
+
+
+def _services(tmp_path: Path) -> Services:
+    cfg = SystemConfig.model_validate({"run": {"run_dir": str(tmp_path)}})
+    return Services(cfg, Stopping(), {}, time.monotonic())
 
 
 def test_a_start_on_its_own_thread_runs_while_the_caller_goes_on_and_hands_back_its_error() -> None:
@@ -51,3 +58,29 @@ def test_samplers_wait_for_the_learner_only_when_either_asks_for_part_of_a_gpu(
         }
     )
     assert _fractional_gpus(cfg) is shared
+
+
+def test_a_start_up_wait_returns_the_first_answer_even_a_falsy_one(tmp_path: Path) -> None:
+    answers = iter([None, None, 0])  # version 0 is an answer; None is "not yet"
+    assert _services(tmp_path)._await(lambda: next(answers), 10, "late") == 0
+
+
+def test_a_start_up_wait_stops_on_a_stop_request_and_times_out_with_its_message(tmp_path: Path) -> None:
+    services = _services(tmp_path)
+    with pytest.raises(TimeoutError, match="the reward app was not ready"):
+        services._await(lambda: None, 0.6, "the reward app was not ready after 0s")
+    services.stopping.event.set()
+    with pytest.raises(KeyboardInterrupt):
+        services._await(lambda: None, 10, "late")
+
+
+def test_waiting_for_the_reward_app_raises_what_its_deploy_raised(tmp_path: Path) -> None:
+    services = _services(tmp_path)
+
+    def deploy() -> None:
+        time.sleep(0.3)
+        raise RuntimeError("Deploying app 'vcpo-reward' failed")
+
+    services.reward_start = Starting("reward", deploy)
+    with pytest.raises(RuntimeError, match="Deploying app 'vcpo-reward' failed"):
+        services.wait_reward(timeout_s=10)
