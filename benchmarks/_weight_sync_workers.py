@@ -13,7 +13,10 @@ What it decides:
   a fetcher that dies without reporting fails the run at once;
 - the collective: receivers join a gloo weight group; version 1 is untimed, version 2 is timed from the
   publisher's call until the last receiver holds it, versions 3 and 4 go in the background from a staging
-  buffer (the 4th is the one reported; the 3rd allocates the buffer).
+  buffer (the 4th is the one reported; the 3rd allocates the buffer);
+- the collective on devices (weight_sync_gpu.py): the same, each receiver on a device of its own or a shared
+  one, also timed until it has loaded each version into its model there; every version differs from the last,
+  and every model must equal it byte for byte.
 """
 
 from __future__ import annotations
@@ -311,3 +314,117 @@ def run_collective(
         "blocked_s": blocked,
         "staged_blocked_s": staged_blocked[-1],
     }
+
+
+# ------------------------------------------------------------------------------------ collective, on devices
+
+
+def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: int, results: Any) -> None:
+    """A sampler engine's worker on ``device``, as ``vcpo_collective`` runs it: joins the weight group (NCCL
+    members pass their GPU; ranks sharing one fall back to gloo and /dev/shm), takes each version as it is
+    broadcast, then loads it into its own copy of the model on ``device`` (allocated at the first, untimed
+    version), as the engine's load does. Reports when it held the version and when its model did."""
+    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        group = WeightGroup(GroupSpec(**spec), rank, dev if spec["backend"] == "nccl" else None)
+        receiver = CollectiveReceiver(group)
+        model: list[torch.Tensor] = []
+        for _ in range(versions):
+            version, tensors, _ = receiver.receive()
+            received = time.monotonic()  # committed by every member, in this worker's host memory or mapped
+            model = model or [torch.empty(t.shape, dtype=t.dtype, device=dev) for _, t in tensors]
+            for weight, (_, tensor) in zip(model, tensors, strict=True):
+                weight.copy_(tensor, non_blocking=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            done = time.monotonic()
+            names = [name for name, _ in tensors]
+            del tensors
+            results.put(
+                {
+                    "rank": rank,
+                    "version": version,
+                    "received": received,
+                    "done": done,
+                    "digest": digest_of(list(zip(names, model, strict=True))),
+                    "bytes": sum(t.numel() * t.element_size() for t in model),
+                }
+            )
+        group.close()
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_loading(
+    named: list[tuple[str, torch.Tensor]],
+    devices: list[str],
+    backend: str,
+    bucket_mib: int,
+    shared_memory: bool = False,
+) -> dict[str, float]:
+    """The publisher (this process, its tensors where ``named`` lives) broadcasts 4 versions to one receiver
+    process per entry of ``devices``, each loading into its model there. Version 2 (``send``) is timed from
+    the start of the publish until every receiver held it (``received_s``) and until every model did
+    (``seconds``); ``load_gbps`` is the slowest receiver's load. Versions 3 and 4 go in the background from
+    the staging buffer; ``blocked_s`` is the 4th's wait (the 3rd allocates the buffer). Each version differs
+    in its first element, and every receiver's model must equal it byte for byte."""
+    from services.weight_broker.collective import CollectivePublisher
+    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+
+    spec: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": len(devices) + 1,
+        "backend": backend,
+        "timeout_s": 300.0,
+    }
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_loading_receiver, args=(spec, r + 1, device, 4, results))
+        for r, device in enumerate(devices)
+    ]
+    for p in procs:
+        p.start()
+    figures: dict[str, float] = {}
+    try:
+        here = named[0][1].device
+        group = WeightGroup(GroupSpec(**spec), 0, here if backend == "nccl" else None)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
+        specs = [TensorSpec.of(name, t) for name, t in named]
+        for version in range(1, 5):
+            named[0][1].view(-1)[0] = float(version)  # every version's bytes differ from the last
+            expected = digest_of(named)
+            t0 = time.monotonic()
+            if version <= 2:
+                stats = publisher.send(version, specs, iter(named))
+            else:
+                figures["blocked_s"] = publisher.send_background(version, specs, iter(named))
+                stats = publisher.wait()  # type: ignore[assignment]
+            out = _collect(results, len(devices), procs, timeout_s=600)
+            errors = [r["error"] for r in out if "error" in r]
+            if errors:
+                raise RuntimeError(f"receivers failed: {errors}")
+            if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out):
+                raise SystemExit(f"version {version}: a receiver's model differs from the published one")
+            if version == 2:
+                figures["seconds"] = max(r["done"] for r in out) - t0
+                figures["received_s"] = max(r["received"] for r in out) - t0
+                figures["load_gbps"] = min(stats.bytes / (r["done"] - r["received"]) / 1e9 for r in out)
+                figures["shared_memory"] = stats.extra["shared_memory"]
+                figures["bytes"] = float(stats.bytes)
+        publisher.close()
+        group.close()
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.terminate()
+                p.join()
+    return figures

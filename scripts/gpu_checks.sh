@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of the learner: every `gpu`-marked test of the learner paths and the CUDA benchmarks, logged
+# The GPU checks: every `gpu`-marked test of the learner and weight-transport paths and the CUDA benchmarks, logged
 # to $OUT (default runs/gpu-checks). For a machine with one CUDA GPU and this repository with its generated
 # gen/ (make proto). Where the project's Python dependencies are not installed, put their wheels in .whl/
 # (scripts/gpu_wheels.sh gathers them: deepspeed, hjson, pydantic, pydantic-core, annotated-types,
@@ -50,4 +50,7 @@ bench learner_step_200m benchmarks/learner_step.py --device cuda --size 200m --r
 # estimate_over_measured is the start-up estimate against torch.cuda.max_memory_allocated (target within 15%)
 bench learner_memory_0.5b benchmarks/learner_memory.py --device cuda --size 0.5b --lengths 1024 2048
 bench learner_memory_0.5b_ckpt benchmarks/learner_memory.py --device cuda --size 0.5b --lengths 2048 --checkpointing
+# issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
+# the publisher and its receivers (gloo, /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
+bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048
 exit "$status"

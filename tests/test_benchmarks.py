@@ -97,6 +97,44 @@ def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     assert figures["learner_blocked_s_per_version"] > 0
 
 
+def test_weight_sync_gpu_benchmark_runs_its_processes_on_cpu() -> None:
+    # the same publisher and loading receivers as on GPUs, over gloo: /dev/shm and loopback sockets
+    lines, figures = run_quick("weight_sync_gpu.py", "--device", "cpu")
+    assert "every receiver's model equals every version it was sent" in lines  # else it exits non-zero
+    assert figures["device"] == "cpu" and figures["model_bytes"] > 16_000_000
+    for path in ("shm", "sockets"):
+        for key in ("gbps", "received_gbps", "load_gbps", "2_over_1"):
+            assert figures[f"{path}_{key}"] > 0, key
+        assert figures[f"{path}_blocked_s"] >= 0
+    assert figures["host_round_trip_gbps"] > 0 and "shared_gpu_gbps" not in figures
+
+
+def test_weight_sync_gpu_benchmark_gives_each_nccl_receiver_a_gpu_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from benchmarks.weight_sync_gpu import paths
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    runs = paths(torch.device("cuda", 0), [1, 2, 4])
+    assert runs["shared_gpu"] == ("nccl", False, [["cuda:0"], ["cuda:0"] * 2, ["cuda:0"] * 4])
+    assert runs["nccl"] == ("nccl", False, [["cuda:1"], ["cuda:1", "cuda:2"]])  # no 4: two GPUs are left
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {"shared_gpu"}
+
+
+@pytest.mark.gpu
+def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
+    import torch
+
+    lines, figures = run_quick("weight_sync_gpu.py", "--device", "cuda")
+    assert "every receiver's model equals every version it was sent" in lines
+    assert figures["device"] == "cuda" and figures["host_round_trip_gbps"] > 0
+    assert figures["shared_gpu_gbps"] > 0 and figures["shared_gpu_2_over_1"] > 0
+    assert ("nccl_gbps" in figures) == (torch.cuda.device_count() > 1)
+
+
 def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_step.py")
     assert any(line.startswith("publish") for line in lines)  # the table

@@ -1,0 +1,161 @@
+"""Weight sync on GPUs: the collective transport's device paths, timed until every receiver's model holds the
+version, beside what the hardware moves in one process.
+
+The publisher is this process (the learner's rank 0), its model (float32, laid out like a transformer, as in
+weight_sync.py) on ``cuda:0``. Each receiver is a process standing for one sampler engine's worker: it joins
+the weight group as ``vcpo_collective`` does, receives each version, and loads it into its own copy of the
+model on its device (a copy per tensor, as the engine's load does). Paths, by the GPUs there are:
+
+    shared_gpu   every receiver on cuda:0 beside the publisher, as when a learner and samplers are given
+                 fractions of one GPU: the NCCL epoch falls back to gloo, the version goes through a
+                 page-locked /dev/shm segment the receivers map, and each loads it from there (always run)
+    nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
+                 each receiver through its GPU bounce buffers into the host copy it keeps with the others on
+                 this host, then loaded (two or more GPUs)
+
+Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out). Version 2 is timed from the start
+of the publish until every model holds it; versions 3 and 4 go in the background from the staging buffer and
+the publisher's wait for the 4th is reported. Every receiver's model must equal each version byte for byte.
+The hardware's figures, in this process: the model's bytes device to page-locked host and back
+(``host_round_trip_gbps``: the shared-GPU path's floor is one such round trip) and device to device.
+
+``--device cpu`` runs the same processes on CPU (``shm``: gloo, the version through /dev/shm; ``sockets``:
+gloo over loopback) so this script is tested where no GPU is; its figures say nothing about GPUs.
+
+Headline figures (the JSON object on the last line), at 1 receiver unless named; GB/s are 10**9 bytes/s:
+
+    <path>_gbps            model bytes / seconds from the start of a publish until the receiver's model holds
+                           it; <path>_received_gbps: until it held it in host memory (before its load)
+    <path>_load_gbps       the slowest receiver's load into its model
+    <path>_N_over_1        N receivers' seconds over one's (target <= 1.3: flat in receivers)
+    <path>_blocked_s       the publisher's wait for a background broadcast (the learner's step overlaps the rest)
+    shared_gpu_over_round_trip   shared_gpu_gbps / host_round_trip_gbps
+
+    python benchmarks/weight_sync_gpu.py [--quick] [--size-mib 2048] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks._weight_sync_workers import MiB, build_model, run_loading
+
+
+def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Best-of-``repeats`` GB/s of copying ``nbytes`` in this process: device to page-locked host, back, and
+    device to device (on CPU: host to host)."""
+
+    def best(copy: Any) -> float:
+        seconds = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            copy()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - t0)
+        return nbytes / min(seconds) / 1e9
+
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    other = torch.empty_like(source)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    d2h = best(lambda: host.copy_(source, non_blocking=True))
+    h2d = best(lambda: source.copy_(host, non_blocking=True))
+    d2d = best(lambda: other.copy_(source))
+    return {
+        "device_to_host_gbps": d2h,
+        "host_to_device_gbps": h2d,
+        "host_round_trip_gbps": 1 / (1 / d2h + 1 / h2d),
+        "device_copy_gbps": d2d,
+    }
+
+
+def paths(device: torch.device, receivers: list[int]) -> dict[str, tuple[str, bool, list[list[str]]]]:
+    """Each path's backend, whether it asks for /dev/shm, and the receivers' devices for each count."""
+    if device.type == "cpu":
+        cpu = [["cpu"] * n for n in receivers]
+        return {"shm": ("gloo", True, cpu), "sockets": ("gloo", False, cpu)}
+    out = {"shared_gpu": ("nccl", False, [[str(device)] * n for n in receivers])}
+    others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
+    if others:
+        out["nccl"] = ("nccl", False, [others[:n] for n in receivers if n <= len(others)])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="16 MiB, 1 and 2 receivers (seconds)")
+    parser.add_argument("--size-mib", type=int, default=2048, help="model size in MiB (default 2048)")
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4], help="receivers per run")
+    parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
+    parser.add_argument("--device", default="cuda", help="the publisher's device: cuda (cuda:0) or cpu")
+    args = parser.parse_args()
+    if args.quick:
+        args.size_mib, args.receivers = 16, [1, 2]
+    if sorted(set(args.receivers)) != args.receivers or args.receivers[0] != 1:
+        raise SystemExit(f"--receivers must rise from 1 without repeats, got {args.receivers}")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU here (--device cpu runs the same processes on CPU)")
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise SystemExit(f"--device must be cuda or cpu, got {args.device!r}")
+
+    named = [(name, t.to(device)) for name, t in build_model(args.size_mib * MiB)]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    figures: dict[str, Any] = {"device": device.type, "model_bytes": nbytes}
+    if device.type == "cuda":
+        figures["gpu"] = torch.cuda.get_device_name(device)
+        figures["gpus"] = torch.cuda.device_count()
+    figures.update(hardware(nbytes, device))
+    print(
+        f"{args.size_mib} MiB model ({len(named)} tensors) on {device}: device to host "
+        f"{figures['device_to_host_gbps']:.1f} GB/s, host to device {figures['host_to_device_gbps']:.1f}, "
+        f"round trip {figures['host_round_trip_gbps']:.1f}, device copy {figures['device_copy_gbps']:.1f}"
+    )
+    print(
+        f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
+    )
+    for path, (backend, shm, devices_per_run) in paths(device, args.receivers).items():
+        seconds: dict[int, float] = {}
+        for devices in devices_per_run:
+            n = len(devices)
+            row = run_loading(named, devices, backend, args.bucket_mib, shared_memory=shm)
+            expect_shm = path in ("shm", "shared_gpu")
+            if row["shared_memory"] != (1.0 if expect_shm else 0.0):
+                raise SystemExit(f"{path}: the publisher {'did not use' if expect_shm else 'used'} /dev/shm")
+            seconds[n] = row["seconds"]
+            print(
+                f"{path:<11} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "
+                f"{nbytes / row['seconds'] / 1e9:>7.2f} {row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
+                flush=True,
+            )
+            if n == 1:
+                figures[f"{path}_gbps"] = nbytes / row["seconds"] / 1e9
+                figures[f"{path}_received_gbps"] = nbytes / row["received_s"] / 1e9
+                figures[f"{path}_load_gbps"] = row["load_gbps"]
+                figures[f"{path}_blocked_s"] = row["blocked_s"]
+            else:
+                figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
+    if "shared_gpu_gbps" in figures:
+        figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
+    print("every receiver's model equals every version it was sent")
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
+if __name__ == "__main__":
+    main()
