@@ -319,11 +319,16 @@ def run_collective(
 # ------------------------------------------------------------------------------------ collective, on devices
 
 
-def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: int, results: Any) -> None:
+def _loading_receiver(
+    spec: dict[str, Any], rank: int, device: str, versions: int, lock: bool, results: Any
+) -> None:
     """A sampler engine's worker on ``device``, as ``vcpo_collective`` runs it: joins the weight group (NCCL
     members pass their GPU; ranks sharing one fall back to gloo and /dev/shm), takes each version as it is
     broadcast, then loads it into its own copy of the model on ``device`` (allocated at the first, untimed
-    version), as the engine's load does. Reports when it held the version and when its model did."""
+    version), as the engine's load does. Reports when it held the version and when its model did. ``lock``
+    (CUDA): page-lock the mapped /dev/shm segment read-only before loading from it (an experiment: the
+    sampler loads from the mapping as it is); a driver that refuses is reported, and the load goes on
+    unlocked."""
     from services.weight_broker.collective import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -338,11 +343,14 @@ def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: in
             version, tensors, _ = receiver.receive()
             received = time.monotonic()  # committed by every member, in this worker's host memory or mapped
             model = model or [torch.empty(t.shape, dtype=t.dtype, device=dev) for _, t in tensors]
+            locked, lock_error = _lock_mapping(tensors) if lock and dev.type == "cuda" else (0, 0)
             for weight, (_, tensor) in zip(model, tensors, strict=True):
                 weight.copy_(tensor, non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             done = time.monotonic()
+            if locked:
+                torch.cuda.cudart().cudaHostUnregister(locked)
             names = [name for name, _ in tensors]
             del tensors
             results.put(
@@ -353,6 +361,8 @@ def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: in
                     "done": done,
                     "digest": digest_of(list(zip(names, model, strict=True))),
                     "bytes": sum(t.numel() * t.element_size() for t in model),
+                    "locked": bool(locked),
+                    "lock_error": lock_error,
                 }
             )
         group.close()
@@ -361,19 +371,34 @@ def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: in
         raise
 
 
+def _lock_mapping(tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """Page-lock the host memory behind ``tensors`` (views of one mapped segment), read-only and portable; its
+    address (0 if the driver refused) and the CUDA error."""
+    storage = tensors[0][1].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for _, t in tensors):
+        raise ValueError("the version's tensors are not views of one mapping")
+    portable, read_only = 1, 8  # cudaHostRegisterPortable | cudaHostRegisterReadOnly: no copy-on-write break
+    err = int(
+        torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), portable | read_only)
+    )
+    return (0, err) if err else (storage.data_ptr(), 0)
+
+
 def run_loading(
     named: list[tuple[str, torch.Tensor]],
     devices: list[str],
     backend: str,
     bucket_mib: int,
     shared_memory: bool = False,
+    lock: bool = False,
 ) -> dict[str, float]:
     """The publisher (this process, its tensors where ``named`` lives) broadcasts 4 versions to one receiver
     process per entry of ``devices``, each loading into its model there. Version 2 (``send``) is timed from
     the start of the publish until every receiver held it (``received_s``) and until every model did
     (``seconds``); ``load_gbps`` is the slowest receiver's load. Versions 3 and 4 go in the background from
     the staging buffer; ``blocked_s`` is the 4th's wait (the 3rd allocates the buffer). Each version differs
-    in its first element, and every receiver's model must equal it byte for byte."""
+    in its first element, and every receiver's model must equal it byte for byte. ``lock``: the receivers
+    page-lock their mapping of a /dev/shm version before loading (``locked``: all could)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -387,7 +412,7 @@ def run_loading(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_loading_receiver, args=(spec, r + 1, device, 4, results))
+        ctx.Process(target=_loading_receiver, args=(spec, r + 1, device, 4, lock, results))
         for r, device in enumerate(devices)
     ]
     for p in procs:
@@ -419,6 +444,8 @@ def run_loading(
                 figures["load_gbps"] = min(stats.bytes / (r["done"] - r["received"]) / 1e9 for r in out)
                 figures["shared_memory"] = stats.extra["shared_memory"]
                 figures["bytes"] = float(stats.bytes)
+                figures["locked"] = float(all(r["locked"] for r in out))
+                figures["lock_error"] = float(max(r["lock_error"] for r in out))
         publisher.close()
         group.close()
     finally:

@@ -9,6 +9,9 @@ model on its device (a copy per tensor, as the engine's load does). Paths, by th
     shared_gpu   every receiver on cuda:0 beside the publisher, as when a learner and samplers are given
                  fractions of one GPU: the NCCL epoch falls back to gloo, the version goes through a
                  page-locked /dev/shm segment the receivers map, and each loads it from there (always run)
+    shared_gpu_locked   the same, each receiver page-locking its mapping of the segment (read-only) before
+                 it loads from it, the page-locking inside its load's time: whether the sampler should (it
+                 does not: its loads read the mapping as it is); a driver that refuses is printed
     nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
                  each receiver through its GPU bounce buffers into the host copy it keeps with the others on
                  this host, then loaded (two or more GPUs)
@@ -80,15 +83,20 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
     }
 
 
-def paths(device: torch.device, receivers: list[int]) -> dict[str, tuple[str, bool, list[list[str]]]]:
-    """Each path's backend, whether it asks for /dev/shm, and the receivers' devices for each count."""
+Run = tuple[str, bool, bool, list[list[str]]]
+
+
+def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
+    """Each path's backend, whether it asks for /dev/shm, whether its receivers page-lock their mapping, and
+    the receivers' devices for each count."""
     if device.type == "cpu":
         cpu = [["cpu"] * n for n in receivers]
-        return {"shm": ("gloo", True, cpu), "sockets": ("gloo", False, cpu)}
-    out = {"shared_gpu": ("nccl", False, [[str(device)] * n for n in receivers])}
+        return {"shm": ("gloo", True, False, cpu), "sockets": ("gloo", False, False, cpu)}
+    shared = [[str(device)] * n for n in receivers]
+    out = {"shared_gpu": ("nccl", False, False, shared), "shared_gpu_locked": ("nccl", False, True, shared)}
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
     if others:
-        out["nccl"] = ("nccl", False, [others[:n] for n in receivers if n <= len(others)])
+        out["nccl"] = ("nccl", False, False, [others[:n] for n in receivers if n <= len(others)])
     return out
 
 
@@ -130,12 +138,16 @@ def main() -> None:
     print(
         f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
     )
-    for path, (backend, shm, devices_per_run) in paths(device, args.receivers).items():
+    for path, (backend, shm, lock, devices_per_run) in paths(device, args.receivers).items():
         seconds: dict[int, float] = {}
         for devices in devices_per_run:
             n = len(devices)
-            row = run_loading(named, devices, backend, args.bucket_mib, shared_memory=shm)
-            expect_shm = path in ("shm", "shared_gpu")
+            row = run_loading(named, devices, backend, args.bucket_mib, shared_memory=shm, lock=lock)
+            if lock and not row["locked"]:
+                print(
+                    f"{path}: the driver refused to page-lock the mapping (CUDA error {row['lock_error']:.0f})"
+                )
+            expect_shm = path in ("shm", "shared_gpu", "shared_gpu_locked")
             if row["shared_memory"] != (1.0 if expect_shm else 0.0):
                 raise SystemExit(f"{path}: the publisher {'did not use' if expect_shm else 'used'} /dev/shm")
             seconds[n] = row["seconds"]

@@ -118,10 +118,12 @@ def test_weight_sync_gpu_benchmark_gives_each_nccl_receiver_a_gpu_of_its_own(
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     runs = paths(torch.device("cuda", 0), [1, 2, 4])
-    assert runs["shared_gpu"] == ("nccl", False, [["cuda:0"], ["cuda:0"] * 2, ["cuda:0"] * 4])
-    assert runs["nccl"] == ("nccl", False, [["cuda:1"], ["cuda:1", "cuda:2"]])  # no 4: two GPUs are left
+    shared = [["cuda:0"], ["cuda:0"] * 2, ["cuda:0"] * 4]
+    assert runs["shared_gpu"] == ("nccl", False, False, shared)
+    assert runs["shared_gpu_locked"] == ("nccl", False, True, shared)
+    assert runs["nccl"] == ("nccl", False, False, [["cuda:1"], ["cuda:1", "cuda:2"]])  # no 4: 2 GPUs left
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {"shared_gpu"}
+    assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {"shared_gpu", "shared_gpu_locked"}
 
 
 @pytest.mark.gpu
@@ -132,6 +134,7 @@ def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
     assert "every receiver's model equals every version it was sent" in lines
     assert figures["device"] == "cuda" and figures["host_round_trip_gbps"] > 0
     assert figures["shared_gpu_gbps"] > 0 and figures["shared_gpu_2_over_1"] > 0
+    assert figures["shared_gpu_locked_load_gbps"] > 0
     assert ("nccl_gbps" in figures) == (torch.cuda.device_count() > 1)
 
 
