@@ -8,6 +8,7 @@
 #
 #   bash scripts/gpu_checks.sh            # tests, then benchmarks; exit status: the tests'
 #   bash scripts/gpu_checks.sh tests      # only the tests (bench: only the benchmarks), to fit a time limit
+#   bash scripts/gpu_checks.sh weights    # only the weight transport's: its gpu tests and weight_sync_gpu.py
 set -uo pipefail
 PHASE=${1:-all}
 cd "$(dirname "$0")/.."
@@ -25,13 +26,6 @@ $PY -c "import torch, deepspeed, transformers; print('torch', torch.__version__,
 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 status=0
-if [ "$PHASE" != bench ]; then
-$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_mm32.py tests/test_benchmarks.py tests/test_collective_weights.py \
-    tests/test_weight_group_nccl.py -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
-status=${PIPESTATUS[0]}
-fi
-[ "$PHASE" = tests ] && exit "$status"
-
 bench() {  # name, then the script and its arguments; the last line of each is its JSON figures
     local name=$1 log="$OUT/bench-$1.log"
     shift
@@ -40,6 +34,24 @@ bench() {  # name, then the script and its arguments; the last line of each is i
     grep -v '^\[\|Warning\|warn\|Loading weights\|return func' "$log" | tail -14 | tee -a "$OUT/benchmarks.log"
     rm -f "$log"  # the summary above is what comes back (a device run returns at most 8 files)
 }
+# issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
+# the publisher and its receivers (gloo, /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
+weight_sync() { bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048; }
+if [ "$PHASE" = weights ]; then
+    $PY -m pytest -m gpu tests/test_collective_weights.py tests/test_weight_group_nccl.py tests/test_benchmarks.py \
+        -k "weight or collective or nccl or group" -p no:cacheprovider -q -rA --durations=10 2>&1 \
+        | tee "$OUT/gpu-tests.log"
+    status=${PIPESTATUS[0]}
+    weight_sync
+    exit "$status"
+fi
+if [ "$PHASE" != bench ]; then
+$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_mm32.py tests/test_benchmarks.py tests/test_collective_weights.py \
+    tests/test_weight_group_nccl.py -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
+status=${PIPESTATUS[0]}
+fi
+[ "$PHASE" = tests ] && exit "$status"
+
 bench vcpo_step_10m_fp32 benchmarks/vcpo_step.py --device cuda --repeats 5
 bench vcpo_step_10m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --repeats 5
 bench vcpo_step_200m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16 --size 200m --length 1024 \
@@ -50,7 +62,5 @@ bench learner_step_200m benchmarks/learner_step.py --device cuda --size 200m --r
 # estimate_over_measured is the start-up estimate against torch.cuda.max_memory_allocated (target within 15%)
 bench learner_memory_0.5b benchmarks/learner_memory.py --device cuda --size 0.5b --lengths 1024 2048
 bench learner_memory_0.5b_ckpt benchmarks/learner_memory.py --device cuda --size 0.5b --lengths 2048 --checkpointing
-# issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
-# the publisher and its receivers (gloo, /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
-bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048
+weight_sync
 exit "$status"
