@@ -187,6 +187,15 @@ def _collect(queue: Any, n: int, procs: list[Any], timeout_s: float) -> list[Any
     return items
 
 
+def _reap(procs: list[Any]) -> None:
+    """Join the benchmark's processes, terminating (only on an error path) any still running after a minute."""
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode is None:
+            p.terminate()
+            p.join()
+
+
 def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, list[dict[str, Any]]]:
     """Start ``n`` fetcher processes, release them together; seconds from the release to the last finish."""
     ctx = mp.get_context("spawn")
@@ -202,11 +211,7 @@ def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, lis
         go.set()
         out: list[dict[str, Any]] = _collect(results, n, procs, timeout_s=900)
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode is None:  # only on an error path: this fetcher is ours, stopped by its handle
-                p.terminate()
-                p.join()
+        _reap(procs)
     errors = [r["error"] for r in out if "error" in r]
     if errors or any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"fetchers failed: {errors or [p.exitcode for p in procs]}")
@@ -298,11 +303,7 @@ def run_collective(
         publisher.close()
         group.close()
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode is None:
-                p.terminate()
-                p.join()
+        _reap(procs)
     errors = [r["error"] for r in out if "error" in r]
     if errors:
         raise RuntimeError(f"collective receivers failed: {errors}")
@@ -449,9 +450,5 @@ def run_loading(
         publisher.close()
         group.close()
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode is None:
-                p.terminate()
-                p.join()
+        _reap(procs)
     return figures
