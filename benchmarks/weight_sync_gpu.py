@@ -44,7 +44,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -83,20 +83,31 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
     }
 
 
-Run = tuple[str, bool, bool, list[list[str]]]
+class Run(NamedTuple):
+    """One path: its group's backend, whether it asks for /dev/shm (``group_shared_memory``), whether its
+    receivers page-lock their mapping, the receivers' devices for each count, and whether the version must
+    go through /dev/shm (asked for, or ranks sharing a GPU)."""
+
+    backend: str
+    shared_memory: bool
+    lock: bool
+    devices: list[list[str]]
+    through_shm: bool
 
 
 def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
-    """Each path's backend, whether it asks for /dev/shm, whether its receivers page-lock their mapping, and
-    the receivers' devices for each count."""
+    """The paths this machine runs, by name."""
     if device.type == "cpu":
         cpu = [["cpu"] * n for n in receivers]
-        return {"shm": ("gloo", True, False, cpu), "sockets": ("gloo", False, False, cpu)}
+        return {"shm": Run("gloo", True, False, cpu, True), "sockets": Run("gloo", False, False, cpu, False)}
     shared = [[str(device)] * n for n in receivers]
-    out = {"shared_gpu": ("nccl", False, False, shared), "shared_gpu_locked": ("nccl", False, True, shared)}
+    out = {
+        "shared_gpu": Run("nccl", False, False, shared, True),
+        "shared_gpu_locked": Run("nccl", False, True, shared, True),
+    }
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
     if others:
-        out["nccl"] = ("nccl", False, False, [others[:n] for n in receivers if n <= len(others)])
+        out["nccl"] = Run("nccl", False, False, [others[:n] for n in receivers if n <= len(others)], False)
     return out
 
 
@@ -138,18 +149,21 @@ def main() -> None:
     print(
         f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
     )
-    for path, (backend, shm, lock, devices_per_run) in paths(device, args.receivers).items():
+    for path, run in paths(device, args.receivers).items():
         seconds: dict[int, float] = {}
-        for devices in devices_per_run:
+        for devices in run.devices:
             n = len(devices)
-            row = run_loading(named, devices, backend, args.bucket_mib, shared_memory=shm, lock=lock)
-            if lock and not row["locked"]:
+            row = run_loading(
+                named, devices, run.backend, args.bucket_mib, shared_memory=run.shared_memory, lock=run.lock
+            )
+            if run.lock and not row["locked"]:
                 print(
                     f"{path}: the driver refused to page-lock the mapping (CUDA error {row['lock_error']:.0f})"
                 )
-            expect_shm = path in ("shm", "shared_gpu", "shared_gpu_locked")
-            if row["shared_memory"] != (1.0 if expect_shm else 0.0):
-                raise SystemExit(f"{path}: the publisher {'did not use' if expect_shm else 'used'} /dev/shm")
+            if row["shared_memory"] != (1.0 if run.through_shm else 0.0):
+                raise SystemExit(
+                    f"{path}: the publisher {'did not use' if run.through_shm else 'used'} /dev/shm"
+                )
             seconds[n] = row["seconds"]
             print(
                 f"{path:<11} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "

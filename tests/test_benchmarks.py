@@ -114,14 +114,17 @@ def test_weight_sync_gpu_benchmark_gives_each_nccl_receiver_a_gpu_of_its_own(
 ) -> None:
     import torch
 
-    from benchmarks.weight_sync_gpu import paths
+    from benchmarks.weight_sync_gpu import Run, paths
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     runs = paths(torch.device("cuda", 0), [1, 2, 4])
     shared = [["cuda:0"], ["cuda:0"] * 2, ["cuda:0"] * 4]
-    assert runs["shared_gpu"] == ("nccl", False, False, shared)
-    assert runs["shared_gpu_locked"] == ("nccl", False, True, shared)
-    assert runs["nccl"] == ("nccl", False, False, [["cuda:1"], ["cuda:1", "cuda:2"]])  # no 4: 2 GPUs left
+    # ranks sharing a GPU go through /dev/shm without asking; NCCL between GPUs does not
+    assert runs["shared_gpu"] == Run("nccl", False, False, shared, True)
+    assert runs["shared_gpu_locked"] == Run("nccl", False, True, shared, True)
+    assert runs["nccl"] == Run(
+        "nccl", False, False, [["cuda:1"], ["cuda:1", "cuda:2"]], False
+    )  # no 4: 2 GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {"shared_gpu", "shared_gpu_locked"}
 
