@@ -37,17 +37,19 @@ bench() {  # name, then the script and its arguments; the last line of each is i
 # issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
 # the publisher and its receivers (gloo, /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
 weight_sync() { bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048; }
+WEIGHT_TESTS="tests/test_collective_weights.py tests/test_weight_group_nccl.py"
 if [ "$PHASE" = weights ]; then
-    $PY -m pytest -m gpu tests/test_collective_weights.py tests/test_weight_group_nccl.py tests/test_benchmarks.py \
-        -k "weight or collective or nccl or group" -p no:cacheprovider -q -rA --durations=10 2>&1 \
-        | tee "$OUT/gpu-tests.log"
+    # shellcheck disable=SC2086
+    $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group" \
+        -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
     status=${PIPESTATUS[0]}
     weight_sync
     exit "$status"
 fi
 if [ "$PHASE" != bench ]; then
-$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_mm32.py tests/test_benchmarks.py tests/test_collective_weights.py \
-    tests/test_weight_group_nccl.py -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
+# shellcheck disable=SC2086
+$PY -m pytest -m gpu tests/test_trainer.py tests/test_grad_norms.py tests/test_mm32.py tests/test_benchmarks.py \
+    $WEIGHT_TESTS -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
 status=${PIPESTATUS[0]}
 fi
 [ "$PHASE" = tests ] && exit "$status"
