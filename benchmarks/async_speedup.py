@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,15 @@ def parse_with_overrides(parser: argparse.ArgumentParser) -> tuple[argparse.Name
     return args, overrides
 
 
+QUICK_OVERRIDES = ["--launcher.warm_start_steps", "0"]  # --quick: no supervised warm start
+
+
+def run_overrides(args: argparse.Namespace, overrides: list[str], quick: Sequence[str] = ()) -> list[str]:
+    """The launcher overrides every run of a benchmark is given: under --quick, no warm start and ``quick``
+    (the benchmark's own), then the user's ``overrides``, which come last and so win."""
+    return [*QUICK_OVERRIDES, *quick, *overrides] if args.quick else list(overrides)
+
+
 def measure(run_dir: Path, k: int, steps: int, launch_s: float) -> Run:
     log = logged_steps(run_dir, steps, f"k={k}")
     window = [log[s] for s in range(2, steps + 1)]
@@ -245,7 +255,7 @@ def main() -> None:
         parser.error(f"--steps {steps}: need at least 3 (the window is steps 2..N)")
     if args.k_async < 1:
         parser.error(f"--k-async {args.k_async}: the asynchronous run needs k >= 1")
-    extra = (["--launcher.warm_start_steps", "0"] if args.quick else []) + overrides
+    extra = run_overrides(args, overrides)
 
     runs: list[Run] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.async_speedup import _rounded, launch, launch_arguments, logged_steps, parse_with_overrides
+from benchmarks.async_speedup import (
+    _rounded,
+    launch,
+    launch_arguments,
+    logged_steps,
+    parse_with_overrides,
+    run_overrides,
+)
 
 
 def window_step_s(run_dir: Path, steps: int, what: str) -> float:
@@ -60,8 +67,7 @@ def main() -> None:
         parser.error("need --steps >= 3 and --every >= 1")
     # quick: no warm start, so the untrained model's responses run to max_tokens and a round takes longer than
     # the preset's budget allows; a wider one keeps the rounds (what is measured) from being abandoned
-    quick = ["--launcher.warm_start_steps", "0", "--evaluation.max_delay_s", "60"]
-    extra = (quick if args.quick else []) + overrides
+    extra = run_overrides(args, overrides, quick=["--evaluation.max_delay_s", "60"])
     with_eval = ["--evaluation.placement", "shared", "--evaluation.every", str(every)]
 
     with tempfile.TemporaryDirectory() as tmp:

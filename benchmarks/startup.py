@@ -32,7 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.async_speedup import _rounded, launch, launch_arguments, parse_with_overrides
+from benchmarks.async_speedup import (
+    _rounded,
+    launch,
+    launch_arguments,
+    parse_with_overrides,
+    run_overrides,
+)
 
 _UP = re.compile(r"^  \[ok\] (\S+)\s.*\((\d+(?:\.\d+)?)s\)$")
 
@@ -61,7 +67,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     if steps < 1 or repeats < 1:
         parser.error("need --steps >= 1 and --repeats >= 1")
-    extra = ["--launcher.warm_start_steps", "0", *overrides] if args.quick else overrides
+    extra = run_overrides(args, overrides)
 
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
