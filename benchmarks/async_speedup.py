@@ -71,6 +71,9 @@ PORTS = (
     "weight_broker.metrics_port",
 )
 SERVICES = ("sampler", "reward", "learner")
+LOG_TAIL = (
+    60  # lines of a failed run's launch.log put in the error (its run directory may be a temporary one)
+)
 SHOWN = ("  [ok]", "stopping", "report:")  # the launcher's lines worth showing (besides progress), not Ray's
 
 
@@ -152,7 +155,10 @@ def launch(
     elapsed = time.monotonic() - t0
     if code != 0:
         why = "its ledger did not balance" if code == 3 else f"exit code {code}"
-        raise RuntimeError(f"the k={k} run failed ({why}; {elapsed:.0f}s); see {run_dir / 'launch.log'}")
+        tail = "".join((run_dir / "launch.log").read_text().splitlines(keepends=True)[-LOG_TAIL:])
+        raise RuntimeError(
+            f"the k={k} run failed ({why}; {elapsed:.0f}s); the end of {run_dir / 'launch.log'}:\n{tail}"
+        )
     return elapsed
 
 

@@ -1,9 +1,9 @@
-"""What a run is given before any of its services starts: the Ray it runs on, concrete ports, the policy
+"""What a run is given before any of its services starts: the Ray it runs on, the broker's ports, the policy
 model.
 
 Decides: the logical CPUs a local Ray is sized to (a bundle per learner rank, one per sampler and reward
-replica, one for the broker and Serve's controller, one for a dedicated evaluator); that the services which
-run once get free ports instead of 0 (the replicas and the learner's rendezvous take theirs themselves);
+replica, one for the broker and Serve's controller, one for a dedicated evaluator); that the weight broker
+gets free ports instead of 0 (the replicas and the learner take theirs themselves, when they bind them);
 which model every service loads (``run.model``, or the tiny model built into the run directory, then an
 optional supervised warm start, built once and reused by a resumed run); and the environment every Ray
 worker starts with (the services' allocator settings, this checkout on ``PYTHONPATH``).
@@ -27,16 +27,19 @@ def needed_cpus(cfg: SystemConfig) -> int:
 
 
 def with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
-    """Concrete ports instead of 0 for the services that run once (the replicas take free ones themselves),
-    and the Redis actually used. The learner's rendezvous port stays as configured: 0 lets rank 0 take a free
-    one on its own node, each time the group starts."""
-    wb, lr = cfg.weight_broker, cfg.learner
+    """Concrete ports instead of 0 for the weight broker, which everything reaches at its configured address
+    (a restarted broker must come back on the same ports), and the Redis actually used.
+
+    The learner's ports stay as configured, its rendezvous, status and metrics ports alike: 0 lets rank 0 bind
+    a free one on its own node at the moment it serves, each time the group starts, and ``endpoints.json``
+    says which (the launcher's scrape targets and the tests read it). A port picked here would sit unbound
+    for the learner's whole start-up (ZeRO-3 initialisation, tens of seconds) while the samplers' engines and
+    Ray's workers take free ports of their own, and one of them taking it fails the learner at its bind. The
+    replicas take free ones themselves for the same reason."""
+    wb = cfg.weight_broker
     return cfg.model_copy(
         update={
             "run": cfg.run.model_copy(update={"redis_url": redis_url}),
-            "learner": lr.model_copy(
-                update={p: getattr(lr, p) or free_port() for p in ("grpc_port", "metrics_port")}
-            ),
             "weight_broker": wb.model_copy(
                 update={p: getattr(wb, p) or free_port() for p in ("grpc_port", "data_port", "metrics_port")}
             ),

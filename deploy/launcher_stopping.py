@@ -42,3 +42,17 @@ class Stopping:
         if not self.event.is_set():
             self.reason = reason
             self.event.set()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What ``stopping (failed: ...)`` says: for an error raised in a Ray task or actor, where and what it
+    was (``LearnerRankActor.run raised OSError: [Errno 98] Address already in use``), not Ray's remote
+    traceback, whose first line names only the actor (the traceback goes to the log)."""
+    from ray.exceptions import RayTaskError
+
+    where: list[str] = []
+    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
+        where.append(str(exc.function_name))
+        exc = exc.cause
+    what = f"{type(exc).__name__}: {exc}" if where else str(exc)
+    return f"{' → '.join(where)} raised {what}" if where else what

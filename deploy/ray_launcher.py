@@ -18,7 +18,7 @@
 
 Who does what (this module only orders them: up, run, down with every stage even after one failed, report):
 
-    launcher_setup.py      Ray, concrete ports and the model, before any service starts
+    launcher_setup.py      Ray, the broker's ports and the model, before any service starts
     launcher_services.py   each service's start, in the order above, what it waits for, and its stop
     launcher_watch.py      the run's loop: the progress line, the stop conditions
     launcher_restarts.py   restarts by service, and the learner group's restart from its checkpoint
@@ -46,7 +46,7 @@ from typing import Any
 from deploy.config import SystemConfig
 from deploy.launcher_restarts import Restarts
 from deploy.launcher_services import Services
-from deploy.launcher_stopping import Stopping
+from deploy.launcher_stopping import Stopping, failure_reason
 from deploy.launcher_summary import write_ledger, write_summary_and_report
 from deploy.launcher_watch import watch
 from deploy.progress import Progress
@@ -115,7 +115,7 @@ class RayLauncher:
             self.stopping.stop("interrupted during start-up")
         except BaseException as exc:  # stop everything and still report, then fail
             failed = exc
-            self.stopping.stop(f"failed: {exc}")
+            self.stopping.stop(f"failed: {failure_reason(exc)}")
             log.exception("the run failed; stopping every service")
         print(f"stopping ({self.stopping.reason or 'done'}) ...", flush=True)
         try:

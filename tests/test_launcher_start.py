@@ -1,5 +1,6 @@
-"""The launcher's start-up pieces that do not need the services: a blocking start on a thread of its own, and
-when the samplers may start beside the learner. (The whole start-up runs in tests/test_e2e*.py.)"""
+"""The launcher's start-up pieces that do not need the services: a blocking start on a thread of its own, when
+the samplers may start beside the learner, which ports are fixed before any service starts, and what a failed
+start-up says. (The whole start-up runs in tests/test_e2e*.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 
 from deploy.config import SystemConfig
 from deploy.launcher_services import Services, _fractional_gpus
+from deploy.launcher_setup import with_ports_and_redis
 from deploy.launcher_starting import Starting
-from deploy.launcher_stopping import Stopping
+from deploy.launcher_stopping import Stopping, failure_reason
 
 
 def _services(tmp_path: Path) -> Services:
@@ -84,3 +86,50 @@ def test_waiting_for_the_reward_app_raises_what_its_deploy_raised(tmp_path: Path
     services.reward_start = Starting("reward", deploy)
     with pytest.raises(RuntimeError, match="Deploying app 'vcpo-reward' failed"):
         services.wait_reward(timeout_s=10)
+
+
+def test_only_the_broker_gets_its_ports_before_the_services_start(tmp_path: Path) -> None:
+    """The broker is reached at its configured address (and comes back on it after a restart), so its free
+    ports are fixed up front; the learner's stay 0 and rank 0 binds free ones when it serves (a port picked
+    before its long start-up could be taken meanwhile by an engine or a Ray worker), reporting them in its
+    endpoints file. Ports a user set are kept, and the Redis actually used replaces the configured one."""
+    zeros = {"grpc_port": 0, "metrics_port": 0}  # as the local preset has them: 0, a free port
+    cfg = SystemConfig.model_validate(
+        {"run": {"run_dir": str(tmp_path)}, "learner": zeros, "weight_broker": {**zeros, "data_port": 0}}
+    )
+    out = with_ports_and_redis(cfg, "redis://127.0.0.1:7777/0")
+    wb = out.weight_broker
+    assert all(p > 0 for p in (wb.grpc_port, wb.data_port, wb.metrics_port))
+    assert (out.learner.grpc_port, out.learner.metrics_port, out.learner.master_port) == (0, 0, 0)
+    assert out.run.redis_url == "redis://127.0.0.1:7777/0"
+    fixed = SystemConfig.model_validate(
+        {
+            "run": {"run_dir": str(tmp_path)},
+            "learner": {"grpc_port": 50100, "metrics_port": 9100},
+            "weight_broker": {"grpc_port": 50200},
+        }
+    )
+    out = with_ports_and_redis(fixed, "redis://x:1/0")
+    assert (out.learner.grpc_port, out.learner.metrics_port, out.weight_broker.grpc_port) == (
+        50100,
+        9100,
+        50200,
+    )
+
+
+def test_a_failure_inside_a_ray_actor_is_reported_as_what_it_raised_and_where() -> None:
+    """``stopping (failed: ...)`` names the remote error (Ray's own message names only the actor and pid), and
+    through an actor that called another; any other error reads as itself."""
+    from ray.exceptions import RayTaskError
+
+    bind = OSError(98, "Address already in use")
+    inner = RayTaskError("GrpcServer.start", "Traceback ...", bind, proctitle="w", pid=2, ip="10.0.0.1")
+    outer = RayTaskError("LearnerRankActor.run", "Traceback ...", inner, proctitle="w", pid=1, ip="10.0.0.1")
+    assert "Address already in use" not in str(outer)  # what the launcher printed before
+    assert failure_reason(outer) == (
+        "LearnerRankActor.run → GrpcServer.start raised OSError: [Errno 98] Address already in use"
+    )
+    assert failure_reason(outer.as_instanceof_cause()) == failure_reason(outer)
+    assert failure_reason(RuntimeError("redis at redis://x:1/0 is unreachable")) == (
+        "redis at redis://x:1/0 is unreachable"
+    )

@@ -38,7 +38,14 @@ class LearnerRankActor:
         self.published: int | None = None  # the version this rank published at start, once it has
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (asked of rank 0 for the rendezvous)."""
+        """This node's IP and a free port on it (asked of rank 0 for the rendezvous). The learner's modules
+        (torch, DeepSpeed, transformers: seconds) are imported first, so that run() binds the port moments
+        after it was found free, not after the imports, while other processes on the node take free ports."""
+        import deepspeed  # noqa: F401
+        import transformers  # noqa: F401
+
+        import services.learner.service  # noqa: F401
+
         with socket.socket() as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])
