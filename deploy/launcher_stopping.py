@@ -9,6 +9,7 @@ consumed. Every wait of the launcher (start-up, the progress loop, a restart's b
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from typing import Any
@@ -52,7 +53,17 @@ def failure_reason(exc: BaseException) -> str:
 
     where: list[str] = []
     while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
-        where.append(str(exc.function_name))
+        where.append(_task_name(exc))
         exc = exc.cause
     what = f"{type(exc).__name__}: {exc}" if where else str(exc)
     return f"{' → '.join(where)} raised {what}" if where else what
+
+
+def _task_name(exc: BaseException) -> str:
+    """The task or actor method a RayTaskError came from. ``ray.get`` raises it as an instance of its cause's
+    class too, which keeps only its message (``ray::LearnerRankActor.run() (pid=..., ip=...)`` in colour)."""
+    name = vars(exc).get("function_name")
+    if name:
+        return str(name)
+    first = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split("\n", 1)[0]
+    return first.split(" (pid=", 1)[0].removeprefix("ray::").removesuffix("()")

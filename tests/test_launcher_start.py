@@ -129,7 +129,13 @@ def test_a_failure_inside_a_ray_actor_is_reported_as_what_it_raised_and_where() 
     assert failure_reason(outer) == (
         "LearnerRankActor.run → GrpcServer.start raised OSError: [Errno 98] Address already in use"
     )
+    # ray.get raises it as an instance of the cause's class as well, which keeps only Ray's message
     assert failure_reason(outer.as_instanceof_cause()) == failure_reason(outer)
+    raised = RayTaskError(
+        "LearnerRankActor.run", "Traceback ...", bind, proctitle="ray::LearnerRankActor.run", pid=1, ip="x"
+    ).as_instanceof_cause()
+    assert isinstance(raised, OSError) and "function_name" not in vars(raised)
+    assert failure_reason(raised) == "LearnerRankActor.run raised OSError: [Errno 98] Address already in use"
     assert failure_reason(RuntimeError("redis at redis://x:1/0 is unreachable")) == (
         "redis at redis://x:1/0 is unreachable"
     )

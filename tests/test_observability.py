@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
 import urllib.error
@@ -50,6 +51,18 @@ def test_metrics_endpoint_serves_prometheus_text_that_promtool_accepts() -> None
         assert _get(f"{server.url}/other")[0] == 404
     finally:
         server.close()
+
+
+def test_a_metrics_port_in_use_is_named_in_the_error() -> None:
+    taken = serve_metrics(Metrics("first"), port=0)
+    try:
+        with pytest.raises(
+            OSError, match=f"could not serve learner's /metrics on 0.0.0.0:{taken.port}"
+        ) as err:
+            serve_metrics(Metrics("learner"), port=taken.port)
+        assert err.value.errno == errno.EADDRINUSE
+    finally:
+        taken.close()
 
 
 def test_metric_names_are_enforced() -> None:

@@ -140,7 +140,12 @@ def serve_metrics(
         def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: keep logs quiet
             log.debug("metrics %s: " + format, metrics.service, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"could not serve {metrics.service}'s /metrics on {host}:{port}: {exc.strerror}"
+        ) from exc
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name=f"metrics-{metrics.service}", daemon=True)
     thread.start()
