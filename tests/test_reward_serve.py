@@ -85,4 +85,7 @@ def test_serve_app_scores_the_stream_and_scales_out_on_queue_depth(
         )
         assert [r.value for r in reply.rewards] == [1.0, 0.0]
     finally:
+        # the handle's router pushes metrics from a thread of its own: left running, it outlived the session's
+        # ray.shutdown and its next push auto-started a Ray instance as pytest exited (a logging error in CI)
+        handle.shutdown()
         serve.delete(APP_NAME)
