@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,8 @@ PORTS = (
     "weight_broker.metrics_port",
 )
 SERVICES = ("sampler", "reward", "learner")
-LOG_TAIL = (
-    60  # lines of a failed run's launch.log put in the error (its run directory may be a temporary one)
-)
+# lines of a failed run's launch.log put in its error (its run directory may be a temporary one)
+LOG_TAIL = 60
 SHOWN = ("  [ok]", "stopping", "report:")  # the launcher's lines worth showing (besides progress), not Ray's
 
 
@@ -122,6 +122,7 @@ def launch(
         *extra,
     ]
     t0 = time.monotonic()
+    tail: deque[str] = deque(maxlen=LOG_TAIL)  # the log's last lines, kept as they pass
     with (run_dir / "launch.log").open("w") as log:
         proc = subprocess.Popen(
             command,
@@ -142,6 +143,7 @@ def launch(
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
+                tail.append(line)
                 if "s] step " in line or line.startswith(SHOWN):
                     print(f"  k={k} {line.rstrip()}", flush=True)
             code = proc.wait()
@@ -155,9 +157,9 @@ def launch(
     elapsed = time.monotonic() - t0
     if code != 0:
         why = "its ledger did not balance" if code == 3 else f"exit code {code}"
-        tail = "".join((run_dir / "launch.log").read_text().splitlines(keepends=True)[-LOG_TAIL:])
         raise RuntimeError(
-            f"the k={k} run failed ({why}; {elapsed:.0f}s); the end of {run_dir / 'launch.log'}:\n{tail}"
+            f"the k={k} run failed ({why}; {elapsed:.0f}s); the end of {run_dir / 'launch.log'}:\n"
+            + "".join(tail)
         )
     return elapsed
 

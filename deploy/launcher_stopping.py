@@ -55,8 +55,9 @@ def failure_reason(exc: BaseException) -> str:
     while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
         where.append(_task_name(exc))
         exc = exc.cause
-    what = f"{type(exc).__name__}: {exc}" if where else str(exc)
-    return f"{' → '.join(where)} raised {what}" if where else what
+    if not where:
+        return str(exc)
+    return f"{' → '.join(where)} raised {type(exc).__name__}: {exc}"
 
 
 def _task_name(exc: BaseException) -> str:
