@@ -15,6 +15,11 @@ model on its device (a copy per tensor, as the engine's load does). Paths, by th
     nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
                  each receiver through its GPU bounce buffers into the host copy it keeps with the others on
                  this host, then loaded (two or more GPUs)
+    cuda_ipc     a reference, not a transport of the project's (benchmarks/_ipc_workers.py): the receivers
+                 on cuda:0 open the publisher's GPU staging buffer through a CUDA IPC handle, as vLLM's IPC
+                 engine does, and copy each version out of it device to device (no vote, no failure
+                 handling, one more copy of the model on the publisher's GPU); what a shared-GPU path that
+                 never leaves the device could reach (always run; ``ipc`` on CPU: a shared-memory buffer)
 
 Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out). Version 2 is timed from the start
 of the publish until every model holds it; versions 3 and 4 go in the background from the staging buffer and
@@ -33,6 +38,7 @@ Headline figures (the JSON object on the last line), at 1 receiver unless named;
     <path>_N_over_1        N receivers' seconds over one's (target <= 1.3: flat in receivers)
     <path>_blocked_s       the publisher's wait for a background broadcast (the learner's step overlaps the rest)
     shared_gpu_over_round_trip   shared_gpu_gbps / host_round_trip_gbps
+    shared_gpu_over_cuda_ipc     shared_gpu_gbps / cuda_ipc_gbps; cuda_ipc_staging_bytes: its extra GPU memory
 
     python benchmarks/weight_sync_gpu.py [--quick] [--size-mib 2048] [--device cuda]
 """
@@ -50,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from benchmarks._ipc_workers import run_ipc
 from benchmarks._weight_sync_workers import MiB, build_model, run_loading
 
 
@@ -177,8 +184,32 @@ def main() -> None:
                 figures[f"{path}_blocked_s"] = row["blocked_s"]
             else:
                 figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
+    ipc = "cuda_ipc" if device.type == "cuda" else "ipc"
+    seconds = {}
+    for n in args.receivers:
+        try:
+            row = run_ipc(named, [str(device)] * n)
+        except RuntimeError as exc:  # a driver or sandbox without CUDA IPC: said, and the figures above kept
+            print(f"{ipc}: failed with {n} receivers: {exc}", flush=True)
+            figures[f"{ipc}_error"] = str(exc)[:300]
+            break
+        seconds[n] = row["seconds"]
+        print(
+            f"{ipc:<11} {n:>9} {'':>8} {row['seconds']:>9.3f} {nbytes / row['seconds'] / 1e9:>7.2f} "
+            f"{row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
+            flush=True,
+        )
+        if n == 1:
+            figures[f"{ipc}_gbps"] = nbytes / row["seconds"] / 1e9
+            figures[f"{ipc}_load_gbps"] = row["load_gbps"]
+            figures[f"{ipc}_blocked_s"] = row["blocked_s"]
+            figures[f"{ipc}_staging_bytes"] = int(row["staging_bytes"])
+        else:
+            figures[f"{ipc}_{n}_over_1"] = seconds[n] / seconds[1]
     if "shared_gpu_gbps" in figures:
         figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
+        if "cuda_ipc_gbps" in figures:
+            figures["shared_gpu_over_cuda_ipc"] = figures["shared_gpu_gbps"] / figures["cuda_ipc_gbps"]
     print("every receiver's model equals every version it was sent")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
 

@@ -107,6 +107,10 @@ def test_weight_sync_gpu_benchmark_runs_its_processes_on_cpu() -> None:
             assert figures[f"{path}_{key}"] > 0, key
         assert figures[f"{path}_blocked_s"] >= 0
     assert figures["host_round_trip_gbps"] > 0 and "shared_gpu_gbps" not in figures
+    # the IPC reference: receivers copy out of the publisher's staging buffer (shared memory on CPU)
+    for key in ("gbps", "load_gbps", "2_over_1", "blocked_s"):
+        assert figures[f"ipc_{key}"] > 0, key
+    assert figures["ipc_staging_bytes"] >= figures["model_bytes"] and "cuda_ipc_gbps" not in figures
 
 
 def test_weight_sync_gpu_benchmark_gives_each_nccl_receiver_a_gpu_of_its_own(
@@ -138,6 +142,8 @@ def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
     assert figures["device"] == "cuda" and figures["host_round_trip_gbps"] > 0
     assert figures["shared_gpu_gbps"] > 0 and figures["shared_gpu_2_over_1"] > 0
     assert figures["shared_gpu_locked_load_gbps"] > 0
+    assert figures["cuda_ipc_gbps"] > 0 and figures["cuda_ipc_2_over_1"] > 0
+    assert figures["shared_gpu_over_cuda_ipc"] > 0
     assert ("nccl_gbps" in figures) == (torch.cuda.device_count() > 1)
 
 
