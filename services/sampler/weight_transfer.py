@@ -125,10 +125,14 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         where = {1.0: " (this host's copy, staged here)", 2.0: " (mapped from this host's copy)"}.get(
             stats.extra.get("host_copy", 0.0), ""
         )
+        if stats.extra.get("shared_memory"):
+            where = " (mapped from the learner's shared memory)"
+        if stats.extra.get("cuda_ipc"):
+            where = " (opened on the learner's GPU through CUDA IPC)"
         log.info(
             "received version %d%s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
             version,
-            " (mapped from the learner's shared memory)" if stats.extra.get("shared_memory") else where,
+            where,
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,

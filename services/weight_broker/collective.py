@@ -53,8 +53,9 @@ from services.weight_broker.buckets import (
     next_checked,
     pieces,
 )
+from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, receive_export
 from services.weight_broker.host_copy import HostCopy
-from services.weight_broker.shared_memory import PinnedStaging, SharedSegment, Staging
+from services.weight_broker.shared_memory import PinnedStaging, Staging, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -70,11 +71,13 @@ class CollectivePublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         digests: bool = True,
         shared_memory: bool = False,
+        cuda_ipc: bool = False,
     ) -> None:
         """``digests``: send each bucket's digest for every receiver to check before the vote (taken only where
         the buckets are in host memory: hashing a GPU's would copy each to the host). ``shared_memory``: with
         every member on this host, stage versions in /dev/shm for the receivers to map (see the module
-        docstring; ranks sharing a GPU do regardless)."""
+        docstring; ranks sharing a GPU do regardless). ``cuda_ipc``: with every member on this rank's GPU,
+        stage versions there and hand the receivers CUDA IPC handles instead (``cuda_ipc.py``)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
@@ -84,6 +87,9 @@ class CollectivePublisher:
         # not instead of NCCL between GPUs, which moves the bytes device to device
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging()
+        self._on_gpu = (
+            DeviceStaging(group.gpu) if cuda_ipc and group.one_gpu and group.gpu is not None else None
+        )
         self._buffers: list[torch.Tensor] = []
         self._staging = PinnedStaging()
         self._stream: Any = None  # CUDA: the background broadcast's own stream
@@ -146,11 +152,16 @@ class CollectivePublisher:
                 view.copy_(flat)
             staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
         check_exhausted(source)
+        if staging.device.type == "cuda":  # exported from another thread, whose stream is not this one's
+            torch.cuda.current_stream(staging.device).synchronize()
         return staged
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory: the shared segment when the members share it, else page-locked where CUDA
-        is there. The previous version's broadcast has ended (every receiver voted) before this is called."""
+        is there (on this rank's GPU for CUDA IPC). The previous version's broadcast has ended (every receiver
+        voted) before this is called."""
+        if self._on_gpu is not None:
+            return self._on_gpu.take(nbytes)
         if self.shared:
             try:
                 return self._segments.take(nbytes)  # the spare, once its reservation has ended
@@ -171,6 +182,8 @@ class CollectivePublisher:
             self._thread = None
         self._segments.release()
         self._staging.release()
+        if self._on_gpu is not None:
+            self._on_gpu.release()
 
     def send(
         self,
@@ -189,14 +202,22 @@ class CollectivePublisher:
                 tensors = self._stage(specs, tensors)
             except Exception as exc:
                 raise TransferFailed(f"version {version}: {exc}") from exc
-        segment = self._segments.current if self.shared else None  # not if it could not be reserved
-        bucket_bytes = WHOLE if segment else self.bucket_bytes
+        on_gpu = self._on_gpu.current if self._on_gpu is not None and self.shared else None
+        # not if it could not be reserved
+        segment = self._segments.current if self.shared and on_gpu is None else None
+        bucket_bytes = WHOLE if segment or on_gpu is not None else self.bucket_bytes
         layout = bucket_layout(specs, bucket_bytes)
         shared = {"name": segment.name, "nbytes": layout[0].nbytes} if segment else None
-        hashed = self.digests and self.group.device.type == "cpu" and shared is None
+        hashed = self.digests and self.group.device.type == "cpu" and shared is None and on_gpu is None
         fields: dict[str, Any] = {"bucket_bytes": bucket_bytes, "digests": hashed}
         if shared:
             fields["shared"] = shared
+        if on_gpu is not None:
+            try:
+                fields["cuda_ipc"] = ipc_header(on_gpu, self.group.spec.world_size, layout[0].nbytes)
+            except Exception as exc:  # the driver refuses: this version fails, unannounced
+                self._on_gpu = None  # the next ones go through /dev/shm
+                raise TransferFailed(f"version {version}: cannot export it over CUDA IPC: {exc}") from exc
         fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
         header = json.dumps(fields).encode()
         group = self.group
@@ -207,7 +228,7 @@ class CollectivePublisher:
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )
-            if shared:  # the receivers map the segment now
+            if shared or on_gpu is not None:  # the receivers map the segment (open the export) now
                 digests, source_error = [0], None
             else:
                 digests, source_error = self._send_buckets(layout, specs, iter(tensors), hashed)
@@ -221,10 +242,16 @@ class CollectivePublisher:
                 self._segments.release(spare=False)
                 # the next version's segment, reserved and populated off the learner's and the caller's time
                 self._segments.reserve_spare(layout[0].nbytes)
+            if on_gpu is not None:  # torch keeps it until every receiver let go of its views
+                self._on_gpu.release()  # type: ignore[union-attr]
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:
             why = "could not read the shared memory" if shared else "its bucket digests differed"
+            if on_gpu is not None and (refused := ipc_refused(self.group)):
+                why = f"could not open the CUDA IPC export: {refused}; the next versions go through /dev/shm"
+                log.warning("version %d: a receiver %s", version, why)
+                self._on_gpu = None
             raise TransferFailed(f"version {version}: a receiver voted against it ({why})")
         return TransferStats(
             version,
@@ -232,7 +259,7 @@ class CollectivePublisher:
             sum(s.nbytes for s in specs),
             len(layout),
             time.monotonic() - t0,
-            {"shared_memory": 1.0 if shared else 0.0},
+            {"shared_memory": 1.0 if shared else 0.0, "cuda_ipc": 1.0 if on_gpu is not None else 0.0},
         )
 
     def _in_place(self, flat: torch.Tensor) -> bool:
@@ -351,8 +378,11 @@ class CollectiveReceiver:
                 )
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
             read, mine = True, None  # mine None: no digests of its own to check
-            if "shared" in header:
-                buffers, mine = self._from_shared(layout, header["shared"])
+            if "cuda_ipc" in header:
+                buffers, mine = receive_export(group, layout, header["cuda_ipc"]), [0]
+                read = bool(buffers)
+            elif "shared" in header:
+                buffers, mine = receive_segment(layout, header["shared"]), [0]
                 read = bool(buffers)
             elif (host_copy := self._host_copy(layout)) is None:
                 buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
@@ -392,6 +422,7 @@ class CollectiveReceiver:
         nbytes = sum(s.nbytes for s in specs)
         extra = {
             "shared_memory": 1.0 if "shared" in header else 0.0,
+            "cuda_ipc": 1.0 if "cuda_ipc" in header else 0.0,
             "host_copy": 0.0 if host_copy is None else 1.0 if host_copy.leader else 2.0,
         }
         stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
@@ -405,29 +436,6 @@ class CollectiveReceiver:
             return None
         group.host_copy = group.host_copy or HostCopy(group)
         return group.host_copy if group.host_copy.begin(layout) else None
-
-    def _from_shared(
-        self, layout: list[Bucket], shared: dict[str, Any]
-    ) -> tuple[list[torch.Tensor], list[int]]:
-        """The publisher's segment, mapped copy-on-write: the version's tensors are views of the pages the
-        publisher wrote (nothing is copied; the engine's load reads them), which stay this member's until its
-        views go, whatever the publisher does next. No buffers if it cannot be mapped: this member votes the
-        version down (logged), and the group stays as it was."""
-        [whole] = layout
-        name = str(shared["name"])
-        if int(shared["nbytes"]) != whole.nbytes:
-            raise ValueError(
-                f"the header's segment holds {shared['nbytes']} bytes, its tensors {whole.nbytes}"
-            )
-        try:
-            segment = SharedSegment.attach(name, whole.nbytes)
-        except (OSError, ValueError) as exc:
-            log.error(
-                "cannot map the publisher's weight segment %s: %s: voting against the version", name, exc
-            )
-            return [], [0]
-        assert segment.tensor is not None
-        return [segment.tensor], [0]  # its views keep the mapping
 
     def _direct(self, layout: list[Bucket], piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
         """Every bucket into its own buffer on the group's device, its pieces all queued at once (gloo runs

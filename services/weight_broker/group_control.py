@@ -296,12 +296,13 @@ class GroupCoordinator:
         on_event: Callable[[str], None] | None = None,
         digests: bool = True,
         shared_memory: bool = False,
+        cuda_ipc: bool = False,
     ) -> None:
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range = port, port_range
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.device, self.digests, self.shared_memory = device, digests, shared_memory
+        self.device, self.digests, self.planes = device, digests, (shared_memory, cuda_ipc)
         self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
@@ -466,7 +467,7 @@ class GroupCoordinator:
             raise FormFailed(str(exc), []) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
-        publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, self.shared_memory)
+        publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, *self.planes)
         return _Formed(group, publisher, members)
 
 
@@ -495,4 +496,5 @@ def coordinator_from_config(
         on_event=on_event,
         digests=wb.group_digests,
         shared_memory=wb.group_shared_memory,
+        cuda_ipc=wb.group_cuda_ipc,
     )

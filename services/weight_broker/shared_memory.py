@@ -26,6 +26,7 @@ import re
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -236,3 +237,21 @@ class Staging:
         self.current = None
         if spare:
             self.spare = None
+
+
+def receive_segment(layout: list[Any], shared: dict[str, Any]) -> list[torch.Tensor]:
+    """A receiver's view of the publisher's segment that the header names (``shared``), mapped copy-on-write:
+    the version's tensors are views of the pages the publisher wrote (nothing is copied; the engine's load
+    reads them), which stay this member's until its views go, whatever the publisher does next. Empty if it
+    cannot be mapped: this member votes the version down (logged), and the group stays as it was."""
+    [whole] = layout
+    name = str(shared["name"])
+    if int(shared["nbytes"]) != whole.nbytes:
+        raise ValueError(f"the header's segment holds {shared['nbytes']} bytes, its tensors {whole.nbytes}")
+    try:
+        segment = SharedSegment.attach(name, whole.nbytes)
+    except (OSError, ValueError) as exc:
+        log.error("cannot map the publisher's weight segment %s: %s: voting against the version", name, exc)
+        return []
+    assert segment.tensor is not None
+    return [segment.tensor]  # its views keep the mapping

@@ -262,6 +262,8 @@ class WeightGroup:
         self.broadcasts = 0  # versions whose broadcast reached this receiver (every rank counts alike)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
+        # this member's GPU under NCCL, kept where the epoch falls back to gloo; whether every rank is on it
+        self.gpu, self.one_gpu = (self.device if spec.backend == "nccl" else None), False
         if spec.backend == "nccl":
             try:
                 shared = shared_gpus(prefixed, spec.world_size)
@@ -272,6 +274,7 @@ class WeightGroup:
                 # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
                 # read the same identities, so every rank falls back to gloo (through host memory) alike
                 self.backend, self.device = "gloo", torch.device("cpu")
+                self.one_gpu = len(shared) == 1 and len(shared[0]) == spec.world_size
                 if rank == 0:
                     log.warning(
                         "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU (versions go "
@@ -357,6 +360,13 @@ class WeightGroup:
     def set_key(self, key: str, value: str) -> None:
         """Tell the other ranks something (this epoch's store, under ``key``)."""
         self._announcements.set(key, value)
+
+    def get_key(self, key: str) -> str | None:
+        """What another rank set at ``key``, if it has (None: not, or the store is gone)."""
+        try:
+            return bytes(self._announcements.get(key)).decode() if self._announcements.check([key]) else None
+        except Exception:
+            return None
 
     def wait_key(self, key: str, poll_s: float = 0.005) -> str:
         """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
