@@ -81,6 +81,10 @@ class LearnerRank:
             run_model(self.run),
             seed=self.run.seed,
             broadcast_bucket_bytes=cfg.weight_broker.group_bucket_mb << 20 if collective else 0,
+            # a fraction of a GPU: its samplers may be on it, taking versions through CUDA IPC
+            ipc_staging=collective
+            and cfg.weight_broker.group_cuda_ipc
+            and 0 < self.learner.gpus_per_rank < 1,
         )
         self.rank, self.world = self.trainer.rank, self.trainer.world_size
         self.ckpt_dir = checkpoint_dir(self.learner, self.run)
