@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as tmp
-from torch.multiprocessing.reductions import reduce_tensor
 
 from benchmarks._weight_sync_workers import _collect, _reap, digest_of
+from services.weight_broker.cuda_ipc import export, release_export
 
 ALIGN = 256  # bytes: each tensor starts on an aligned offset in the staging buffer
 
@@ -95,10 +95,9 @@ def run_ipc(named: list[tuple[str, torch.Tensor]], devices: list[str], versions:
     staging = torch.empty(size, dtype=torch.uint8, device=here)
     if here.type == "cpu":
         staging.share_memory_()  # the receivers map it, not a copy made when it is pickled
-    else:
-        reduce_tensor(
-            staging
-        )  # export its IPC handle here: a driver that refuses raises now, not in a queue's thread
+    else:  # a driver that refuses CUDA IPC raises here, not in a queue's feeder thread; the count goes back
+        [probe] = export(staging, [0]).values()
+        release_export(probe)
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
     staging_queues = [ctx.Queue() for _ in devices]

@@ -392,6 +392,7 @@ def run_loading(
     bucket_mib: int,
     shared_memory: bool = False,
     lock: bool = False,
+    cuda_ipc: bool = False,
 ) -> dict[str, float]:
     """The publisher (this process, its tensors where ``named`` lives) broadcasts 4 versions to one receiver
     process per entry of ``devices``, each loading into its model there. Version 2 (``send``) is timed from
@@ -399,7 +400,8 @@ def run_loading(
     (``seconds``); ``load_gbps`` is the slowest receiver's load. Versions 3 and 4 go in the background from
     the staging buffer; ``blocked_s`` is the 4th's wait (the 3rd allocates the buffer). Each version differs
     in its first element, and every receiver's model must equal it byte for byte. ``lock``: the receivers
-    page-lock their mapping of a /dev/shm version before loading (``locked``: all could)."""
+    page-lock their mapping of a /dev/shm version before loading (``locked``: all could). ``cuda_ipc``: the
+    publisher hands receivers on its GPU CUDA IPC handles of its staged version (``weight_broker.group_cuda_ipc``)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -422,7 +424,9 @@ def run_loading(
     try:
         here = named[0][1].device
         group = WeightGroup(GroupSpec(**spec), 0, here if backend == "nccl" else None)
-        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
+        publisher = CollectivePublisher(
+            group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory, cuda_ipc=cuda_ipc
+        )
         specs = [TensorSpec.of(name, t) for name, t in named]
         for version in range(1, 5):
             named[0][1].view(-1)[0] = float(version)  # every version's bytes differ from the last
@@ -444,6 +448,7 @@ def run_loading(
                 figures["received_s"] = max(r["received"] for r in out) - t0
                 figures["load_gbps"] = min(stats.bytes / (r["done"] - r["received"]) / 1e9 for r in out)
                 figures["shared_memory"] = stats.extra["shared_memory"]
+                figures["cuda_ipc"] = stats.extra["cuda_ipc"]
                 figures["bytes"] = float(stats.bytes)
                 figures["locked"] = float(all(r["locked"] for r in out))
                 figures["lock_error"] = float(max(r["lock_error"] for r in out))

@@ -12,6 +12,9 @@ model on its device (a copy per tensor, as the engine's load does). Paths, by th
     shared_gpu_locked   the same, each receiver page-locking its mapping of the segment (read-only) before
                  it loads from it, the page-locking inside its load's time: whether the sampler should (it
                  does not: its loads read the mapping as it is); a driver that refuses is printed
+    shared_gpu_ipc   every receiver on cuda:0, with ``weight_broker.group_cuda_ipc``: the publisher stages the
+                 version on its GPU and each receiver opens it through a CUDA IPC handle and loads it device
+                 to device (services/weight_broker/cuda_ipc.py)
     nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
                  each receiver through its GPU bounce buffers into the host copy it keeps with the others on
                  this host, then loaded (two or more GPUs)
@@ -39,8 +42,9 @@ Headline figures (the JSON object on the last line), at 1 receiver unless named;
     <path>_blocked_s       the publisher's wait for a background broadcast (the learner's step overlaps the rest)
     shared_gpu_over_round_trip   shared_gpu_gbps / host_round_trip_gbps
     shared_gpu_over_cuda_ipc     shared_gpu_gbps / cuda_ipc_gbps; cuda_ipc_staging_bytes: its extra GPU memory
+    shared_gpu_ipc_over_shared_gpu   the project's CUDA IPC plane against its /dev/shm plane, one GPU
 
-    python benchmarks/weight_sync_gpu.py [--quick] [--size-mib 2048] [--device cuda]
+    python benchmarks/weight_sync_gpu.py [--quick] [--size-mib 2048] [--device cuda] [--paths PATH ...]
 """
 
 from __future__ import annotations
@@ -92,14 +96,16 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
 
 class Run(NamedTuple):
     """One path: its group's backend, whether it asks for /dev/shm (``group_shared_memory``), whether its
-    receivers page-lock their mapping, the receivers' devices for each count, and whether the version must
-    go through /dev/shm (asked for, or ranks sharing a GPU)."""
+    receivers page-lock their mapping, the receivers' devices for each count, whether the version must
+    go through /dev/shm (asked for, or ranks sharing a GPU), and whether it goes through CUDA IPC instead
+    (``group_cuda_ipc``, every member on one GPU)."""
 
     backend: str
     shared_memory: bool
     lock: bool
     devices: list[list[str]]
     through_shm: bool
+    cuda_ipc: bool = False
 
 
 def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
@@ -111,6 +117,7 @@ def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
     out = {
         "shared_gpu": Run("nccl", False, False, shared, True),
         "shared_gpu_locked": Run("nccl", False, True, shared, True),
+        "shared_gpu_ipc": Run("nccl", False, False, shared, False, cuda_ipc=True),
     }
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
     if others:
@@ -127,6 +134,7 @@ def main() -> None:
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4], help="receivers per run")
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     parser.add_argument("--device", default="cuda", help="the publisher's device: cuda (cuda:0) or cpu")
+    parser.add_argument("--paths", nargs="+", help="only these paths (default: every one this machine runs)")
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.receivers = 16, [1, 2]
@@ -156,12 +164,25 @@ def main() -> None:
     print(
         f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
     )
-    for path, run in paths(device, args.receivers).items():
+    runs = paths(device, args.receivers)
+    reference = "cuda_ipc" if device.type == "cuda" else "ipc"
+    unknown = sorted(set(args.paths or []) - {*runs, reference})
+    if unknown:
+        raise SystemExit(f"--paths: {unknown} not among {sorted({*runs, reference})} on this machine")
+    for path, run in runs.items():
+        if args.paths and path not in args.paths:
+            continue
         seconds: dict[int, float] = {}
         for devices in run.devices:
             n = len(devices)
             row = run_loading(
-                named, devices, run.backend, args.bucket_mib, shared_memory=run.shared_memory, lock=run.lock
+                named,
+                devices,
+                run.backend,
+                args.bucket_mib,
+                shared_memory=run.shared_memory,
+                lock=run.lock,
+                cuda_ipc=run.cuda_ipc,
             )
             if run.lock and not row["locked"]:
                 print(
@@ -170,6 +191,10 @@ def main() -> None:
             if row["shared_memory"] != (1.0 if run.through_shm else 0.0):
                 raise SystemExit(
                     f"{path}: the publisher {'did not use' if run.through_shm else 'used'} /dev/shm"
+                )
+            if row["cuda_ipc"] != (1.0 if run.cuda_ipc else 0.0):
+                raise SystemExit(
+                    f"{path}: the publisher {'did not use' if run.cuda_ipc else 'used'} CUDA IPC"
                 )
             seconds[n] = row["seconds"]
             print(
@@ -184,9 +209,9 @@ def main() -> None:
                 figures[f"{path}_blocked_s"] = row["blocked_s"]
             else:
                 figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
-    ipc = "cuda_ipc" if device.type == "cuda" else "ipc"
+    ipc = reference
     seconds = {}
-    for n in args.receivers:
+    for n in args.receivers if not args.paths or ipc in args.paths else []:
         try:
             row = run_ipc(named, [str(device)] * n)
         except RuntimeError as exc:  # a driver or sandbox without CUDA IPC: said, and the figures above kept
@@ -210,6 +235,10 @@ def main() -> None:
         figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
         if "cuda_ipc_gbps" in figures:
             figures["shared_gpu_over_cuda_ipc"] = figures["shared_gpu_gbps"] / figures["cuda_ipc_gbps"]
+    if "shared_gpu_ipc_gbps" in figures and "shared_gpu_gbps" in figures:
+        figures["shared_gpu_ipc_over_shared_gpu"] = (
+            figures["shared_gpu_ipc_gbps"] / figures["shared_gpu_gbps"]
+        )
     print("every receiver's model equals every version it was sent")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
 

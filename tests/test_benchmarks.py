@@ -126,11 +126,16 @@ def test_weight_sync_gpu_benchmark_gives_each_nccl_receiver_a_gpu_of_its_own(
     # ranks sharing a GPU go through /dev/shm without asking; NCCL between GPUs does not
     assert runs["shared_gpu"] == Run("nccl", False, False, shared, True)
     assert runs["shared_gpu_locked"] == Run("nccl", False, True, shared, True)
+    assert runs["shared_gpu_ipc"] == Run("nccl", False, False, shared, False, cuda_ipc=True)
     assert runs["nccl"] == Run(
         "nccl", False, False, [["cuda:1"], ["cuda:1", "cuda:2"]], False
     )  # no 4: 2 GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {"shared_gpu", "shared_gpu_locked"}
+    assert set(paths(torch.device("cuda", 0), [1, 2, 4])) == {
+        "shared_gpu",
+        "shared_gpu_locked",
+        "shared_gpu_ipc",
+    }
 
 
 @pytest.mark.gpu
@@ -144,6 +149,8 @@ def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
     assert figures["shared_gpu_locked_load_gbps"] > 0
     assert figures["cuda_ipc_gbps"] > 0 and figures["cuda_ipc_2_over_1"] > 0
     assert figures["shared_gpu_over_cuda_ipc"] > 0
+    # the project's own CUDA IPC plane (weight_broker.group_cuda_ipc); the script checks it was used
+    assert figures["shared_gpu_ipc_gbps"] > 0 and figures["shared_gpu_ipc_2_over_1"] > 0
     assert ("nccl_gbps" in figures) == (torch.cuda.device_count() > 1)
 
 
