@@ -31,16 +31,18 @@ bench() {  # name, then the script and its arguments; the last line of each is i
     shift
     $PY "$@" >"$log" 2>&1 || echo "FAILED: $*" >>"$log"
     echo "== $name: $*" | tee -a "$OUT/benchmarks.log"
-    grep -v '^\[\|Warning\|warn\|Loading weights\|return func' "$log" | tail -14 | tee -a "$OUT/benchmarks.log"
+    grep -v '^\[\|Warning\|warn\|Loading weights\|return func\|^weight group epoch' "$log" | tail -24 |
+        tee -a "$OUT/benchmarks.log"
     rm -f "$log"  # the summary above is what comes back (a device run returns at most 8 files)
 }
 # issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
-# the publisher and its receivers (gloo, /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
+# the publisher and its receivers (gloo and /dev/shm, or CUDA IPC), NCCL from cuda:0 to receivers on GPUs of
+# their own
 weight_sync() { bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048; }
-WEIGHT_TESTS="tests/test_collective_weights.py tests/test_weight_group_nccl.py"
+WEIGHT_TESTS="tests/test_collective_weights.py tests/test_weight_group_nccl.py tests/test_weight_group_cuda_ipc.py"
 if [ "$PHASE" = weights ]; then
     # shellcheck disable=SC2086
-    $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group" \
+    $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group or ipc" \
         -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
     status=${PIPESTATUS[0]}
     weight_sync
