@@ -2,16 +2,17 @@
 
 When a learner and its samplers are given fractions of one GPU, NCCL refuses them (two ranks of one
 communicator on one GPU) and the group falls back to gloo, the version staged in /dev/shm for the receivers
-to map (``shared_memory.py``). Their engines then load it host to device from pageable memory: 3.6 GB/s on an
-H200, against 55 GB/s from page-locked memory and 2.1 TB/s device to device (benchmarks/weight_sync_gpu.py).
-With ``weight_broker.group_cuda_ipc`` the publisher stages the version in a buffer on its GPU instead and
-hands each receiver a CUDA IPC handle of it, as vLLM's IPC weight-transfer engine does: the receivers' tensors
-are views of the publisher's memory, which their engines load device to device.
+to map (``shared_memory.py``). Their engines then load it host to device from pageable memory: 3.6–4.2 GB/s
+on an H200, against 55 GB/s from page-locked memory and 2.1 TB/s device to device
+(benchmarks/weight_sync_gpu.py). With ``weight_broker.group_cuda_ipc`` the publisher stages the version in a
+buffer on its GPU instead and hands each receiver a CUDA IPC handle of it, as vLLM's IPC weight-transfer
+engine does: the receivers' tensors are views of the publisher's memory, which their engines load device to
+device.
 
     DeviceStaging           the publisher's buffer: a new one per version, on its GPU
     export(buffer, ranks)   one handle per receiver, in the header's JSON (torch's cross-process reference
                             counting pairs one export with one receiver's release)
-    open_export(e, device)  a receiver's view of the buffer (it waits on the publisher's staging copies)
+    open_export(e, dev, n)  a receiver's view of the buffer (it waits on the publisher's staging copies)
     release_export(e)       a receiver that could not open its export gives its count back
 
 Lifetime: torch keeps the publisher's buffer allocated after the publisher lets it go (after the vote) until
