@@ -25,20 +25,20 @@ import torch
 import torch.multiprocessing as tmp
 
 from benchmarks._weight_sync_workers import _collect, _reap, digest_of
+from services.weight_broker.buckets import WHOLE, bucket_layout
 from services.weight_broker.cuda_ipc import export, release_export
-
-ALIGN = 256  # bytes: each tensor starts on an aligned offset in the staging buffer
+from services.weight_broker.tensors import TensorSpec
 
 
 def layout(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], torch.dtype, int, int]]:
-    """Each tensor's name, shape, dtype, byte offset and byte length in the staging buffer."""
-    out = []
-    offset = 0
-    for name, tensor in named:
-        n = tensor.numel() * tensor.element_size()
-        out.append((name, tuple(tensor.shape), tensor.dtype, offset, n))
-        offset += -(-n // ALIGN) * ALIGN
-    return out
+    """Each tensor's name, shape, dtype, byte offset and byte length in the staging buffer: the version packed
+    as one bucket, as the collective transport stages it (``buckets.bucket_layout``)."""
+    specs = [TensorSpec.of(name, tensor) for name, tensor in named]
+    [whole] = bucket_layout(specs, WHOLE)
+    return [
+        (name, tuple(tensor.shape), tensor.dtype, offset, specs[i].nbytes)
+        for (i, offset), (name, tensor) in zip(whole.items, named, strict=True)
+    ]
 
 
 def view(staging: torch.Tensor, entry: tuple[str, tuple[int, ...], torch.dtype, int, int]) -> torch.Tensor:

@@ -125,6 +125,32 @@ def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
     return out
 
 
+def report(
+    figures: dict[str, Any], path: str, n: int, row: dict[str, float], seconds: dict[int, float]
+) -> None:
+    """Print ``path``'s row for ``n`` receivers and keep its figures: at 1 receiver its GB/s (and, where the
+    row has them, until it was received and the staging buffer's bytes), its load and blocked time; beyond,
+    its seconds over 1 receiver's (``seconds``, by receivers, is filled in as the rows come)."""
+    nbytes = figures["model_bytes"]
+    seconds[n] = row["seconds"]
+    held = f"{row['received_s']:>8.3f}" if "received_s" in row else f"{'':>8}"
+    print(
+        f"{path:<11} {n:>9} {held} {row['seconds']:>9.3f} "
+        f"{nbytes / row['seconds'] / 1e9:>7.2f} {row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
+        flush=True,
+    )
+    if n > 1:
+        figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
+        return
+    figures[f"{path}_gbps"] = nbytes / row["seconds"] / 1e9
+    if "received_s" in row:
+        figures[f"{path}_received_gbps"] = nbytes / row["received_s"] / 1e9
+    figures[f"{path}_load_gbps"] = row["load_gbps"]
+    figures[f"{path}_blocked_s"] = row["blocked_s"]
+    if "staging_bytes" in row:
+        figures[f"{path}_staging_bytes"] = int(row["staging_bytes"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,41 +222,16 @@ def main() -> None:
                 raise SystemExit(
                     f"{path}: the publisher {'did not use' if run.cuda_ipc else 'used'} CUDA IPC"
                 )
-            seconds[n] = row["seconds"]
-            print(
-                f"{path:<11} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "
-                f"{nbytes / row['seconds'] / 1e9:>7.2f} {row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
-                flush=True,
-            )
-            if n == 1:
-                figures[f"{path}_gbps"] = nbytes / row["seconds"] / 1e9
-                figures[f"{path}_received_gbps"] = nbytes / row["received_s"] / 1e9
-                figures[f"{path}_load_gbps"] = row["load_gbps"]
-                figures[f"{path}_blocked_s"] = row["blocked_s"]
-            else:
-                figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
-    ipc = reference
+            report(figures, path, n, row, seconds)
     seconds = {}
-    for n in args.receivers if not args.paths or ipc in args.paths else []:
+    for n in args.receivers if not args.paths or reference in args.paths else []:
         try:
             row = run_ipc(named, [str(device)] * n)
         except RuntimeError as exc:  # a driver or sandbox without CUDA IPC: said, and the figures above kept
-            print(f"{ipc}: failed with {n} receivers: {exc}", flush=True)
-            figures[f"{ipc}_error"] = str(exc)[:300]
+            print(f"{reference}: failed with {n} receivers: {exc}", flush=True)
+            figures[f"{reference}_error"] = str(exc)[:300]
             break
-        seconds[n] = row["seconds"]
-        print(
-            f"{ipc:<11} {n:>9} {'':>8} {row['seconds']:>9.3f} {nbytes / row['seconds'] / 1e9:>7.2f} "
-            f"{row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
-            flush=True,
-        )
-        if n == 1:
-            figures[f"{ipc}_gbps"] = nbytes / row["seconds"] / 1e9
-            figures[f"{ipc}_load_gbps"] = row["load_gbps"]
-            figures[f"{ipc}_blocked_s"] = row["blocked_s"]
-            figures[f"{ipc}_staging_bytes"] = int(row["staging_bytes"])
-        else:
-            figures[f"{ipc}_{n}_over_1"] = seconds[n] / seconds[1]
+        report(figures, reference, n, row, seconds)
     if "shared_gpu_gbps" in figures:
         figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
         if "cuda_ipc_gbps" in figures:
