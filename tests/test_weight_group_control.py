@@ -436,11 +436,11 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
     )
     coordinator = coordinator_from_config(wb, redis_url, run_id, redis_client, torch.device("cpu"))
     # the publishers' planes: /dev/shm asked for, CUDA IPC on by default (used only with every member on one GPU)
-    assert coordinator.planes == (True, True)
+    assert coordinator.planes == {"shared_memory": True, "cuda_ipc": True}
     off = coordinator_from_config(
         WeightBrokerConfig(group_cuda_ipc=False), redis_url, run_id, redis_client, torch.device("cpu")
     )
-    assert off.planes == (False, False)
+    assert off.planes == {"shared_memory": False, "cuda_ipc": False}
     off.close()
     a = Receiver(GroupRegistry(redis_client, run_id, ttl_s=1.0), "sampler-0.a")
     a.start()

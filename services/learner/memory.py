@@ -115,9 +115,14 @@ def model_shape(hf_config: Any) -> ModelShape:
     return ModelShape(sum(params.values()), max(params.values()))
 
 
+def weight_bytes(precision: str) -> int:
+    """Bytes per weight in the model's working precision (what ZeRO-3 gathers and a version carries)."""
+    return 2 if precision == "bf16" else 4
+
+
 def model_state_bytes(shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
     """Per-rank bytes of ZeRO-3's partitions and working buffers (see deepspeed_config in trainer.py)."""
-    weight = 2 if precision == "bf16" else 4
+    weight = weight_bytes(precision)
     # bf16: the bf16 partition, its fp32 master, AdamW's two fp32 moments, the fp32 gradient partition;
     # fp32: the weights are the master
     per_param = (2 + 4 + 8 + 4) if precision == "bf16" else (4 + 8 + 4)
@@ -332,16 +337,14 @@ def broadcast_buffer_bytes(shape: ModelShape, precision: str, bucket_bytes: int)
     NCCL), which overlaps the next step: two buffers of at most a bucket, which every piece of the version
     goes through from the host staging buffer, a weight larger than a bucket too (weight_broker/buckets.py);
     no more than the version holds."""
-    weight = 2 if precision == "bf16" else 4
-    return 2 * min(bucket_bytes, shape.num_params * weight)
+    return 2 * min(bucket_bytes, shape.num_params * weight_bytes(precision))
 
 
 def ipc_staging_bytes(shape: ModelShape, precision: str) -> int:
     """Rank 0's GPU memory for versions handed to samplers on its own GPU through CUDA IPC
     (``weight_broker.group_cuda_ipc``, weight_broker/cuda_ipc.py): the version being sent and the one the
     samplers hold until they have loaded it."""
-    weight = 2 if precision == "bf16" else 4
-    return 2 * shape.num_params * weight
+    return 2 * shape.num_params * weight_bytes(precision)
 
 
 def plan_memory(

@@ -300,9 +300,9 @@ class GroupCoordinator:
     ) -> None:
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
         self.registry, self.host, self.backend = registry, host, backend
-        self.port, self.port_range = port, port_range
+        self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.device, self.digests, self.planes = device, digests, (shared_memory, cuda_ipc)
+        self.planes = {"shared_memory": shared_memory, "cuda_ipc": cuda_ipc}  # its publishers' keywords
         self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
@@ -467,7 +467,7 @@ class GroupCoordinator:
             raise FormFailed(str(exc), []) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
-        publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, *self.planes)
+        publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, **self.planes)
         return _Formed(group, publisher, members)
 
 
