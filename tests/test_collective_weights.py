@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import threading
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from services.common.redis_server import free_port
-from services.weight_broker.buckets import ALIGN, bucket_layout, digest, pieces
+from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, pieces
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.shared_memory import held_host_bytes
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
@@ -452,8 +454,12 @@ def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
     group = WeightGroup(spec, 1, device=torch.device("cuda", 0))  # gloo moves CUDA tensors through the host
     for _ in range(versions):
         version, tensors, _ = CollectiveReceiver(group).receive()  # bounce: CUDA buffers, pinned host copies
-        pinned = all(t.device.type == "cpu" and t.is_pinned() for _, t in tensors)
-        out.put((version, pinned and is_version(version, tensors)))
+        pinned = all(t.device.type == "cpu" and t.is_pinned() for _, t in tensors)  # page-locked: registered
+        held = held_host_bytes() == bucket_offsets(bucket_layout(specs_of(tensors), 8192))[1]  # exact size
+        exact = is_version(version, tensors)
+        del tensors
+        gc.collect()  # the last views gone: unlocked and unmapped
+        out.put((version, pinned and held and exact and held_host_bytes() == 0))
     group.close()
 
 
@@ -526,6 +532,7 @@ def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
     tensors = [*version_tensors(3), ("model.lm_head.weight", torch.randn(2000, 7))]  # 56 kB: 7 pieces
     results: list[Any] = []
+    held_before = held_host_bytes()
 
     def receive() -> None:
         group = WeightGroup(spec, 1)
@@ -546,6 +553,16 @@ def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, tensors, strict=True))
     assert device_bytes == 2 * 8192  # two pieces' buffers, not two of the 56 kB weight
     assert all(buf.numel() <= 8192 for buf in publisher._buffers)
+    # the host copy: one buffer of exactly the version's bytes (not one rounded allocation per bucket), held
+    # by the received tensors alone
+    _, total = bucket_offsets(bucket_layout(specs_of(tensors), 8192))
+    assert held_host_bytes() - held_before == total
+    start = min(t.data_ptr() for _, t in got)
+    assert all(t.data_ptr() + t.nbytes <= start + total for _, t in got)
+    del got
+    results.clear()
+    gc.collect()
+    assert held_host_bytes() == held_before
 
 
 def test_receivers_on_one_host_keep_one_copy_of_each_version_between_them() -> None:

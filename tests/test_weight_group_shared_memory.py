@@ -4,6 +4,7 @@ segment the publisher staged it in, over real gloo groups (threads of this proce
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import subprocess
@@ -294,3 +295,50 @@ def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
     view.fill_(3)
     staging.release()  # a view is still held: the mapping goes when it does
     assert view.tolist() == [3] * 10 and not staging.pinned
+
+
+class _Cudart:
+    """A stand-in for torch's CUDA runtime bindings: what was registered, and when it was unregistered."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # CUDA's names
+        self.calls.append(("register", address, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address, 0))
+        return 0
+
+
+def test_a_host_buffer_is_exact_size_page_locked_and_unlocked_once_its_last_view_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver's own host copy of a version: exactly the bytes asked for, registered with CUDA as one range,
+    kept (and readable) while any view of it lives, and unregistered once, when the last view goes, before its
+    pages are unmapped: never left registered on addresses a later mapping may reuse."""
+    cudart = _Cudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    before = shared_memory.held_host_bytes()
+    nbytes = (3 << 20) + 5
+    whole = shared_memory.host_buffer(nbytes, "a test's host copy")
+    assert whole.numel() == nbytes and whole.dtype == torch.uint8 and whole.device.type == "cpu"
+    assert cudart.calls == [("register", whole.data_ptr(), nbytes)]
+    assert shared_memory.held_host_bytes() - before == nbytes
+    address = whole.data_ptr()
+    tail = whole[nbytes - 10 :].view(torch.uint8)
+    tail.fill_(9)
+    del whole
+    gc.collect()
+    assert len(cudart.calls) == 1 and tail.tolist() == [9] * 10  # a view still holds it
+    del tail
+    gc.collect()
+    assert cudart.calls[1:] == [("unregister", address, 0)]
+    assert shared_memory.held_host_bytes() == before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA: the same memory, not locked
+    plain = shared_memory.host_buffer(64, "a test's host copy")
+    del plain
+    gc.collect()
+    assert len(cudart.calls) == 2 and shared_memory.held_host_bytes() == before

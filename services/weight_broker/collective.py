@@ -47,6 +47,7 @@ from services.weight_broker.buckets import (
     Bucket,
     TransferStats,
     bucket_layout,
+    bucket_offsets,
     check_exhausted,
     digest,
     flat_bytes,
@@ -55,7 +56,7 @@ from services.weight_broker.buckets import (
 )
 from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, receive_export
 from services.weight_broker.host_copy import HostCopy
-from services.weight_broker.shared_memory import PinnedStaging, Staging, receive_segment
+from services.weight_broker.shared_memory import PinnedStaging, Staging, host_buffer, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -453,9 +454,11 @@ class CollectiveReceiver:
     def _bounced(
         self, layout: list[Bucket], piece: int, hashed: bool
     ) -> tuple[list[torch.Tensor], list[int]]:
-        """Every bucket through the device buffers into host memory of its own (pinned under CUDA)."""
-        cuda = self.group.device.type == "cuda"
-        host = [torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=cuda) for b in layout]
+        """Every bucket through the device buffers into its place in one host buffer of the version's size
+        (:func:`host_buffer`: page-locked under CUDA, freed once the engine lets go of the version)."""
+        offsets, total = bucket_offsets(layout)
+        whole = host_buffer(total, f"version {self.group.broadcasts}'s {total}-byte host copy")
+        host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
         return self._through_buffers(layout, piece, host, hashed)
 
     def _through_buffers(

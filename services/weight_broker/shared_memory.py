@@ -5,6 +5,7 @@
     SharedSegment.attach(name)  a receiver's copy-on-write mapping of the publisher's segment
     segment.tensor              the mapping as a uint8 tensor (the publisher's page-locked where CUDA is there)
     PinnedStaging               the publisher's staging buffer otherwise: private, exact-size, page-locked
+    host_buffer(n)              a receiver's own copy of a version: exact-size, page-locked, freed with its views
 
 The collective transport (``collective.py``) stages a version in a segment of its own and every receiver on the
 host maps it, instead of the bytes crossing loopback sockets once per receiver: one copy of the version in
@@ -18,16 +19,20 @@ creates its first.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import mmap
 import os
 import re
 import socket
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.common.pids import sweep_dead
@@ -61,9 +66,13 @@ def page_lock(tensor: torch.Tensor, what: str) -> bool:
     """Page-lock host memory where CUDA is there (``cudaHostRegister``, portable: pinned for every device's
     context, whichever thread registers it), for fast asynchronous copies to a GPU; False where there is no
     CUDA, or it failed (logged)."""
-    if not torch.cuda.is_available() or tensor.numel() == 0:
+    return _lock(tensor.data_ptr(), tensor.numel(), what)
+
+
+def _lock(address: int, nbytes: int, what: str) -> bool:
+    if not torch.cuda.is_available() or nbytes == 0:
         return False
-    err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 1))  # Portable
+    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # Portable
     if err != 0:
         log.warning("could not page-lock %s (cudaError %d)", what, err)
     return err == 0
@@ -72,6 +81,56 @@ def page_lock(tensor: torch.Tensor, what: str) -> bool:
 def _unlock(tensor: torch.Tensor | None, registered: bool) -> None:
     if tensor is not None and registered:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+_held = [0]  # bytes of this process's host buffers (host_buffer) that some view still holds
+_held_lock = threading.Lock()
+
+
+def host_buffer(nbytes: int, what: str) -> torch.Tensor:
+    """``nbytes`` of private host memory of its own (a uint8 tensor), exactly that size and page-locked where
+    CUDA is there, unlocked and unmapped once the last view of it is gone, on whichever thread lets it go.
+
+    A GPU worker keeps each version it receives in one of these until its engine has loaded it. torch's pinned
+    allocator would round each allocation up to a power of two and cache it once freed: a 1.1 GB embedding
+    would pin 2 GB, and the last version's blocks would stay pinned beside the next one's."""
+    return torch.from_numpy(np.asarray(_HostMapping(nbytes, what)))
+
+
+def held_host_bytes() -> int:
+    """Bytes of :func:`host_buffer` memory still held by some view in this process."""
+    return _held[0]
+
+
+class _HostMapping:
+    """One anonymous mapping, shown to numpy by address: the array (and every tensor view of it) keeps this
+    object alive, and its finalizer unlocks the pages before it unmaps them (the mapping's own deallocation
+    would unmap first, leaving a registration on addresses the next mapping may reuse)."""
+
+    def __init__(self, nbytes: int, what: str) -> None:
+        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export ends with the temporary
+        locked = _lock(address, nbytes, what)
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+        }
+        with _held_lock:
+            _held[0] += nbytes
+        # not at exit: the process's memory goes with it, and CUDA may be torn down by then
+        weakref.finalize(self, _free, mapping, address, nbytes, locked, what).atexit = False
+
+
+def _free(mapping: mmap.mmap, address: int, nbytes: int, locked: bool, what: str) -> None:
+    if locked:
+        err = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if err != 0:
+            log.warning("could not unlock %s (cudaError %d)", what, err)
+    mapping.close()
+    with _held_lock:
+        _held[0] -= nbytes
 
 
 class PinnedStaging:
