@@ -28,7 +28,10 @@ Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out). Version
 of the publish until every model holds it; versions 3 and 4 go in the background from the staging buffer and
 the publisher's wait for the 4th is reported. Every receiver's model must equal each version byte for byte.
 The hardware's figures, in this process: the model's bytes device to page-locked host and back
-(``host_round_trip_gbps``: the shared-GPU path's floor is one such round trip) and device to device.
+(``host_round_trip_gbps``: the shared-GPU path's floor is one such round trip) and device to device; and
+device to a receiver's own host copy (a GPU worker that keeps one: alone on its host, or /dev/shm too small)
+in new memory, mapped and page-locked for it (``host_copy_fresh_gbps``), and in the spare the last version
+left (``host_copy_spare_gbps``, ``host_copy_spare_over_fresh``).
 
 ``--device cpu`` runs the same processes on CPU (``shm``: gloo, the version through /dev/shm; ``sockets``:
 gloo over loopback) so this script is tested where no GPU is; its figures say nothing about GPUs.
@@ -62,6 +65,7 @@ import torch
 
 from benchmarks._ipc_workers import run_ipc
 from benchmarks._weight_sync_workers import MiB, build_model, run_loading
+from services.weight_broker.shared_memory import HostBuffers
 
 
 def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, float]:
@@ -86,11 +90,25 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
     d2h = best(lambda: host.copy_(source, non_blocking=True))
     h2d = best(lambda: source.copy_(host, non_blocking=True))
     d2d = best(lambda: other.copy_(source))
+
+    # a receiver that keeps its own host copy: the version into a new mapping (mapped, page-locked, faulted in)
+    # or into the spare its last version left (HostBuffers)
+    def into(buffers: HostBuffers) -> None:
+        buffers.take(nbytes, "the benchmark's host copy").copy_(source)  # dropped at once: the spare
+
+    fresh = best(lambda: into(HostBuffers()))  # each one's spare freed when it goes
+    kept = HostBuffers()
+    into(kept)
+    spare = best(lambda: into(kept))
+    kept.release()
     return {
         "device_to_host_gbps": d2h,
         "host_to_device_gbps": h2d,
         "host_round_trip_gbps": 1 / (1 / d2h + 1 / h2d),
         "device_copy_gbps": d2d,
+        "host_copy_fresh_gbps": fresh,
+        "host_copy_spare_gbps": spare,
+        "host_copy_spare_over_fresh": spare / fresh,
     }
 
 
@@ -185,7 +203,9 @@ def main() -> None:
     print(
         f"{args.size_mib} MiB model ({len(named)} tensors) on {device}: device to host "
         f"{figures['device_to_host_gbps']:.1f} GB/s, host to device {figures['host_to_device_gbps']:.1f}, "
-        f"round trip {figures['host_round_trip_gbps']:.1f}, device copy {figures['device_copy_gbps']:.1f}"
+        f"round trip {figures['host_round_trip_gbps']:.1f}, device copy {figures['device_copy_gbps']:.1f}; "
+        f"to a receiver's own host copy {figures['host_copy_fresh_gbps']:.1f} in new memory, "
+        f"{figures['host_copy_spare_gbps']:.1f} in the last version's (x{figures['host_copy_spare_over_fresh']:.1f})"
     )
     print(
         f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"

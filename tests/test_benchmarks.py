@@ -107,6 +107,7 @@ def test_weight_sync_gpu_benchmark_runs_its_processes_on_cpu() -> None:
             assert figures[f"{path}_{key}"] > 0, key
         assert figures[f"{path}_blocked_s"] >= 0
     assert figures["host_round_trip_gbps"] > 0 and "shared_gpu_gbps" not in figures
+    assert figures["host_copy_fresh_gbps"] > 0 and figures["host_copy_spare_gbps"] > 0
     # the IPC reference: receivers copy out of the publisher's staging buffer (shared memory on CPU)
     for key in ("gbps", "load_gbps", "2_over_1", "blocked_s"):
         assert figures[f"ipc_{key}"] > 0, key

@@ -458,9 +458,10 @@ def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
         held = held_host_bytes() == bucket_offsets(bucket_layout(specs_of(tensors), 8192))[1]  # exact size
         exact = is_version(version, tensors)
         del tensors
-        gc.collect()  # the last views gone: unlocked and unmapped
-        out.put((version, pinned and held and exact and held_host_bytes() == 0))
-    group.close()
+        gc.collect()  # the last views gone: the spare, kept for the next version (no new page-locking)
+        out.put((version, pinned and held and exact))
+    group.close()  # the spare unlocked and unmapped
+    out.put(held_host_bytes())
 
 
 @pytest.mark.gpu
@@ -484,7 +485,8 @@ def test_a_cuda_publisher_broadcasts_in_the_background_from_page_locked_staging(
             tensors = [(n, t.to(cuda)) for n, t in version_tensors(version)]
             publisher.send_background(version, specs_of(tensors), iter(tensors))
             assert publisher._staging.pinned and publisher._staging.take(1).is_pinned()
-            assert out.get(timeout=60) == (version, True)
+            assert out.get(timeout=60) == (version, True)  # the second in the first's memory (its spare)
+        assert out.get(timeout=60) == 0  # the spare freed once the receiver's group closed
         assert publisher.wait() is not None and publisher._stream is not None
     finally:
         publisher.close()
@@ -505,6 +507,7 @@ def test_a_cuda_receiver_stages_the_version_in_pinned_host_memory() -> None:
     tensors = version_tensors(41)
     CollectivePublisher(group, bucket_bytes=8192).send(41, specs_of(tensors), iter(tensors))
     assert out.get(timeout=60) == (41, True)
+    assert out.get(timeout=60) == 0  # its spare freed once its group closed
     proc.join(timeout=30)
     group.close()
 

@@ -312,33 +312,56 @@ class _Cudart:
         return 0
 
 
-def test_a_host_buffer_is_exact_size_page_locked_and_unlocked_once_its_last_view_goes(
+def test_host_buffers_are_exact_size_page_locked_kept_as_one_spare_and_unlocked_before_unmapping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A receiver's own host copy of a version: exactly the bytes asked for, registered with CUDA as one range,
-    kept (and readable) while any view of it lives, and unregistered once, when the last view goes, before its
-    pages are unmapped: never left registered on addresses a later mapping may reuse."""
+    """A receiver's own host copies of versions: exactly the bytes asked for, registered with CUDA as one
+    range, kept (and readable) while any view lives; once the last view goes, kept as the spare for the next
+    version of that size (no new mapping, no new registration), one at most; anything else unregistered once,
+    before its pages are unmapped (never left registered on addresses a later mapping may reuse)."""
     cudart = _Cudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     before = shared_memory.held_host_bytes()
+    buffers = shared_memory.HostBuffers()
     nbytes = (3 << 20) + 5
-    whole = shared_memory.host_buffer(nbytes, "a test's host copy")
+    whole = buffers.take(nbytes, "a test's host copy")
+    first = whole.data_ptr()
     assert whole.numel() == nbytes and whole.dtype == torch.uint8 and whole.device.type == "cpu"
-    assert cudart.calls == [("register", whole.data_ptr(), nbytes)]
+    assert cudart.calls == [("register", first, nbytes)]
     assert shared_memory.held_host_bytes() - before == nbytes
-    address = whole.data_ptr()
-    tail = whole[nbytes - 10 :].view(torch.uint8)
+    tail = whole[nbytes - 10 :]
     tail.fill_(9)
+    second = buffers.take(nbytes, "a test's host copy")  # the first is still held: a mapping of its own
+    other = second.data_ptr()
+    assert other != first and cudart.calls[1:] == [("register", other, nbytes)]
+    assert shared_memory.held_host_bytes() - before == 2 * nbytes
     del whole
     gc.collect()
-    assert len(cudart.calls) == 1 and tail.tolist() == [9] * 10  # a view still holds it
+    assert tail.tolist() == [9] * 10 and len(cudart.calls) == 2  # a view still holds it
     del tail
     gc.collect()
-    assert cudart.calls[1:] == [("unregister", address, 0)]
+    assert len(cudart.calls) == 2  # the spare now: still mapped and registered
+    third = buffers.take(nbytes, "a test's host copy")
+    assert third.data_ptr() == first and len(cudart.calls) == 2  # the spare, as it was
+    del second
+    gc.collect()  # the spare now
+    bigger = buffers.take(nbytes + 1, "a test's host copy")  # another size: the spare goes, a new mapping
+    assert cudart.calls[2:] == [("unregister", other, 0), ("register", bigger.data_ptr(), nbytes + 1)]
+    assert shared_memory.held_host_bytes() - before == 2 * nbytes + 1
+    del bigger
+    gc.collect()  # the spare
+    buffers.release()  # the group closed: the spare goes now, and the third once its views do
+    assert len(cudart.calls) == 5 and cudart.calls[4][0] == "unregister"
+    del third
+    gc.collect()
+    assert cudart.calls[5:] == [("unregister", first, 0)]
     assert shared_memory.held_host_bytes() == before
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA: the same memory, not locked
-    plain = shared_memory.host_buffer(64, "a test's host copy")
-    del plain
-    gc.collect()
-    assert len(cudart.calls) == 2 and shared_memory.held_host_bytes() == before
+    plain = shared_memory.HostBuffers()
+    small = plain.take(64, "a test's host copy")
+    assert shared_memory.held_host_bytes() - before == 64
+    del small
+    gc.collect()  # the spare, never registered
+    plain.release()
+    assert len(cudart.calls) == 6 and shared_memory.held_host_bytes() == before

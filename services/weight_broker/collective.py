@@ -56,7 +56,7 @@ from services.weight_broker.buckets import (
 )
 from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, receive_export
 from services.weight_broker.host_copy import HostCopy
-from services.weight_broker.shared_memory import PinnedStaging, Staging, host_buffer, receive_segment
+from services.weight_broker.shared_memory import HostBuffers, PinnedStaging, Staging, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -455,9 +455,10 @@ class CollectiveReceiver:
         self, layout: list[Bucket], piece: int, hashed: bool
     ) -> tuple[list[torch.Tensor], list[int]]:
         """Every bucket through the device buffers into its place in one host buffer of the version's size
-        (:func:`host_buffer`: page-locked under CUDA, freed once the engine lets go of the version)."""
+        (the group's :class:`HostBuffers`: page-locked under CUDA, the spare once the engine lets go of it)."""
         offsets, total = bucket_offsets(layout)
-        whole = host_buffer(total, f"version {self.group.broadcasts}'s {total}-byte host copy")
+        self.group.host_buffers = self.group.host_buffers or HostBuffers()
+        whole = self.group.host_buffers.take(total, f"a {total}-byte host copy of a version")
         host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
         return self._through_buffers(layout, piece, host, hashed)
 

@@ -5,7 +5,7 @@
     SharedSegment.attach(name)  a receiver's copy-on-write mapping of the publisher's segment
     segment.tensor              the mapping as a uint8 tensor (the publisher's page-locked where CUDA is there)
     PinnedStaging               the publisher's staging buffer otherwise: private, exact-size, page-locked
-    host_buffer(n)              a receiver's own copy of a version: exact-size, page-locked, freed with its views
+    HostBuffers                 a receiver's own copies of versions: exact-size, page-locked, kept for the next
 
 The collective transport (``collective.py``) stages a version in a segment of its own and every receiver on the
 host maps it, instead of the bytes crossing loopback sockets once per receiver: one copy of the version in
@@ -83,54 +83,98 @@ def _unlock(tensor: torch.Tensor | None, registered: bool) -> None:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
-_held = [0]  # bytes of this process's host buffers (host_buffer) that some view still holds
+_held = [0]  # bytes of this process's host buffers (HostBuffers): held by views, or kept as a spare
 _held_lock = threading.Lock()
 
 
-def host_buffer(nbytes: int, what: str) -> torch.Tensor:
-    """``nbytes`` of private host memory of its own (a uint8 tensor), exactly that size and page-locked where
-    CUDA is there, unlocked and unmapped once the last view of it is gone, on whichever thread lets it go.
-
-    A GPU worker keeps each version it receives in one of these until its engine has loaded it. torch's pinned
-    allocator would round each allocation up to a power of two and cache it once freed: a 1.1 GB embedding
-    would pin 2 GB, and the last version's blocks would stay pinned beside the next one's."""
-    return torch.from_numpy(np.asarray(_HostMapping(nbytes, what)))
-
-
 def held_host_bytes() -> int:
-    """Bytes of :func:`host_buffer` memory still held by some view in this process."""
+    """Bytes of :class:`HostBuffers` memory mapped in this process: held by views, or kept as a spare."""
     return _held[0]
 
 
+class HostBuffers:
+    """A receiver's own host copies of the versions it receives (a GPU worker keeps each in one until its
+    engine has loaded it): each a private mapping of exactly the version's size, page-locked where CUDA is
+    there, and the version's until the last view of it goes, on whichever thread lets it go. It is then kept as
+    the spare for the next version of its size, one at most, so a receiver does not map, fault in and
+    page-lock a whole version's memory on the broadcast's path for every version (every member of the group
+    would wait for it). Anything else is unlocked, then unmapped; ``release`` (the group closed) frees the
+    spare, and what views still hold once they go.
+
+    Not torch's pinned allocator, which would round each bucket up to a power of two (a 1.1 GB embedding pins
+    2 GB) and keep every freed block pinned for reuse."""
+
+    def __init__(self) -> None:
+        self._spare: _HostMapping | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, nbytes: int, what: str) -> torch.Tensor:
+        """``nbytes`` of host memory (a uint8 tensor): the spare where it has that size, or a new mapping."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.nbytes != nbytes:
+            spare.free()
+            spare = None
+        mapping = spare or _HostMapping(nbytes, what)
+        return torch.from_numpy(np.asarray(_Holder(mapping, self)))
+
+    def returned(self, mapping: _HostMapping) -> None:
+        """A mapping's last view went: keep it as the spare, or free it."""
+        with self._lock:
+            if not self._closed and self._spare is None:
+                self._spare = mapping
+                return
+        mapping.free()
+
+    def release(self) -> None:
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.free()
+
+
 class _HostMapping:
-    """One anonymous mapping, shown to numpy by address: the array (and every tensor view of it) keeps this
-    object alive, and its finalizer unlocks the pages before it unmaps them (the mapping's own deallocation
-    would unmap first, leaving a registration on addresses the next mapping may reuse)."""
+    """One anonymous mapping, page-locked where CUDA is there; ``free`` (or, at the latest, its deallocation)
+    unlocks its pages before it unmaps them (the mmap object's own deallocation would unmap first, leaving a
+    registration on addresses a later mapping may reuse)."""
 
     def __init__(self, nbytes: int, what: str) -> None:
-        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export ends with the temporary
-        locked = _lock(address, nbytes, what)
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (address, False),
-        }
+        self.nbytes, self.what = nbytes, what
+        self._mmap: mmap.mmap | None = mmap.mmap(
+            -1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))  # the export ends with it
+        self.locked = _lock(self.address, nbytes, what)
         with _held_lock:
             _held[0] += nbytes
+
+    def free(self) -> None:
+        mapping, self._mmap = self._mmap, None
+        if mapping is None:
+            return
+        if self.locked:
+            err = int(torch.cuda.cudart().cudaHostUnregister(self.address))
+            if err != 0:
+                log.warning("could not unlock %s (cudaError %d)", self.what, err)
+        mapping.close()
+        with _held_lock:
+            _held[0] -= self.nbytes
+
+    def __del__(self) -> None:  # a spare whose HostBuffers was dropped without release
+        self.free()
+
+
+class _Holder:
+    """A mapping shown to numpy by address: the array, and every tensor view of it, keep this object alive;
+    once the last goes, its finalizer hands the mapping back to its :class:`HostBuffers`."""
+
+    def __init__(self, mapping: _HostMapping, owner: HostBuffers) -> None:
+        data = (mapping.address, False)
+        self.__array_interface__ = {"version": 3, "shape": (mapping.nbytes,), "typestr": "|u1", "data": data}
         # not at exit: the process's memory goes with it, and CUDA may be torn down by then
-        weakref.finalize(self, _free, mapping, address, nbytes, locked, what).atexit = False
-
-
-def _free(mapping: mmap.mmap, address: int, nbytes: int, locked: bool, what: str) -> None:
-    if locked:
-        err = int(torch.cuda.cudart().cudaHostUnregister(address))
-        if err != 0:
-            log.warning("could not unlock %s (cudaError %d)", what, err)
-    mapping.close()
-    with _held_lock:
-        _held[0] -= nbytes
+        weakref.finalize(self, owner.returned, mapping).atexit = False
 
 
 class PinnedStaging:

@@ -259,6 +259,7 @@ class WeightGroup:
         # them; empty: this one keeps its own, if any)
         self.host_peers = host_peers(prefixed, rank, spec.world_size)
         self.host_copy: Any = None  # their shared copy's state (host_copy.py), released on close
+        self.host_buffers: Any = None  # this receiver's own host copies (shared_memory.HostBuffers), likewise
         self.broadcasts = 0  # versions whose broadcast reached this receiver (every rank counts alike)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
@@ -466,8 +467,9 @@ class WeightGroup:
         if self._closed:
             return
         self._closed = True
-        if self.host_copy is not None:
-            self.host_copy.release()
+        for held in (self.host_copy, self.host_buffers):
+            if held is not None:
+                held.release()
         try:
             if self.backend == "nccl":
                 # abort (ncclCommAbort), not shutdown: a communicator's destroy waits for its kernels, and a
