@@ -168,7 +168,7 @@ def test_a_receiver_that_cannot_read_the_segment_votes_it_down_and_the_group_goe
 def test_a_full_dev_shm_sends_buckets_instead(
     group3: list[WeightGroup], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def full(nbytes: int) -> SharedSegment:
+    def full(nbytes: int, device: int | None = None) -> SharedSegment:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(SharedSegment, "create", staticmethod(full))
@@ -365,3 +365,61 @@ def test_host_buffers_are_exact_size_page_locked_kept_as_one_spare_and_unlocked_
     gc.collect()  # the spare, never registered
     plain.release()
     assert len(cudart.calls) == 6 and shared_memory.held_host_bytes() == before
+
+
+def test_page_locking_runs_on_the_owners_device_whichever_thread_does_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver's host copy let go on another thread, and a stager's next segment reserved on its
+    background thread, are unlocked and locked on the device current where their owner was made (cuda:3
+    here), not on cuda:0, where a thread that never chose a device would make a CUDA context of its own."""
+    current = threading.local()
+
+    class _Device:  # torch.cuda.device's stand-in: the device current on this thread inside it
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            self.prev = getattr(current, "index", 0)
+            current.index = self.index
+
+        def __exit__(self, *exc: object) -> None:
+            current.index = self.prev
+
+    calls: list[tuple[str, int, str]] = []
+
+    class _OnDevice(_Cudart):
+        def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+            calls.append(("register", getattr(current, "index", 0), threading.current_thread().name))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            calls.append(("unregister", getattr(current, "index", 0), threading.current_thread().name))
+            return 0
+
+    cudart = _OnDevice()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    monkeypatch.setattr(shared_memory, "cuda_device_here", lambda: 3)
+    buffers = shared_memory.HostBuffers()
+    held = [buffers.take(4096, "a test's host copy")]
+    buffers.release()
+    letting_go = threading.Thread(target=held.clear, name="letting-go")  # the last view goes there
+    letting_go.start()
+    letting_go.join()
+    gc.collect()
+    staging = shared_memory.Staging()
+    staging.take(4096)
+    staging.reserve_spare(4096)  # on its background thread
+    staging.settle()
+    staging.release()
+    main = threading.current_thread().name
+    assert calls[:2] == [("register", 3, main), ("unregister", 3, "letting-go")]
+    assert [(what, device) for what, device, _ in calls[2:]] == [
+        ("register", 3),
+        ("register", 3),
+        ("unregister", 3),
+        ("unregister", 3),
+    ]
+    assert calls[3][2].startswith("weight-segment")  # the spare, reserved in the background

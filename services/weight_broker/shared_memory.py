@@ -62,25 +62,42 @@ def sweep_stale() -> int:
     return sweep_dead(SHM_DIR, _NAME.pattern, "weight segment(s)")
 
 
-def page_lock(tensor: torch.Tensor, what: str) -> bool:
+def cuda_device_here() -> int | None:
+    """The CUDA device current on this thread, where CUDA is in use (None otherwise): a buffer made here is
+    page-locked and unlocked under it, whichever thread does so. A thread that never chose a device (a
+    background or finalizing one) would otherwise make a context on cuda:0 to do it: hundreds of MB on a GPU
+    that another process (a vLLM worker whose KV cache was sized to its memory) may be using."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def _on(device: int | None) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def page_lock(tensor: torch.Tensor, what: str, device: int | None) -> bool:
     """Page-lock host memory where CUDA is there (``cudaHostRegister``, portable: pinned for every device's
-    context, whichever thread registers it), for fast asynchronous copies to a GPU; False where there is no
-    CUDA, or it failed (logged)."""
-    return _lock(tensor.data_ptr(), tensor.numel(), what)
+    context), on ``device`` (:func:`cuda_device_here` where the buffer's owner was made), for fast
+    asynchronous copies to a GPU; False where there is no CUDA, or it failed (logged)."""
+    return _lock(tensor.data_ptr(), tensor.numel(), what, device)
 
 
-def _lock(address: int, nbytes: int, what: str) -> bool:
+def _lock(address: int, nbytes: int, what: str, device: int | None) -> bool:
     if not torch.cuda.is_available() or nbytes == 0:
         return False
-    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # Portable
+    with _on(device):
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # Portable
     if err != 0:
         log.warning("could not page-lock %s (cudaError %d)", what, err)
     return err == 0
 
 
-def _unlock(tensor: torch.Tensor | None, registered: bool) -> None:
-    if tensor is not None and registered:
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+def _unlock(address: int, what: str, device: int | None) -> None:
+    with _on(device):
+        err = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if err != 0:
+        log.warning("could not unlock %s (cudaError %d)", what, err)
 
 
 _held = [0]  # bytes of this process's host buffers (HostBuffers): held by views, or kept as a spare
@@ -108,6 +125,7 @@ class HostBuffers:
         self._spare: _HostMapping | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.device = cuda_device_here()
 
     def take(self, nbytes: int, what: str) -> torch.Tensor:
         """``nbytes`` of host memory (a uint8 tensor): the spare where it has that size, or a new mapping."""
@@ -116,7 +134,7 @@ class HostBuffers:
         if spare is not None and spare.nbytes != nbytes:
             spare.free()
             spare = None
-        mapping = spare or _HostMapping(nbytes, what)
+        mapping = spare or _HostMapping(nbytes, what, self.device)
         return torch.from_numpy(np.asarray(_Holder(mapping, self)))
 
     def returned(self, mapping: _HostMapping) -> None:
@@ -140,13 +158,13 @@ class _HostMapping:
     unlocks its pages before it unmaps them (the mmap object's own deallocation would unmap first, leaving a
     registration on addresses a later mapping may reuse)."""
 
-    def __init__(self, nbytes: int, what: str) -> None:
-        self.nbytes, self.what = nbytes, what
+    def __init__(self, nbytes: int, what: str, device: int | None) -> None:
+        self.nbytes, self.what, self.device = nbytes, what, device
         self._mmap: mmap.mmap | None = mmap.mmap(
             -1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         )
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))  # the export ends with it
-        self.locked = _lock(self.address, nbytes, what)
+        self.locked = _lock(self.address, nbytes, what, device)
         with _held_lock:
             _held[0] += nbytes
 
@@ -155,9 +173,7 @@ class _HostMapping:
         if mapping is None:
             return
         if self.locked:
-            err = int(torch.cuda.cudart().cudaHostUnregister(self.address))
-            if err != 0:
-                log.warning("could not unlock %s (cudaError %d)", self.what, err)
+            _unlock(self.address, self.what, self.device)
         mapping.close()
         with _held_lock:
             _held[0] -= self.nbytes
@@ -187,13 +203,14 @@ class PinnedStaging:
         self._mmap: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self._registered = False
+        self.device = cuda_device_here()
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self._tensor is None or self._tensor.numel() < nbytes:
             self.release()
             self._mmap = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(nbytes, 1))
-            self._registered = page_lock(self._tensor, f"the {nbytes}-byte weight staging buffer")
+            self._registered = page_lock(self._tensor, "the weight staging buffer", self.device)
         return self._tensor[:nbytes]
 
     @property
@@ -203,23 +220,27 @@ class PinnedStaging:
     def release(self) -> None:
         """Let the buffer go: unmapped once no view of it is left (tensors of ``torch.frombuffer`` keep the
         mapping object alive, not open: closing it under a view would leave the view dangling)."""
-        _unlock(self._tensor, self._registered)
+        if self._tensor is not None and self._registered:
+            _unlock(self._tensor.data_ptr(), "the weight staging buffer", self.device)
         self._mmap, self._tensor, self._registered = None, None, False
 
 
 class SharedSegment:
     """One mapped file of /dev/shm (see the module docstring)."""
 
-    def __init__(self, name: str, nbytes: int, mapping: mmap.mmap, owner: bool) -> None:
-        self.name, self.nbytes, self.owner = name, nbytes, owner
+    def __init__(
+        self, name: str, nbytes: int, mapping: mmap.mmap, owner: bool, device: int | None = None
+    ) -> None:
+        self.name, self.nbytes, self.owner, self.device = name, nbytes, owner, device
         self._mmap = mapping
         self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         # page-locked like a pinned staging buffer: fast GPU copies
-        self._registered = owner and page_lock(self.tensor, f"weight segment {name}")
+        self._registered = owner and page_lock(self.tensor, f"weight segment {name}", device)
 
     @classmethod
-    def create(cls, nbytes: int) -> SharedSegment:
-        """A new segment of ``nbytes``, its space reserved now: OSError (ENOSPC) if /dev/shm cannot hold it."""
+    def create(cls, nbytes: int, device: int | None = None) -> SharedSegment:
+        """A new segment of ``nbytes``, its space reserved now: OSError (ENOSPC) if /dev/shm cannot hold it.
+        Page-locked on ``device`` (:func:`cuda_device_here` where its stager was made)."""
         if not _swept:
             _swept.append(True)
             sweep_stale()
@@ -237,7 +258,7 @@ class SharedSegment:
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        return cls(name, nbytes, mapping, owner=True)
+        return cls(name, nbytes, mapping, owner=True, device=device)
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> SharedSegment:
@@ -271,7 +292,8 @@ class SharedSegment:
     def close(self) -> None:
         """Unmap (the publisher's own views must not be used after this; receivers never close theirs, whose
         views keep the mapping) and, the publisher's, unlink."""
-        _unlock(self.tensor, self._registered)
+        if self.tensor is not None and self._registered:
+            _unlock(self.tensor.data_ptr(), f"weight segment {self.name}", self.device)
         self.tensor = None
         with contextlib.suppress(BufferError):  # the publisher's staged views are not used after this
             self._mmap.close()
@@ -289,6 +311,7 @@ class Staging:
         self.spare: SharedSegment | None = None
         self.reserving: Future[None] | None = None  # the spare's reservation, in the background
         self._thread: ThreadPoolExecutor | None = None
+        self.device = cuda_device_here()  # the segments are page-locked on it, on whichever thread
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the current segment: the one staged and not yet sent, the spare (once its reservation
@@ -302,7 +325,7 @@ class Staging:
             else:
                 if spare is not None:
                     spare.close()
-                self.current = SharedSegment.create(nbytes)
+                self.current = SharedSegment.create(nbytes, self.device)
         assert self.current.tensor is not None
         return self.current.tensor[:nbytes]
 
@@ -315,7 +338,7 @@ class Staging:
     def _reserve(self, nbytes: int) -> None:
         if self.spare is None:
             with contextlib.suppress(OSError):  # the next take tries again, and says why if it cannot
-                self.spare = SharedSegment.create(nbytes)
+                self.spare = SharedSegment.create(nbytes, self.device)
 
     def settle(self) -> None:
         """Wait for the spare's reservation, if one is under way."""
