@@ -115,6 +115,9 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             raise RuntimeError(
                 "not in a weight group: init_weight_transfer_engine first (or again, after a failure)"
             )
+        # a newer version replaces one staged and not yet loaded: let that go first, so the host never holds
+        # two (its host copy is the spare this one is received into; a failure drops both either way)
+        self._staged = None
         version, tensors, stats = CollectiveReceiver(self.group).receive()
         if version != update_info.version:
             raise RuntimeError(
