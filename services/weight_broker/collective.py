@@ -341,9 +341,8 @@ class CollectiveReceiver:
     """Ranks 1..N: receive versions as they are broadcast."""
 
     def __init__(self, group: WeightGroup, bounce: bool | None = None) -> None:
-        """``bounce`` (default: when the group's device is not the CPU) receives each bucket into one of two
-        device buffers and copies it out to host memory (pinned), so a GPU worker stages a whole version in
-        host memory, not in the GPU memory its KV cache holds: GPU memory used is two buckets."""
+        """``bounce`` (default: a group on a GPU) receives through two device buffers into page-locked host
+        memory: a GPU worker's KV cache shares its GPU with two buckets, not with a second model."""
         if group.rank == 0:
             raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
         self.group = group
@@ -466,24 +465,35 @@ class CollectiveReceiver:
         self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None, hashed: bool
     ) -> tuple[list[torch.Tensor], list[int]]:
         """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
-        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). On CUDA the copy is queued
-        on the current stream, which the next broadcast into the same buffer waits for. Returns ``outs`` and
-        their digests."""
+        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). Returns ``outs`` and their
+        digests.
+
+        On CUDA each copy out runs on a stream of its own while the next piece arrives in the other buffer,
+        whose broadcast waits only for that buffer's last copy out (a copy on the current stream, which the
+        group's collectives wait for, would hold up the next piece)."""
         group = self.group
-        cuda = group.device.type == "cuda"
         ranges = [pieces(b.nbytes, piece) for b in layout]
         size = max(b - a for bucket in ranges for a, b in bucket)
         slots = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
         self.device_bytes = 2 * size
+        copier = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+        copied: list[Any] = [None, None]  # each buffer's last copy out: an event on the copy stream
         n = 0
         for i, bucket in enumerate(ranges):
             for a, b in bucket:
-                slot = slots[n % 2][: b - a]
-                n += 1
-                group.wait(group.broadcast(slot))
-                if outs is not None:
-                    outs[i][a:b].copy_(slot, non_blocking=cuda)
-        if cuda:
+                k, n = n % 2, n + 1
+                slot = slots[k][: b - a]
+                if copied[k] is not None:
+                    torch.cuda.current_stream(group.device).wait_event(copied[k])
+                group.wait(group.broadcast(slot))  # the current stream now follows the broadcast
+                if outs is not None and copier is None:
+                    outs[i][a:b].copy_(slot)
+                elif outs is not None and copier is not None:
+                    copier.wait_stream(torch.cuda.current_stream(group.device))
+                    with torch.cuda.stream(copier):
+                        outs[i][a:b].copy_(slot, non_blocking=True)
+                    copied[k] = copier.record_event()
+        if copier is not None:
             torch.cuda.synchronize(group.device)
         if outs is None:
             return [], []
