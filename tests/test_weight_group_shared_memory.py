@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -423,3 +424,17 @@ def test_page_locking_runs_on_the_owners_device_whichever_thread_does_it(
         ("unregister", 3),
     ]
     assert calls[3][2].startswith("weight-segment")  # the spare, reserved in the background
+    given = shared_memory.PinnedStaging(5)  # the group's GPU, given, wins over the thread's (3)
+    given.take(64)
+    given.release()
+    assert [(what, device) for what, device, _ in calls[6:]] == [("register", 5), ("unregister", 5)]
+
+
+def test_a_member_page_locks_on_its_own_gpu_also_where_its_epoch_fell_back_to_gloo() -> None:
+    index = WeightGroup.cuda_index.fget  # type: ignore[attr-defined]
+    assert index(SimpleNamespace(device=torch.device("cuda", 2), gpu=torch.device("cuda", 2))) == 2
+    assert (
+        index(SimpleNamespace(device=torch.device("cpu"), gpu=torch.device("cuda", 1))) == 1
+    )  # the fallback
+    assert index(SimpleNamespace(device=torch.device("cpu"), gpu=None)) is None
+    assert index(SimpleNamespace(device=torch.device("cuda"), gpu=None)) is None  # no index: the thread's

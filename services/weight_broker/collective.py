@@ -87,12 +87,12 @@ class CollectivePublisher:
         self.digests = digests
         # not instead of NCCL between GPUs, which moves the bytes device to device
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
-        self._segments = Staging()
+        self._segments = Staging(group.cuda_index)
         self._on_gpu = (
             DeviceStaging(group.gpu) if cuda_ipc and group.one_gpu and group.gpu is not None else None
         )
         self._buffers: list[torch.Tensor] = []
-        self._staging = PinnedStaging()
+        self._staging = PinnedStaging(group.cuda_index)
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
         self._thread: ThreadPoolExecutor | None = None
@@ -456,7 +456,7 @@ class CollectiveReceiver:
         """Every bucket through the device buffers into its place in one host buffer of the version's size
         (the group's :class:`HostBuffers`: page-locked under CUDA, the spare once the engine lets go of it)."""
         offsets, total = bucket_offsets(layout)
-        self.group.host_buffers = self.group.host_buffers or HostBuffers()
+        self.group.host_buffers = self.group.host_buffers or HostBuffers(self.group.cuda_index)
         whole = self.group.host_buffers.take(total, f"a {total}-byte host copy of a version")
         host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
         return self._through_buffers(layout, piece, host, hashed)

@@ -43,7 +43,7 @@ class HostCopy:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.leader = group.rank == min(group.host_peers)
-        self._staging = Staging()
+        self._staging = Staging(group.cuda_index)
         self._fd: int | None = None  # the others: the leader's file, opened before the vote
         self.views: list[torch.Tensor] | None = None  # the leader: each bucket's place in this version's copy
         self.opened = False  # the others: whether they could open this version's copy

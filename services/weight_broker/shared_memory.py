@@ -63,8 +63,8 @@ def sweep_stale() -> int:
 
 
 def cuda_device_here() -> int | None:
-    """The CUDA device current on this thread, where CUDA is in use (None otherwise): a buffer made here is
-    page-locked and unlocked under it, whichever thread does so. A thread that never chose a device (a
+    """The CUDA device current on this thread, where CUDA is in use (None otherwise): a buffer whose owner was
+    made here, and given no device, is page-locked and unlocked under it, whichever thread does so. A thread that never chose a device (a
     background or finalizing one) would otherwise make a context on cuda:0 to do it: hundreds of MB on a GPU
     that another process (a vLLM worker whose KV cache was sized to its memory) may be using."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -121,11 +121,11 @@ class HostBuffers:
     Not torch's pinned allocator, which would round each bucket up to a power of two (a 1.1 GB embedding pins
     2 GB) and keep every freed block pinned for reuse."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None) -> None:
         self._spare: _HostMapping | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.device = cuda_device_here()
+        self.device = cuda_device_here() if device is None else device  # page-locked on it
 
     def take(self, nbytes: int, what: str) -> torch.Tensor:
         """``nbytes`` of host memory (a uint8 tensor): the spare where it has that size, or a new mapping."""
@@ -199,11 +199,11 @@ class PinnedStaging:
     Not torch's pinned allocator, which rounds each allocation up to a power of two and caches it: a 65 GB
     version would pin 128 GB of the learner's host."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None) -> None:
         self._mmap: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self._registered = False
-        self.device = cuda_device_here()
+        self.device = cuda_device_here() if device is None else device  # page-locked on it
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self._tensor is None or self._tensor.numel() < nbytes:
@@ -306,12 +306,13 @@ class Staging:
     (``current``), and the next one's (``spare``), reserved and page-locked on a thread of its own, so neither
     the learner nor a broadcast waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None) -> None:
         self.current: SharedSegment | None = None
         self.spare: SharedSegment | None = None
         self.reserving: Future[None] | None = None  # the spare's reservation, in the background
         self._thread: ThreadPoolExecutor | None = None
-        self.device = cuda_device_here()  # the segments are page-locked on it, on whichever thread
+        # the segments are page-locked on it, on whichever thread
+        self.device = cuda_device_here() if device is None else device
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the current segment: the one staged and not yet sent, the spare (once its reservation

@@ -459,6 +459,13 @@ class WeightGroup:
         self.close()
 
     @property
+    def cuda_index(self) -> int | None:
+        """The GPU this member page-locks its host buffers on: its device's, or where the epoch fell back to
+        gloo, its own GPU's (None: none, or no index given)."""
+        gpu = self.device if self.device.type == "cuda" else self.gpu
+        return gpu.index if gpu is not None and gpu.type == "cuda" else None
+
+    @property
     def closed(self) -> bool:
         """Closed after a failed collective (or by ``close``): the control plane must form a new group."""
         return self._closed
