@@ -179,7 +179,8 @@ class _HostMapping:
             _held[0] -= self.nbytes
 
     def __del__(self) -> None:  # a spare whose HostBuffers was dropped without release
-        self.free()
+        with contextlib.suppress(Exception):  # at exit CUDA may be gone; the process's memory goes anyway
+            self.free()
 
 
 class _Holder:
