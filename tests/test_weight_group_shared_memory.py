@@ -281,6 +281,7 @@ def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
     """The publisher's staging buffer outside /dev/shm: exactly the bytes asked for (torch's pinned allocator
     would round a 65 GB version up to 128 GB), the same memory for the next version of the same size, a new
     buffer for a bigger one, and views that outlive its release stay readable."""
+    before = shared_memory.held_host_bytes()
     staging = PinnedStaging()
     nbytes = (5 << 20) + 3
     first = staging.take(nbytes)
@@ -294,8 +295,14 @@ def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
     assert staging.pinned is torch.cuda.is_available()  # page-locked where CUDA is there
     view = bigger[:10]
     view.fill_(3)
+    del first, again
+    gc.collect()  # the smaller buffer's views are gone: it goes (not kept beside the bigger one)
+    assert shared_memory.held_host_bytes() - before == nbytes + 1
     staging.release()  # a view is still held: the mapping goes when it does
     assert view.tolist() == [3] * 10 and not staging.pinned
+    del bigger, view
+    gc.collect()
+    assert shared_memory.held_host_bytes() == before
 
 
 class _Cudart:

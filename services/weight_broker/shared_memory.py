@@ -121,10 +121,11 @@ class HostBuffers:
     Not torch's pinned allocator, which would round each bucket up to a power of two (a 1.1 GB embedding pins
     2 GB) and keep every freed block pinned for reuse."""
 
-    def __init__(self, device: int | None = None) -> None:
+    def __init__(self, device: int | None = None, keep_spare: bool = True) -> None:
+        """``keep_spare`` False: free every mapping once its views go (an owner that keeps its own buffer)."""
         self._spare: _HostMapping | None = None
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = not keep_spare  # closed: nothing more is kept as the spare
         self.device = cuda_device_here() if device is None else device  # page-locked on it
 
     def take(self, nbytes: int, what: str) -> torch.Tensor:
@@ -196,34 +197,27 @@ class _Holder:
 
 class PinnedStaging:
     """The publisher's staging buffer when its members do not share /dev/shm: private host memory of exactly
-    the size asked for, page-locked where CUDA is there, kept for the next version (grown if it is bigger).
-    Not torch's pinned allocator, which rounds each allocation up to a power of two and caches it: a 65 GB
-    version would pin 128 GB of the learner's host."""
+    the size asked for, page-locked where CUDA is there (a :class:`HostBuffers` mapping), kept for the next
+    version (replaced by a new one if that is bigger). Not torch's pinned allocator, which rounds each
+    allocation up to a power of two and caches it: a 65 GB version would pin 128 GB of the learner's host."""
 
     def __init__(self, device: int | None = None) -> None:
-        self._mmap: mmap.mmap | None = None
+        self._buffers = HostBuffers(device, keep_spare=False)
         self._tensor: torch.Tensor | None = None
-        self._registered = False
-        self.device = cuda_device_here() if device is None else device  # page-locked on it
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self._tensor is None or self._tensor.numel() < nbytes:
-            self.release()
-            self._mmap = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(nbytes, 1))
-            self._registered = page_lock(self._tensor, "the weight staging buffer", self.device)
+            self._tensor = None  # freed once no view of it is left
+            self._tensor = self._buffers.take(nbytes, "the weight staging buffer")
         return self._tensor[:nbytes]
 
     @property
     def pinned(self) -> bool:
-        return self._registered
+        return self._tensor is not None and self._tensor.is_pinned()
 
     def release(self) -> None:
-        """Let the buffer go: unmapped once no view of it is left (tensors of ``torch.frombuffer`` keep the
-        mapping object alive, not open: closing it under a view would leave the view dangling)."""
-        if self._tensor is not None and self._registered:
-            _unlock(self._tensor.data_ptr(), "the weight staging buffer", self.device)
-        self._mmap, self._tensor, self._registered = None, None, False
+        """Let the buffer go: unlocked and unmapped once no view of it is left."""
+        self._tensor = None
 
 
 class SharedSegment:
