@@ -42,6 +42,9 @@ def test_broker_process_serves_announces_and_stops_cleanly(
             str(port),
             "--weight_broker.metrics_port",
             str(metrics_port),
+            # Not the default 50053: that lies in Linux's ephemeral range, where any client socket may hold it.
+            "--weight_broker.data_port",
+            "0",
             "--weight_broker.storage",
             "disk",
         ],
