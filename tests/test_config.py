@@ -225,6 +225,19 @@ def test_placement_settings_default_to_the_single_machine_behaviour() -> None:
         load_config(SystemConfig, [], env={"VCPO_LEARNER__RAY_RESOURCES": "{vcpo_learner = -1}"})
 
 
+def test_the_services_default_ports_differ() -> None:
+    """Services that share a node (a bare Ray cluster, or each started by hand on one machine) bind their
+    default ports side by side: no two may be the same (the broker's data plane once took the reward's)."""
+    cfg = SystemConfig()
+    owners: dict[int, list[str]] = {}
+    for section in ("sampler", "learner", "reward", "weight_broker", "launcher", "evaluation"):
+        for name, value in getattr(cfg, section).model_dump().items():
+            if name.endswith("_port") and value:
+                owners.setdefault(value, []).append(f"{section}.{name}")
+    assert {port: names for port, names in owners.items() if len(names) > 1} == {}
+    assert len(owners) >= 10, owners  # every service's gRPC and metrics ports, the broker's data port
+
+
 # --------------------------------------------------------------- the paper's data and the released settings
 
 PAPER = {"qwen2.5-1.5b-gsm8k": "gsm8k", "qwen2.5-7b-math": "math", "qwen2.5-7b-simpletir": "multiturn"}

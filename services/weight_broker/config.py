@@ -35,7 +35,7 @@ class WeightBrokerConfig(Section):
     )
     grpc_port: int = Field(50052, ge=0, le=65535, description="Broker gRPC port; 0 = a free port.")
     data_port: int = Field(
-        50053, ge=0, le=65535, description="Broker TCP data-plane port (weight bytes); 0 = a free port."
+        50055, ge=0, le=65535, description="Broker TCP data-plane port (weight bytes); 0 = a free port."
     )
     advertise_host: str = Field(
         "",

@@ -46,7 +46,7 @@ vcpo.io/component: {{ .component }}
 
 {{/* Ports the services bind in their pods (written into the run file; one service per pod). */}}
 {{- define "vcpo-rl.ports" -}}
-{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50053 "brokerMetrics" 9104 "evaluatorMetrics" 9105 "launcherMetrics" 9106 | toJson -}}
+{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50055 "brokerMetrics" 9104 "evaluatorMetrics" 9105 "launcherMetrics" 9106 | toJson -}}
 {{- end -}}
 
 {{/* Secret names and keys. */}}
