@@ -136,3 +136,8 @@ def test_garbage_on_the_port_is_dropped_and_serving_goes_on(
     client = broker.client()
     client.publish(1, specs_of(state_dict), source(state_dict))
     assert_bit_exact(fetch_all(client), state_dict)
+
+
+def test_a_data_port_in_use_is_named_with_its_setting(broker: DataBroker) -> None:
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{broker.plane.port} \(weight_broker\.data_port\)"):
+        DataPlaneServer(broker.servicer, port=broker.plane.port, host="127.0.0.1")

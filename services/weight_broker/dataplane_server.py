@@ -93,7 +93,13 @@ class DataPlaneServer:
     def __init__(
         self, servicer: WeightBrokerServicer, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300
     ):
-        self._server = _Server((host, port), servicer, timeout_s)
+        try:
+            self._server = _Server((host, port), servicer, timeout_s)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot serve the data plane on {host}:{port} (weight_broker.data_port): {exc.strerror}",
+            ) from exc
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="broker-data-plane", daemon=True
