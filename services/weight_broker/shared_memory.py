@@ -64,9 +64,10 @@ def sweep_stale() -> int:
 
 def cuda_device_here() -> int | None:
     """The CUDA device current on this thread, where CUDA is in use (None otherwise): a buffer whose owner was
-    made here, and given no device, is page-locked and unlocked under it, whichever thread does so. A thread that never chose a device (a
-    background or finalizing one) would otherwise make a context on cuda:0 to do it: hundreds of MB on a GPU
-    that another process (a vLLM worker whose KV cache was sized to its memory) may be using."""
+    made here, and given no device, is page-locked and unlocked under it, whichever thread does so. A thread
+    that never chose a device (a background or finalizing one) would otherwise make a context on cuda:0 to do
+    it: hundreds of MB on a GPU that another process (a vLLM worker whose KV cache was sized to its memory)
+    may be using."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return torch.cuda.current_device()
