@@ -9,6 +9,7 @@
 #   bash scripts/gpu_checks.sh            # tests, then benchmarks; exit status: the tests'
 #   bash scripts/gpu_checks.sh tests      # only the tests (bench: only the benchmarks), to fit a time limit
 #   bash scripts/gpu_checks.sh weights    # only the weight transport's: its gpu tests and weight_sync_gpu.py
+#                                         (about 7.5 minutes on an H200, most of it the benchmark)
 set -uo pipefail
 PHASE=${1:-all}
 cd "$(dirname "$0")/.."
@@ -45,6 +46,9 @@ if [ "$PHASE" = weights ]; then
     $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group or ipc" \
         -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
     status=${PIPESTATUS[0]}
+    # not gpu-marked, but with CUDA there its host buffers are page-locked for real (cudaHostRegister)
+    $PY -m pytest tests/test_weight_group_shared_memory.py -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu-tests.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     weight_sync
     exit "$status"
 fi
