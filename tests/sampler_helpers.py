@@ -198,18 +198,19 @@ def broadcasting(
     timeout_s: float = 60.0,
     shared_memory: bool = False,
     host_copy: bool = False,
+    receivers: int = 1,
 ) -> Iterator[tuple[dict[str, Any], Any]]:
-    """:func:`broadcast_versions` in a spawned process, rank 0 of a 2-member gloo weight group on a free
-    port: yields ``(spec, queue of its reports)`` for the engine to join as rank 1; on exit the process is
-    joined, and killed if it is still there after 60 s. ``host_copy``: a 3-member group whose rank 1
-    (:func:`keep_host_copies`) stages each version's host copy, for the engine to join as rank 2 keeping host
-    copies too (it then maps that copy)."""
+    """:func:`broadcast_versions` in a spawned process, rank 0 of a gloo weight group on a free port with
+    ``receivers`` more members: yields ``(spec, queue of its reports)`` for the engine's workers to join as
+    ranks 1..; on exit the process is joined, and killed if it is still there after 60 s. ``host_copy``: one
+    member more, rank 1 (:func:`keep_host_copies`), which stages each version's host copy, for the engine to
+    join from rank 2 keeping host copies too (it then maps that copy)."""
     from services.common.redis_server import free_port
 
     spec = {
         "host": "127.0.0.1",
         "port": free_port(),
-        "world_size": 3 if host_copy else 2,
+        "world_size": 1 + receivers + (1 if host_copy else 0),
         "backend": "gloo",
         "epoch": epoch,
         "timeout_s": timeout_s,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch
+from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch, WorkerCallFailed
 from tests.sampler_helpers import (
     broadcasting,
     hf_logprobs,
@@ -142,7 +142,9 @@ def test_a_load_failing_part_way_restores_the_previous_version(
         return real_load(then_fail())
 
     monkeypatch.setattr(vllm_engine, "_load", dies_half_way)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(
+        WorkerCallFailed, match=r"reload_weights failed in worker.*ConnectionResetError: killed"
+    ):
         load_into(vllm_engine, version_weights(tiny_model_dir, 8))
     assert len(calls) == 2 and vllm_engine.loaded_version == serving
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
@@ -239,6 +241,54 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
         hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"], coll["tokens"]
     )
     assert len(coll["tokens"]) == 8 and max_abs_diff(coll["logprobs"], expected) <= 1e-3
+
+
+def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_worker_fails(
+    tiny_model_dir: Path,
+) -> None:
+    """Two workers under vLLM's multi-process executor (every GPU engine with tensor parallelism), which
+    stops reading replies at the first failure: a join failing in both workers raises its own error and the
+    swap's pause after it works (it used to raise the join's error and leave the engine paused: the run hung);
+    both workers take broadcast versions as ranks 1 and 2 through one host copy, and serve them exactly; a
+    version failing to load in one worker only raises that worker's error, and the next version serves
+    exactly."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.sampler_tp_probe", str(tiny_model_dir), "51", "52", "53"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["join_error"].startswith(
+        "WorkerCallFailed: init_weight_transfer_engine failed in worker(s) 0, 1 of 2: TransferFailed"
+    )
+    assert result["pause_error"] == "" and len(result["after_failed_join"]["tokens"]) == 8
+    # every worker received every version; one staged this host's copy, the other mapped it
+    said = out.stdout + out.stderr
+    for version in (51, 52, 53):
+        assert f"received version {version} (this host's copy, staged here)" in said
+        assert f"received version {version} (mapped from this host's copy)" in said
+    for key, version in (("first", 51), ("second", 53)):
+        got = result[key]
+        assert got["sent"][:2] == [version, "sent"]
+        expected = hf_logprobs(
+            hf_model(tiny_model_dir, version_weights(tiny_model_dir, version)), got["prompt"], got["tokens"]
+        )
+        assert len(got["tokens"]) == 8 and max_abs_diff(got["logprobs"], expected) <= 1e-3
+    assert result["second"]["serving"] is True
+    assert result["broken_sent"][:2] == [52, "sent"]
+    assert result["load_error"].startswith(
+        "WorkerCallFailed: finish_weight_update failed in worker(s) 1 of 2: RuntimeError"
+    )
+    assert "exceeds dimension size" in result["load_error"] and result["loaded_after_failure"] is None
 
 
 def test_applying_a_version_that_is_not_staged_is_refused(vllm_engine: GenerationEngine) -> None:

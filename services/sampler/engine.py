@@ -75,6 +75,10 @@ class TokenDelta:
     detokenized: bool = True  # False: ``text`` is empty; the caller decodes the finished response
 
 
+class WorkerCallFailed(RuntimeError):
+    """A call into the engine's workers raised in one or more of them (the text names which, and why)."""
+
+
 class WeightMismatch(ValueError):
     """A staged version does not match the model (missing, unknown or mis-shaped tensors)."""
 
@@ -373,7 +377,12 @@ class VllmEngine(GenerationEngine):
             )
         # "keep": requests stay in the engine with their KV cache; the call returns once the core is idle
         # and has sent every output it produced, and those arrive before the call's own reply
-        self.engine.sleep(level=0, mode="keep")
+        try:
+            self.engine.sleep(level=0, mode="keep")
+        except BaseException:
+            with contextlib.suppress(Exception):  # the core may have paused before the call failed
+                self.engine.wake_up(tags=["scheduling"])
+            raise
         self._paused = True
         out: list[TokenDelta] = []
         while not self._outputs.empty():  # nothing new arrives while paused: step() never blocks here
@@ -403,17 +412,27 @@ class VllmEngine(GenerationEngine):
             with contextlib.suppress(OSError):
                 directory.rmdir()
 
+    def _rpc(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Run the worker method ``method`` on every worker; raises :class:`WorkerCallFailed` (naming the
+        workers and the first error) if any failed. Each worker returns its error rather than raising it
+        (``vcpo_call``), so every worker's reply is read and none is left for the next call to take."""
+        errors = self.llm.collective_rpc("vcpo_call", args=(method, *args), kwargs=kwargs)
+        failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+        if failed:
+            ranks = ", ".join(str(rank) for rank, _ in failed)
+            raise WorkerCallFailed(f"{method} failed in worker(s) {ranks} of {len(errors)}: {failed[0][1]}")
+
     def _reload(self, **source: Any) -> None:
         """Every load into the engine goes through here: a new prefix-cache salt first (whatever happens,
         nothing computed earlier is reused), and vLLM's reload state finished should the load fail."""
         self._weights_epoch += 1
         try:
-            self.llm.collective_rpc("reload_weights", kwargs=source)
+            self._rpc("reload_weights", **source)
         except BaseException:
             # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
             # on the device (loaded or not) so the caller can load a whole version again; a named worker
             # method (vllm_worker.py), since a multi-process engine refuses to ship a function
-            self.llm.collective_rpc("vcpo_finish_interrupted_reload")
+            self._rpc("vcpo_finish_interrupted_reload")
             raise
 
     def _load_initial(self) -> None:
@@ -423,7 +442,7 @@ class VllmEngine(GenerationEngine):
     def join_weight_group(self, init: dict[str, Any]) -> None:
         """Every worker joins the weight group ``init`` names (:class:`~services.sampler.weight_transfer.
         CollectiveInitInfo`'s fields); blocks until the whole group has joined."""
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init,))
+        self._rpc("init_weight_transfer_engine", init)
 
     def stage_collective(self, version: int) -> float:
         """Receive the announced ``version`` from the broadcast into the workers' staging; returns the seconds
@@ -435,9 +454,9 @@ class VllmEngine(GenerationEngine):
         group closed (join a new one)."""
         t0 = time.monotonic()
         if self.collective_staged is None:
-            self.llm.collective_rpc("start_weight_update")
+            self._rpc("start_weight_update")
         try:
-            self.llm.collective_rpc("update_weights", args=({"version": version},))
+            self._rpc("update_weights", {"version": version})
         except BaseException:
             self.collective_staged = None  # vLLM ended the update session: nothing is staged any more
             raise
@@ -456,11 +475,11 @@ class VllmEngine(GenerationEngine):
         self.collective_staged = None
         self._weights_epoch += 1  # a new prefix-cache salt before any request sees the new weights
         try:
-            self.llm.collective_rpc("finish_weight_update")
+            self._rpc("finish_weight_update")
         except BaseException:
             self.loaded_version, self._current = None, None
             try:  # so that the next broadcast version can be taken (a named worker method, as above)
-                self.llm.collective_rpc("vcpo_end_failed_weight_update")
+                self._rpc("vcpo_end_failed_weight_update")
             except Exception:
                 log.exception("could not end the failed weight update session")
             raise

@@ -5,10 +5,17 @@ A multi-process engine (every GPU engine: the engine core and its workers are se
 is switched on, and that refusal would hide the error that made the call necessary. So each worker-side step
 the sampler needs is a method here, mixed into vLLM's worker class, and called as
 ``llm.collective_rpc("vcpo_<name>")`` in-process and out alike.
+
+Every call the sampler makes goes through :meth:`VcpoWorkerExtension.vcpo_call`, which returns a worker's
+error instead of raising it. vLLM's multi-process executor (every engine with tensor parallelism) reads the
+workers' replies one by one and raises at the first failure, leaving the other workers' replies queued:
+every later call, vLLM's own too, would then read the reply of the call before it (a failed join made the
+next pause raise that join's error, and a join that worked look failed).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
@@ -19,11 +26,31 @@ from services.sampler.weight_transfer import register as _register_weight_transf
 
 _register_weight_transfer()
 
+log = logging.getLogger(__name__)
+# a worker process that vLLM spawned (every GPU engine's) starts with no logging set up: the project's own
+# lines (joining the weight group, each version received) would be lost below warnings, and those would come
+# bare. Set up where nothing is (a forked or in-process worker keeps what its parent set up).
+if not logging.getLogger().handlers and not logging.getLogger("services").handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(asctime)s sampler worker %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("services").addHandler(_handler)
+    logging.getLogger("services").setLevel(logging.INFO)
+
 
 class VcpoWorkerExtension:
     """Mixed into each vLLM worker; ``self`` is the worker (``self.model_runner`` is its model runner)."""
 
     model_runner: Any
+
+    def vcpo_call(self, method: str, *args: Any, **kwargs: Any) -> str | None:
+        """Run this worker's ``method``; None once it returned, or its error as text (never raised: see the
+        module's docstring). The sampler raises one error for all workers (``VllmEngine._rpc``)."""
+        try:
+            getattr(self, method)(*args, **kwargs)
+        except Exception as exc:
+            log.exception("worker call %s failed", method)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def vcpo_finish_interrupted_reload(self) -> None:
         """After ``reload_weights`` raised part-way: vLLM reloads layer by layer and holds the layers it has
