@@ -205,3 +205,55 @@ def test_in_flight_weight_swap_records_the_version_of_every_token(
             assert abs(traj.behaviour_logprobs[cut] - float(expected[cut])) > 1e-3
             swapped += 1
     assert swapped >= 2
+
+
+def test_a_load_that_leaves_the_weights_unknown_gives_up_the_groups_in_flight_and_the_run_goes_on(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A version whose load fails part-way and cannot be undone (a broadcast version breaking inside the
+    engine's workers) leaves the engine on no known version: every group in flight is given up ("weights_lost",
+    its task retried), so no token of the mixed model is written, and the sampler goes on (it used to stop on
+    the next tokens of those groups). The failure is injected at the weight sync; the rest is real."""
+    stack = make_stack(k=2, groups_per_step=2, weight_update="in_flight", n=2, max_tokens=96)
+    sampler = stack.service.sampler
+    real_apply, failures = sampler.sync.apply, []
+
+    def breaks_part_way(version: int) -> float:
+        if version == 1 and not failures:
+            failures.append(version)
+            sampler.engine.loaded_version = None  # as apply_collective leaves a load that failed part-way
+            raise RuntimeError(f"finish_weight_update failed in worker(s) 1 of 2 (version {version})")
+        return real_apply(version)
+
+    sampler.sync.apply = breaks_part_way  # type: ignore[method-assign]
+    stack.learner.publish(0)
+    sampler.sync.start()
+    try:
+        while not (
+            sampler.groups
+            and all(len(r.tokens) >= 4 for g in sampler.groups.values() for r in g.responses.values())
+        ):
+            sampler.tick()
+        in_flight = len(sampler.groups)
+        stack.learner.publish(1)
+        sampler.sync.poll_now()
+        wait_until(lambda: sampler.sync.ready() == 1, what="version 1 staged")
+        sampler.tick()  # the swap: its load fails part-way
+        assert failures == [1] and not sampler.groups
+        assert sampler.aborted == {"weights_lost": in_flight}
+        while sampler.emitted < 2:  # the aborted requests' last outputs come, then version 1 loads
+            sampler.tick()
+    finally:
+        sampler.shutdown()
+    assert sampler.engine.loaded_version == 1
+    model1 = hf_model(stack.model_dir, version_weights(stack.model_dir, 1))
+    written = [
+        rollout_pb2.TrajectoryGroup.FromString(fields[b"payload"])
+        for _, fields in stack.client.xrange(stack.specs["rollouts"].key)
+    ]
+    assert len(written) >= 2
+    for group in written:  # every token of every group written is version 1's
+        for traj in group.trajectories:
+            assert [(s.start_token, s.policy_version) for s in traj.version_segments] == [(0, 1)]
+            expected = hf_logprobs(model1, list(group.prompt_tokens), list(traj.response_tokens))
+            assert max_abs_diff(list(traj.behaviour_logprobs), expected) <= 1e-3

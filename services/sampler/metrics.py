@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.observability import Metrics, WindowRate
 
-ABORT_REASONS = ("lag", "environment", "shutdown")
+ABORT_REASONS = ("lag", "environment", "shutdown", "weights_lost")
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 

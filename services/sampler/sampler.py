@@ -153,9 +153,7 @@ class Sampler:
     def shutdown(self) -> None:
         """Abort in-flight groups and release their admission slots (their stream tasks stay pending)."""
         self.sync.stop()
-        for group in list(self.groups.values()):
-            self._stop(group)
-            self._give_up(group, "shutdown", retry=False)
+        self._give_up_all("shutdown", retry=False)
         self._unblock()
         if self.agent is not None:
             self.agent.close()
@@ -185,6 +183,8 @@ class Sampler:
             log.exception(
                 "version %d was not loaded; still serving version %s", version, self.engine.loaded_version
             )
+            if self.engine.loaded_version is None:  # a load failed part-way: the weights are no version's
+                self._give_up_all("weights_lost", retry=True)
             return
         finally:
             self.engine.resume()
@@ -275,11 +275,12 @@ class Sampler:
     # ------------------------------------------------------------------ 3./4. generate and emit
     def _absorb(self, deltas: list[TokenDelta]) -> None:
         version = self.engine.loaded_version
-        assert version is not None
         tokens = 0
         for delta in deltas:
             if self.cotenant is not None and self.cotenant.owns(delta.request_id):
                 self.cotenant.absorb(delta)
+                continue
+            if version is None:  # the weights are no version's (a load failed part-way): no group is left
                 continue
             if self.agent is not None and self.agent.owns(delta.request_id):
                 self.agent.absorb(delta, version)
@@ -320,6 +321,13 @@ class Sampler:
             if self._lag(group) > self.k:
                 self._stop(group)
                 self._give_up(group, "lag", retry=True)
+
+    def _give_up_all(self, reason: str, retry: bool) -> None:
+        """Stop and give up every group in flight: at shutdown, or after a load that failed part-way (the
+        engine's weights are then no version's, and no token they produce could be trained on)."""
+        for group in list(self.groups.values()):
+            self._stop(group)
+            self._give_up(group, reason, retry=retry)
 
     def _stop(self, group: Group) -> None:
         """Stop generating a group (its environment sessions, if any, are closed)."""
