@@ -50,7 +50,13 @@ class SamplerConfig(Section):
         description="GPUs each replica asks Ray for: tensor_parallel_size on a GPU cluster, 0 on CPU.",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of accelerator memory (of RAM on the CPU build) vLLM reserves."
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of accelerator memory (of RAM on the CPU build) vLLM reserves. With the collective "
+        "weight transport, the rest must also hold what the weight group allocates after vLLM sized its KV "
+        "cache: two buckets (2 × weight_broker.group_bucket_mb), NCCL's buffers and vLLM's reload of the "
+        "largest layer (the GPU presets use 0.85).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Engine dtype.")
     weight_update: Literal["pause", "in_flight"] = Field(
