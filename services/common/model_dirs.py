@@ -1,4 +1,5 @@
-"""Model directories: where a model named in a config is on disk, and how a new one is written safely.
+"""Model directories: where a model named in a config is on disk, the tensor shapes of its checkpoint, and
+how a new one is written safely.
 
 Three writers make Hugging Face model directories that other processes load while runs go on: the tiny model
 (``services.common.tiny_model``), the supervised warm start (``services.learner.warm_start``) and the export
@@ -32,6 +33,21 @@ def resolve_model_dir(model: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the safetensors checkpoint in ``model_dir`` (what every version must match)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 def write_model_dir(

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from services.common.model_dirs import resolve_model_dir
+from services.common.model_dirs import checkpoint_shapes, resolve_model_dir
 from services.common.pids import sweep_dead
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ class GenerationEngine(ABC):
         """Switch the engine to the staged ``version``; returns the seconds it took.
 
         Raises (leaving the previous version serving) if the version is not completely staged or does not
-        match the model; if loading fails part-way, the previous version is loaded back before raising.
+        match the model; if loading fails part-way, the previous version is loaded back before raising. Should
+        that fail too, ``loaded_version`` becomes None: the engine's weights are no version's.
         """
         with self._lock:
             staged = self._staged
@@ -178,7 +179,13 @@ class GenerationEngine(ABC):
             log.exception(
                 "loading version %d failed part-way; restoring version %s", version, self.loaded_version
             )
-            self._restore()
+            try:
+                self._restore()
+            except BaseException:
+                log.exception(
+                    "restoring version %s failed too: the weights are no version's", self.loaded_version
+                )
+                self.loaded_version, self._current = None, None
             raise
         self._current, self.loaded_version = staged, version
         return time.monotonic() - t0
@@ -215,21 +222,6 @@ class GenerationEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         pass
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of the safetensors checkpoint in ``model_dir`` (what every version must match)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
 
 
 @dataclass(frozen=True)
