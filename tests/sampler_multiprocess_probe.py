@@ -111,6 +111,23 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     }
 
 
+def probe_engine(model_dir: str, **settings: Any) -> Any:
+    """The probes' engine: the tiny model in float32, a small KV cache, able to join a weight group."""
+    from services.sampler.engine import VllmEngine, VllmSettings
+
+    return VllmEngine(
+        VllmSettings(
+            model=model_dir,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
+            enforce_eager=True,
+            collective_weights=True,
+            **settings,
+        )
+    )
+
+
 def main() -> None:
     model_dir, seed_a, seed_b, seed_c = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -118,7 +135,6 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into, version_weights
 
     staging = Path(tempfile.mkdtemp())
@@ -130,16 +146,7 @@ def main() -> None:
     for pid in (dead.pid, os.getpid(), os.getppid()):
         (staging / f"vcpo-weights-{pid}").mkdir()
         (staging / f"vcpo-weights-{pid}" / "model.safetensors").write_bytes(b"stale")
-    engine = VllmEngine(
-        VllmSettings(
-            model=model_dir,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-            enforce_eager=True,
-            collective_weights=True,
-        )
-    )
+    engine = probe_engine(model_dir)
     try:
         a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
         out: dict[str, Any] = {"staging_at_start": sorted(os.listdir(staging)), "live": os.getppid()}

@@ -28,21 +28,10 @@ def main() -> None:
     import torch
 
     from services.common.redis_server import free_port
-    from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import broadcasting, version_weights
-    from tests.sampler_multiprocess_probe import greedy
+    from tests.sampler_multiprocess_probe import greedy, probe_engine
 
-    engine = VllmEngine(
-        VllmSettings(
-            model=model_dir,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-            enforce_eager=True,
-            tensor_parallel_size=2,
-            collective_weights=True,
-        )
-    )
+    engine = probe_engine(model_dir, tensor_parallel_size=2)
     out: dict[str, Any] = {}
     try:
         prompt = engine.tokenizer.encode("12+7=")

@@ -218,19 +218,16 @@ def test_text_decoded_at_the_end_equals_vllms_incremental_text(vllm_engine: Gene
     assert texts[True] == texts[False] and any(texts[True])
 
 
-def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_model_dir: Path) -> None:
-    """The GPU layout (engine core and workers in other processes), run on CPU: a version loads through the
-    staging file; an in-flight swap hands back every token the old weights produced before loading (the core
-    had run ahead), so each token's version is known; a load failing inside the workers raises its own
-    error (not a refused serialization of the clean-up) and the previous version serves on; a version
-    broadcast through the weight group reaches the workers and is served exactly."""
+def run_probe(module: str, model_dir: Path, *seeds: int) -> tuple[dict[str, Any], str]:
+    """Run the probe ``module`` (an engine in processes of its own) on ``model_dir`` with the versions
+    ``seeds``: its RESULT line's JSON, and everything it printed."""
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "tests.sampler_multiprocess_probe", str(tiny_model_dir), "11", "12", "17"],
+        [sys.executable, "-m", module, str(model_dir), *map(str, seeds)],
         cwd=root,
         capture_output=True,
         text=True,
@@ -238,7 +235,16 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
-    result = json.loads(line[len("RESULT ") :])
+    return json.loads(line[len("RESULT ") :]), out.stdout + out.stderr
+
+
+def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_model_dir: Path) -> None:
+    """The GPU layout (engine core and workers in other processes), run on CPU: a version loads through the
+    staging file; an in-flight swap hands back every token the old weights produced before loading (the core
+    had run ahead), so each token's version is known; a load failing inside the workers raises its own
+    error (not a refused serialization of the clean-up) and the previous version serves on; a version
+    broadcast through the weight group reaches the workers and is served exactly."""
+    result, _ = run_probe("tests.sampler_multiprocess_probe", tiny_model_dir, 11, 12, 17)
     # the dead engine's staging and the probe's previous life's went at start-up, the running one's stayed;
     # the probe's own loads (staged, failed, in flight) left nothing
     assert result["staging_at_start"] == [f"vcpo-weights-{result['live']}"]
@@ -287,27 +293,12 @@ def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_w
     both workers take broadcast versions as ranks 1 and 2 through one host copy, and serve them exactly; a
     version failing to load in one worker only raises that worker's error, and the next version serves
     exactly."""
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.sampler_tp_probe", str(tiny_model_dir), "51", "52", "53"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
-    result = json.loads(line[len("RESULT ") :])
+    result, said = run_probe("tests.sampler_tp_probe", tiny_model_dir, 51, 52, 53)
     assert result["join_error"].startswith(
         "WorkerCallFailed: init_weight_transfer_engine failed in worker(s) 0, 1 of 2: TransferFailed"
     )
     assert result["pause_error"] == "" and len(result["after_failed_join"]["tokens"]) == 8
     # every worker received every version; one staged this host's copy, the other mapped it
-    said = out.stdout + out.stderr
     for version in (51, 52, 53):
         assert f"received version {version} (this host's copy, staged here)" in said
         assert f"received version {version} (mapped from this host's copy)" in said
