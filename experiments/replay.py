@@ -14,7 +14,8 @@ gRPC, Ray, vLLM, DeepSpeed ZeRO-3):
                  ─► behaviour log-probs: the sampler's log-softmax of the tokens it drew (vLLM's processed
                     log-probs at temperature 1)
                  ─► the learner's own step: services.learner.step.backward with the given objective
-                 ─► lr ← η₀ · lr_scale(ρ) for this step, clip at grad_clip (the pre-clip norm is recorded),
+                 ─► lr ← η₀ · decay(t) · lr_scale(ρ) for this step (decay: learner.lr_decay), clip at
+                    grad_clip (the pre-clip norm is recorded),
                     AdamW, float32 ─► versions[t + 1]
 
 It decides: ``lag`` is the staleness of every step once ``t ≥ lag`` (the worst case a bound of k allows, and
@@ -44,6 +45,7 @@ import torch
 from services.common.datasets import load_dataset
 from services.common.prompts import PromptEncoder
 from services.learner.logprobs import token_logprobs
+from services.learner.lr_schedule import lr_factor
 from services.learner.policy_sampling import policy_reward, sample_responses
 from services.learner.step import StepInputs, TrajectoryTensors
 from services.learner.step import backward as learner_backward
@@ -80,6 +82,9 @@ class ReplaySettings:
     max_tokens: int = 32  # sampler.max_tokens
     max_model_len: int = 256  # sampler.max_model_len
     lr: float = 3e-4  # learner.lr: η₀
+    lr_decay: str = "constant"  # learner.lr_decay (the local preset decays linearly; these stay constant)
+    lr_decay_steps: int = 0  # learner.lr_decay_steps
+    lr_min_ratio: float = 0.0  # learner.lr_min_ratio
     weight_decay: float = 0.0  # learner.weight_decay
     betas: tuple[float, float] = (0.9, 0.999)  # learner.betas
     grad_clip: float = 1.0  # learner.grad_clip
@@ -154,8 +159,9 @@ class Replay:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = learner_backward(StepInputs(self.model, trajectories, self.objective))
-        for group in self.optimizer.param_groups:  # lr ← η₀ · s(ρ), as the learner sets it each step
-            group["lr"] = s.lr * metrics["lr_scale"]
+        base_lr = s.lr * lr_factor(self.t, s.lr_decay, s.lr_decay_steps, s.lr_min_ratio)
+        for group in self.optimizer.param_groups:  # lr ← η₀ · decay(t) · s(ρ), as the learner sets it
+            group["lr"] = base_lr * metrics["lr_scale"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
         finite = math.isfinite(grad_norm)
         update = (

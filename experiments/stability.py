@@ -179,7 +179,7 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
         n=s.n,
         max_tokens=s.max_tokens,
         max_model_len=s.max_model_len,
-        lr=le.lr,
+        lr=le.lr,  # constant: the preset's lr_decay is left out so that only the lag differs between cells
         weight_decay=le.weight_decay,
         betas=le.betas,
         grad_clip=le.grad_clip,

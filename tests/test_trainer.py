@@ -320,3 +320,71 @@ def test_a_skipped_step_leaves_the_optimizer_state_byte_identical(
         assert out["skipped_steps"] == 1
         # CPU: bit for bit; a GPU's kernels may sum in another order from one launch to the next
         assert out["end_diff"] <= (1e-6 if gpus else 0.0), out["end_diff"]
+
+
+def _scheduled(rank: int, model_dir: str, steps: list[Any], checkpoints: str, gpus: int) -> dict[str, Any]:
+    """Trainer A decays its rate linearly over 2 steps to a quarter and takes 3 steps, checkpointing after the
+    first; trainer R resumes from that checkpoint and takes the second step again; trainer B has a constant
+    rate that the test sets by hand before each step to what A's schedule gives it."""
+    from services.learner.batching import to_tensors
+    from services.learner.lr_schedule import lr_factor
+    from services.learner.publish import gathered_tensors
+    from services.learner.trainer import Trainer
+
+    def weights(t: Trainer) -> dict[str, torch.Tensor]:
+        return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}
+
+    common = {
+        "gpus_per_rank": gpus,
+        "micro_batch_size": 2,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "grad_clip": 1e6,
+    }
+    decay = {"lr_decay": "linear", "lr_decay_steps": 2, "lr_min_ratio": 0.25}
+    batches = [to_tensors(groups) for groups in steps]
+    a = Trainer(LearnerConfig(**common, **decay), model_dir, seed=0)
+    a_metrics = [a.train_step(batches[0]).metrics]
+    a.save_checkpoint(Path(checkpoints), {}, keep=1)
+    a_metrics += [a.train_step(batches[1]).metrics]
+    a_v2 = weights(a)
+    a_metrics += [a.train_step(batches[2]).metrics]
+    r = Trainer(LearnerConfig(**common, **decay), model_dir, seed=0)
+    r.load_checkpoint(Path(checkpoints))
+    r_metrics = r.train_step(batches[1]).metrics
+    b = Trainer(LearnerConfig(**common), model_dir, seed=0)
+    for t, batch in enumerate(batches):
+        b.config = b.config.model_copy(update={"lr": 1e-3 * lr_factor(t, "linear", 2, 0.25)})
+        b.train_step(batch)
+    a_end, b_end = weights(a), weights(b)
+    return {
+        "a": a_metrics,
+        "resumed": r_metrics,
+        "resumed_diff": max(float((weights(r)[n] - a_v2[n]).abs().max()) for n in a_v2),
+        "scheduled_over_by_hand": max(float((a_end[n] - b_end[n]).abs().max()) for n in a_end),
+        "moved": max(float((a_end[n] - a_v2[n]).abs().max()) for n in a_end),
+    }
+
+
+@pytest.mark.parametrize("gpus", [0, pytest.param(1, marks=pytest.mark.gpu)], ids=["cpu-gloo", "gpu-nccl"])
+def test_the_learning_rate_follows_its_decay_and_a_resumed_learner_continues_it(
+    model_dir: Path, tmp_path: Path, gpus: int
+) -> None:
+    """learner.lr_decay on real DeepSpeed ZeRO-3: each step's rate is η₀ · decay(step) · s(ρ), AdamW applies
+    that rate (the weights equal those of a constant rate set by hand to the same values), and a learner
+    resumed from a checkpoint goes on from the checkpoint's step, not from η₀."""
+    if gpus and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    steps = [scored_groups(model_dir, [3, 2], seed=s) for s in range(3)]
+    out = run_ranks(_scheduled, 1, str(model_dir), steps, str(tmp_path / "checkpoints"), gpus)[0]
+    factors = [1.0, 0.625, 0.25]  # linear over 2 steps to a floor of 0.25, then held
+    for m, f in zip(out["a"], factors, strict=True):
+        assert m["step_skipped"] == 0 and 0 < m["lr_scale"] <= 1
+        assert m["lr"] == pytest.approx(1e-3 * f * m["lr_scale"], rel=1e-12), (m["lr"], f)
+    resumed = out["resumed"]
+    assert resumed["lr"] == pytest.approx(1e-3 * 0.625 * resumed["lr_scale"], rel=1e-12)
+    assert out["moved"] > 0  # the last step (at the floor) still trains
+    # CPU: bit for bit; a GPU's kernels may sum in another order from one launch to the next
+    tolerance = 1e-2 * out["moved"] if gpus else 0.0
+    assert out["scheduled_over_by_hand"] <= tolerance, out
+    assert out["resumed_diff"] <= tolerance, out

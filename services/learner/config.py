@@ -49,6 +49,15 @@ class LearnerConfig(Section):
         0.0, ge=0, description="Memory one rank may use, in GiB; 0 = the GPU's total (the machine's on CPU)."
     )
     lr: float = Field(1e-6, gt=0, description="Base learning rate η₀ (scaled per step by the ESS rule).")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="How η₀ decays over learner.lr_decay_steps (services/learner/lr_schedule.py); the ESS "
+        "rule scales the decayed rate.",
+    )
+    lr_decay_steps: int = Field(
+        0, ge=0, description="Learner steps over which lr decays to lr_min_ratio · η₀ (then held there)."
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="The decayed rate's floor, a fraction of η₀.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
@@ -106,6 +115,14 @@ class LearnerConfig(Section):
         if v not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _decay_has_steps(self) -> LearnerConfig:
+        if self.lr_decay != "constant" and self.lr_decay_steps < 1:
+            raise ValueError(
+                f"lr_decay = {self.lr_decay!r} needs lr_decay_steps >= 1, got {self.lr_decay_steps}"
+            )
+        return self
 
     @field_validator("betas")
     @classmethod

@@ -32,6 +32,7 @@ from torch import Tensor
 from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
 from services.learner.grad_norms import micro_batches
+from services.learner.lr_schedule import lr_factor
 from services.learner.memory import (
     CUDA_CONTEXT,
     ZERO3_MAX_LIVE_PARAMETERS,
@@ -292,16 +293,19 @@ class Trainer:
         torch.distributed.all_gather_object(gathered, (metrics, self.collectives.log_weights, tokens))
         per_rank = [(m, lw) for m, lw, _ in gathered]
         merged = merge_metrics(per_rank, self.collectives.ess, metrics["ess_ratio"], self.config)
+        base_lr = self.config.lr * lr_factor(
+            self.step, self.config.lr_decay, self.config.lr_decay_steps, self.config.lr_min_ratio
+        )
         if merged["step_skipped"]:
             self._skip_optimizer_step()
             merged["grad_norm"] = 0.0  # nothing was applied (the skipped step's loss is 0·Σ log π)
         else:
             for group in self.engine.optimizer.param_groups:
-                group["lr"] = self.config.lr * merged["lr_scale"]
+                group["lr"] = base_lr * merged["lr_scale"]
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             merged["grad_norm"] = math.nan if norm is None else float(norm)
-        merged["lr"] = self.config.lr * merged["lr_scale"]
+        merged["lr"] = base_lr * merged["lr_scale"]
         merged["recompute"] = float(memory.mode == "recompute")
         t2 = time.perf_counter()
         self.step += 1
