@@ -522,3 +522,36 @@ def test_the_sampler_asks_nvml_not_cuda_whether_a_gpu_is_there() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "False"]
+
+
+WORKER_LOGGING = """
+import logging, sys
+import services.sampler.vllm_worker as worker  # imported first, as a service may import it
+if sys.argv[1] == "service":
+    logging.basicConfig(level=logging.INFO)  # the service sets up its logging afterwards (actor_logging)
+class Worker(worker.VcpoWorkerExtension):
+    def ping(self):
+        logging.getLogger("services.sampler.probe").info("ping")
+Worker().vcpo_call("ping")
+Worker().vcpo_call("ping")
+print("HANDLERS", len(logging.getLogger().handlers), len(logging.getLogger("services").handlers))
+"""
+
+
+@pytest.mark.parametrize(("mode", "handlers", "pings"), [("service", "1 0", 2), ("spawned", "0 1", 2)])
+def test_a_worker_sets_up_logging_at_its_first_call_only_where_nothing_is(
+    mode: str, handlers: str, pings: int
+) -> None:
+    """vLLM's spawned workers start with no logging: the extension gives the project's loggers a handler at
+    the first call, so its lines are seen, once each; where the service set up logging, even after importing
+    the extension, nothing is added (every line would otherwise print twice)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_LOGGING, mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"HANDLERS {handlers}" in proc.stdout, proc.stdout
+    assert proc.stderr.count("ping") == pings, proc.stderr[-3000:]

@@ -27,14 +27,26 @@ from services.sampler.weight_transfer import register as _register_weight_transf
 _register_weight_transfer()
 
 log = logging.getLogger(__name__)
-# a worker process that vLLM spawned (every GPU engine's) starts with no logging set up: the project's own
-# lines (joining the weight group, each version received) would be lost below warnings, and those would come
-# bare. Set up where nothing is (a forked or in-process worker keeps what its parent set up).
-if not logging.getLogger().handlers and not logging.getLogger("services").handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(asctime)s sampler worker %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("services").addHandler(_handler)
-    logging.getLogger("services").setLevel(logging.INFO)
+_logging_checked = False
+
+
+def _worker_logging() -> None:
+    """A worker process that vLLM spawned (every GPU engine's) starts with no logging set up: the project's
+    own lines (joining the weight group, each version received) would be lost below warnings, and those
+    would come bare. Set up where nothing is (a forked or in-process worker keeps what its parent set up).
+    Checked at the first call into the worker rather than at import, so that a service which imports this
+    module before setting up its own logging (``actor_logging``) does not print every line twice."""
+    global _logging_checked
+    if _logging_checked:
+        return
+    _logging_checked = True
+    if not logging.getLogger().handlers and not logging.getLogger("services").handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s sampler worker %(levelname)s %(name)s: %(message)s")
+        )
+        logging.getLogger("services").addHandler(handler)
+        logging.getLogger("services").setLevel(logging.INFO)
 
 
 class VcpoWorkerExtension:
@@ -45,6 +57,7 @@ class VcpoWorkerExtension:
     def vcpo_call(self, method: str, *args: Any, **kwargs: Any) -> str | None:
         """Run this worker's ``method``; None once it returned, or its error as text (never raised: see the
         module's docstring). The sampler raises one error for all workers (``VllmEngine._rpc``)."""
+        _worker_logging()
         try:
             getattr(self, method)(*args, **kwargs)
         except Exception as exc:
