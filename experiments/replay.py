@@ -89,6 +89,23 @@ class ReplaySettings:
     betas: tuple[float, float] = (0.9, 0.999)  # learner.betas
     grad_clip: float = 1.0  # learner.grad_clip
 
+    @classmethod
+    def from_preset(cls, preset: Any, **fields: Any) -> ReplaySettings:
+        """A run file's settings (its ``[run]``, ``[sampler]`` and ``[learner]``, as the launcher validated
+        them); the rate stays constant unless ``fields`` give a decay."""
+        s, le = preset.sampler, preset.learner
+        return cls(
+            groups_per_step=preset.run.groups_per_step,
+            n=s.n,
+            max_tokens=s.max_tokens,
+            max_model_len=s.max_model_len,
+            lr=le.lr,
+            weight_decay=le.weight_decay,
+            betas=le.betas,
+            grad_clip=le.grad_clip,
+            **fields,
+        )
+
 
 class Replay:
     """One simulated run: call :meth:`step` once per learner step, :meth:`evaluate` whenever wanted.
@@ -187,14 +204,16 @@ class Replay:
         record.update({key: float(metrics[key]) for key in LEARNER_METRICS})
         return record
 
-    def evaluate(self, tasks: list[Any], *, n_samples: int, seed: int) -> float:
-        """The sampled reward of the learner's current policy (version ``t``) on ``tasks``, as RL samples."""
+    def evaluate(self, tasks: list[Any], *, n_samples: int, seed: int, temperature: float = 1.0) -> float:
+        """The sampled reward of the learner's current policy (version ``t``) on ``tasks``, as RL samples
+        (at ``temperature``)."""
         self.model.eval()
         return policy_reward(
             self.model,
             self.tokenizer,
             tasks,
             n_samples=n_samples,
+            temperature=temperature,
             seed=seed,
             max_tokens=self.settings.max_tokens,
             max_model_len=self.settings.max_model_len,

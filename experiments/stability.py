@@ -173,17 +173,8 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
     hf_logging.disable_progress_bar()
     started = time.monotonic()
     preset = load_preset(plan.preset)
-    s, le = preset.sampler, preset.learner
-    settings = ReplaySettings(
-        groups_per_step=preset.run.groups_per_step,
-        n=s.n,
-        max_tokens=s.max_tokens,
-        max_model_len=s.max_model_len,
-        lr=le.lr,  # constant: the preset's lr_decay is left out so that only the lag differs between cells
-        weight_decay=le.weight_decay,
-        betas=le.betas,
-        grad_clip=le.grad_clip,
-    )
+    # the preset's lr_decay is left out (a constant rate) so that only the lag differs between cells
+    settings = ReplaySettings.from_preset(preset)
     config = objective_config(learner_config(preset, method))
     replay = Replay(warm_started(plan, seed), plan.dataset, config, seed=seed, lag=k, settings=settings)
     tasks = load_dataset(plan.dataset, split="train", seed=seed)[: plan.eval_prompts or None]
