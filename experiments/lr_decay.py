@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from experiments.stability import load_preset
+
 PRESET = "deploy/presets/local.toml"
 WINDOW = 50
 
@@ -54,12 +56,10 @@ def schedule_fields(name: str, preset: Any) -> dict[str, Any]:
 
 def warm_model(work_dir: str, ws_steps: int) -> Path:
     """The preset's model after its warm start (built once per work dir)."""
-    from deploy.config import SystemConfig
-    from services.common.config import load_config
     from services.common.tiny_model import TinyModelSpec, build_tiny_model
     from services.learner.warm_start import warm_start
 
-    preset = load_config(SystemConfig, [PRESET], env={})
+    preset = load_preset(PRESET)
     la, work = preset.launcher, Path(work_dir)
     base = build_tiny_model(work / "base", TinyModelSpec(seed=preset.run.seed))
     return warm_start(
@@ -79,15 +79,13 @@ def run_one(model: str, schedule: str, seed: int, steps: int, lag: int, eval_eve
     import torch
     from transformers.utils import logging as hf_logging
 
-    from deploy.config import SystemConfig
     from experiments.replay import Replay, ReplaySettings
-    from services.common.config import load_config
     from services.common.datasets import load_dataset
     from services.learner.vcpo import objective_config
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
-    preset = load_config(SystemConfig, [PRESET], env={})
+    preset = load_preset(PRESET)
     s, le, heldout = preset.sampler, preset.learner, preset.evaluation.sets[0]
     settings = ReplaySettings.from_preset(preset, **schedule_fields(schedule, preset))
     replay = Replay(Path(model), s.dataset, objective_config(le), seed=seed, lag=lag, settings=settings)
@@ -118,13 +116,13 @@ def rise(rewards: list[float], window: int = WINDOW) -> float:
 def summarize(runs: list[dict[str, Any]], schedules: list[str]) -> dict[str, Any]:
     by = {(r["schedule"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
+    base = [by[("constant", seed)]["evals"][-1][1] for seed in seeds] if "constant" in schedules else None
     out: dict[str, Any] = {}
     for name in schedules:
         mine = [by[(name, seed)] for seed in seeds]
         points = [t for t, _ in mine[0]["evals"]]
         curve = {t: statistics.fmean(dict(r["evals"])[t] for r in mine) for t in points}
         final = [r["evals"][-1][1] for r in mine]
-        base = [by[("constant", seed)]["evals"][-1][1] for seed in seeds] if "constant" in schedules else None
         out[name] = {
             "heldout_mean_at_n": {str(t): round(v, 4) for t, v in curve.items()},
             "final_per_seed": [round(v, 4) for v in final],
@@ -153,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.eval_every, args.ws_steps = 8, "0", 4, 20
-    from deploy.config import SystemConfig
-    from services.common.config import load_config
-
-    preset = load_config(SystemConfig, [PRESET], env={})
+    preset = load_preset(PRESET)
     schedules = args.schedules.split(",")
     for name in schedules:
         schedule_fields(name, preset)  # a bad name fails here, before any run

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
 from services.weight_broker.config import WeightBrokerConfig
 
@@ -49,7 +50,7 @@ class LearnerConfig(Section):
         0.0, ge=0, description="Memory one rank may use, in GiB; 0 = the GPU's total (the machine's on CPU)."
     )
     lr: float = Field(1e-6, gt=0, description="Base learning rate η₀ (scaled per step by the ESS rule).")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+    lr_decay: LrDecay = Field(
         "constant",
         description="How η₀ decays over learner.lr_decay_steps (services/learner/lr_schedule.py); the ESS "
         "rule scales the decayed rate.",
