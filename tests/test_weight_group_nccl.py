@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.redis_server import free_port
-from services.weight_broker import weight_group
+from services.weight_broker import nccl_group, weight_group
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import _receiver, is_version, specs_of, version_tensors
@@ -37,7 +37,7 @@ class StandInNCCL:
 
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self.rank, self.size, self.timeout = rank, size, options._timeout
-        self.env = {name: os.environ.get(name) for name in weight_group.NCCL_ERROR_HANDLING_VARS}
+        self.env = {name: os.environ.get(name) for name in nccl_group.NCCL_ERROR_HANDLING_VARS}
         self.calls: list[str] = []
         StandInNCCL.built.append(self)
 

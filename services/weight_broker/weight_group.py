@@ -19,8 +19,6 @@ is ``collective.py``.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,20 +28,12 @@ from typing import Any
 import torch
 
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
+from services.weight_broker.nccl_group import nccl_backend
 from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
 
 _RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
-
-# torch's NCCL error handling, read once by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp)
-# has the watchdog take the whole process down when a collective fails or times out: a sampler killed
-# mid-broadcast would kill learner rank 0 with it. The weight group's failures are expected and survivable
-# (the version goes through the broker, a new epoch forms), so its group is built with 2 (CleanUpOnly): the
-# watchdog aborts the communicator and the collective's error reaches :meth:`WeightGroup.wait` instead.
-NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
-NCCL_CLEAN_UP_ONLY = "2"
-_ENV_LOCK = threading.Lock()
 
 
 class TransferFailed(RuntimeError):
@@ -134,27 +124,6 @@ def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float 
         time.sleep(poll_s)
         arrived = int(store.add(key, 0))
     return arrived
-
-
-def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
-    """A ProcessGroupNCCL over ``store`` whose failures are raised to the caller, never fatal to the process
-    (:data:`NCCL_ERROR_HANDLING_VARS`; the variables are restored once it is built, so no other group of the
-    process is changed). NCCL connects lazily, at the first collective."""
-    import torch.distributed as dist
-
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    with _ENV_LOCK:
-        saved = {name: os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARS}
-        os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARS, NCCL_CLEAN_UP_ONLY))
-        try:
-            return dist.ProcessGroupNCCL(store, rank, world_size, options)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 class AnnouncementWatch:
