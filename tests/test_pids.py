@@ -1,4 +1,5 @@
-"""services/common/pids.py: sweeping what dead processes left in a directory, by the PID in their names."""
+"""services/common/pids.py: sweeping what dead processes left in a directory, by the PID in their names, and
+telling whether a process named by its identity has ended."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.common.pids import pid_alive, sweep_dead
+from services.common.pids import pid_alive, process_gone, process_identity, sweep_dead
 
 
 def dead_pid() -> int:
@@ -41,3 +42,30 @@ def test_sweep_dead_removes_only_entries_of_dead_owners(tmp_path: Path) -> None:
 
 def test_sweep_dead_of_a_missing_directory(tmp_path: Path) -> None:
     assert sweep_dead(tmp_path / "absent", r"stage-(\d+)", "staging directories") == 0
+
+
+def test_a_process_identity_says_when_it_ended_and_only_then() -> None:
+    mine = process_identity()
+    namespace, pid, start = mine.rsplit(" ", 2)
+    assert namespace.startswith("pid:[") and int(pid) == os.getpid() and int(start) > 0
+    assert not process_gone(mine)
+    child = subprocess.Popen(["sleep", "600"])
+    theirs = process_identity(child.pid)
+    assert theirs.split()[1] == str(child.pid) and not process_gone(theirs)
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    assert process_gone(theirs)  # a zombie: ended, not yet reaped
+    child.wait()
+    assert process_gone(theirs)
+    assert process_identity(child.pid) == ""  # nothing to name any more
+    # its PID given to a later process (the same PID, another start): the one it named has ended
+    assert process_gone(f"{namespace} {pid} {int(start) - 1}")
+
+
+def test_what_cannot_be_told_from_here_never_counts_as_ended() -> None:
+    namespace, _, start = process_identity().rsplit(" ", 2)
+    gone = dead_pid()
+    assert not process_gone("")
+    assert not process_gone("garbage")
+    assert not process_gone(f"pid:[1] {gone} {start}")  # another PID namespace: its PIDs are not ours
+    assert process_gone(f"{namespace} {gone} {start}")  # ours: that PID runs nothing
