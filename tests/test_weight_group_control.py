@@ -455,3 +455,20 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
         a.halt.set()
         a.join(10)
         coordinator.close()
+
+
+def test_versions_given_back_for_dead_cuda_ipc_receivers_are_counted_as_group_events(
+    coordinator: GroupCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What cuda_ipc.HELD gave back since the last publish reaches the learner's
+    ``vcpo_weight_group_events_total{event="ipc_reclaimed"}`` through the coordinator, once each."""
+    from services.weight_broker import cuda_ipc
+
+    held = cuda_ipc.HeldExports()
+    held._unreported = 2  # as two reclaims leave it
+    monkeypatch.setattr(cuda_ipc, "HELD", held)
+    events: list[str] = []
+    coordinator.on_event = events.append
+    assert coordinator.publisher() is None  # no receiver: no group
+    coordinator.publisher()
+    assert events == ["ipc_reclaimed", "ipc_reclaimed"]

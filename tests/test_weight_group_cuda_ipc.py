@@ -4,8 +4,8 @@ staged there and opened by each receiver through an IPC handle.
 On CPU there is no CUDA IPC: these tests stand in for the export and its opening (a registry of this process's
 buffers, never a transport) to check what the publisher and receivers do around them: one export per
 receiver in the header, the vote, a receiver that cannot open its export, and the fall-back to /dev/shm. The
-``gpu``-marked test runs it for real: a publisher and two receiver processes on one GPU, versions exact, and
-the publisher's buffers freed once the receivers let go.
+``gpu``-marked tests run it for real: a publisher and two receiver processes on one GPU, versions exact, and
+the publisher's buffers freed once the receivers let go, or once one killed holding its views has ended.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -54,11 +55,9 @@ class CpuStaging(cuda_ipc.DeviceStaging):
         self.device, self.current = device, None
         self.taken = 0
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.current is None or self.current.numel() < nbytes:
-            self.current = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            self.taken += 1
-        return self.current[:nbytes]
+    def _new(self, nbytes: int) -> torch.Tensor:
+        self.taken += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 @pytest.fixture
@@ -234,5 +233,79 @@ def test_cuda_ipc_on_one_gpu_delivers_versions_exactly_and_frees_them_once_let_g
     kind, held = results.get(timeout=60)
     assert kind == "held" and held < nbytes, f"the publisher still holds {held} bytes of its staged versions"
     for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, p.exitcode
+
+
+def _gpu_holding_receiver(spec: GroupSpec, rank: int, out: Any) -> None:  # a process on cuda:0
+    torch.cuda.set_device(0)
+    group = WeightGroup(spec, rank)
+    version, tensors, _ = CollectiveReceiver(group).receive()
+    out.put((rank, version, is_version(version, [(n, t.cpu()) for n, t in tensors])))
+    if rank == 2:  # holds its views until it is killed
+        while True:
+            time.sleep(1)
+    del tensors
+    torch.cuda.synchronize()
+    out.put((rank, "released"))
+    out.close()
+    out.join_thread()
+    group.close()
+    os._exit(0)
+
+
+def _gpu_reclaiming_publisher(spec: GroupSpec, out: Any, go: Any) -> None:  # a process on cuda:0
+    torch.cuda.set_device(0)
+    group = WeightGroup(spec, 0)
+    tensors = [(n, t.cuda()) for n, t in version_tensors(31)]
+    base = torch.cuda.memory_allocated()
+    publisher = CollectivePublisher(group, bucket_bytes=8192, cuda_ipc=True)
+    stats = publisher.send(31, specs_of(tensors), iter(tensors))
+    held = [(h.version, h.rank, bool(h.process)) for h in cuda_ipc.HELD.held]
+    out.put(("sent", stats.extra["cuda_ipc"], stats.bytes, held, cuda_ipc.HELD.readable))
+    go.wait(120)  # rank 1 let go; rank 2 was killed holding its views
+    torch.cuda.ipc_collect()
+    before = torch.cuda.memory_allocated() - base
+    given = [(h.version, h.rank) for h in cuda_ipc.HELD.reclaim()]
+    torch.cuda.ipc_collect()
+    out.put(("reclaimed", before, torch.cuda.memory_allocated() - base, given, cuda_ipc.HELD.held))
+    publisher.close()
+    group.close()
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_gives_back_what_a_receiver_killed_holding_its_views_held() -> None:
+    """Without the ledger, the version a killed receiver held stayed allocated in the publisher's process until
+    it exited (torch's counts cannot tell a dead consumer from a slow one); it is freed once the receiver's
+    process has ended. Also checks, on torch's real counter files, the layout HeldExports reads."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    receivers = {
+        r: ctx.Process(target=_gpu_holding_receiver, args=(spec, r, out), daemon=True) for r in (1, 2)
+    }
+    publisher = ctx.Process(target=_gpu_reclaiming_publisher, args=(spec, results, go), daemon=True)
+    for p in (*receivers.values(), publisher):
+        p.start()
+    status, ipc, nbytes, held, readable = results.get(timeout=180)
+    assert (status, ipc, readable) == ("sent", 1.0, True)
+    assert held == [(31, 1, True), (31, 2, True)]  # each receiver's count, and its process, seen from here
+    got = sorted(out.get(timeout=60) for _ in range(3))
+    assert got == [(1, 31, True), (1, "released"), (2, 31, True)], got
+    receivers[2].kill()
+    receivers[2].join(30)
+    go.set()
+    status, before, after, given, left = results.get(timeout=60)
+    assert status == "reclaimed" and given == [(31, 2)] and left == []
+    assert before >= nbytes, f"the killed receiver's version should still be allocated, {before} bytes are"
+    assert after < nbytes, (
+        f"the publisher still holds {after} bytes after giving the dead receiver's count back"
+    )
+    for p in (receivers[1], publisher):
         p.join(timeout=60)
         assert p.exitcode == 0, p.exitcode

@@ -22,8 +22,8 @@ Members on one host (``WeightGroup.same_host``) may skip the buckets' sockets: t
 version in a /dev/shm segment (``shared_memory.py``; its staging buffer, so nothing is copied twice), the
 header names it, and every receiver maps it copy-on-write before the vote: its tensors are views of the
 publisher's pages, one copy in memory however many receivers hold it. Ranks that share a GPU always do (NCCL
-refuses them); a gloo group does with ``shared_memory``. A publisher that cannot reserve the segment (/dev/shm
-too small) warns and sends buckets.
+refuses them; on one GPU, ``cuda_ipc.py`` instead); a gloo group does with ``shared_memory``. A publisher that
+cannot reserve the segment (/dev/shm too small) warns and sends buckets.
 
 Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
 timeout, a bad digest) leaves every engine on its previous version. A failed collective leaves the group
@@ -54,7 +54,7 @@ from services.weight_broker.buckets import (
     next_checked,
     pieces,
 )
-from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, receive_export
+from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, receive_export, settle
 from services.weight_broker.host_copy import HostCopy
 from services.weight_broker.shared_memory import HostBuffers, PinnedStaging, Staging, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
@@ -158,9 +158,8 @@ class CollectivePublisher:
         return staged
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of host memory: the shared segment when the members share it, else page-locked where CUDA
-        is there (on this rank's GPU for CUDA IPC). The previous version's broadcast has ended (every receiver
-        voted) before this is called."""
+        """``nbytes`` to stage in: on this rank's GPU for CUDA IPC, the shared segment when the members share
+        it, else host memory, page-locked where CUDA is there (the previous version's vote has ended)."""
         if self._on_gpu is not None:
             return self._on_gpu.take(nbytes)
         if self.shared:
@@ -215,13 +214,13 @@ class CollectivePublisher:
             fields["shared"] = shared
         if on_gpu is not None:
             try:
-                fields["cuda_ipc"] = ipc_header(on_gpu, self.group.spec.world_size, layout[0].nbytes)
+                fields["cuda_ipc"] = ipc_header(on_gpu, self.group, version, layout[0].nbytes)
             except Exception as exc:  # the driver refuses: this version fails, unannounced
                 self._on_gpu = None  # the next ones go through /dev/shm
                 raise TransferFailed(f"version {version}: cannot export it over CUDA IPC: {exc}") from exc
         fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
         header = json.dumps(fields).encode()
-        group = self.group
+        group, committed = self.group, False
         try:
             group.announce(version)
             head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
@@ -244,6 +243,7 @@ class CollectivePublisher:
                 # the next version's segment, reserved and populated off the learner's and the caller's time
                 self._segments.reserve_spare(layout[0].nbytes)
             if on_gpu is not None:  # torch keeps it until every receiver let go of its views
+                settle(group, version, fields["cuda_ipc"], committed)  # and the exports no receiver took
                 self._on_gpu.release()  # type: ignore[union-attr]
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
@@ -379,7 +379,7 @@ class CollectiveReceiver:
             hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
             read, mine = True, None  # mine None: no digests of its own to check
             if "cuda_ipc" in header:
-                buffers, mine = receive_export(group, layout, header["cuda_ipc"]), [0]
+                buffers, mine = receive_export(group, layout, header["cuda_ipc"], version), [0]
                 read = bool(buffers)
             elif "shared" in header:
                 buffers, mine = receive_segment(layout, header["shared"]), [0]

@@ -18,21 +18,38 @@ device.
 Lifetime: torch keeps the publisher's buffer allocated after the publisher lets it go (after the vote) until
 every receiver has let go of its views (once its engine loaded them, or at once when the version is voted
 down). So the publisher's GPU holds the version being staged and, until the samplers have loaded it, the one
-before: up to two versions beside the learner's model, which its memory plan counts. A receiver killed
-while it still holds its views never gives its count back, and that version stays allocated in the learner's
-process (torch's CUDA IPC has no way to tell a dead consumer from a slow one).
+before: up to two versions beside the learner's model, which its memory plan counts.
+
+Counts no receiver will give back (:class:`HeldExports`, kept for the process's life in :data:`HELD`):
+    a receiver killed while it holds its views     torch cannot tell a dead consumer from a slow one; the
+                                                   publisher can, on one host: it gives the count back once
+                                                   the receiver's process has certainly ended and its count
+                                                   is still out (read in torch's counter file)
+    an export no receiver opened (a failed version)  each export belongs to whichever side claims it first
+                                                   in the epoch's store: the receiver before it opens it, the
+                                                   publisher after the version failed (``settle``)
+Without these, each such version stayed allocated on the learner's GPU until it exited.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
+import struct
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from services.common.pids import process_gone
+
 log = logging.getLogger(__name__)
+
+COUNTERS_DIR = "/dev/shm"  # where torch's reference-counter files are (shm_open names)
+_COUNTER_HEADER = 64  # torch's RefcountedMapAllocator keeps its own count in a mapping's first 64 bytes
 
 
 class DeviceStaging:
@@ -49,9 +66,13 @@ class DeviceStaging:
         """``nbytes`` of the current buffer: the one staged and not yet sent, or a new one."""
         if self.current is None or self.current.numel() < nbytes:
             self.current = None
-            torch.cuda.ipc_collect()  # earlier versions every receiver has let go of
-            self.current = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            HELD.reclaim()  # the counts of receivers that died holding earlier versions
+            self.current = self._new(max(nbytes, 1))
         return self.current[:nbytes]
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        torch.cuda.ipc_collect()  # earlier versions every receiver has let go of
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def release(self) -> None:
         """Let this version's buffer go (after the vote): torch keeps it until every receiver let go too."""
@@ -64,28 +85,37 @@ def export(buffer: torch.Tensor, ranks: Iterable[int]) -> dict[str, dict[str, An
     when it lets go, and the event after the publisher's pending copies into it (on its current stream)."""
     storage = buffer.untyped_storage()
     out: dict[str, dict[str, Any]] = {}
-    for rank in ranks:
-        (
-            _device,
-            handle,
-            size_bytes,
-            offset_bytes,
-            ref_counter_handle,
-            ref_counter_offset,
-            event_handle,
-            event_sync_required,
-        ) = storage._share_cuda_()
-        out[str(rank)] = {
-            "handle": _b64(handle),
-            "size_bytes": int(size_bytes),
-            "offset_bytes": int(offset_bytes),
-            "ref_counter_handle": _b64(ref_counter_handle),
-            "ref_counter_offset": int(ref_counter_offset),
-            "event_handle": _b64(event_handle),
-            "event_sync_required": bool(event_sync_required),
-            "view_offset": int(buffer.storage_offset()),
-        }
+    try:
+        for rank in ranks:
+            out[str(rank)] = _export_one(storage, buffer.storage_offset())
+    except BaseException:  # no receiver will see these: their counts go back at once
+        for entry in out.values():
+            release_export(entry)
+        raise
     return out
+
+
+def _export_one(storage: torch.UntypedStorage, view_offset: int) -> dict[str, Any]:
+    (
+        _device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = storage._share_cuda_()
+    return {
+        "handle": _b64(handle),
+        "size_bytes": int(size_bytes),
+        "offset_bytes": int(offset_bytes),
+        "ref_counter_handle": _b64(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": _b64(event_handle),
+        "event_sync_required": bool(event_sync_required),
+        "view_offset": int(view_offset),
+    }
 
 
 def open_export(entry: dict[str, Any], device: torch.device, nbytes: int) -> torch.Tensor:
@@ -110,38 +140,182 @@ def open_export(entry: dict[str, Any], device: torch.device, nbytes: int) -> tor
 
 
 def release_export(entry: dict[str, Any]) -> None:
-    """Give back the count of an export this receiver could not open, so the publisher's buffer is freed
-    once the others let go (a failure to do so is logged: the buffer then stays until the learner exits)."""
+    """Give back the count of an export whose views no one will hold: a receiver that could not open it, or the
+    publisher for a receiver that never will (a failure to do so is logged: the buffer then stays until the
+    learner exits)."""
+    counter = _counter(entry)
+    if counter is None:
+        return
     try:
-        torch.UntypedStorage._release_ipc_counter_cuda(
-            base64.b64decode(entry["ref_counter_handle"]), int(entry["ref_counter_offset"])
-        )
+        release_counter(*counter)
     except Exception:
         log.warning("could not give back a CUDA IPC export's count", exc_info=True)
 
 
-def ipc_header(buffer: torch.Tensor, world_size: int, nbytes: int) -> dict[str, Any]:
-    """The header's ``cuda_ipc``: the staged version's size and one export of it per receiver (ranks 1..)."""
-    return {"nbytes": nbytes, "exports": export(buffer, range(1, world_size))}
+def release_counter(handle: bytes, offset: int) -> None:
+    """Decrement an export's count in torch's counter file, as its receiver does when it lets go."""
+    torch.UntypedStorage._release_ipc_counter_cuda(handle, offset)
 
 
-def receive_export(group: Any, layout: list[Any], ipc: dict[str, Any]) -> list[torch.Tensor]:
-    """A receiver's view of the publisher's staged version (the header's ``cuda_ipc``) on its GPU; empty if it
-    cannot open it: it gives its count back, says why in the group's store (``no_cuda_ipc/<rank>``, which the
-    publisher reads after the failed vote), and votes the version down."""
+def read_counter(handle: bytes, offset: int) -> int | None:
+    """An export's count not yet given back (1: its receiver may hold it; 0: given back), read from torch's
+    counter file in /dev/shm; None: the file is gone or unreadable."""
+    try:
+        with open(os.path.join(COUNTERS_DIR, handle.decode().lstrip("/")), "rb") as f:
+            f.seek(_COUNTER_HEADER + 8 * offset)
+            raw = f.read(8)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return int(struct.unpack("=q", raw)[0]) if len(raw) == 8 else None
+
+
+def _counter(entry: dict[str, Any]) -> tuple[bytes, int] | None:
+    if not entry.get("ref_counter_handle"):
+        return None
+    return base64.b64decode(entry["ref_counter_handle"]), int(entry["ref_counter_offset"])
+
+
+@dataclass(frozen=True)
+class Held:
+    """An export handed to a receiver that has not given its count back, as far as this process knows."""
+
+    version: int
+    rank: int
+    process: str  # the receiver's process (pids.process_identity); '' where this one cannot tell if it ended
+    counter: bytes  # torch's counter file
+    offset: int  # and the export's slot in it
+
+
+class HeldExports:
+    """The CUDA IPC exports this process handed out whose receivers have not given their counts back: kept for
+    the process's life (:data:`HELD`), since a receiver that died holding its views is found after the epoch
+    it was in has gone.
+
+    ``reclaim`` gives back the count of a receiver whose process has certainly ended
+    (:func:`services.common.pids.process_gone`) while its count is still out: that process can no longer give
+    it back or read the buffer. Whether the count is out is read in torch's counter file; each export is
+    checked to read 1 when made, and where one does not (torch laid its file out otherwise), nothing is
+    reclaimed from then on, as before this ledger (a warning says so)."""
+
+    def __init__(self) -> None:
+        self.held: list[Held] = []
+        self.readable = True
+        self.reclaimed = 0  # counts given back for receivers that died holding them
+        self._unreported = 0
+        self._lock = threading.Lock()
+
+    def add(self, version: int, rank: int, entry: dict[str, Any], process: str) -> None:
+        """Keep an export just made for ``rank``, whose receiver runs as ``process`` (what it said)."""
+        counter = _counter(entry)
+        if counter is None:
+            return
+        count = read_counter(*counter)
+        with self._lock:
+            if count != 1 and self.readable:
+                log.warning(
+                    "a new CUDA IPC export's count reads %s in %s, not 1: receivers that die holding a version "
+                    "will leave it allocated on this GPU until this process exits",
+                    count,
+                    counter[0].decode(errors="replace"),
+                )
+                self.readable = False
+            if not self.readable:
+                return
+            # it is alive now (it waits for this version): if it looks gone, this process cannot see it
+            self.held.append(Held(version, rank, "" if process_gone(process) else process, *counter))
+
+    def reclaim(self) -> list[Held]:
+        """Give back the counts of receivers that died holding their exports; forget those given back."""
+        with self._lock:
+            kept, given = [], []
+            for h in self.held:
+                count = read_counter(h.counter, h.offset)
+                if count is None or count <= 0:
+                    continue
+                if h.process and process_gone(h.process):
+                    try:
+                        release_counter(h.counter, h.offset)
+                    except Exception:
+                        log.warning("could not give back a dead receiver's CUDA IPC count", exc_info=True)
+                        kept.append(h)
+                        continue
+                    given.append(h)
+                else:
+                    kept.append(h)
+            self.held = kept
+            self.reclaimed += len(given)
+            self._unreported += len(given)
+        for h in given:
+            log.warning(
+                "version %d: the receiver of rank %d ended holding its CUDA IPC views (process %s): gave its "
+                "count back, so this GPU frees the version once the others let go",
+                h.version,
+                h.rank,
+                h.process,
+            )
+        return given
+
+    def forget(self, counter: tuple[bytes, int]) -> None:
+        with self._lock:
+            self.held = [h for h in self.held if (h.counter, h.offset) != counter]
+
+    def report(self) -> int:
+        """How many counts were given back since the last report (the learner counts them)."""
+        with self._lock:
+            n, self._unreported = self._unreported, 0
+        return n
+
+
+HELD = HeldExports()
+
+
+def ipc_header(buffer: torch.Tensor, group: Any, version: int, nbytes: int) -> dict[str, Any]:
+    """The header's ``cuda_ipc``: the staged version's size and one export of it per receiver (ranks 1..),
+    each kept in :data:`HELD` with the process its receiver said it runs as."""
+    exports = export(buffer, range(1, group.spec.world_size))
+    for rank, entry in exports.items():
+        HELD.add(version, int(rank), entry, group.get_key(f"process/{rank}") or "")
+    return {"nbytes": nbytes, "exports": exports}
+
+
+def _claim_key(version: int, rank: int) -> str:
+    return f"ipc/{version}/{rank}"
+
+
+def settle(group: Any, version: int, ipc: dict[str, Any], committed: bool) -> None:
+    """After the vote on a version sent over CUDA IPC. Committed: every receiver opened its export (its claim
+    keys go). Otherwise the publisher claims the exports no receiver claimed, and gives their counts back: no
+    receiver opens them now (one that claimed gives its own back as it lets go, or, dead, is reclaimed)."""
+    for rank, entry in ipc["exports"].items():
+        key = _claim_key(version, int(rank))
+        if committed:
+            group.drop_key(key)
+        elif group.claim(key, "publisher") == "publisher" and (counter := _counter(entry)):
+            release_export(entry)
+            HELD.forget(counter)
+
+
+def receive_export(group: Any, layout: list[Any], ipc: dict[str, Any], version: int) -> list[torch.Tensor]:
+    """A receiver's view of the publisher's staged version (the header's ``cuda_ipc``) on its GPU, once it has
+    claimed its export (``ipc/<version>/<rank>``, before the publisher can after a failure). Empty if it cannot
+    open it: it gives its count back, says why in the group's store (``no_cuda_ipc/<rank>``, which the
+    publisher reads after the failed vote), and votes the version down; empty too if the publisher claimed it
+    first (the version failed: it gave the count back)."""
     [whole] = layout
     entry = ipc["exports"][str(group.rank)]
     if int(ipc["nbytes"]) != whole.nbytes:
         raise ValueError(
             f"the header's CUDA IPC export holds {ipc['nbytes']} bytes, its tensors {whole.nbytes}"
         )
+    if (owner := group.claim(_claim_key(version, group.rank), "receiver")) != "receiver":
+        log.warning("version %d: the CUDA IPC export was claimed by %s (the version failed)", version, owner)
+        return []
     try:
         if group.gpu is None:
             raise ValueError("this member has no GPU")
         return [open_export(entry, group.gpu, whole.nbytes)]
     except Exception as exc:
-        if torch.cuda.is_available():
-            release_export(entry)
+        release_export(entry)
         why = f"rank {group.rank}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         log.error("cannot open the publisher's CUDA IPC export (%s): voting against the version", why)
         group.set_key(f"no_cuda_ipc/{group.rank}", why)

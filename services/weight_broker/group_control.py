@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import redis
 import torch
 
+from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
@@ -303,7 +304,7 @@ class GroupCoordinator:
         self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
         self.planes = {"shared_memory": shared_memory, "cuda_ipc": cuda_ipc}  # its publishers' keywords
-        self.on_event = on_event or (lambda event: None)  # "formed", "form_failed", "broadcast_failed"
+        self.on_event = on_event or (lambda event: None)  # formed|form_failed|broadcast_failed|ipc_reclaimed
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
         self._formed: _Formed | None = None
@@ -319,6 +320,8 @@ class GroupCoordinator:
 
     def publisher(self) -> CollectivePublisher | None:
         self._reap()
+        for _ in range(cuda_ipc.HELD.report()):  # versions a dead receiver held, freed on its behalf
+            self.on_event("ipc_reclaimed")
         formed = self._formed
         if formed is not None and formed.group.closed:  # a background broadcast failed and closed it
             self.failed(TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
@@ -386,13 +389,10 @@ class GroupCoordinator:
         self._forming = None
         try:
             formed = forming.result()
-        except FormFailed as exc:
-            until = time.monotonic() + 3 * self.registry.ttl_s
-            for member_id in exc.missing:
-                self._excluded[member_id] = until
-            self._failed_forming(exc)
-            return
         except Exception as exc:
+            if isinstance(exc, FormFailed):
+                until = time.monotonic() + 3 * self.registry.ttl_s
+                self._excluded.update(dict.fromkeys(exc.missing, until))
             self._failed_forming(exc)
             return
         if self._closing:

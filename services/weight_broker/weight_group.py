@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from services.common.pids import process_identity
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import nccl_backend
 from services.weight_broker.shared_memory import host_identity
@@ -202,6 +203,7 @@ class WeightGroup:
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
             # before arriving: every rank's is there once all have arrived
             prefixed.set(f"host/{rank}", host_identity())
+            prefixed.set(f"process/{rank}", process_identity())  # whether it ended, for cuda_ipc.HeldExports
             keeps = spec.backend == "nccl" if host_copies is None else host_copies
             prefixed.set(f"host_copies/{rank}", "1" if keeps and rank > 0 else "0")
             if spec.backend == "nccl":
@@ -337,6 +339,21 @@ class WeightGroup:
             return bytes(self._announcements.get(key)).decode() if self._announcements.check([key]) else None
         except Exception:
             return None
+
+    def claim(self, key: str, who: str) -> str | None:
+        """Set ``key`` to ``who`` unless a rank set it first; returns who holds it now (None: the store is
+        gone). Two ranks racing for one key both read the same winner."""
+        try:
+            return bytes(self._announcements.compare_set(key, "", who)).decode()
+        except Exception:
+            return None
+
+    def drop_key(self, key: str) -> None:
+        """Remove ``key`` from this epoch's store (nothing if it is not there, or the store is gone)."""
+        try:
+            self._announcements.delete_key(key)
+        except Exception:
+            log.debug("could not remove %s from the weight group's store", key, exc_info=True)
 
     def wait_key(self, key: str, poll_s: float = 0.005) -> str:
         """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
