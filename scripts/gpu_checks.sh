@@ -46,8 +46,11 @@ if [ "$PHASE" = weights ]; then
     $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group or ipc" \
         -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
     status=${PIPESTATUS[0]}
-    # not gpu-marked, but with CUDA there its host buffers are page-locked for real (cudaHostRegister)
-    $PY -m pytest tests/test_weight_group_shared_memory.py -p no:cacheprovider -q -rA 2>&1 | tee -a "$OUT/gpu-tests.log"
+    # not gpu-marked, but with CUDA there its host buffers are page-locked for real (cudaHostRegister); and the
+    # counter-file layout CUDA IPC's HeldExports reads, against that machine's torch
+    layout=tests/test_cuda_ipc_held.py::test_counters_are_read_where_torchs_allocator_keeps_them
+    $PY -m pytest tests/test_weight_group_shared_memory.py "$layout" -p no:cacheprovider -q -rA 2>&1 |
+        tee -a "$OUT/gpu-tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     weight_sync
     exit "$status"
