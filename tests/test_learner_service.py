@@ -309,3 +309,26 @@ def test_ray_actor_group_trains_like_the_plain_entry_point(
     assert (tmp_path / "plain" / "weights" / final).read_bytes() == (
         tmp_path / "ray" / "weights" / final
     ).read_bytes()
+
+
+def test_weight_group_events_are_counted_and_only_the_groups_own_change_its_epoch_gauge() -> None:
+    """``ipc_reclaimed`` (a dead receiver's CUDA IPC count given back) is counted, and leaves the epoch gauge
+    at the formed group's epoch: the group is still there."""
+    from types import SimpleNamespace
+
+    from services.common.observability import Metrics
+    from services.learner.metrics import LearnerMetrics
+    from services.learner.service import LearnerRank
+
+    registry = Metrics("learner")
+    rank = SimpleNamespace(metrics=LearnerMetrics(registry, k=2), coordinator=SimpleNamespace(epoch=7))
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.registry.get_sample_value(name, labels)
+
+    for event in ("formed", "ipc_reclaimed", "ipc_reclaimed"):
+        LearnerRank._group_event(rank, event)  # type: ignore[arg-type]
+    assert sample("vcpo_weight_group_events_total", event="ipc_reclaimed") == 2
+    assert sample("vcpo_weight_group_epoch") == 7
+    LearnerRank._group_event(rank, "broadcast_failed")  # type: ignore[arg-type]
+    assert sample("vcpo_weight_group_epoch") == 0

@@ -372,7 +372,8 @@ class LearnerRank:
     def _group_event(self, event: str) -> None:
         if self.metrics is not None and self.coordinator is not None:
             self.metrics.group_events.labels(event).inc()
-            self.metrics.group_epoch.set(self.coordinator.epoch if event == "formed" else 0)
+            if event in ("formed", "form_failed", "broadcast_failed"):  # not ipc_reclaimed: the group stays
+                self.metrics.group_epoch.set(self.coordinator.epoch if event == "formed" else 0)
 
     def checkpoint(self) -> None:
         """Checkpoint weights, optimizer and the feed state (a collective), then acknowledge what it covers."""
