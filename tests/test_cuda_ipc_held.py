@@ -247,16 +247,14 @@ def test_a_failed_version_gives_back_the_exports_no_receiver_claimed(
     def killed(key: str, who: str) -> str:
         raise RuntimeError("killed before its claim")
 
-    monkeypatch.setattr(groups[2], "claim", killed)
-    failed, got = _send(publisher, groups, 9)
+    with monkeypatch.context() as patch:  # rank 2 claims as it should again afterwards
+        patch.setattr(groups[2], "claim", killed)
+        failed, got = _send(publisher, groups, 9)
     assert isinstance(failed, TransferFailed) and all(r[0] == "failed" for r in got.values()), (failed, got)
     [nine] = counted_ipc.entries
     assert groups[0].get_key("ipc/9/1") == "receiver" and groups[0].get_key("ipc/9/2") == "publisher"
     assert counters.released == [_slot(nine["2"])] and counters.get(_slot(nine["2"])) == 0
     assert [h.rank for h in cuda_ipc.HELD.held] == [1]  # until its count reads 0 (torch's deleter, on a GPU)
-    monkeypatch.undo()  # rank 2 claims as it should
-    monkeypatch.setattr(cuda_ipc, "release_counter", counters.release)
-    monkeypatch.setattr(cuda_ipc, "open_export", counted_ipc.open_export)
     layout = bucket_layout([TensorSpec("w", "float32", (4,))], WHOLE)
     assert cuda_ipc.receive_export(groups[2], layout, {"nbytes": 16, "exports": nine}, 9) == []
     assert counters.released == [_slot(nine["2"])]
