@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import xxhash
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
 from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
 

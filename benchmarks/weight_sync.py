@@ -75,7 +75,7 @@ from benchmarks._weight_sync_workers import (
     socket_gbps,
 )
 from services.common.memory import ALLOCATOR_ENV
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.service_process import ServiceProcess
 from services.weight_broker.tensors import TensorSpec
 

@@ -15,7 +15,7 @@ import os
 
 from deploy.config import SystemConfig
 from services.common.memory import ALLOCATOR_ENV
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 
 
 def needed_cpus(cfg: SystemConfig) -> int:

@@ -205,7 +205,7 @@ def broadcasting(
     ranks 1..; on exit the process is joined, and killed if it is still there after 60 s. ``host_copy``: one
     member more, rank 1 (:func:`keep_host_copies`), which stages each version's host copy, for the engine to
     join from rank 2 keeping host copies too (it then maps that copy)."""
-    from services.common.redis_server import free_port
+    from services.common.ports import free_port
 
     spec = {
         "host": "127.0.0.1",

@@ -27,7 +27,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
 
-    from services.common.redis_server import free_port
+    from services.common.ports import free_port
     from tests.sampler_helpers import broadcasting, version_weights
     from tests.sampler_multiprocess_probe import greedy, probe_engine
 

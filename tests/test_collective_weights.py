@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, pieces
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
 from services.weight_broker.shared_memory import held_host_bytes

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from services.common.pids import process_identity
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker import collective, cuda_ipc
 from services.weight_broker.buckets import WHOLE, bucket_layout
 from services.weight_broker.collective import CollectivePublisher

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.common.observability import Metrics, grpc_server
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore

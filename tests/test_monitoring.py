@@ -29,7 +29,7 @@ from redis.retry import Retry
 from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import Metrics
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.streams.consumer import StreamConsumer
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamProducer

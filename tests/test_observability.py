@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.common.observability import Metrics, check_health, grpc_server, serve_metrics
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from vcpo.v1 import common_pb2, common_pb2_grpc
 
 

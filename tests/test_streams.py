@@ -304,7 +304,7 @@ def test_run_ids_keep_streams_apart(redis_client: redis.Redis) -> None:
 
 
 def test_connect_names_an_unreachable_redis() -> None:
-    from services.common.redis_server import free_port
+    from services.common.ports import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ConnectionError, match=f"cannot reach Redis at {url}"):

@@ -321,7 +321,7 @@ def test_publisher_checks_tensors_against_the_manifest(
 
 
 def test_unreachable_broker_fails_after_bounded_retries() -> None:
-    from services.common.redis_server import free_port
+    from services.common.ports import free_port
 
     client = GrpcTransport(
         f"127.0.0.1:{free_port()}", retry=RetryPolicy(attempts=3, initial_backoff_s=0.01, timeout_s=2)

@@ -14,7 +14,7 @@ import torch
 
 from services.common.config import RunConfig, StreamsConfig
 from services.common.observability import check_health
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
 from services.weight_broker.tensors import TensorSpec

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker import collective, cuda_ipc
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker import nccl_group, weight_group
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.weight_broker import shared_memory, weight_group
 from services.weight_broker.buckets import TransferStats
 from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -25,14 +24,9 @@ from pathlib import Path
 
 import redis
 
+from services.common.ports import free_port
+
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class LocalRedis:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.synthetic import make_group
 from services.learner.supervisor import set_rank_env
 from vcpo.v1 import rollout_pb2

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from services.common.ports import free_port
 from services.learner.config import LearnerServiceConfig
 
 
@@ -46,10 +46,7 @@ class LearnerRankActor:
 
         import services.learner.service  # noqa: F401
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), self.cfg.learner.master_port or port
+        return ray.util.get_node_ip_address(), self.cfg.learner.master_port or free_port("")
 
     def run(self, master: tuple[str, int], world: int, max_steps: int = 0) -> dict[str, Any]:
         from services.common.observability import actor_logging

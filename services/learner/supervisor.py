@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any
 
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.learner.config import LearnerServiceConfig
 
 
