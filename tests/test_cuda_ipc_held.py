@@ -158,6 +158,28 @@ def test_a_receiver_this_process_cannot_see_is_never_reclaimed(
     assert cuda_ipc.HELD.reclaim() == [] and counters.released == []
 
 
+def test_a_receiver_this_process_cannot_see_is_named_once(
+    counters: Counters, sleepers: list[subprocess.Popen[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver in another PID namespace (or one that named no process) is never judged: its dead versions
+    would stay allocated, so the publisher says so, once per receiver, not per version."""
+    _, seen_id = _sleeper(sleepers)
+    elsewhere = seen_id.replace("pid:[", "pid:[9")
+    with caplog.at_level(logging.WARNING, logger=cuda_ipc.__name__):
+        for version in (1, 2, 3):
+            cuda_ipc.HELD.add(version, 1, counters.new(), seen_id)
+            cuda_ipc.HELD.add(version, 2, counters.new(), elsewhere)
+            cuda_ipc.HELD.add(version, 3, counters.new(), "")
+    warnings = [r.getMessage() for r in caplog.records if "cannot see it" in r.getMessage()]
+    assert warnings == [
+        f"the CUDA IPC receiver of rank 2 runs where this process cannot see it ({elsewhere}): if it dies "
+        "holding a version, that version stays allocated on this GPU until this process exits",
+        "the CUDA IPC receiver of rank 3 runs where this process cannot see it (it named no process): if it "
+        "dies holding a version, that version stays allocated on this GPU until this process exits",
+    ]
+    assert [h.process for h in cuda_ipc.HELD.held if h.version == 3] == [seen_id, "", ""]
+
+
 def test_counts_that_do_not_read_as_torchs_turn_the_ledger_off(
     counters: Counters, sleepers: list[subprocess.Popen[bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -57,6 +57,19 @@ def process_gone(identity: str) -> bool:
     return now != int(start) or state in ("Z", "X")
 
 
+def process_seen(identity: str) -> bool:
+    """Whether the process of ``identity`` runs now and this process can tell when it ends
+    (:func:`process_gone`): it is in this PID namespace, and its PID names it here."""
+    try:
+        namespace, pid, start = identity.rsplit(" ", 2)
+        if namespace != os.readlink("/proc/self/ns/pid"):
+            return False
+        state, now = _stat(int(pid))
+    except (OSError, ValueError, IndexError):
+        return False
+    return now == int(start) and state not in ("Z", "X")
+
+
 def _stat(pid: int) -> tuple[str, int]:
     """A process's state and start time from ``/proc/<pid>/stat`` (fields 3 and 22; its name, field 2, is in
     parentheses and may hold spaces)."""

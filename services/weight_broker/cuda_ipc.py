@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from services.common.pids import process_gone
+from services.common.pids import process_gone, process_seen
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class HeldExports:
         self.readable = True
         self.reclaimed = 0  # counts given back for receivers that died holding them
         self._unreported = 0
+        self._unseen: set[tuple[int, str]] = set()  # receivers warned of: this process cannot see them
         self._lock = threading.Lock()
 
     def add(self, version: int, rank: int, entry: dict[str, Any], process: str) -> None:
@@ -221,8 +222,20 @@ class HeldExports:
                 self.readable = False
             if not self.readable:
                 return
-            # it is alive now (it waits for this version): if it looks gone, this process cannot see it
-            self.held.append(Held(version, rank, "" if process_gone(process) else process, *counter))
+            # it is alive now (it waits for this version): if it is not seen running, this process cannot
+            # tell when it ends (another PID namespace, or it said nothing)
+            seen = process_seen(process)
+            self.held.append(Held(version, rank, process if seen else "", *counter))
+            warn = not seen and (rank, process) not in self._unseen
+            if warn:
+                self._unseen.add((rank, process))
+        if warn:
+            log.warning(
+                "the CUDA IPC receiver of rank %d runs where this process cannot see it (%s): if it dies "
+                "holding a version, that version stays allocated on this GPU until this process exits",
+                rank,
+                process or "it named no process",
+            )
 
     def reclaim(self) -> list[Held]:
         """Give back the counts of receivers that died holding their exports; forget those given back."""
