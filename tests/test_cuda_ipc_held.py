@@ -256,7 +256,10 @@ def test_a_receiver_killed_holding_a_version_has_its_count_given_back_at_the_nex
 
 
 def test_a_failed_version_gives_back_the_exports_no_receiver_claimed(
-    counted_ipc: CountedIPC, counters: Counters, monkeypatch: pytest.MonkeyPatch
+    counted_ipc: CountedIPC,
+    counters: Counters,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Rank 2 fails just before it claims its export of version 9 (as a receiver killed there would): the vote
     fails, and the publisher gives back that export's count, which no receiver will now. Rank 1 claimed and
@@ -278,7 +281,13 @@ def test_a_failed_version_gives_back_the_exports_no_receiver_claimed(
     assert counters.released == [_slot(nine["2"])] and counters.get(_slot(nine["2"])) == 0
     assert [h.rank for h in cuda_ipc.HELD.held] == [1]  # until its count reads 0 (torch's deleter, on a GPU)
     layout = bucket_layout([TensorSpec("w", "float32", (4,))], WHOLE)
-    assert cuda_ipc.receive_export(groups[2], layout, {"nbytes": 16, "exports": nine}, 9) == []
+    with caplog.at_level(logging.WARNING, logger=cuda_ipc.__name__):
+        assert cuda_ipc.receive_export(groups[2], layout, {"nbytes": 16, "exports": nine}, 9) == []
+        assert "version 9: the CUDA IPC export was claimed by the publisher" in caplog.text
+        with monkeypatch.context() as patch:  # a store that does not answer: nothing opened, nor given back
+            patch.setattr(groups[2], "claim", lambda key, who: None)
+            assert cuda_ipc.receive_export(groups[2], layout, {"nbytes": 16, "exports": nine}, 9) == []
+        assert "version 9: the group's store did not answer the CUDA IPC export's claim" in caplog.text
     assert counters.released == [_slot(nine["2"])]
     publisher.close()
     for g in groups:

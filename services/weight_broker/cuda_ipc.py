@@ -321,7 +321,12 @@ def receive_export(group: Any, layout: list[Any], ipc: dict[str, Any], version: 
             f"the header's CUDA IPC export holds {ipc['nbytes']} bytes, its tensors {whole.nbytes}"
         )
     if (owner := group.claim(_claim_key(version, group.rank), "receiver")) != "receiver":
-        log.warning("version %d: the CUDA IPC export was claimed by %s (the version failed)", version, owner)
+        if owner is None:  # the publisher claims it after the failed vote, and gives its count back
+            log.warning("version %d: the group's store did not answer the CUDA IPC export's claim", version)
+        else:
+            log.warning(
+                "version %d: the CUDA IPC export was claimed by the %s (the version failed)", version, owner
+            )
         return []
     try:
         if group.gpu is None:
