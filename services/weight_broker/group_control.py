@@ -59,12 +59,11 @@ class Member:
         return json.dumps({"workers": self.workers, "kind": self.kind, "devices": self.devices})
 
     @classmethod
-    def here(cls, name: str, workers: int, kind: str) -> Member:
+    def here(cls, name: str, workers: int, kind: str, gpu: bool | None = None) -> Member:
         """This process as a member: ``name`` plus a fresh incarnation (a restarted process is a new member),
-        with the devices this machine has."""
-        return cls(
-            f"{name}.{uuid.uuid4().hex[:8]}", workers, kind, "cuda" if torch.cuda.is_available() else "cpu"
-        )
+        with a GPU if it was given one (default: if CUDA shows it one)."""
+        gpu = torch.cuda.is_available() if gpu is None else gpu
+        return cls(f"{name}.{uuid.uuid4().hex[:8]}", workers, kind, "cuda" if gpu else "cpu")
 
 
 @dataclass(frozen=True)

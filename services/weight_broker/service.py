@@ -28,7 +28,11 @@ class BrokerService:
     """A running broker; ``close()`` stops it. Ports of 0 in the config are bound to free ones (see
     :meth:`endpoints`)."""
 
-    def __init__(self, cfg: WeightBrokerServiceConfig) -> None:
+    def __init__(self, cfg: WeightBrokerServiceConfig, gpu: bool | None = None) -> None:
+        """``gpu``: whether this process was given a GPU (default: whether CUDA shows it one). Under NCCL the
+        broker is a member of the weight group only with a GPU of its own: one it was not given is another
+        service's, and joining there would make a CUDA context on it and push the whole epoch onto gloo (a
+        GPU shared by two ranks)."""
         wb, run = cfg.weight_broker, cfg.run
         self.host = broker_host(wb)  # what announcements and endpoints() name
         self.metrics = Metrics("weight_broker")
@@ -48,7 +52,9 @@ class BrokerService:
         self._stop = threading.Event()
         self._member: threading.Thread | None = None
         if wb.transport == "collective" and run.redis_url:  # one more receiver of the learner's broadcasts
-            member = Member.here("broker", 1, "broker")
+            member = Member.here("broker", 1, "broker", gpu)
+            if member.devices == "cpu":
+                log.info("the broker has no GPU: under NCCL it is not a member of the weight group")
             seat = MemberSeat(
                 GroupRegistry(connect(run.redis_url), run.run_id, wb.group_member_ttl_s), member
             )
