@@ -71,11 +71,11 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         return
     group._store.set(f"test/formed/{rank}", "1")
     if behaviour.endswith("die-after-header"):  # joins, sees a version start, and is killed mid-broadcast
-        head = torch.zeros(3, dtype=torch.int64)
+        head = torch.zeros(3, dtype=torch.int64, device=group.device)  # NCCL moves CUDA tensors only
         group.broadcast(head).wait()
         os._exit(3)
     if behaviour == "fail-and-linger":  # its part fails (as when its link to a dead peer breaks), it stays up
-        group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
+        group.broadcast(torch.zeros(3, dtype=torch.int64, device=group.device)).wait()
         group._mark_failed("rank 1's part failed: Connection reset by peer")
         time.sleep(120)
         os._exit(0)
