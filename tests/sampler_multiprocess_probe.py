@@ -111,6 +111,35 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     }
 
 
+def descendants_env(name: str) -> dict[str, str | None]:
+    """``name`` in the environment each process below this one started with (the engine core and vLLM's
+    workers: what torch's NCCL groups there read), by each process's command line."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found: dict[str, str | None] = {}
+    todo = list(parents.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo += parents.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        value = env.get(name.encode())
+        found[f"{pid} {cmd[:120]}"] = value.decode() if value is not None else None
+    return found
+
+
 def probe_engine(model_dir: str, **settings: Any) -> Any:
     """The probes' engine: the tiny model in float32, a small KV cache, able to join a weight group."""
     from services.sampler.engine import VllmEngine, VllmSettings
@@ -150,6 +179,7 @@ def main() -> None:
     try:
         a, b = version_weights(model_dir, seed_a), version_weights(model_dir, seed_b)
         out: dict[str, Any] = {"staging_at_start": sorted(os.listdir(staging)), "live": os.getppid()}
+        out["nccl_dump_env"] = descendants_env("TORCH_NCCL_DUMP_ON_TIMEOUT")
         load_into(engine, a)
         out["exact_in_flight"] = engine.exact_in_flight
         prompt = engine.tokenizer.encode("12+7=")

@@ -29,10 +29,10 @@ def main() -> None:
 
     from services.common.ports import free_port
     from tests.sampler_helpers import broadcasting, version_weights
-    from tests.sampler_multiprocess_probe import greedy, probe_engine
+    from tests.sampler_multiprocess_probe import descendants_env, greedy, probe_engine
 
     engine = probe_engine(model_dir, tensor_parallel_size=2)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"nccl_dump_env": descendants_env("TORCH_NCCL_DUMP_ON_TIMEOUT")}
     try:
         prompt = engine.tokenizer.encode("12+7=")
         nobody = {"host": "127.0.0.1", "port": free_port(), "world_size": 3, "rank_offset": 1}

@@ -332,3 +332,32 @@ def test_weight_group_events_are_counted_and_only_the_groups_own_change_its_epoc
     assert sample("vcpo_weight_group_epoch") == 7
     LearnerRank._group_event(rank, "broadcast_failed")  # type: ignore[arg-type]
     assert sample("vcpo_weight_group_epoch") == 0
+
+
+@pytest.mark.parametrize("transport", ["collective", "grpc"])
+def test_with_the_collective_transport_the_learner_keeps_torchs_monitor_off_a_weight_groups_failure(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set before the trainer makes the process's first NCCL group (DeepSpeed's), whose monitor would
+    otherwise end learner rank 0 minutes after a failed weight broadcast (nccl_group.DUMP_ON_FAILURE)."""
+    import os
+
+    from services.learner import service
+    from services.learner.config import LearnerServiceConfig
+    from services.weight_broker.nccl_group import DUMP_ON_FAILURE
+
+    monkeypatch.delenv(DUMP_ON_FAILURE, raising=False)
+    seen: list[str | None] = []
+
+    class Built(Exception):
+        pass
+
+    def trainer(*args: Any, **kwargs: Any) -> None:
+        seen.append(os.environ.get(DUMP_ON_FAILURE))
+        raise Built
+
+    monkeypatch.setattr(service, "Trainer", trainer)
+    cfg = LearnerServiceConfig.model_validate({"weight_broker": {"transport": transport}})
+    with pytest.raises(Built):
+        service.LearnerRank(cfg)
+    assert seen == (["0"] if transport == "collective" else [None])

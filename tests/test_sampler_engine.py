@@ -226,16 +226,32 @@ def run_probe(module: str, model_dir: Path, *seeds: int) -> tuple[dict[str, Any]
     import sys
 
     root = Path(__file__).resolve().parents[1]
+    # what the engine sets for its processes, not what this one has
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_DUMP_ON_TIMEOUT"}
     out = subprocess.run(
         [sys.executable, "-m", module, str(model_dir), *map(str, seeds)],
         cwd=root,
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(line[len("RESULT ") :]), out.stdout + out.stderr
+
+
+def _assert_weight_group_failures_survivable(env: dict[str, str | None], workers: int) -> None:
+    """Every process an engine able to join a weight group started (its core, its workers: vLLM names them)
+    has torch's NCCL monitor ignore another group's failure (nccl_group.DUMP_ON_FAILURE): on GPUs, a weight
+    broadcast that failed would otherwise end vLLM's workers minutes later. ``workers``: 1, in the core."""
+    names = [who.split(" ", 1)[1] for who in env]
+    assert "VLLM::EngineCore" in names, env
+    if workers > 1:
+        assert sorted(n for n in names if n.startswith("VLLM::Worker")) == [
+            f"VLLM::Worker_TP{r}" for r in range(workers)
+        ], env
+    assert all(value == "0" for value in env.values()), env
 
 
 def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_model_dir: Path) -> None:
@@ -250,6 +266,7 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     assert result["staging_at_start"] == [f"vcpo-weights-{result['live']}"]
     assert result["staging_after_loads"] == result["staging_at_start"]
     assert result["exact_in_flight"] is True
+    _assert_weight_group_failures_survivable(result["nccl_dump_env"], workers=1)
     a, b = version_weights(tiny_model_dir, 11), version_weights(tiny_model_dir, 12)
     model_a = hf_model(tiny_model_dir, a)
     staged = result["staged"]
@@ -294,6 +311,7 @@ def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_w
     version failing to load in one worker only raises that worker's error, and the next version serves
     exactly."""
     result, said = run_probe("tests.sampler_tp_probe", tiny_model_dir, 51, 52, 53)
+    _assert_weight_group_failures_survivable(result["nccl_dump_env"], workers=2)
     assert result["join_error"].startswith(
         "WorkerCallFailed: init_weight_transfer_engine failed in worker(s) 0, 1 of 2: TransferFailed"
     )

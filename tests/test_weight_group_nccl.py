@@ -124,6 +124,25 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
         g.close()
 
 
+def test_a_process_in_a_weight_group_is_not_ended_by_torchs_monitor_after_the_groups_failure(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's NCCL watchdog signals every failure process-wide, and the monitor of the process's first NCCL
+    group (DeepSpeed's, vLLM's) would end the process minutes after a failed weight broadcast: unless the
+    user chose otherwise, that monitor is told to ignore the signal before that group is made."""
+    monkeypatch.delenv(nccl_group.DUMP_ON_FAILURE, raising=False)
+    with caplog.at_level(logging.WARNING, logger=nccl_group.__name__):
+        nccl_group.survive_weight_group_failures()
+        assert os.environ[nccl_group.DUMP_ON_FAILURE] == "0" and not caplog.records
+        monkeypatch.setenv(nccl_group.DUMP_ON_FAILURE, "false")
+        nccl_group.survive_weight_group_failures()
+        assert os.environ[nccl_group.DUMP_ON_FAILURE] == "false" and not caplog.records
+        monkeypatch.setenv(nccl_group.DUMP_ON_FAILURE, "1")  # the user's: kept, and said what it costs
+        nccl_group.survive_weight_group_failures()
+    assert os.environ[nccl_group.DUMP_ON_FAILURE] == "1"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1: a weight broadcast that fails" in caplog.text
+
+
 def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_timeout(
     stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
 ) -> None:

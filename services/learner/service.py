@@ -52,6 +52,7 @@ from services.learner.publish import publish_collective, publish_version, rank0_
 from services.learner.servicer import LearnerState, StatusServicer
 from services.learner.trainer import Trainer
 from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
+from services.weight_broker.nccl_group import survive_weight_group_failures
 from services.weight_broker.transports import WeightTransport, transport_from_config
 from services.weight_broker.weight_group import TransferFailed
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
@@ -76,6 +77,8 @@ class LearnerRank:
         self.cfg, self.learner, self.run = cfg, cfg.learner, cfg.run
         self.stop = stop or threading.Event()
         collective = cfg.weight_broker.transport == "collective"
+        if collective:  # before the trainer makes the process's first NCCL group (DeepSpeed's)
+            survive_weight_group_failures()
         self.trainer = Trainer(
             self.learner,
             run_model(self.run),

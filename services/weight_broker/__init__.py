@@ -12,6 +12,7 @@ Client side (other services may import these):
   ``transport_from_config``.
 - ``follower``: a sampler's loop that notices newer versions and loads each whole.
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
+- ``nccl_group``: its NCCL process group, and the setting that keeps a process alive after its failure.
 - ``collective``: what travels over the weight group: rank 0's publisher and the receivers.
 - ``buckets``: how a version is cut for the weight group (buckets, the pieces they travel in, digests).
 - ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.

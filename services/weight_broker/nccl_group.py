@@ -3,6 +3,7 @@ killed mid-broadcast must fail the broadcast (a new epoch forms), not take the l
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from datetime import timedelta
@@ -16,6 +17,28 @@ from typing import Any
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 NCCL_CLEAN_UP_ONLY = "2"
 _ENV_LOCK = threading.Lock()
+# torch's NCCL watchdog raises one process-wide "dump" flag when a collective of ANY of the process's NCCL
+# groups fails or times out, and the monitor thread of its first NCCL group (DeepSpeed's in the learner, vLLM's
+# in a GPU worker) then writes a debug dump, waits TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) and ends the
+# process: a weight broadcast that failed, and was handled, would still kill the learner minutes later. That
+# monitor reads this variable when that group is made; "0" has it ignore the flag (its own collectives'
+# failures still end the process, through the watchdog's error handling, and so does a hung watchdog).
+DUMP_ON_FAILURE = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+log = logging.getLogger(__name__)
+
+
+def survive_weight_group_failures() -> None:
+    """Call in a process that will be in an NCCL weight group, before it makes its first NCCL process group
+    (:data:`DUMP_ON_FAILURE`). Its vLLM workers, spawned from it, inherit the setting. A value the user set is
+    kept, with a warning where it leaves the process to be ended after a failed weight broadcast."""
+    value = os.environ.setdefault(DUMP_ON_FAILURE, "0")
+    if value.strip().lower() not in ("0", "false", "no", "n", "off"):
+        log.warning(
+            "%s=%s: a weight broadcast that fails (a sampler killed mid-broadcast) will end this process "
+            "about TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC later (torch's NCCL monitor); unset it or set 0 to keep it",
+            DUMP_ON_FAILURE,
+            value,
+        )
 
 
 def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
