@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -30,7 +31,10 @@ class StandInNCCL:
     """Records how the weight group builds and closes its NCCL backend; moves nothing."""
 
     built: ClassVar[list[StandInNCCL]] = []
-    connects: ClassVar[bool] = True  # False: a collective never completes (as when NCCL cannot connect)
+    # False: a collective never completes (as when NCCL cannot connect); "blocks": the call itself does not
+    # return (NCCL's default, blocking, initialization of a communicator some rank never joins)
+    connects: ClassVar[bool | str] = True
+    released: ClassVar[threading.Event] = threading.Event()
 
     class Options:
         _timeout: timedelta | None = None
@@ -43,7 +47,9 @@ class StandInNCCL:
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         self.calls.append("allreduce")
-        return _Work(StandInNCCL.connects)
+        if StandInNCCL.connects == "blocks":
+            StandInNCCL.released.wait(60)
+        return _Work(StandInNCCL.connects is True)
 
     def abort(self) -> None:
         self.calls.append("abort")
@@ -64,10 +70,11 @@ class _Work:
 
 
 @pytest.fixture
-def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> type[StandInNCCL]:
-    StandInNCCL.built, StandInNCCL.connects = [], True
+def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StandInNCCL]]:
+    StandInNCCL.built, StandInNCCL.connects, StandInNCCL.released = [], True, threading.Event()
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNCCL, raising=False)
-    return StandInNCCL
+    yield StandInNCCL
+    StandInNCCL.released.set()  # let calls still blocked return
 
 
 def gpus(monkeypatch: pytest.MonkeyPatch, by_rank: list[str]) -> None:
@@ -143,14 +150,23 @@ def test_a_process_in_a_weight_group_is_not_ended_by_torchs_monitor_after_the_gr
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1: a weight broadcast that fails" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("connects", "why"),
+    [
+        (False, "the ranks did not connect within 1s"),
+        ("blocks", "NCCL's communicator was not made within 1s"),
+    ],
+)
 def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_timeout(
-    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch, connects: bool | str, why: str
 ) -> None:
     """NCCL connects at a group's first collective, which the weight group runs while it forms: ranks that
     cannot connect (a wrong NCCL_SOCKET_IFNAME) give up after the forming timeout (1 s here), aborting their
-    communicator, not at the first version's broadcast after the group's 90 s."""
+    communicator, not at the first version's broadcast after the group's 90 s. That holds too where the call
+    itself does not return (torch makes the communicator inside it, blocking until every rank has joined:
+    a rank that died after arriving never does)."""
     gpus(monkeypatch, ["GPU-a", "GPU-b"])
-    stand_in_nccl.connects = False
+    stand_in_nccl.connects = connects
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=90, form_timeout_s=1)
     errors: dict[int, str] = {}
 
@@ -168,7 +184,10 @@ def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_
         t.join(timeout=60)
     assert time.monotonic() - t0 < 10
     assert sorted(errors) == [0, 1]
-    assert all("NCCL did not connect: the ranks did not connect within 1s" in why for why in errors.values())
+    assert all(f"NCCL did not connect: {why}" in said for said in errors.values()), errors
+    deadline = time.monotonic() + 5  # (an abort while the call is blocked runs on a thread of its own)
+    while any(len(b.calls) < 2 for b in stand_in_nccl.built) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "abort"]] * 2
 
 

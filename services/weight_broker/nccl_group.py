@@ -1,11 +1,13 @@
 """The weight group's NCCL process group, built so that its failures are the caller's to handle: a member
-killed mid-broadcast must fail the broadcast (a new epoch forms), not take the learner's process down."""
+killed mid-broadcast must fail the broadcast (a new epoch forms), not take the learner's process down, now or
+minutes later; and connected within a bound, so that a rank that never joins fails the forming."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -60,3 +62,51 @@ def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> 
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def connect(pg: Any, device: Any, limit_s: float) -> None:
+    """Run ``pg``'s first collective, in which NCCL makes its communicator, within ``limit_s``; raises
+    (TimeoutError, or NCCL's error) having aborted ``pg``, never destroyed it (a destroy would wait for the
+    pending all-reduce). With torch's default, blocking initialization the call returns only once every rank
+    has connected, so it runs on a thread: a rank that never connects (one that died after arriving at the
+    rendezvous, a wrong ``NCCL_SOCKET_IFNAME``) fails after the limit too. An abort while the communicator is
+    still being made may wait for it as well, so it is then left to a thread."""
+    import torch
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + limit_s
+    started: list[Any] = []  # the all-reduce's work, or what it raised
+
+    def first_collective() -> None:
+        try:
+            started.append(pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions()))
+        except BaseException as exc:
+            started.append(exc)
+
+    caller = threading.Thread(target=first_collective, name="nccl-connect", daemon=True)
+    caller.start()
+    caller.join(limit_s)
+    try:
+        if caller.is_alive():
+            raise TimeoutError(f"NCCL's communicator was not made within {limit_s:.0f}s")
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        work = started[0]
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks did not connect within {limit_s:.0f}s")
+            time.sleep(0.005)
+        work.wait(timedelta(seconds=limit_s))
+    except BaseException:
+        if caller.is_alive():
+            threading.Thread(target=_abort, args=(pg,), name="nccl-abort", daemon=True).start()
+        else:
+            _abort(pg)
+        raise
+
+
+def _abort(pg: Any) -> None:
+    try:
+        pg.abort()
+    except Exception:
+        log.debug("aborting an unconnected NCCL group raised", exc_info=True)

@@ -29,7 +29,7 @@ import torch
 
 from services.common.pids import process_identity
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
-from services.weight_broker.nccl_group import nccl_backend
+from services.weight_broker.nccl_group import connect, nccl_backend
 from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
@@ -280,24 +280,11 @@ class WeightGroup:
     def _connect(self) -> None:
         """NCCL builds its communicator at the first collective: one all-reduce now, so the first version's
         broadcast does not pay for it, and a rank that cannot connect (a wrong ``NCCL_SOCKET_IFNAME``, a
-        firewall) fails the forming within ``form_timeout_s``, not the first broadcast after the group's
-        timeout (the control plane then leaves the member out for a while)."""
-        import torch.distributed as dist
-
-        limit = min(self.spec.form_timeout_s, self.spec.timeout_s)
-        deadline = time.monotonic() + limit
+        firewall, a rank that died after arriving) fails the forming within ``form_timeout_s``, not the first
+        broadcast after the group's timeout (the control plane then leaves the member out for a while)."""
         try:
-            work = self._pg.allreduce([torch.zeros(1, device=self.device)], dist.AllreduceOptions())
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the ranks did not connect within {limit:.0f}s")
-                time.sleep(0.005)
-            work.wait(timedelta(seconds=limit))
+            connect(self._pg, self.device, min(self.spec.form_timeout_s, self.spec.timeout_s))
         except Exception as exc:
-            try:
-                self._pg.abort()  # never a destroy: it would wait for the pending all-reduce
-            except Exception:
-                log.debug("aborting an unconnected NCCL group raised", exc_info=True)
             _RETIRED.append(self._pg)
             raise TransferFailed(
                 f"weight group epoch {self.spec.epoch}: NCCL did not connect: {exc}"
