@@ -23,9 +23,9 @@ from services.weight_broker.group_control import (
     GroupRegistry,
     Member,
     MemberSeat,
-    reachable_host,
 )
 from services.weight_broker.member import serve_seat
+from services.weight_broker.members import reachable_host
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
 from services.weight_broker.transports import WeightTransport
@@ -472,3 +472,42 @@ def test_versions_given_back_for_dead_cuda_ipc_receivers_are_counted_as_group_ev
     assert coordinator.publisher() is None  # no receiver: no group
     coordinator.publisher()
     assert events == ["ipc_reclaimed", "ipc_reclaimed"]
+
+
+def test_cuda_ipc_that_failed_in_an_epoch_stays_off_in_the_epochs_after_it(registry: GroupRegistry) -> None:
+    """A publisher that gave up CUDA IPC (a receiver could not open its export: test_weight_group_cuda_ipc.py)
+    fails its version, and a failed version drops the epoch. The coordinator remembers it: every epoch formed
+    after it stages versions in /dev/shm (the receivers that refused are still there), which is counted once.
+    Before, each new epoch tried CUDA IPC again and failed its first version the same way."""
+    events: list[str] = []
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        timeout_s=20,
+        form_timeout_s=3,
+        bucket_bytes=8192,
+        on_event=events.append,
+        cuda_ipc=True,
+    )
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    try:
+        _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        first = coordinator.publisher()
+        assert first is not None and not first.ipc_refused and coordinator.planes["cuda_ipc"]
+        first.ipc_refused = True  # as the publisher's send sets it when a receiver could not open its export
+        coordinator.failed(TransferFailed("version 4: a receiver voted against it (could not open ...)"))
+        assert coordinator.planes == {"shared_memory": False, "cuda_ipc": False}
+        assert events.count("cuda_ipc_off") == 1
+        _until("a new epoch", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        second = coordinator.publisher()
+        assert second is not None and second is not first and not second.ipc_refused
+        _publish(coordinator, 5)
+        _until("version 5", lambda: 5 in a.versions())
+        coordinator.failed(TransferFailed("version 6: broadcast failed"))  # another failure: nothing to say
+        assert events.count("cuda_ipc_off") == 1
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()

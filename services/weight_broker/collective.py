@@ -83,8 +83,8 @@ class CollectivePublisher:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
             )
-        self.group, self.bucket_bytes = group, bucket_bytes
-        self.digests = digests
+        self.group, self.bucket_bytes, self.digests = group, bucket_bytes, digests
+        self.ipc_refused = False  # CUDA IPC failed (an export refused, or not opened): none are sent any more
         # not instead of NCCL between GPUs, which moves the bytes device to device
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging(group.cuda_index)
@@ -216,7 +216,7 @@ class CollectivePublisher:
             try:
                 fields["cuda_ipc"] = ipc_header(on_gpu, self.group, version, layout[0].nbytes)
             except Exception as exc:  # the driver refuses: this version fails, unannounced
-                self._on_gpu = None  # the next ones go through /dev/shm
+                self._on_gpu, self.ipc_refused = None, True  # the next ones go through /dev/shm
                 raise TransferFailed(f"version {version}: cannot export it over CUDA IPC: {exc}") from exc
         fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
         header = json.dumps(fields).encode()
@@ -252,7 +252,7 @@ class CollectivePublisher:
             if on_gpu is not None and (refused := ipc_refused(self.group)):
                 why = f"could not open the CUDA IPC export: {refused}; the next versions go through /dev/shm"
                 log.warning("version %d: a receiver %s", version, why)
-                self._on_gpu = None
+                self._on_gpu, self.ipc_refused = None, True
             raise TransferFailed(f"version {version}: a receiver voted against it ({why})")
         return TransferStats(
             version,

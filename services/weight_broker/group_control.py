@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -30,7 +29,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 import torch
@@ -38,6 +36,7 @@ import torch
 from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.members import reachable_host
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
 
 log = logging.getLogger(__name__)
@@ -135,17 +134,6 @@ class GroupRegistry:
             return None
         d = json.loads(raw)
         return GroupSpec.from_dict(d), {k: int(v) for k, v in d["ranks"].items()}, int(d["bucket_bytes"])
-
-
-def reachable_host(redis_url: str) -> str:
-    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
-    address of the interface that routes there (what receivers on other nodes reach the publisher at)."""
-    host = urlparse(redis_url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP: no packet is sent, the route is looked up
-        return str(s.getsockname()[0])
 
 
 class MemberSeat:
@@ -303,7 +291,9 @@ class GroupCoordinator:
         self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
         self.planes = {"shared_memory": shared_memory, "cuda_ipc": cuda_ipc}  # its publishers' keywords
-        self.on_event = on_event or (lambda event: None)  # formed|form_failed|broadcast_failed|ipc_reclaimed
+        self.on_event = on_event or (
+            lambda event: None
+        )  # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
         self.epoch = 0  # of the formed group (0: none yet)
         self.backoff_s = 1.0
         self._formed: _Formed | None = None
@@ -380,6 +370,10 @@ class GroupCoordinator:
         log.info("leaving weight group epoch %d: %s", self.epoch, why)
         formed.publisher.close()  # waits for a broadcast in flight (its failure is logged)
         formed.group.close()
+        if formed.publisher.ipc_refused and self.planes["cuda_ipc"]:  # for good: receivers stay as they are
+            self.planes["cuda_ipc"] = False
+            log.warning("CUDA IPC failed in epoch %d: later epochs stage versions in /dev/shm", self.epoch)
+            self.on_event("cuda_ipc_off")
 
     def _reap(self) -> None:
         forming = self._forming

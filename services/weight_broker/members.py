@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -49,3 +51,14 @@ def same_host(store: Any, world_size: int) -> bool:
         return len(ranks_by(store, "host", world_size)) == 1
     except Exception:  # the store is failing: the group's forming fails on its own
         return False
+
+
+def reachable_host(redis_url: str) -> str:
+    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
+    address of the interface that routes there (what receivers on other nodes reach the publisher at)."""
+    host = urlparse(redis_url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the route is looked up
+        return str(s.getsockname()[0])
