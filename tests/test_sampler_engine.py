@@ -491,6 +491,21 @@ def test_an_engine_worker_loads_versions_mapped_from_its_hosts_one_copy(
             )
 
 
+def test_a_weight_update_that_failed_ends_the_session_in_every_worker(vllm_engine: Any) -> None:
+    """With tensor parallelism a stage can fail in one worker while another's part worked (an error local to
+    one worker): vLLM ends the update session only where the call raised, and a worker whose session stayed
+    open refuses every later one ("already active"), so the engine could take no broadcast version again.
+    The engine ends it in every worker. Here the worker's session is opened beforehand, as the other
+    worker's would be, and the stage fails on it."""
+    assert vllm_engine.collective_staged is None
+    vllm_engine._rpc("start_weight_update")
+    with pytest.raises(WorkerCallFailed, match="already active"):
+        vllm_engine.stage_collective(next(versions))
+    assert vllm_engine.collective_staged is None
+    vllm_engine._rpc("start_weight_update")  # refused while the session stayed open
+    vllm_engine._rpc("vcpo_end_failed_weight_update")  # and ended again, as the other tests expect it
+
+
 def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
     vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -447,15 +447,24 @@ class VllmEngine(GenerationEngine):
         raises here, dropping whatever was staged, with the engine still on its loaded version and the weight
         group closed (join a new one)."""
         t0 = time.monotonic()
-        if self.collective_staged is None:
-            self._rpc("start_weight_update")
         try:
+            if self.collective_staged is None:
+                self._rpc("start_weight_update")
             self._rpc("update_weights", {"version": version})
         except BaseException:
-            self.collective_staged = None  # vLLM ended the update session: nothing is staged any more
+            self.collective_staged = None
+            # vLLM ends the update session only in a worker whose call raised: one whose part worked (with
+            # tensor parallelism, an error local to another worker) would refuse every later session
+            self._end_failed_update()
             raise
         self.collective_staged = version
         return time.monotonic() - t0
+
+    def _end_failed_update(self) -> None:
+        try:  # a named worker method (vllm_worker.py), as above
+            self._rpc("vcpo_end_failed_weight_update")
+        except Exception:
+            log.exception("could not end the failed weight update session")
 
     def apply_collective(self, version: int) -> float:
         """Load the staged ``version`` into the model; returns the seconds it took. Call between steps, after
@@ -472,10 +481,7 @@ class VllmEngine(GenerationEngine):
             self._rpc("finish_weight_update")
         except BaseException:
             self.loaded_version, self._current = None, None
-            try:  # so that the next broadcast version can be taken (a named worker method, as above)
-                self._rpc("vcpo_end_failed_weight_update")
-            except Exception:
-                log.exception("could not end the failed weight update session")
+            self._end_failed_update()  # so that the next broadcast version can be taken
             raise
         # the rollback source of a later broker-path version is the initial weights (``_restore``)
         self.loaded_version, self._current = version, None

@@ -75,12 +75,16 @@ class VcpoWorkerExtension:
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
 
     def vcpo_end_failed_weight_update(self) -> None:
-        """After ``finish_weight_update`` raised (a received version that failed to load): vLLM's worker
-        clears its "update session active" mark only after a load that succeeded, and refuses every later
-        ``start_weight_update`` while it is set, so the engine could never take a broadcast version again.
-        End the session as vLLM does after a failed ``update_weights``."""
+        """After a weight update failed in any worker: vLLM's worker clears its "update session active" mark
+        only after a load that succeeded, or where its own ``update_weights`` raised, and refuses every later
+        ``start_weight_update`` while it is set, so the engine could never take a broadcast version again
+        (after ``finish_weight_update`` raised, or, with tensor parallelism, where another worker's part of the
+        update failed). End the session as vLLM does after a failed ``update_weights``, dropping what this
+        worker staged; nothing where no session is open."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "discard_staged"):
+            engine.discard_staged()
         if getattr(self, "_weight_update_active", False):
-            engine = getattr(self, "weight_transfer_engine", None)
             if engine is not None:
                 engine.reset_weight_update_target()
             self._weight_update_active = False

@@ -105,6 +105,10 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
     def start_weight_update(self) -> None:
         self._staged = None
 
+    def discard_staged(self) -> None:
+        """Let go of a received version not loaded (the update failed in some worker)."""
+        self._staged = None
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronizes torch.accelerator, which raises on a machine that has none
         self.receive_weights(self.parse_update_info(update_info))
