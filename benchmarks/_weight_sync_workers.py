@@ -224,7 +224,7 @@ def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, lis
 def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results: Any) -> None:
     """A sampler engine's worker: joins the weight group, then takes each version as it is broadcast (the
     control plane would call ``receive`` on the announcement; here the receiver waits in it)."""
-    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
     try:
@@ -330,7 +330,7 @@ def _loading_receiver(
     (CUDA): page-lock the mapped /dev/shm segment read-only before loading from it (an experiment: the
     sampler loads from the mapping as it is); a driver that refuses is reported, and the load goes on
     unlocked."""
-    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
     try:

@@ -179,7 +179,7 @@ def broadcast_versions(
 def keep_host_copies(spec: dict[str, Any], versions: int, out: Any) -> None:
     """A receiver that keeps versions in host memory as a GPU worker does, in its own process: rank 1 of the
     weight group, the lowest of its host's, so it stages the host's copy of each version (reported)."""
-    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 1, host_copies=True)

@@ -15,7 +15,8 @@ import torch
 
 from services.common.ports import free_port
 from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, pieces
-from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.shared_memory import held_host_bytes
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup

@@ -159,7 +159,7 @@ def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any],
 
 
 def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
-    from services.weight_broker.collective import CollectiveReceiver
+    from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     spec.pop("shared_memory", None)  # the publisher's setting; the header tells the receivers

@@ -17,7 +17,6 @@ import torch
 from services.common.observability import Metrics
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_broker.collective import CollectiveReceiver
 from services.weight_broker.group_control import (
     GroupCoordinator,
     GroupRegistry,
@@ -26,6 +25,7 @@ from services.weight_broker.group_control import (
 )
 from services.weight_broker.member import serve_seat
 from services.weight_broker.members import reachable_host
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
 from services.weight_broker.transports import WeightTransport

@@ -21,7 +21,8 @@ import torch
 
 from services.common.ports import free_port
 from services.weight_broker import collective, cuda_ipc
-from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, version_tensors
 from tests.test_weight_group_nccl import form, gpus

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from services.common.ports import free_port
 from services.weight_broker import nccl_group, weight_group
-from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import _receiver, is_version, specs_of, version_tensors
 

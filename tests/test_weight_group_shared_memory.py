@@ -20,7 +20,8 @@ import torch
 from services.common.ports import free_port
 from services.weight_broker import shared_memory, weight_group
 from services.weight_broker.buckets import TransferStats
-from services.weight_broker.collective import CollectivePublisher, CollectiveReceiver
+from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.shared_memory import SHM_DIR, PinnedStaging, SharedSegment, sweep_stale
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, start_receivers, version_tensors

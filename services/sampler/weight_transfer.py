@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from services.weight_broker.collective import CollectiveReceiver
+from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,191 @@
+"""The collective transport's receiving side: each sampler engine's worker (ranks 1..N of the weight group)
+takes every version rank 0 broadcasts (``collective.py`` says how a version travels). Nothing is handed to
+its engine before every rank voted to commit the version."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from services.weight_broker.buckets import (
+    Bucket,
+    TransferStats,
+    bucket_layout,
+    bucket_offsets,
+    digest,
+    pieces,
+)
+from services.weight_broker.cuda_ipc import receive_export
+from services.weight_broker.host_copy import HostCopy
+from services.weight_broker.shared_memory import HostBuffers, receive_segment
+from services.weight_broker.tensors import TensorSpec, torch_dtype
+from services.weight_broker.weight_group import TransferFailed, WeightGroup
+
+log = logging.getLogger(__name__)
+
+
+class CollectiveReceiver:
+    """Ranks 1..N: receive versions as they are broadcast."""
+
+    def __init__(self, group: WeightGroup, bounce: bool | None = None) -> None:
+        """``bounce`` (default: a group on a GPU) receives through two device buffers into page-locked host
+        memory: a GPU worker's KV cache shares its GPU with two buckets, not with a second model."""
+        if group.rank == 0:
+            raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
+        self.group = group
+        self.bounce = group.device.type != "cpu" if bounce is None else bounce
+        self.device_bytes = 0  # the bounce buffers of the last version received
+
+    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
+        """Receive the version being broadcast; returns ``(version, [(name, tensor)] in order, stats)`` once
+        every member has voted to commit it. Call it when the control plane announces a version: waiting longer
+        than the group's timeout for the publisher fails. Raises :class:`TransferFailed`, returning nothing,
+        if any part failed on any member (a failed collective also closes the group)."""
+        group = self.group
+        head = torch.zeros(3, dtype=torch.int64, device=group.device)
+        try:
+            group.wait(group.broadcast(head))
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"no version arrived: {exc}") from exc
+        t0 = time.monotonic()
+        group.broadcasts += 1
+        version, header_len, n_buckets = (int(x) for x in head.tolist())
+        host_copy: HostCopy | None = None  # this host's one copy, when this receiver keeps its part in it
+        try:
+            raw = torch.empty(header_len, dtype=torch.uint8, device=group.device)
+            group.wait(group.broadcast(raw))
+            header = json.loads(bytes(raw.cpu().numpy()))
+            specs = [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in header["tensors"]]
+            piece = int(header["bucket_bytes"])
+            layout = bucket_layout(specs, piece)
+            if len(layout) != n_buckets:
+                raise ValueError(
+                    f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
+                )
+            hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
+            read, mine = True, None  # mine None: no digests of its own to check
+            if "cuda_ipc" in header:
+                buffers, mine = receive_export(group, layout, header["cuda_ipc"], version), [0]
+                read = bool(buffers)
+            elif "shared" in header:
+                buffers, mine = receive_segment(layout, header["shared"]), [0]
+                read = bool(buffers)
+            elif (host_copy := self._host_copy(layout)) is None:
+                buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
+            elif host_copy.leader:
+                buffers, mine = self._through_buffers(layout, piece, host_copy.views, hashed)
+            else:  # keeps nothing: what this host loads is the leader's copy, whose digests it checks
+                buffers, _ = self._through_buffers(layout, piece, None, False)
+                read = host_copy.opened
+            theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
+            group.wait(group.broadcast(theirs))
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
+        good = read and (mine is None or theirs.cpu().tolist() == mine)
+        if read and not good:
+            log.error("version %d: bucket digests differ from the publisher's: voting against it", version)
+        try:
+            committed = group.all_ok(good)
+        except Exception as exc:
+            group.close()
+            raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
+        if not committed:
+            if host_copy is not None:
+                host_copy.failed()
+            raise TransferFailed(
+                f"version {version}: not committed (the publisher's source failed, or a "
+                "member's bucket digests differed)"
+            )
+        if host_copy is not None:
+            buffers = host_copy.committed(layout) or buffers  # the others: the leader's copy, mapped
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for bucket, buf in zip(layout, buffers, strict=True):  # views: no copy
+            for i, offset in bucket.items:
+                s = specs[i]
+                view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
+                tensors.append((s.name, view))
+        nbytes = sum(s.nbytes for s in specs)
+        extra = {
+            "shared_memory": 1.0 if "shared" in header else 0.0,
+            "cuda_ipc": 1.0 if "cuda_ipc" in header else 0.0,
+            "host_copy": 0.0 if host_copy is None else 1.0 if host_copy.leader else 2.0,
+        }
+        stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
+        return version, tensors, stats
+
+    def _host_copy(self, layout: list[Bucket]) -> HostCopy | None:
+        """This host's one copy of the version, when this receiver takes part in one (None: it keeps its own,
+        as when the leader has no room for it)."""
+        group = self.group
+        if not group.host_peers:
+            return None
+        group.host_copy = group.host_copy or HostCopy(group)
+        return group.host_copy if group.host_copy.begin(layout) else None
+
+    def _direct(self, layout: list[Bucket], piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
+        """Every bucket into its own buffer on the group's device, its pieces all queued at once (gloo runs
+        them in order), each bucket hashed while the next arrives."""
+        group = self.group
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
+        works = [[group.broadcast(buf[a:b]) for a, b in pieces(buf.numel(), piece)] for buf in buffers]
+        mine: list[int] = []
+        for bucket_works, buf in zip(works, buffers, strict=True):
+            for work in bucket_works:
+                group.wait(work)
+            mine.append(digest(buf.cpu()) if hashed else 0)
+        return buffers, mine
+
+    def _bounced(
+        self, layout: list[Bucket], piece: int, hashed: bool
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Every bucket through the device buffers into its place in one host buffer of the version's size
+        (the group's :class:`HostBuffers`: page-locked under CUDA, the spare once the engine lets go of it)."""
+        offsets, total = bucket_offsets(layout)
+        self.group.host_buffers = self.group.host_buffers or HostBuffers(self.group.cuda_index)
+        whole = self.group.host_buffers.take(total, f"a {total}-byte host copy of a version")
+        host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
+        return self._through_buffers(layout, piece, host, hashed)
+
+    def _through_buffers(
+        self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None, hashed: bool
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
+        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). Returns ``outs`` and their
+        digests.
+
+        On CUDA each copy out runs on a stream of its own while the next piece arrives in the other buffer,
+        whose broadcast waits only for that buffer's last copy out (a copy on the current stream, which the
+        group's collectives wait for, would hold up the next piece)."""
+        group = self.group
+        ranges = [pieces(b.nbytes, piece) for b in layout]
+        size = max(b - a for bucket in ranges for a, b in bucket)
+        slots = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self.device_bytes = 2 * size
+        copier = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+        copied: list[Any] = [None, None]  # each buffer's last copy out: an event on the copy stream
+        n = 0
+        for i, bucket in enumerate(ranges):
+            for a, b in bucket:
+                k, n = n % 2, n + 1
+                slot = slots[k][: b - a]
+                if copied[k] is not None:
+                    torch.cuda.current_stream(group.device).wait_event(copied[k])
+                group.wait(group.broadcast(slot))  # the current stream now follows the broadcast
+                if outs is not None and copier is None:
+                    outs[i][a:b].copy_(slot)
+                elif outs is not None and copier is not None:
+                    copier.wait_stream(torch.cuda.current_stream(group.device))
+                    with torch.cuda.stream(copier):
+                        outs[i][a:b].copy_(slot, non_blocking=True)
+                    copied[k] = copier.record_event()
+        if copier is not None:
+            torch.cuda.synchronize(group.device)
+        if outs is None:
+            return [], []
+        return outs, [digest(out) if hashed else 0 for out in outs]  # the bytes this member keeps
