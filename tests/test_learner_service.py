@@ -361,3 +361,47 @@ def test_with_the_collective_transport_the_learner_keeps_torchs_monitor_off_a_we
     with pytest.raises(Built):
         service.LearnerRank(cfg)
     assert seen == (["0"] if transport == "collective" else [None])
+
+
+def test_an_idle_learner_republishes_the_version_its_failed_background_broadcast_lost(
+    redis_client: redis.Redis,
+) -> None:
+    """Learner rank 0 broadcast version 4 into the weight group in the background, and that broadcast failed
+    (a member left mid-broadcast): no sampler has version 4, and only the next step would publish again,
+    which with k = 0 needs groups sampled from version 4, so the run would wait for good. While it waits for
+    groups it notices the failure (counted, the group dropped) and republishes version 4 through the broker,
+    once; a failure is not looked for when the broker was given the current version already."""
+    import time
+    from types import SimpleNamespace
+
+    from services.learner.service import LearnerRank
+    from services.weight_broker.group_control import GroupCoordinator, GroupRegistry
+    from tests.test_collective_weights import specs_of, version_tensors
+    from tests.test_weight_group_control import Receiver, _until
+
+    registry = GroupRegistry(redis_client, f"lost-{time.monotonic_ns()}", ttl_s=1.0)
+    coordinator = GroupCoordinator(
+        registry, "127.0.0.1", "gloo", timeout_s=10, form_timeout_s=3, bucket_bytes=8192
+    )
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    rank: Any = LearnerRank.__new__(LearnerRank)
+    rank.coordinator, rank._given_broker, rank.trainer = coordinator, 3, SimpleNamespace(version=4)
+    try:
+        _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        assert not rank._broadcast_lost()  # nothing failed
+        publisher = coordinator.publisher()
+        assert publisher is not None
+        a.refuse = True  # leaves the group at the next announcement: the broadcast fails
+        tensors = version_tensors(4)
+        publisher.send_background(4, specs_of(tensors), iter(tensors))
+        _until("the broadcast's end", lambda: publisher._pending is None or publisher._pending.done())
+        assert rank._broadcast_lost() and coordinator.failures == 1
+        assert not rank._broadcast_lost()  # once
+        rank._given_broker = 4  # what the republish does
+        coordinator.failures += 1  # even were another failure noticed now: the broker holds version 4
+        assert not rank._broadcast_lost()
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()

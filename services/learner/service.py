@@ -5,6 +5,7 @@
     loop:
       rank 0:     feed.poll(version) ─► ("step", groups) | ("idle",) | ("stop",)  ─┐ broadcast to all ranks
                   idle, every 10 s: does the broker still hold the current version? ─► ("republish",)
+                  idle: did the current version's broadcast into the weight group fail? ─► ("republish",)
       all ranks:  ◄──────────────────────────────────────────────────────────────┘
                   step: place whole groups on ranks ─ train_step ─ publish v+1 (bucketed gathers)
                   every M steps: checkpoint (weights, optimizer, feed state), then rank 0 acknowledges
@@ -205,7 +206,7 @@ class LearnerRank:
                 break
             if message[0] == "idle":
                 continue
-            if message[0] == "republish":  # the broker lost its versions (restarted, memory storage)
+            if message[0] == "republish":  # the broker lost its versions, or the weight group this one
                 self._superseded = -1  # whatever it held before, it does not hold now
                 self._publish(via_broker=True)  # the group's members hold it already
                 continue
@@ -234,7 +235,7 @@ class LearnerRank:
         self.metrics.offered(offered)
         self._offered.extend(offered)
         if groups is None:
-            if self._broker_lost_version():
+            if self._broadcast_lost() or self._broker_lost_version():
                 return ("republish",)
             self.status.state = common_pb2.ServiceStatus.WAITING
             self.status.detail = (
@@ -335,6 +336,20 @@ class LearnerRank:
         if self.metrics is not None:
             self.metrics.published.labels(path).inc()
         return time.perf_counter() - t0, path
+
+    def _broadcast_lost(self) -> bool:
+        """Rank 0, while it waits for groups: whether the current version, sent only into the weight group,
+        did not arrive (its background broadcast failed since: counted, the group dropped). The samplers stay
+        on the version before it, and only the next step would publish again, which with ``k = 0`` needs groups
+        sampled from this version: the run would wait for good. The version goes through the broker now."""
+        if self.coordinator is None or self._given_broker >= self.trainer.version:
+            return False
+        failures = self.coordinator.failures
+        self.coordinator.publisher()  # notices a background broadcast that ended in failure
+        if self.coordinator.failures == failures:
+            return False
+        log.warning("version %d did not reach the weight group: republishing it", self.trainer.version)
+        return True
 
     def _broker_lost_version(self, every_s: float = 10.0) -> bool:
         """Rank 0, while it waits for groups (at most every ``every_s``): whether the broker lost versions the

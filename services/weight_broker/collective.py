@@ -129,6 +129,15 @@ class CollectivePublisher:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
         return self._thread
 
+    def failure(self) -> BaseException | None:
+        """The background broadcast's failure once it has ended in one (then no longer raised by :meth:`wait`),
+        else None; never waits."""
+        pending = self._pending
+        if pending is None or not pending.done() or pending.exception() is None:
+            return None
+        self._pending = None
+        return pending.exception()
+
     def wait(self) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
         :class:`TransferFailed` if it failed."""

@@ -295,6 +295,7 @@ class GroupCoordinator:
             lambda event: None
         )  # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
         self.epoch = 0  # of the formed group (0: none yet)
+        self.failures = 0  # broadcasts that failed (the learner republishes a version one lost)
         self.backoff_s = 1.0
         self._formed: _Formed | None = None
         self._forming: Future[_Formed] | None = None
@@ -312,8 +313,11 @@ class GroupCoordinator:
         for _ in range(cuda_ipc.HELD.report()):  # versions a dead receiver held, freed on its behalf
             self.on_event("ipc_reclaimed")
         formed = self._formed
-        if formed is not None and formed.group.closed:  # a background broadcast failed and closed it
-            self.failed(TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
+        failure = formed.publisher.failure() if formed is not None else None
+        if formed is not None and (
+            failure is not None or formed.group.closed
+        ):  # a background broadcast failed
+            self.failed(failure or TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
             formed = None
         if self._forming is None and time.monotonic() >= self._next_attempt:
             live = self._eligible()
@@ -329,6 +333,7 @@ class GroupCoordinator:
     def failed(self, error: BaseException) -> None:
         """A broadcast failed: the group is dropped; the next :meth:`publisher` forms a new one."""
         log.warning("weight group epoch %d failed: %s", self.epoch, error)
+        self.failures += 1
         self.on_event("broadcast_failed")
         self._drop("a broadcast failed")
         # a member that died is still registered until its heartbeat expires: form again after that, or the
