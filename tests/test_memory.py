@@ -240,3 +240,21 @@ def test_max_sequence_tokens_follows_the_sampler() -> None:
     assert LearnerServiceConfig().learner.max_sequence_tokens == 4096  # the sampler's default
     cfg = LearnerServiceConfig(learner={"max_sequence_tokens": 777}, sampler={"max_model_len": 3000})  # type: ignore[call-arg]
     assert cfg.learner.max_sequence_tokens == 777
+
+
+def test_a_rank_with_a_fraction_of_a_gpu_plans_within_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank given half a GPU (its samplers on the other half, taking versions through CUDA IPC) plans its
+    steps and staged versions within half of it, not the whole GPU, which the samplers use too; the GPU's
+    properties stand in for a CUDA device here."""
+    from types import SimpleNamespace
+
+    from services.learner.memory import GiB, device_budget
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB)
+    )
+    gpu = torch.device("cuda", 0)
+    assert device_budget(LearnerConfig(gpus_per_rank=1), gpu) == 80 * GiB
+    assert device_budget(LearnerConfig(gpus_per_rank=2), gpu) == 80 * GiB  # one rank, one GPU of its two
+    assert device_budget(LearnerConfig(gpus_per_rank=0.5), gpu) == 40 * GiB
+    assert device_budget(LearnerConfig(gpus_per_rank=0.5, device_memory_gb=70), gpu) == 70 * GiB  # as set

@@ -47,7 +47,10 @@ class LearnerConfig(Section):
         "0 = the run file's sampler.max_model_len.",
     )
     device_memory_gb: float = Field(
-        0.0, ge=0, description="Memory one rank may use, in GiB; 0 = the GPU's total (the machine's on CPU)."
+        0.0,
+        ge=0,
+        description="Memory one rank may use, in GiB; 0 = the GPU's total, times gpus_per_rank when that is a "
+        "fraction (the samplers sharing the GPU use the rest); the machine's on CPU.",
     )
     lr: float = Field(1e-6, gt=0, description="Base learning rate η₀ (scaled per step by the ESS rule).")
     lr_decay: LrDecay = Field(

@@ -317,12 +317,14 @@ class MemoryPlan:
 
 
 def device_budget(learner: LearnerConfig, device: torch.device) -> int:
-    """Bytes one rank may use: ``learner.device_memory_gb``, else the GPU's total, else the machine's (or its
-    container's limit)."""
+    """Bytes one rank may use: ``learner.device_memory_gb``, else the GPU's total (its share of it, where the
+    rank has a fraction of a GPU, ``learner.gpus_per_rank`` < 1: the samplers that share it use the rest),
+    else the machine's (or its container's limit)."""
     if learner.device_memory_gb > 0:
         return int(learner.device_memory_gb * GiB)
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        share = learner.gpus_per_rank if 0 < learner.gpus_per_rank < 1 else 1.0
+        return int(torch.cuda.get_device_properties(device).total_memory * share)
     import os
     from pathlib import Path
 
