@@ -405,3 +405,36 @@ def test_an_idle_learner_republishes_the_version_its_failed_background_broadcast
         a.halt.set()
         a.join(10)
         coordinator.close()
+
+
+def test_a_weight_group_that_cannot_be_asked_sends_the_version_through_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 asks the coordinator for the weight group before every rank agrees on the path (rank0_code):
+    an error there (Redis unreachable) used to leave rank 0's publish while the other ranks waited in that
+    agreement until the learner's collective timeout. The version goes through the broker's path instead, and
+    the idle check asks again later."""
+    from types import SimpleNamespace
+
+    import redis as redis_lib
+
+    from services.learner import service
+
+    class Unreachable:
+        failures = 0
+
+        def publisher(self) -> None:
+            raise redis_lib.ConnectionError("Error 111 connecting to redis:6379. Connection refused.")
+
+    published: list[int] = []
+    monkeypatch.setattr(
+        service, "publish_version", lambda module, transport, version, *a, **k: published.append(version)
+    )
+    rank: Any = service.LearnerRank.__new__(service.LearnerRank)
+    rank.trainer, rank.rank, rank.collective = SimpleNamespace(version=5, module=None), 0, True
+    rank.coordinator, rank.transport, rank._superseded, rank._given_broker = Unreachable(), object(), -1, 4
+    rank.learner, rank.clock, rank.metrics = SimpleNamespace(publish_bucket_mb=1), None, None
+    rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=0.0))
+    assert rank._publish()[1] == "broker" and published == [5]
+    rank._given_broker = 4  # as if version 5 went into the group: the idle check asks, and says nothing
+    assert rank._broadcast_lost() is False

@@ -354,3 +354,28 @@ def test_nccl_a_receiver_killed_mid_broadcast_fails_the_version_and_the_publishe
         assert (rank, status) == (2, "failed") and "version 21" in why
     receivers[0].join(timeout=30)
     assert receivers[0].exitcode == 3  # the one killed mid-broadcast
+
+
+def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its_buffers_go(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The coordinator closes an epoch's publisher when it drops the epoch: an error other than a
+    TransferFailed from its background broadcast is logged there too (it used to escape into learner rank
+    0's publish, while the other ranks waited in their agreement), and its bucket buffers go with it."""
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+    publisher._buffer(0, 4096)
+    assert publisher._buffers
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    publisher.send = broken  # type: ignore[method-assign]
+    tensors = version_tensors(3)
+    publisher.send_background(3, specs_of(tensors), iter(tensors))
+    with caplog.at_level(logging.WARNING, logger="services.weight_broker.collective"):
+        publisher.close()
+    assert "the last background broadcast failed: CUDA error: an illegal memory access" in caplog.text
+    assert publisher._buffers == []
+    for g in groups:
+        g.close()

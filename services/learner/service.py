@@ -305,7 +305,13 @@ class LearnerRank:
         if version <= self._superseded:  # a redone step: the broker holds this version already
             return 0.0, "superseded"
         if self.collective and not via_broker:
-            publisher = self.coordinator.publisher() if self.coordinator is not None else None
+            try:
+                publisher = self.coordinator.publisher() if self.coordinator is not None else None
+            except Exception:  # (Redis unreachable) the broker's path: every rank must reach rank0_code
+                log.warning(
+                    "version %d goes through the broker: the weight group's state", version, exc_info=True
+                )
+                publisher = None
             if rank0_code(int(publisher is not None)):
                 try:
                     publish_collective(
@@ -345,7 +351,11 @@ class LearnerRank:
         if self.coordinator is None or self._given_broker >= self.trainer.version:
             return False
         failures = self.coordinator.failures
-        self.coordinator.publisher()  # notices a background broadcast that ended in failure
+        try:
+            self.coordinator.publisher()  # notices a background broadcast that ended in failure
+        except Exception:  # (Redis unreachable) asked again at the next idle poll
+            log.warning("could not ask the weight group's state", exc_info=True)
+            return False
         if self.coordinator.failures == failures:
             return False
         log.warning("version %d did not reach the weight group: republishing it", self.trainer.version)

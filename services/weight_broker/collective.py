@@ -59,6 +59,11 @@ from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
+# CUDA: the background broadcasts' stream of each device, one for the process's life. torch's caching allocator
+# reuses a freed block only on the stream that last used it: with a stream per publisher, each new epoch's
+# publisher would leave its predecessor's bucket buffers reserved and unusable (until an allocation that
+# fails makes the allocator synchronize the device and free its cache)
+_STREAMS: dict[torch.device, Any] = {}
 
 
 class CollectivePublisher:
@@ -120,7 +125,10 @@ class CollectivePublisher:
             return self.send(version, specs, iter(staged))
         # the current CUDA device is per thread (this one's is not set); a stream of its own, or its copies and
         # collectives would queue behind the training's kernels on the default stream, and these in turn
-        self._stream = self._stream or torch.cuda.Stream(self.group.device)
+        device = self.group.device
+        self._stream = (
+            self._stream or _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
+        )
         with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
             return self.send(version, specs, iter(staged))
 
@@ -182,11 +190,12 @@ class CollectivePublisher:
         """Wait for a background broadcast (its failure is logged, not raised) and stop its thread."""
         try:
             self.wait()
-        except TransferFailed as exc:
+        except Exception as exc:  # a TransferFailed, or anything else the thread raised
             log.warning("the last background broadcast failed: %s", exc)
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
+        self._buffers.clear()
         self._segments.release()
         self._staging.release()
         if self._on_gpu is not None:
