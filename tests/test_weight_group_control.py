@@ -15,6 +15,7 @@ import redis
 import torch
 
 from services.common.observability import Metrics
+from services.common.ports import free_port
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
 from services.weight_broker.group_control import (
@@ -507,6 +508,41 @@ def test_cuda_ipc_that_failed_in_an_epoch_stays_off_in_the_epochs_after_it(regis
         _until("version 5", lambda: 5 in a.versions())
         coordinator.failed(TransferFailed("version 6: broadcast failed"))  # another failure: nothing to say
         assert events.count("cuda_ipc_off") == 1
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()
+
+
+def test_epochs_keep_forming_on_a_fixed_port_range_however_many_there_are(registry: GroupRegistry) -> None:
+    """Helm fixes the rendezvous port (group_port, a range of 8). A closed group keeps its store, so a store
+    per epoch held its port for the learner's life: after as many epochs as the range has ports (a sampler
+    joining, leaving or restarting, a failed broadcast: each drops one), no group formed again and every
+    version went through the broker. One store serves every epoch, on one port of the range."""
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        port=free_port(),
+        port_range=2,
+        timeout_s=20,
+        form_timeout_s=3,
+        bucket_bytes=8192,
+    )
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    ports = set()
+    try:
+        for version in range(1, 5):  # twice as many epochs as the range has ports
+            _until(f"epoch {version}", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+            formed = coordinator._formed
+            assert formed is not None
+            ports.add(formed.group.spec.port)
+            _publish(coordinator, version)
+            _until(f"version {version}", lambda v=version: v in a.versions())
+            coordinator.failed(TransferFailed(f"version {version}: dropped to form the next epoch"))
+            coordinator._next_attempt = 0.0  # no need to wait out the member's heartbeat here
+        assert len(ports) == 1 and coordinator.epoch >= 4
     finally:
         a.halt.set()
         a.join(10)

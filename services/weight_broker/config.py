@@ -49,7 +49,8 @@ class WeightBrokerConfig(Section):
         ge=0,
         le=65535,
         description="collective: the weight group's rendezvous port on learner rank 0: the first free of "
-        "group_port .. group_port+7 (a new epoch binds while the last one's store may linger); 0 = a free port.",
+        "group_port .. group_port+7 when it starts (a learner before it may linger), kept for every epoch; "
+        "0 = a free port.",
     )
     group_host: str = Field(
         "",

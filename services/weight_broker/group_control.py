@@ -291,9 +291,8 @@ class GroupCoordinator:
         self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
         self.planes = {"shared_memory": shared_memory, "cuda_ipc": cuda_ipc}  # its publishers' keywords
-        self.on_event = on_event or (
-            lambda event: None
-        )  # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
+        # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
+        self.on_event = on_event or (lambda event: None)
         self.epoch = 0  # of the formed group (0: none yet)
         self.failures = 0  # broadcasts that failed (the learner republishes a version one lost)
         self.backoff_s = 1.0
@@ -303,6 +302,7 @@ class GroupCoordinator:
         self._excluded: dict[str, float] = {}  # member -> monotonic time it may be named again
         self._next_attempt = 0.0
         self._closing = False
+        self._store: Any = None  # the rendezvous store (TCPStore master), once bound
 
     @property
     def members(self) -> frozenset[str]:
@@ -415,15 +415,17 @@ class GroupCoordinator:
         log.warning("the weight group did not form (next attempt in %.0fs): %s", self.backoff_s, exc)
 
     def _bind(self, epoch: int, world: int) -> Any:
-        """The rendezvous store, listening: on a free port, or the first free one of the configured range."""
+        """The rendezvous store, listening on a free port or the first free one of the range: one for the
+        coordinator's life (epochs' keys have prefixes), since a closed group keeps its store, and its port."""
+        if self._store is not None:
+            return self._store
         spec = GroupSpec(self.host, 1, world, self.backend, epoch, self.timeout_s, self.form_timeout_s)
-        if self.port == 0:
-            return open_store(spec, master=True, port=0)
         error: Exception | None = None
-        for port in range(self.port, self.port + self.port_range):
+        for port in [0] if self.port == 0 else range(self.port, self.port + self.port_range):
             try:
-                return open_store(spec, master=True, port=port)
-            except Exception as exc:  # in use (an earlier epoch's store not yet gone, another run)
+                self._store = open_store(spec, master=True, port=port)
+                return self._store
+            except Exception as exc:  # in use (a learner before this one, another run)
                 error = exc
         raise RuntimeError(f"no free port in {self.port}..{self.port + self.port_range - 1}: {error}")
 
