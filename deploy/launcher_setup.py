@@ -87,7 +87,15 @@ def init_ray(cfg: SystemConfig) -> str:
     address = cfg.launcher.ray_address
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-        return f"connected to {address}"
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        if nodes > 1 and not cfg.run.redis_url:
+            raise ValueError(
+                f"run.redis_url is empty, and the Ray cluster at {address} has {nodes} nodes: the redis-server "
+                "the launcher starts listens on 127.0.0.1, which services on the other nodes cannot reach (nor "
+                "the weight group's rendezvous, whose address follows the route to Redis); set run.redis_url "
+                "to a Redis every node reaches"
+            )
+        return f"connected to {address} ({nodes} node{'s' if nodes != 1 else ''})"
     cpus = max(os.cpu_count() or 1, needed_cpus(cfg))
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     return f"local Ray, {cpus} logical CPUs (the run needs {needed_cpus(cfg)})"

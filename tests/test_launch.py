@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 LOCAL = ROOT / "deploy" / "presets" / "local.toml"
 
@@ -51,3 +53,27 @@ def test_a_gpu_learner_beside_samplers_that_hold_no_gpu_is_refused(tmp_path: Pat
     assert "sampler.gpus_per_replica = 0 while learner.gpus_per_rank = 1" in out.stderr
     assert "set sampler.gpus_per_replica = 1 (sampler.tensor_parallel_size)" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cluster_of_several_nodes_needs_a_redis_every_node_reaches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With launcher.ray_address and no run.redis_url, the launcher would start a redis-server on 127.0.0.1:
+    services on the cluster's other nodes could not reach it, nor the weight group's rendezvous (its address
+    follows the route to Redis). Refused once the cluster says it has several nodes; one node is fine. Ray's
+    answers are stood in for (a cluster of several nodes cannot run here)."""
+    import ray
+
+    from deploy.config import SystemConfig
+    from deploy.launcher_setup import init_ray
+
+    alive: list[dict[str, bool]] = [{"Alive": True}, {"Alive": True}, {"Alive": False}]
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "nodes", lambda: alive)
+    cluster = {"launcher": {"ray_address": "ray://head:10001"}}
+    with pytest.raises(
+        ValueError, match=r"run.redis_url is empty, and the Ray cluster at ray://head:10001 has 2 nodes"
+    ):
+        init_ray(SystemConfig.model_validate(cluster))
+    with_redis = {**cluster, "run": {"redis_url": "redis://redis.rl.svc:6379/0"}}
+    assert init_ray(SystemConfig.model_validate(with_redis)) == "connected to ray://head:10001 (2 nodes)"
+    alive[1]["Alive"] = False
+    assert init_ray(SystemConfig.model_validate(cluster)) == "connected to ray://head:10001 (1 node)"
