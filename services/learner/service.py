@@ -208,7 +208,7 @@ class LearnerRank:
                 continue
             if message[0] == "republish":  # the broker lost its versions, or the weight group this one
                 self._superseded = -1  # whatever it held before, it does not hold now
-                self._publish(via_broker=True)  # the group's members hold it already
+                self._publish(via_broker=True)  # the group's members hold it already, or none does
                 continue
             groups = [rollout_pb2.TrajectoryGroup.FromString(b) for b in message[1]]
             self._step(groups)
