@@ -7,6 +7,7 @@ paths on CUDA: ranks on one GPU (any machine with a GPU), and real NCCL between 
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -361,8 +362,15 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
 ) -> None:
     """The coordinator closes an epoch's publisher when it drops the epoch: an error other than a
     TransferFailed from its background broadcast is logged there too (it used to escape into learner rank
-    0's publish, while the other ranks waited in their agreement), and its bucket buffers go with it."""
+    0's publish, while the other ranks waited in their agreement), and its bucket buffers go with it. So
+    does the staged version at once: the failure's traceback held it in a reference cycle until the garbage
+    collector ran (a whole model of page-locked memory, beside the next version's)."""
+    from services.weight_broker import shared_memory
+
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
+    gc.collect()
+    before = shared_memory.held_host_bytes()
+    gc.disable()
     publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
     publisher._buffer(0, 4096)
     assert publisher._buffers
@@ -372,9 +380,14 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
 
     publisher.send = broken  # type: ignore[method-assign]
     tensors = version_tensors(3)
-    publisher.send_background(3, specs_of(tensors), iter(tensors))
-    with caplog.at_level(logging.WARNING, logger="services.weight_broker.collective"):
-        publisher.close()
+    try:
+        publisher.send_background(3, specs_of(tensors), iter(tensors))
+        assert shared_memory.held_host_bytes() > before  # staged
+        with caplog.at_level(logging.WARNING, logger="services.weight_broker.collective"):
+            publisher.close()
+        assert shared_memory.held_host_bytes() == before  # no garbage collection has run
+    finally:
+        gc.enable()
     assert "the last background broadcast failed: CUDA error: an illegal memory access" in caplog.text
     assert publisher._buffers == []
     for g in groups:

@@ -282,6 +282,7 @@ def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
     """The publisher's staging buffer outside /dev/shm: exactly the bytes asked for (torch's pinned allocator
     would round a 65 GB version up to 128 GB), the same memory for the next version of the same size, a new
     buffer for a bigger one, and views that outlive its release stay readable."""
+    gc.collect()  # what earlier tests left in reference cycles goes now, not while this one counts
     before = shared_memory.held_host_bytes()
     staging = PinnedStaging()
     nbytes = (5 << 20) + 3
@@ -328,6 +329,7 @@ def test_host_buffers_are_exact_size_page_locked_kept_as_one_spare_and_unlocked_
     range, kept (and readable) while any view lives; once the last view goes, kept as the spare for the next
     version of that size (no new mapping, no new registration), one at most; anything else unregistered once,
     before its pages are unmapped (never left registered on addresses a later mapping may reuse)."""
+    gc.collect()  # earlier tests' host buffers in reference cycles go now, not through this test's stand-in
     cudart = _Cudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -382,6 +384,7 @@ def test_page_locking_runs_on_the_owners_device_whichever_thread_does_it(
     """A receiver's host copy let go on another thread, and a stager's next segment reserved on its
     background thread, are unlocked and locked on the device current where their owner was made (cuda:3
     here), not on cuda:0, where a thread that never chose a device would make a CUDA context of its own."""
+    gc.collect()  # earlier tests' host buffers in reference cycles go now, not through this test's stand-in
     current = threading.local()
 
     class _Device:  # torch.cuda.device's stand-in: the device current on this thread inside it

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -141,15 +142,19 @@ class CollectivePublisher:
         """The background broadcast's failure once it has ended in one (then no longer raised by :meth:`wait`),
         else None; never waits."""
         pending = self._pending
-        if pending is None or not pending.done() or pending.exception() is None:
+        error = pending.exception() if pending is not None and pending.done() else None
+        if error is None:
             return None
         self._pending = None
-        return pending.exception()
+        return _let_go(error)
 
     def wait(self) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
         :class:`TransferFailed` if it failed."""
         pending, self._pending = self._pending, None
+        error = pending.exception() if pending is not None else None
+        if error is not None:
+            raise _let_go(error)
         return None if pending is None else pending.result()
 
     def _stage(
@@ -351,3 +356,11 @@ class CollectivePublisher:
             except ValueError as exc:
                 error = exc
         return digests, error
+
+
+def _let_go(error: BaseException) -> BaseException:
+    """A background broadcast's failure, its traceback's frames cleared of their locals: they held the staged
+    version (a whole model of page-locked memory) in a reference cycle until the garbage collector ran, while
+    the next version was staged beside it."""
+    traceback.clear_frames(error.__traceback__)
+    return error
