@@ -42,32 +42,32 @@ def process_gone(identity: str) -> bool:
     no process has its PID any more, another one does (a later start), or it is a zombie. False where that
     cannot be told from here: an empty identity, or a process in another PID namespace than this one's, whose
     PIDs name other processes here."""
-    try:
-        namespace, pid, start = identity.rsplit(" ", 2)
-        if namespace != os.readlink("/proc/self/ns/pid"):
-            return False
-    except (OSError, ValueError):
-        return False
-    try:
-        state, now = _stat(int(pid))
-    except FileNotFoundError:  # no /proc/<pid>, where /proc/self is
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
-    return now != int(start) or state in ("Z", "X")
+    return _ended(identity) is True
 
 
 def process_seen(identity: str) -> bool:
     """Whether the process of ``identity`` runs now and this process can tell when it ends
     (:func:`process_gone`): it is in this PID namespace, and its PID names it here."""
+    return _ended(identity) is False
+
+
+def _ended(identity: str) -> bool | None:
+    """Whether the process of ``identity`` has ended; None where this process cannot tell (see
+    :func:`process_gone`)."""
     try:
         namespace, pid, start = identity.rsplit(" ", 2)
         if namespace != os.readlink("/proc/self/ns/pid"):
-            return False
-        state, now = _stat(int(pid))
+            return None
+        number, began = int(pid), int(start)
+    except (OSError, ValueError):
+        return None
+    try:
+        state, now = _stat(number)
+    except FileNotFoundError:  # no /proc/<pid>, where /proc/self is
+        return True
     except (OSError, ValueError, IndexError):
-        return False
-    return now == int(start) and state not in ("Z", "X")
+        return None
+    return now != began or state in ("Z", "X")
 
 
 def _stat(pid: int) -> tuple[str, int]:
