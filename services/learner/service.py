@@ -52,6 +52,7 @@ from services.learner.metrics import LearnerMetrics
 from services.learner.publish import publish_collective, publish_version, rank0_code
 from services.learner.servicer import LearnerState, StatusServicer
 from services.learner.trainer import Trainer
+from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
 from services.weight_broker.nccl_group import survive_weight_group_failures
 from services.weight_broker.transports import WeightTransport, transport_from_config
@@ -305,13 +306,7 @@ class LearnerRank:
         if version <= self._superseded:  # a redone step: the broker holds this version already
             return 0.0, "superseded"
         if self.collective and not via_broker:
-            try:
-                publisher = self.coordinator.publisher() if self.coordinator is not None else None
-            except Exception:  # (Redis unreachable) the broker's path: every rank must reach rank0_code
-                log.warning(
-                    "version %d goes through the broker: the weight group's state", version, exc_info=True
-                )
-                publisher = None
+            publisher = self._group_publisher()
             if rank0_code(int(publisher is not None)):
                 try:
                     publish_collective(
@@ -343,6 +338,16 @@ class LearnerRank:
             self.metrics.published.labels(path).inc()
         return time.perf_counter() - t0, path
 
+    def _group_publisher(self) -> CollectivePublisher | None:
+        """Rank 0: the weight group's publisher (:meth:`GroupCoordinator.publisher`); None where there is none,
+        or where its state could not be asked (Redis out of reach: the broker's path, asked again at the next
+        publish or idle poll). Never raises, since every rank waits for rank 0's word on the path."""
+        try:
+            return self.coordinator.publisher() if self.coordinator is not None else None
+        except Exception:
+            log.warning("could not ask the weight group's state: the broker's path", exc_info=True)
+            return None
+
     def _broadcast_lost(self) -> bool:
         """Rank 0, while it waits for groups: whether the current version, sent only into the weight group,
         did not arrive (its background broadcast failed since: counted, the group dropped). The samplers stay
@@ -351,11 +356,7 @@ class LearnerRank:
         if self.coordinator is None or self._given_broker >= self.trainer.version:
             return False
         failures = self.coordinator.failures
-        try:
-            self.coordinator.publisher()  # notices a background broadcast that ended in failure
-        except Exception:  # (Redis unreachable) asked again at the next idle poll
-            log.warning("could not ask the weight group's state", exc_info=True)
-            return False
+        self._group_publisher()  # notices a background broadcast that ended in failure
         if self.coordinator.failures == failures:
             return False
         log.warning("version %d did not reach the weight group: republishing it", self.trainer.version)
