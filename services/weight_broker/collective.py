@@ -152,10 +152,11 @@ class CollectivePublisher:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
         :class:`TransferFailed` if it failed."""
         pending, self._pending = self._pending, None
-        error = pending.exception() if pending is not None else None
-        if error is not None:
+        if pending is None:
+            return None
+        if (error := pending.exception()) is not None:
             raise _let_go(error)
-        return None if pending is None else pending.result()
+        return pending.result()
 
     def _stage(
         self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]

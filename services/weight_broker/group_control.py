@@ -313,10 +313,9 @@ class GroupCoordinator:
         for _ in range(cuda_ipc.HELD.report()):  # versions a dead receiver held, freed on its behalf
             self.on_event("ipc_reclaimed")
         formed = self._formed
+        # a background broadcast failed (a vote against it, or a collective that closed the group)
         failure = formed.publisher.failure() if formed is not None else None
-        if formed is not None and (
-            failure is not None or formed.group.closed
-        ):  # a background broadcast failed
+        if formed is not None and (failure is not None or formed.group.closed):
             self.failed(failure or TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
             formed = None
         if self._forming is None and time.monotonic() >= self._next_attempt:
