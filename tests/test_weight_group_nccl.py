@@ -37,6 +37,9 @@ class StandInNCCL:
     # return (NCCL's default, blocking, initialization of a communicator some rank never joins)
     connects: ClassVar[bool | str] = True
     released: ClassVar[threading.Event] = threading.Event()
+    # what torch's get_future_result gives every collective (None: not marked yet), and get_error the group
+    result: ClassVar[int | None] = 0
+    error: ClassVar[str] = "SUCCESS"
 
     class Options:
         _timeout: timedelta | None = None
@@ -51,7 +54,10 @@ class StandInNCCL:
         self.calls.append("allreduce")
         if StandInNCCL.connects == "blocks":
             StandInNCCL.released.wait(60)
-        return _Work(StandInNCCL.connects is True)
+        return _Work(StandInNCCL.connects is True, StandInNCCL.result)
+
+    def get_error(self) -> Any:
+        return _Named(StandInNCCL.error)
 
     def abort(self) -> None:
         self.calls.append("abort")
@@ -60,20 +66,46 @@ class StandInNCCL:
         self.calls.append("shutdown")
 
 
+class _Named:  # as torch's ErrorType members read
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Result:  # as the future of torch's get_future_result reads
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def done(self) -> bool:
+        return self.code is not None
+
+    def value(self) -> int:
+        assert self.code is not None, "a result not marked yet would block"
+        return self.code
+
+
 class _Work:
-    def __init__(self, completes: bool) -> None:
-        self.completes = completes
+    def __init__(self, completes: bool | float, result: int | None = 0) -> None:
+        """``completes``: at once (True), never (False), or after that many seconds (as a kernel the watchdog
+        timed out ends once it aborts the communicator)."""
+        self.completes, self.result = completes, result
+        self.ends = time.monotonic() + completes if not isinstance(completes, bool) else None
+        self.waits = 0
 
     def is_completed(self) -> bool:
-        return self.completes
+        return time.monotonic() >= self.ends if self.ends is not None else bool(self.completes)
 
-    def wait(self, timeout: timedelta) -> None:
-        pass
+    def wait(self, timeout: timedelta) -> bool:  # NCCL's, for a group built with CleanUpOnly: never raises
+        self.waits += 1
+        return True
+
+    def get_future_result(self) -> _Result:
+        return _Result(self.result)
 
 
 @pytest.fixture
 def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StandInNCCL]]:
     StandInNCCL.built, StandInNCCL.connects, StandInNCCL.released = [], True, threading.Event()
+    StandInNCCL.result, StandInNCCL.error = 0, "SUCCESS"
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNCCL, raising=False)
     yield StandInNCCL
     StandInNCCL.released.set()  # let calls still blocked return
@@ -102,6 +134,24 @@ def form(spec: GroupSpec) -> list[WeightGroup]:
         t.join(timeout=60)
     assert all(g is not None for g in groups), groups
     return groups
+
+
+def forming_errors(spec: GroupSpec) -> dict[int, str]:
+    """Every rank of ``spec`` joined from a thread of this process; what each that failed to form said."""
+    errors: dict[int, str] = {}
+
+    def join(rank: int) -> None:
+        try:
+            WeightGroup(spec, rank, torch.device("cpu"))
+        except TransferFailed as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=join, args=(r,), name=f"rank-{r}") for r in range(spec.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return errors
 
 
 def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
@@ -170,20 +220,8 @@ def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_
     gpus(monkeypatch, ["GPU-a", "GPU-b"])
     stand_in_nccl.connects = connects
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=90, form_timeout_s=1)
-    errors: dict[int, str] = {}
-
-    def join(rank: int) -> None:
-        try:
-            WeightGroup(spec, rank, torch.device("cpu"))
-        except TransferFailed as exc:
-            errors[rank] = str(exc)
-
     t0 = time.monotonic()
-    threads = [threading.Thread(target=join, args=(r,), name=f"rank-{r}") for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    errors = forming_errors(spec)
     assert time.monotonic() - t0 < 10
     assert sorted(errors) == [0, 1]
     assert all(f"NCCL did not connect: {why}" in said for said in errors.values()), errors
@@ -265,6 +303,62 @@ def test_a_collective_that_completed_with_an_error_fails_and_marks_the_group() -
 class _Pending:
     def is_completed(self) -> bool:
         return False
+
+
+def test_an_nccl_collective_that_failed_without_raising_fails_the_wait_and_marks_the_group(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch raises nothing for a failed collective of a group built with CleanUpOnly (seen on an H200: a
+    broadcast the watchdog timed out "waited" as if its bytes had arrived): its result is read. Marked as
+    failed, a collective fails as soon as it is, before its kernel ends; one the watchdog has not yet marked a
+    success is not waited for; and once the group has failed, so does a collective issued after it, which
+    completes without running (a commit vote would otherwise pass on every rank's own ballot)."""
+    gpus(monkeypatch, ["GPU-a", "GPU-b"])
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=30)
+    groups = form(spec)
+    succeeded, unmarked = _Work(True, 0), _Work(True, None)
+    groups[0].wait(succeeded)
+    groups[0].wait(unmarked)  # returns at once: the watchdog marks a success on its next pass
+    assert (succeeded.waits, unmarked.waits) == (1, 1) and not groups[0].closed
+
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="rank 1's part failed: NCCL ended the collective with TIMEOUT"):
+        groups[1].wait(_Work(3.0, 1))  # timed out by the watchdog, its kernel still running
+    assert time.monotonic() - t0 < 2 and groups[1].closed
+    # the mark every other rank's wait watches for
+    assert groups[0]._announcements.get("failed").decode() == (
+        "rank 1's part failed: NCCL ended the collective with TIMEOUT"
+    )
+    with pytest.raises(TransferFailed, match="rank 1's part failed"):
+        groups[0].wait(_Pending())
+    for g in groups:
+        g.close()
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=30, epoch=1))
+    with pytest.raises(TransferFailed, match="NCCL ended the collective with COMM_ERROR"):
+        groups[0].wait(_Work(True, 2))  # an NCCL error found when it was checked
+    groups[1]._announcements.delete_key("failed")
+    stand_in_nccl.error = "TIMEOUT"  # the group failed before: a later vote completes without running
+    with pytest.raises(
+        TransferFailed, match=r"the NCCL group failed \(TIMEOUT\); its communicator is aborted"
+    ):
+        groups[1].all_ok(True)
+    for g in groups:
+        g.close()
+
+
+def test_an_nccl_group_whose_first_collective_failed_without_raising_does_not_form(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus(monkeypatch, ["GPU-a", "GPU-b"])
+    stand_in_nccl.result = 2
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=30, form_timeout_s=5)
+    errors = forming_errors(spec)
+    assert sorted(errors) == [0, 1], errors
+    assert all(
+        "NCCL did not connect: NCCL ended the collective with COMM_ERROR" in e for e in errors.values()
+    )
+    assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "abort"]] * 2
 
 
 # ------------------------------------------------------------------ on GPUs
@@ -355,6 +449,137 @@ def test_nccl_a_receiver_killed_mid_broadcast_fails_the_version_and_the_publishe
         assert (rank, status) == (2, "failed") and "version 21" in why
     receivers[0].join(timeout=30)
     assert receivers[0].exitcode == 3  # the one killed mid-broadcast
+
+
+def _one_gpu_nccl(mode: str, port: int, out: Any) -> None:  # a process, alone on GPU 0
+    """Real NCCL groups of one rank: the process's first group as DeepSpeed's is built (torch's defaults),
+    then a weight group (nccl_backend, connect) whose broadcast times out behind a busy GPU. ``mode``
+    "survive" calls survive_weight_group_failures first, as the learner and the engines do; "torch-default"
+    leaves torch's monitor as it is. Each finding goes to ``out`` as it is made."""
+    os.environ.pop(nccl_group.DUMP_ON_FAILURE, None)
+    # torch's monitor ends the process this long after a failure it is told of (480 s by default)
+    os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = "15"
+    os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "1000"
+    os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"/tmp/vcpo-test-nccl-trace-{os.getpid()}-"
+    if mode == "survive":
+        nccl_group.survive_weight_group_failures()
+    try:
+        device = torch.device("cuda:0")
+        torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30), wait_for_workers=False)
+        first = dist.ProcessGroupNCCL(
+            dist.PrefixStore("first/", store), 0, 1, dist.ProcessGroupNCCL.Options()
+        )
+        first.allreduce([torch.ones(1, device=device)], dist.AllreduceOptions()).wait()
+        weights = nccl_group.nccl_backend(dist.PrefixStore("weights/", store), 0, 1, timedelta(seconds=2))
+        t0 = time.monotonic()
+        nccl_group.connect(weights, device, 60)
+        payload = torch.randn(1 << 20, device=device).to(torch.bfloat16)
+        sent = payload.clone()
+        weights.broadcast([payload], dist.BroadcastOptions()).wait()
+        torch.cuda.synchronize()
+        out.put(("connected", time.monotonic() - t0, bool(torch.equal(payload, sent))))
+
+        # the GPU busy for 5 s: the broadcast queued behind it times out after the group's 2 s
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        torch.cuda._sleep(200_000_000)
+        torch.cuda.synchronize()
+        cycles_per_s = 200_000_000 / (time.monotonic() - t0)
+        torch.cuda._sleep(int(cycles_per_s * 5))
+        work = weights.broadcast([payload], dist.BroadcastOptions())
+        t0 = time.monotonic()
+        # as WeightGroup.wait does: until the collective ends, or its result says it failed before that
+        while (
+            not work.is_completed() and not nccl_group.failure(weights, work) and time.monotonic() - t0 < 30
+        ):
+            time.sleep(0.01)
+        failure = nccl_group.failure(weights, work) or "none seen"
+        out.put(("torch's wait", None, work.wait(timedelta(seconds=30))))  # returns: it raises nothing
+        # a commit vote after the failure: on the aborted communicator it completes without running
+        vote = weights.allreduce([torch.ones(1, device=device)], dist.AllreduceOptions())
+        started = time.monotonic()
+        while not vote.is_completed() and time.monotonic() - started < 30:
+            time.sleep(0.01)
+        out.put(("vote", time.monotonic() - started, nccl_group.failure(weights, vote) or "none seen"))
+        out.put(("failed", time.monotonic() - t0, failure))
+        time.sleep(30)  # torch's monitor, told of the failure, ends the process within about 17 s of it
+        out.put(("alive", None, None))
+        if mode == "survive":
+            # a weight group whose other rank never connects: rank 0's connect gives up within its bound
+            lonely = nccl_group.nccl_backend(dist.PrefixStore("lonely/", store), 0, 2, timedelta(seconds=30))
+            t0 = time.monotonic()
+            try:
+                nccl_group.connect(lonely, device, 3)
+                said = "connected"
+            except TimeoutError as exc:
+                said = str(exc)
+            out.put(("lonely", time.monotonic() - t0, said))
+            # and the process goes on: a new group still moves bytes
+            again = nccl_group.nccl_backend(dist.PrefixStore("again/", store), 0, 1, timedelta(seconds=30))
+            nccl_group.connect(again, device, 60)
+            torch.cuda.synchronize()
+            payload = sent.clone()
+            again.broadcast([payload], dist.BroadcastOptions()).wait()
+            torch.cuda.synchronize()
+            out.put(("again", None, bool(torch.equal(payload, sent))))
+    except BaseException as exc:
+        out.put(("raised", None, f"{type(exc).__name__}: {exc}"[:400]))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_rank_fails_the_connect() -> (
+    None
+):
+    """Real NCCL on one GPU (groups of one rank, since NCCL refuses two ranks on one GPU): the weight
+    group's builder and its bounded connect against torch's ProcessGroupNCCL. A broadcast that times out is
+    seen to have failed (torch raises nothing for it: its wait returns), and so is a vote issued after it;
+    torch's NCCL monitor does not end the process afterwards (with torch's default setting, beside it, the
+    monitor does: the check can fail). A rank that never connects fails the connect within its bound, and
+    the process then forms new groups."""
+    ctx = mp.get_context("spawn")
+    runs = {}
+    for mode in ("survive", "torch-default"):
+        out = ctx.Queue()
+        process = ctx.Process(target=_one_gpu_nccl, args=(mode, free_port(), out), daemon=True)
+        process.start()
+        runs[mode] = (process, out)
+    said: dict[str, dict[str, tuple[Any, Any]]] = {}
+    codes: dict[str, int | None] = {}
+    for mode, (process, out) in runs.items():
+        process.join(timeout=180)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+        codes[mode], said[mode] = process.exitcode, {}
+        while True:
+            try:
+                what, seconds, detail = out.get(timeout=2)
+            except Exception:
+                break
+            said[mode][what] = (seconds, detail)
+    print(f"real NCCL on one GPU: exit codes {codes}, findings {said}")
+    survive = said["survive"]
+    assert "raised" not in survive, survive
+    assert survive["connected"][1] is True and survive["connected"][0] < 60, survive
+    # the timed-out broadcast is seen to have failed, as is the vote issued after it
+    assert survive["failed"][1] == "NCCL ended the collective with TIMEOUT", survive
+    assert survive["failed"][0] < 10, survive  # within the watchdog's pass after the 2 s timeout, not 5 s
+    assert survive["vote"][1].startswith("the NCCL group failed (TIMEOUT)"), survive
+    assert "alive" in survive and codes["survive"] == 0, (codes, survive)
+    seconds, why = survive["lonely"]
+    assert why == "NCCL's communicator was not made within 3s" and seconds < 10, survive
+    assert survive["again"][1] is True, survive
+    control = said["torch-default"]
+    assert "raised" not in control and "failed" in control, control
+    assert "alive" not in control and codes["torch-default"] not in (0, None), (
+        f"torch's NCCL monitor did not end the process after the failure ({codes}, {control}): this test "
+        "does not reach the monitor that survive_weight_group_failures turns off"
+    )
 
 
 def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its_buffers_go(

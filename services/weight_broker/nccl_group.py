@@ -26,6 +26,11 @@ _ENV_LOCK = threading.Lock()
 # monitor reads this variable when that group is made; "0" has it ignore the flag (its own collectives'
 # failures still end the process, through the watchdog's error handling, and so does a hung watchdog).
 DUMP_ON_FAILURE = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+# c10d's WorkResult codes. A group built with CleanUpOnly never raises a failed collective's error, not even from
+# a timed wait: on an H200 (torch 2.11) a broadcast the watchdog had timed out "waited" as if its bytes had
+# arrived, and an all-reduce issued on the aborted communicator afterwards completed without running. What
+# tells is the work's result and the group's error (:func:`failure`).
+_WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +102,9 @@ def connect(pg: Any, device: Any, limit_s: float) -> None:
                 raise TimeoutError(f"the ranks did not connect within {limit_s:.0f}s")
             time.sleep(0.005)
         work.wait(timedelta(seconds=limit_s))
+        why = failure(pg, work)
+        if why:
+            raise RuntimeError(why)
     except BaseException:
         if caller.is_alive():
             threading.Thread(target=_abort, args=(pg,), name="nccl-abort", daemon=True).start()
@@ -110,3 +118,27 @@ def _abort(pg: Any) -> None:
         pg.abort()
     except Exception:
         log.debug("aborting an unconnected NCCL group raised", exc_info=True)
+
+
+def failure(pg: Any, work: Any) -> str | None:
+    """Why ``work``, a collective of the NCCL group ``pg`` that has completed or is still pending, failed (None:
+    no failure known). torch marks a collective's result at once when it fails (an NCCL error found while
+    checking it, or the watchdog's timeout), but its success only from the watchdog's next pass, up to 100 ms
+    later: an unmarked result is not waited for. The group's error is sticky: set before the watchdog aborts
+    the communicator, it also fails every collective issued after the failure, which completes without
+    running."""
+    try:
+        result = work.get_future_result()
+        if result.done():
+            code = int(result.value())
+            if code != 0:
+                return f"NCCL ended the collective with {_WORK_RESULTS.get(code, code)}"
+    except Exception:  # a torch without work results: the group's error below still tells
+        log.debug("cannot read an NCCL collective's result", exc_info=True)
+    try:
+        error = pg.get_error()
+    except Exception:
+        log.debug("cannot read the NCCL group's error", exc_info=True)
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name == "SUCCESS" else f"the NCCL group failed ({name}); its communicator is aborted"

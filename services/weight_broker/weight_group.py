@@ -30,6 +30,7 @@ import torch
 from services.common.pids import process_identity
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
+from services.weight_broker.nccl_group import failure as nccl_failure
 from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,11 @@ class WeightGroup:
                 continue
             last = time.monotonic()
             why = self._failure()
+            if why is None and self.backend == "nccl":  # the watchdog times a collective out before it ends
+                broke = nccl_failure(self._pg, work)
+                if broke:
+                    why = f"rank {self.rank}'s part failed: {broke}"
+                    self._mark_failed(why)
             if why is None and self.members_gone is not None and last - asked >= self.alive_every_s:
                 # a member that hung, or died without its connections closing (NCCL between the GPUs of one
                 # node notices neither), would hold every rank here until the timeout
@@ -411,13 +417,19 @@ class WeightGroup:
                 self.close()
                 raise TransferFailed(why)
         try:
-            # raises the collective's own error, if it had one. Given a timeout, every backend's wait does; a
-            # NCCL wait without one only orders the current stream after the collective and returns, as if a
-            # failed broadcast's bytes had arrived. The collective has completed here, so nothing waits.
+            # raises the collective's own error, if it had one: gloo's does, given a timeout. NCCL's never does
+            # here (without a timeout it only orders the current stream after the collective; with one, and
+            # the group's CleanUpOnly, it returns as if a failed broadcast's bytes had arrived), so its result
+            # is read below. The collective has completed here, so nothing waits.
             work.wait(timedelta(seconds=self.spec.timeout_s))
         except Exception as exc:
             self._mark_failed(f"rank {self.rank}'s part failed: {str(exc).splitlines()[0][:300]}")
             raise
+        why = nccl_failure(self._pg, work) if self.backend == "nccl" else None
+        if why:  # NCCL raises nothing for a group built to survive its failures (nccl_group.failure)
+            self._mark_failed(f"rank {self.rank}'s part failed: {why}")
+            self.close()
+            raise TransferFailed(f"rank {self.rank}'s part failed: {why}")
 
     def _mark_failed(self, why: str) -> None:
         """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
