@@ -980,3 +980,36 @@ def test_the_weight_groups_settings_reach_the_run_file(tmp_path: Path) -> None:
     assert (cfg.weight_broker.group_bucket_mb, cfg.weight_broker.group_digests) == (64, False)
     out = helm("template", "r", str(CHART), "--set-string", "weightBroker.group.digests=no")
     assert out.returncode != 0 and "/weightBroker/group/digests': got string, want boolean" in errors(out)
+
+
+def test_the_weight_groups_members_take_a_security_context_for_nccl_over_infiniband() -> None:
+    """NCCL over InfiniBand or RoCE registers (locks) its buffers: the learner's and the samplers' containers
+    take a securityContext (IPC_LOCK); the evaluator's follows the samplers' unless it has its own; the other
+    pods keep none. Every rendered object still validates against the Kubernetes API's schema."""
+    ib = {"capabilities": {"add": ["IPC_LOCK"]}}
+    args = ("-f", str(CHART / "ci" / "evaluation-values.yaml"), "--set", "evaluation.placement=dedicated")
+    assert "securityContext" not in container(group(render(*args), "sampler"))
+    docs = render(
+        *args,
+        "--set-json",
+        f"sampler.securityContext={json.dumps(ib)}",
+        "--set-json",
+        f"learner.securityContext={json.dumps(ib)}",
+    )
+    for name in ("sampler", "learner", "evaluator"):
+        assert container(group(docs, name))["securityContext"] == ib, name
+    assert "securityContext" not in container(group(docs, "reward"))
+    assert "securityContext" not in container(group(docs, "head"))
+    for doc in docs:
+        validate(doc)
+    own = {"capabilities": {"add": ["IPC_LOCK", "SYS_NICE"]}}
+    docs = render(
+        *args,
+        "--set-json",
+        f"sampler.securityContext={json.dumps(ib)}",
+        "--set-json",
+        f"evaluation.evaluator.securityContext={json.dumps(own)}",
+    )
+    assert container(group(docs, "evaluator"))["securityContext"] == own
+    out = helm("template", "r", str(CHART), "--set", "learner.securityContext=IPC_LOCK")
+    assert out.returncode != 0 and "/learner/securityContext': got string, want object" in errors(out)

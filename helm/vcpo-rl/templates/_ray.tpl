@@ -133,7 +133,7 @@ resources require). Arguments: dict "resources" <values> "gpus" <int>
 {{/*
 One Ray pod template. Arguments: dict "ctx" . "component" <name> "container" <name> "resources" <values>
 "gpus" <int> "ports" <list of {name, containerPort}> "env" <extra env list> "scheduling" <values with
-nodeSelector/tolerations/affinity> "grace" <seconds or 0>
+nodeSelector/tolerations/affinity> "grace" <seconds or 0>; optional "securityContext" <the container's>
 */}}
 {{- define "vcpo-rl.rayPod" -}}
 {{- $ctx := .ctx -}}
@@ -158,6 +158,10 @@ spec:
     - name: {{ .container }}
       image: {{ include "vcpo-rl.image" $ctx }}
       imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+      {{- with .securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       ports:
         {{- toYaml .ports | nindent 8 }}
       env:
@@ -228,7 +232,7 @@ workerGroupSpecs:
       vcpo_sampler: "1"
     template:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.samplerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.samplerMetrics)) }}
-      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "sampler" "container" "ray-worker" "resources" $v.sampler.resources "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $v.sampler "grace" 0) | nindent 6 }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "sampler" "container" "ray-worker" "resources" $v.sampler.resources "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $v.sampler "grace" 0 "securityContext" $v.sampler.securityContext) | nindent 6 }}
   - groupName: learner
     replicas: {{ $learnerPods }}
     minReplicas: {{ $learnerPods }}
@@ -238,7 +242,7 @@ workerGroupSpecs:
       vcpo_learner: {{ int $v.learner.ranksPerPod | toString | quote }}
     template:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.learnerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.learnerMetrics)) (dict "name" "weight-group" "containerPort" (int $v.weightBroker.group.port)) }}
-      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" $v.learner "grace" 0) | nindent 6 }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" $v.learner "grace" 0 "securityContext" $v.learner.securityContext) | nindent 6 }}
   - groupName: reward
     replicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
     minReplicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
@@ -261,7 +265,7 @@ workerGroupSpecs:
       {{- $ev := $v.evaluation.evaluator -}}
       {{- $scheduling := dict "nodeSelector" (default $v.sampler.nodeSelector $ev.nodeSelector) "tolerations" (default $v.sampler.tolerations $ev.tolerations) "affinity" (default $v.sampler.affinity $ev.affinity) }}
       {{- $ports := list (dict "name" "vcpo-metrics" "containerPort" (int $p.evaluatorMetrics)) }}
-      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "evaluator" "container" "ray-worker" "resources" (default $v.sampler.resources $ev.resources) "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $scheduling "grace" 0) | nindent 6 }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "evaluator" "container" "ray-worker" "resources" (default $v.sampler.resources $ev.resources) "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $scheduling "grace" 0 "securityContext" (default $v.sampler.securityContext $ev.securityContext)) | nindent 6 }}
 {{- end }}
 {{- end -}}
 
