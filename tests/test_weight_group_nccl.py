@@ -37,27 +37,37 @@ class StandInNCCL:
     # return (NCCL's default, blocking, initialization of a communicator some rank never joins)
     connects: ClassVar[bool | str] = True
     released: ClassVar[threading.Event] = threading.Event()
-    # what torch's get_future_result gives every collective (None: not marked yet), and get_error the group
+    # what torch's get_future_result gives every collective (None: not marked yet)
     result: ClassVar[int | None] = 0
-    error: ClassVar[str] = "SUCCESS"
 
     class Options:
         _timeout: timedelta | None = None
 
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self.rank, self.size, self.timeout = rank, size, options._timeout
-        self.env = {name: os.environ.get(name) for name in nccl_group.NCCL_ERROR_HANDLING_VARS}
+        names = (*nccl_group.NCCL_ERROR_HANDLING_VARS, nccl_group.DUMP_WAIT_VAR)
+        self.env = {name: os.environ.get(name) for name in names}
         self.calls: list[str] = []
+        self.error = "SUCCESS"  # what get_error gives: torch's watchdog sets it on the group's first failure
         StandInNCCL.built.append(self)
 
+    def _start(self, what: str) -> None:
+        self.calls.append(what)
+        if "abort" in self.calls:  # as torch does for a communicator it has aborted
+            raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        self.calls.append("allreduce")
+        self._start("allreduce")
         if StandInNCCL.connects == "blocks":
             StandInNCCL.released.wait(60)
         return _Work(StandInNCCL.connects is True, StandInNCCL.result)
 
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self._start("broadcast")
+        return _Work(True, StandInNCCL.result)
+
     def get_error(self) -> Any:
-        return _Named(StandInNCCL.error)
+        return _Named(self.error)
 
     def abort(self) -> None:
         self.calls.append("abort")
@@ -79,7 +89,7 @@ class _Result:  # as the future of torch's get_future_result reads
         return self.code is not None
 
     def value(self) -> int:
-        assert self.code is not None, "a result not marked yet would block"
+        assert self.code is not None, "torch raises for a result not marked yet"
         return self.code
 
 
@@ -105,7 +115,7 @@ class _Work:
 @pytest.fixture
 def stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StandInNCCL]]:
     StandInNCCL.built, StandInNCCL.connects, StandInNCCL.released = [], True, threading.Event()
-    StandInNCCL.result, StandInNCCL.error = 0, "SUCCESS"
+    StandInNCCL.result = 0
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNCCL, raising=False)
     yield StandInNCCL
     StandInNCCL.released.set()  # let calls still blocked return
@@ -162,15 +172,22 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
     is back once the group is built."""
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    dump_wait = os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC")
     gpus(monkeypatch, ["GPU-a", "GPU-b", "GPU-c"])
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=42)
     groups = form(spec)
     assert sorted(b.rank for b in stand_in_nccl.built) == [0, 1, 2]
     for built in stand_in_nccl.built:
-        assert built.env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2"}
+        assert built.env == {
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+            "NCCL_ASYNC_ERROR_HANDLING": "2",
+            # torch's watchdog sleeps 4 x this before it aborts a failed group's communicator (a minute)
+            "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
+        }
         assert built.timeout == timedelta(seconds=42) and built.size == 3
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert "NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    assert os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC") == dump_wait
     assert all(g.backend == "nccl" for g in groups)
     # ranks on one host and distinct GPUs: NCCL moves the versions, whatever group_shared_memory says
     assert groups[0].same_host and not CollectivePublisher(groups[0], shared_memory=True).shared
@@ -338,11 +355,35 @@ def test_an_nccl_collective_that_failed_without_raising_fails_the_wait_and_marks
     with pytest.raises(TransferFailed, match="NCCL ended the collective with COMM_ERROR"):
         groups[0].wait(_Work(True, 2))  # an NCCL error found when it was checked
     groups[1]._announcements.delete_key("failed")
-    stand_in_nccl.error = "TIMEOUT"  # the group failed before: a later vote completes without running
-    with pytest.raises(
-        TransferFailed, match=r"the NCCL group failed \(TIMEOUT\); its communicator is aborted"
-    ):
+    # the group failed before: a later vote's result is never marked, but the group's error stays set
+    groups[1]._pg.error = "TIMEOUT"
+    with pytest.raises(TransferFailed, match=r"rank 1's part failed: the NCCL group failed \(TIMEOUT\)"):
         groups[1].all_ok(True)
+    for g in groups:
+        g.close()
+
+
+def test_an_nccl_collective_refused_or_cut_by_a_close_fails_this_ranks_part(
+    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch refuses a collective on a communicator it has aborted (the watchdog's, after a failure): that
+    fails the rank's part, marked for the others, as a failed wait does. A collective pending when another
+    thread closes the group ends with the abort and reads as done: it fails too, the bytes never came."""
+    gpus(monkeypatch, ["GPU-a", "GPU-b"])
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=30))
+    groups[1]._pg.calls.append("abort")  # aborted by torch's watchdog
+    with pytest.raises(TransferFailed, match="rank 1's part failed: NCCL communicator was aborted on rank 1"):
+        groups[1].broadcast(torch.zeros(3))
+    assert groups[1].closed
+    assert groups[0]._announcements.get("failed").decode().startswith("rank 1's part failed: NCCL comm")
+    with pytest.raises(TransferFailed, match="rank 1's part failed"):
+        groups[0].wait(_Pending())
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="nccl", timeout_s=30, epoch=1))
+    work = _Work(1.0, None)  # the success torch marks on the watchdog's next pass: never, once aborted
+    threading.Timer(0.2, groups[0].close).start()
+    with pytest.raises(TransferFailed, match="rank 0's weight group was closed during the collective"):
+        groups[0].wait(work)
     for g in groups:
         g.close()
 
@@ -496,13 +537,22 @@ def _one_gpu_nccl(mode: str, port: int, out: Any) -> None:  # a process, alone o
         ):
             time.sleep(0.01)
         failure = nccl_group.failure(weights, work) or "none seen"
-        out.put(("torch's wait", None, work.wait(timedelta(seconds=30))))  # returns: it raises nothing
-        # a commit vote after the failure: on the aborted communicator it completes without running
-        vote = weights.allreduce([torch.ones(1, device=device)], dist.AllreduceOptions())
+        try:  # what torch's own wait says of it (on the H200: returned True)
+            said_by_wait: Any = work.wait(timedelta(seconds=30))
+        except Exception as exc:
+            said_by_wait = f"raised: {str(exc).splitlines()[0][:200]}"
+        out.put(("torch's wait", None, said_by_wait))
+        # a commit vote after the failure: refused once the watchdog has aborted the communicator; issued
+        # before that, it "completes", and only the group's error tells
         started = time.monotonic()
-        while not vote.is_completed() and time.monotonic() - started < 30:
-            time.sleep(0.01)
-        out.put(("vote", time.monotonic() - started, nccl_group.failure(weights, vote) or "none seen"))
+        try:
+            vote = weights.allreduce([torch.ones(1, device=device)], dist.AllreduceOptions())
+            while not vote.is_completed() and time.monotonic() - started < 30:
+                time.sleep(0.01)
+            seen = nccl_group.failure(weights, vote) or "none seen"
+        except Exception as exc:
+            seen = f"refused: {str(exc).splitlines()[0][:200]}"
+        out.put(("vote", time.monotonic() - started, seen))
         out.put(("failed", time.monotonic() - t0, failure))
         time.sleep(30)  # torch's monitor, told of the failure, ends the process within about 17 s of it
         out.put(("alive", None, None))
@@ -537,7 +587,8 @@ def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_
 ):
     """Real NCCL on one GPU (groups of one rank, since NCCL refuses two ranks on one GPU): the weight
     group's builder and its bounded connect against torch's ProcessGroupNCCL. A broadcast that times out is
-    seen to have failed (torch raises nothing for it: its wait returns), and so is a vote issued after it;
+    seen to have failed (torch raises nothing for it: its wait returns), and so is a vote issued after it
+    (refused by torch once the communicator is aborted, which the weight group has done within a second);
     torch's NCCL monitor does not end the process afterwards (with torch's default setting, beside it, the
     monitor does: the check can fail). A rank that never connects fails the connect within its bound, and
     the process then forms new groups."""
@@ -569,7 +620,8 @@ def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_
     # the timed-out broadcast is seen to have failed, as is the vote issued after it
     assert survive["failed"][1] == "NCCL ended the collective with TIMEOUT", survive
     assert survive["failed"][0] < 10, survive  # within the watchdog's pass after the 2 s timeout, not 5 s
-    assert survive["vote"][1].startswith("the NCCL group failed (TIMEOUT)"), survive
+    vote = survive["vote"][1]
+    assert vote.startswith(("the NCCL group failed (TIMEOUT)", "refused: ")), survive
     assert "alive" in survive and codes["survive"] == 0, (codes, survive)
     seconds, why = survive["lonely"]
     assert why == "NCCL's communicator was not made within 3s" and seconds < 10, survive

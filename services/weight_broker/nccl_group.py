@@ -15,9 +15,14 @@ from typing import Any
 # has the watchdog take the whole process down when a collective fails or times out: a sampler killed
 # mid-broadcast would kill learner rank 0 with it. The weight group's failures are expected and survivable
 # (the version goes through the broker, a new epoch forms), so its group is built with 2 (CleanUpOnly): the
-# watchdog aborts the communicator and the collective's error reaches WeightGroup.wait instead.
+# watchdog aborts the communicator and WeightGroup.wait reads the collective's failure (:func:`failure`).
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 NCCL_CLEAN_UP_ONLY = "2"
+# After a failure torch's watchdog sleeps 4 x this (15 s by default: a minute) before it aborts the
+# communicator, holding the group's work list, so every collective issued meanwhile blocks in torch (the next
+# bucket's broadcast a minute, before its wait could see anything). The weight group's own monitor reads it
+# when the group is built; the process's first NCCL group, the only one that dumps, keeps its own.
+DUMP_WAIT_VAR, DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "100"
 _ENV_LOCK = threading.Lock()
 # torch's NCCL watchdog raises one process-wide "dump" flag when a collective of ANY of the process's NCCL
 # groups fails or times out, and the monitor thread of its first NCCL group (DeepSpeed's in the learner, vLLM's
@@ -26,10 +31,10 @@ _ENV_LOCK = threading.Lock()
 # monitor reads this variable when that group is made; "0" has it ignore the flag (its own collectives'
 # failures still end the process, through the watchdog's error handling, and so does a hung watchdog).
 DUMP_ON_FAILURE = "TORCH_NCCL_DUMP_ON_TIMEOUT"
-# c10d's WorkResult codes. A group built with CleanUpOnly never raises a failed collective's error, not even from
-# a timed wait: on an H200 (torch 2.11) a broadcast the watchdog had timed out "waited" as if its bytes had
-# arrived, and an all-reduce issued on the aborted communicator afterwards completed without running. What
-# tells is the work's result and the group's error (:func:`failure`).
+# c10d's WorkResult codes. torch does not raise every failed collective of a group built with CleanUpOnly: on
+# an H200 (torch 2.11) a broadcast the watchdog had timed out "waited", with a timeout too, as if its bytes had
+# arrived, and so did an all-reduce issued after it (before the watchdog aborted the communicator). What tells
+# is the work's result and the group's error (:func:`failure`).
 _WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
 log = logging.getLogger(__name__)
 
@@ -49,16 +54,18 @@ def survive_weight_group_failures() -> None:
 
 
 def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
-    """A ProcessGroupNCCL over ``store`` whose failures are raised to the caller, never fatal to the process
-    (:data:`NCCL_ERROR_HANDLING_VARS`; the variables are restored once it is built, so no other group of the
-    process is changed). NCCL connects lazily, at the first collective."""
+    """A ProcessGroupNCCL over ``store`` whose failures are the caller's to read (:func:`failure`), never fatal
+    to the process (:data:`NCCL_ERROR_HANDLING_VARS`), aborted soon after one (:data:`DUMP_WAIT_VAR`); the
+    variables are restored once it is built, so no other group of the process is changed. NCCL connects
+    lazily, at the first collective."""
     import torch.distributed as dist
 
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     with _ENV_LOCK:
-        saved = {name: os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARS}
+        saved = {name: os.environ.get(name) for name in (*NCCL_ERROR_HANDLING_VARS, DUMP_WAIT_VAR)}
         os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARS, NCCL_CLEAN_UP_ONLY))
+        os.environ[DUMP_WAIT_VAR] = DUMP_WAIT_MS
         try:
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
         finally:
@@ -122,11 +129,10 @@ def _abort(pg: Any) -> None:
 
 def failure(pg: Any, work: Any) -> str | None:
     """Why ``work``, a collective of the NCCL group ``pg`` that has completed or is still pending, failed (None:
-    no failure known). torch marks a collective's result at once when it fails (an NCCL error found while
-    checking it, or the watchdog's timeout), but its success only from the watchdog's next pass, up to 100 ms
-    later: an unmarked result is not waited for. The group's error is sticky: set before the watchdog aborts
-    the communicator, it also fails every collective issued after the failure, which completes without
-    running."""
+    no failure known). torch marks a collective's result as soon as it fails (an NCCL error found while
+    checking it, or the watchdog's timeout), but its success only on the watchdog's next pass: an unmarked
+    result is not waited for. The group's error stays set once any of its collectives failed, so it also
+    fails a collective issued after the failure."""
     try:
         result = work.get_future_result()
         if result.done():
@@ -140,5 +146,5 @@ def failure(pg: Any, work: Any) -> str | None:
     except Exception:
         log.debug("cannot read the NCCL group's error", exc_info=True)
         return None
-    name = getattr(error, "name", str(error))
-    return None if name == "SUCCESS" else f"the NCCL group failed ({name}); its communicator is aborted"
+    name = getattr(error, "name", None) or str(error).rsplit(".", 1)[-1]
+    return None if name == "SUCCESS" else f"the NCCL group failed ({name})"

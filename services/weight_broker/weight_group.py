@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 _RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+
+
 class TransferFailed(RuntimeError):
     """A version did not reach every member of the group; no member applied it. The group must be re-formed."""
 
@@ -303,7 +307,18 @@ class WeightGroup:
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        return self._pg.broadcast([tensor], opts)
+        return self._issue(lambda: self._pg.broadcast([tensor], opts))
+
+    def _issue(self, start: Callable[[], Any]) -> Any:
+        """Start a collective; one the group refuses (torch raises for an NCCL communicator it has aborted)
+        fails this rank's part, marked for the others, as a failed wait does."""
+        try:
+            return start()
+        except Exception as exc:
+            why = f"rank {self.rank}'s part failed: {_first_line(exc)}"
+            self._mark_failed(why)
+            self.close()
+            raise TransferFailed(why) from exc
 
     def announce(self, version: int) -> None:
         """Rank 0, before each broadcast: tell every member a version is coming (:meth:`next_announcement`).
@@ -382,7 +397,7 @@ class WeightGroup:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.wait(self._pg.allreduce([t], opts))
+        self.wait(self._issue(lambda: self._pg.allreduce([t], opts)))
         return bool(t.item() == 1)
 
     def wait(self, work: Any, check_every_s: float = 0.05) -> None:
@@ -417,19 +432,21 @@ class WeightGroup:
                 self.close()
                 raise TransferFailed(why)
         try:
-            # raises the collective's own error, if it had one: gloo's does, given a timeout. NCCL's never does
-            # here (without a timeout it only orders the current stream after the collective; with one, and
-            # the group's CleanUpOnly, it returns as if a failed broadcast's bytes had arrived), so its result
-            # is read below. The collective has completed here, so nothing waits.
+            # raises the collective's own error, if it had one: gloo's does, given a timeout, and NCCL's for an
+            # error found by this thread's is_completed. A timeout (the watchdog's) NCCL's wait does not raise:
+            # it returns as if the broadcast's bytes had arrived, so its result is read below. The collective
+            # has completed here, so nothing waits.
             work.wait(timedelta(seconds=self.spec.timeout_s))
         except Exception as exc:
-            self._mark_failed(f"rank {self.rank}'s part failed: {str(exc).splitlines()[0][:300]}")
+            self._mark_failed(f"rank {self.rank}'s part failed: {_first_line(exc)}")
             raise
         why = nccl_failure(self._pg, work) if self.backend == "nccl" else None
         if why:  # NCCL raises nothing for a group built to survive its failures (nccl_group.failure)
             self._mark_failed(f"rank {self.rank}'s part failed: {why}")
             self.close()
             raise TransferFailed(f"rank {self.rank}'s part failed: {why}")
+        if self._closed:  # by another thread meanwhile: its abort ended the collective, which reads as done
+            raise TransferFailed(f"rank {self.rank}'s weight group was closed during the collective")
 
     def _mark_failed(self, why: str) -> None:
         """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
