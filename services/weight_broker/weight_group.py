@@ -315,10 +315,15 @@ class WeightGroup:
         try:
             return start()
         except Exception as exc:
-            why = f"rank {self.rank}'s part failed: {_first_line(exc)}"
-            self._mark_failed(why)
-            self.close()
-            raise TransferFailed(why) from exc
+            raise self._part_failed(_first_line(exc)) from exc
+
+    def _part_failed(self, why: str) -> TransferFailed:
+        """This rank's part of a collective failed: marked for the other ranks, the group closed; returns the
+        error to raise."""
+        why = f"rank {self.rank}'s part failed: {why}"
+        self._mark_failed(why)
+        self.close()
+        return TransferFailed(why)
 
     def announce(self, version: int) -> None:
         """Rank 0, before each broadcast: tell every member a version is coming (:meth:`next_announcement`).
@@ -419,8 +424,7 @@ class WeightGroup:
             if why is None and self.backend == "nccl":  # the watchdog times a collective out before it ends
                 broke = nccl_failure(self._pg, work)
                 if broke:
-                    why = f"rank {self.rank}'s part failed: {broke}"
-                    self._mark_failed(why)
+                    raise self._part_failed(broke)
             if why is None and self.members_gone is not None and last - asked >= self.alive_every_s:
                 # a member that hung, or died without its connections closing (NCCL between the GPUs of one
                 # node notices neither), would hold every rank here until the timeout
@@ -442,9 +446,7 @@ class WeightGroup:
             raise
         why = nccl_failure(self._pg, work) if self.backend == "nccl" else None
         if why:  # NCCL raises nothing for a group built to survive its failures (nccl_group.failure)
-            self._mark_failed(f"rank {self.rank}'s part failed: {why}")
-            self.close()
-            raise TransferFailed(f"rank {self.rank}'s part failed: {why}")
+            raise self._part_failed(why)
         if self._closed:  # by another thread meanwhile: its abort ended the collective, which reads as done
             raise TransferFailed(f"rank {self.rank}'s weight group was closed during the collective")
 
