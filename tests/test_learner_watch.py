@@ -25,6 +25,14 @@ def _watch_until(watch: Any, seconds: float) -> tuple[str | None, float]:
     return None, time.monotonic() - t0
 
 
+def _running(pid: int) -> bool:
+    """Whether the process is there and not a zombie; it may end between any two looks at /proc."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.timeout(120)
 def test_a_stopped_rank_is_named_hung_after_the_timeout_and_killed_by_the_teardown(ray_local: Any) -> None:
     import ray
@@ -51,6 +59,6 @@ def test_a_stopped_rank_is_named_hung_after_the_timeout_and_killed_by_the_teardo
             ray.kill(a)
     # the stopped process is gone too (the launcher's shutdown of the group kills its ranks the same way)
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(pids[1]) and psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE:
+    while _running(pids[1]):
         assert time.monotonic() < deadline, "a SIGSTOPped rank outlived ray.kill"
         time.sleep(0.2)
