@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.ports import free_port
-from services.weight_broker import nccl_group, weight_group
+from services.weight_broker import nccl_group, retired, weight_group
 from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
@@ -574,6 +574,20 @@ def _one_gpu_nccl(mode: str, port: int, out: Any) -> None:  # a process, alone o
             again.broadcast([payload], dist.BroadcastOptions()).wait()
             torch.cuda.synchronize()
             out.put(("again", None, bool(torch.equal(payload, sent))))
+            # the failed group and the unconnected one, aborted, are destroyed on the reaper thread as a closed
+            # weight group's are (retired.py); the process and its other groups go on
+            weights.abort()
+            for pg in (weights, lonely):
+                retired.retire(pg, 0)
+            del pg, weights, lonely
+            t0 = time.monotonic()
+            while retired.waiting() and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            again.broadcast([payload], dist.BroadcastOptions()).wait()
+            torch.cuda.synchronize()
+            out.put(
+                ("destroyed", time.monotonic() - t0, (retired.waiting(), bool(torch.equal(payload, sent))))
+            )
     except BaseException as exc:
         out.put(("raised", None, f"{type(exc).__name__}: {exc}"[:400]))
     out.close()
@@ -591,7 +605,8 @@ def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_
     (refused by torch once the communicator is aborted, which the weight group has done within a second);
     torch's NCCL monitor does not end the process afterwards (with torch's default setting, beside it, the
     monitor does: the check can fail). A rank that never connects fails the connect within its bound, and
-    the process then forms new groups."""
+    the process then forms new groups; the failed groups, retired as a closed weight group's are, are destroyed
+    on the reaper thread while the process goes on."""
     ctx = mp.get_context("spawn")
     runs = {}
     for mode in ("survive", "torch-default"):
@@ -626,6 +641,7 @@ def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_
     seconds, why = survive["lonely"]
     assert why == "NCCL's communicator was not made within 3s" and seconds < 10, survive
     assert survive["again"][1] is True, survive
+    assert survive["destroyed"][1] == (0, True) and survive["destroyed"][0] < 30, survive
     control = said["torch-default"]
     assert "raised" not in control and "failed" in control, control
     assert "alive" not in control and codes["torch-default"] not in (0, None), (

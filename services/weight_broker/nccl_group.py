@@ -78,8 +78,8 @@ def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> 
 
 def connect(pg: Any, device: Any, limit_s: float) -> None:
     """Run ``pg``'s first collective, in which NCCL makes its communicator, within ``limit_s``; raises
-    (TimeoutError, or NCCL's error) having aborted ``pg``, never destroyed it (a destroy would wait for the
-    pending all-reduce). With torch's default, blocking initialization the call returns only once every rank
+    (TimeoutError, or NCCL's error) having aborted ``pg``, not destroyed it (a destroy would wait for the
+    pending all-reduce; the weight group leaves that to the reaper thread, ``retired.py``). With torch's default, blocking initialization the call returns only once every rank
     has connected, so it runs on a thread: a rank that never connects (one that died after arriving at the
     rendezvous, a wrong ``NCCL_SOCKET_IFNAME``) fails after the limit too. An abort while the communicator is
     still being made may wait for it as well, so it is then left to a thread."""

@@ -31,11 +31,10 @@ from services.common.pids import process_identity
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
 from services.weight_broker.nccl_group import failure as nccl_failure
+from services.weight_broker.retired import retire
 from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
-
-_RETIRED: list[Any] = []  # closed process groups, kept from their destructors (see WeightGroup.close)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -290,7 +289,7 @@ class WeightGroup:
         try:
             connect(self._pg, self.device, min(self.spec.form_timeout_s, self.spec.timeout_s))
         except Exception as exc:
-            _RETIRED.append(self._pg)
+            self._pg = retire(self._pg, self.spec.epoch)
             raise TransferFailed(
                 f"weight group epoch {self.spec.epoch}: NCCL did not connect: {exc}"
             ) from exc
@@ -490,9 +489,7 @@ class WeightGroup:
                 self._pg.shutdown()
         except Exception:  # a broken group may refuse a clean shutdown; it is dropped anyway
             log.debug("weight group shutdown raised", exc_info=True)
-        # Never let a closed group be destroyed: ~ProcessGroupGloo joins its worker threads, which may still
-        # wait on a peer that died, and the garbage collector runs that destructor on whichever thread
-        # allocates next. A chaos run saw the broker's receiving thread stuck 75 s in it (the learner's next
-        # broadcast waited as long). A closed group keeps a few idle threads and sockets until the process
-        # exits; there is one per failed or re-formed epoch.
-        _RETIRED.append(self._pg)
+        # Never destroy a closed group here: ~ProcessGroupGloo joins its worker threads, which may still wait on
+        # a peer that died, and whichever thread dropped the group last would run that destructor (a chaos run
+        # saw the broker's receiving thread stuck 75 s in it). The reaper thread destroys it (retired.py).
+        self._pg = retire(self._pg, self.spec.epoch)
