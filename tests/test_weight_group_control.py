@@ -4,6 +4,7 @@ arrive, and after a failed broadcast; the broker, one more member, stores every 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -112,6 +113,47 @@ def _publish(coordinator: GroupCoordinator, version: int) -> None:
     publisher.send(version, specs_of(tensors), iter(tensors))
 
 
+def _ipv6_route() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.connect(("2001:db8::1", 9))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_group_host_follows_the_redis_hosts_address_family() -> None:
+    """The learner's address for the weight group is that of its route to Redis, IPv6 as well as IPv4 (an
+    IPv6-only cluster's Redis resolves to IPv6 only: an IPv4 socket could not even look the route up); a
+    group forms and moves bytes at that address. A Redis host that does not resolve names the setting that
+    takes the guess's place."""
+    assert reachable_host("redis://127.0.0.1:6379/0") == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"'no-such-host\.invalid'.*set weight_broker\.group_host"):
+        reachable_host("redis://no-such-host.invalid:6379/0")
+    if not _ipv6_route():
+        pytest.skip("this machine has no IPv6 route")
+    host = reachable_host("redis://[2001:db8::1]:6379/0")  # a documentation address: only its route is used
+    assert ":" in host, host
+    spec = GroupSpec(host, free_port(), world_size=2, timeout_s=20)
+    groups: list[Any] = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightGroup(spec, rank, torch.device("cpu"))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    sent, got = torch.arange(8.0), torch.zeros(8)
+    works = [groups[0].broadcast(sent), groups[1].broadcast(got)]
+    for g, w in zip(groups, works, strict=True):
+        g.wait(w)
+    assert torch.equal(got, sent)
+    for g in groups:
+        g.close()
+
+
 def test_the_registry_sees_members_until_they_leave_or_their_heartbeat_expires(
     registry: GroupRegistry,
 ) -> None:
@@ -123,7 +165,6 @@ def test_the_registry_sees_members_until_they_leave_or_their_heartbeat_expires(
     time.sleep(1.2)  # ttl 1 s, no heartbeat
     assert registry.live() == {}
     assert registry.next_epoch() + 1 == registry.next_epoch()  # epochs never repeat
-    assert reachable_host("redis://127.0.0.1:6379/0") == "127.0.0.1"
     with pytest.raises(ValueError, match="ttl"):
         GroupRegistry(registry.client, "x", ttl_s=0)
 

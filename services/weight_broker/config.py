@@ -55,7 +55,8 @@ class WeightBrokerConfig(Section):
     group_host: str = Field(
         "",
         description="collective: the address receivers reach learner rank 0 at; empty: the address of the "
-        "interface that routes to the run's Redis (127.0.0.1 when Redis is local).",
+        "interface that routes to the run's Redis, IPv4 or IPv6 as its host resolves (127.0.0.1 when Redis is "
+        "local).",
     )
     group_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective: the group's backend; auto = nccl when the learner is on a GPU."

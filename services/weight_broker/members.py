@@ -55,10 +55,25 @@ def same_host(store: Any, world_size: int) -> bool:
 
 def reachable_host(redis_url: str) -> str:
     """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
-    address of the interface that routes there (what receivers on other nodes reach the publisher at)."""
+    address of the interface that routes there (what receivers on other nodes reach the publisher at), IPv4 or
+    IPv6 as the Redis host resolves (first what resolves first)."""
     host = urlparse(redis_url).hostname or "127.0.0.1"
     if host in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP: no packet is sent, the route is looked up
-        return str(s.getsockname()[0])
+    advice = "set weight_broker.group_host to the address the samplers reach this learner at"
+    try:
+        found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address for the "
+            f"weight group ({exc}): {advice}"
+        ) from exc
+    tried = []
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.connect(address)  # UDP: no packet is sent, the route is looked up
+                return str(s.getsockname()[0])
+        except OSError as exc:
+            tried.append(f"{address[0]}: {exc}")
+    raise ValueError(f"no route from this machine to the Redis host {host!r} ({'; '.join(tried)}): {advice}")
