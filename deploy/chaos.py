@@ -79,11 +79,12 @@ def processes(root: int) -> dict[str, list[int]]:
     except psutil.NoSuchProcess:
         return found
     for p in children:
-        try:
+        try:  # a process may end between any two looks at it
             kind = classify(" ".join(p.cmdline()))
+            running = p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if kind is not None and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
+        if kind is not None and running:
             found[kind].append(p.pid)
     return found
 
