@@ -111,6 +111,11 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
                 out.join_thread()
                 os._exit(0)
             continue
+        if (
+            behaviour == "host-closed"
+        ):  # its group closes (a re-formed epoch) before its engine loads the version
+            group.close()
+            gc.collect()
         if behaviour.startswith("host"):  # what it holds, and where: the file its tensors are mapped from
             role = {0.0: "own", 1.0: "leader", 2.0: "mapped"}[stats.extra["host_copy"]]
             out.put((rank, version, (is_version(version, tensors), role, mapped_file(tensors[0][1]))))
@@ -595,6 +600,29 @@ def test_receivers_on_one_host_keep_one_copy_of_each_version_between_them() -> N
         files = {f.removesuffix(" (deleted)") for f in (file1, file2, file3)}  # unlinked after the vote
         assert len(files) == 1 and files.pop().startswith("/dev/shm/vcpo-group-"), (file1, file2, file3)
     assert got[(1, 5)][2] != got[(1, 6)][2]  # a segment per version: the last one's views stay as they were
+
+
+def test_a_host_copy_received_before_its_group_closes_stays_whole_until_it_is_loaded() -> None:
+    """A re-formed epoch closes the group while an engine still holds a version it received and has not
+    loaded (with ``weight_update = "pause"`` it waits for its groups to drain): the copy the leader staged in
+    a segment of its own, and the other receiver's mapping of it, stay whole. Closing the leader's segment
+    used to unmap its pages under the staged views: the engine's load then read unmapped memory (a segfault)
+    or another mapping's bytes."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
+    procs, out = start_receivers(spec, ["host-closed", "host-closed"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(7)
+    CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    group.close()
+    for p in procs:
+        p.join(timeout=60)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], f"receivers' exit codes {codes} (-11: a segfault reading the version it held)"
+    got = sorted(out.get(timeout=10) for _ in procs)
+    assert [(r, v, exact, role) for r, v, (exact, role, _) in got] == [
+        (1, 7, True, "leader"),
+        (2, 7, True, "mapped"),
+    ]
 
 
 def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_version() -> None:

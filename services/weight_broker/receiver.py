@@ -170,20 +170,28 @@ class CollectiveReceiver:
         copier = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
         copied: list[Any] = [None, None]  # each buffer's last copy out: an event on the copy stream
         n = 0
-        for i, bucket in enumerate(ranges):
-            for a, b in bucket:
-                k, n = n % 2, n + 1
-                slot = slots[k][: b - a]
-                if copied[k] is not None:
-                    torch.cuda.current_stream(group.device).wait_event(copied[k])
-                group.wait(group.broadcast(slot))  # the current stream now follows the broadcast
-                if outs is not None and copier is None:
-                    outs[i][a:b].copy_(slot)
-                elif outs is not None and copier is not None:
-                    copier.wait_stream(torch.cuda.current_stream(group.device))
-                    with torch.cuda.stream(copier):
-                        outs[i][a:b].copy_(slot, non_blocking=True)
-                    copied[k] = copier.record_event()
+        try:
+            for i, bucket in enumerate(ranges):
+                for a, b in bucket:
+                    k, n = n % 2, n + 1
+                    slot = slots[k][: b - a]
+                    if copied[k] is not None:
+                        torch.cuda.current_stream(group.device).wait_event(copied[k])
+                    group.wait(group.broadcast(slot))  # the current stream now follows the broadcast
+                    if outs is not None and copier is None:
+                        outs[i][a:b].copy_(slot)
+                    elif outs is not None and copier is not None:
+                        copier.wait_stream(torch.cuda.current_stream(group.device))
+                        with torch.cuda.stream(copier):
+                            outs[i][a:b].copy_(slot, non_blocking=True)
+                        copied[k] = copier.record_event()
+        except BaseException:
+            # a failed broadcast closes the group, which unlocks the host memory the copies out write: none
+            # may still be under way then. Only the copy stream is waited for: its copies follow broadcasts
+            # that completed, where the device's other streams may hold a kernel of the failed one
+            if copier is not None:
+                copier.synchronize()
+            raise
         if copier is not None:
             torch.cuda.synchronize(group.device)
         if outs is None:

@@ -228,7 +228,7 @@ class SharedSegment:
         self, name: str, nbytes: int, mapping: mmap.mmap, owner: bool, device: int | None = None
     ) -> None:
         self.name, self.nbytes, self.owner, self.device = name, nbytes, owner, device
-        self._mmap = mapping
+        self._mmap: mmap.mmap | None = mapping
         self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         # page-locked like a pinned staging buffer: fast GPU copies
         self._registered = owner and page_lock(self.tensor, f"weight segment {name}", device)
@@ -286,13 +286,15 @@ class SharedSegment:
         return cls(name, nbytes, mapping, owner=False)
 
     def close(self) -> None:
-        """Unmap (the publisher's own views must not be used after this; receivers never close theirs, whose
-        views keep the mapping) and, the publisher's, unlink."""
+        """Unlock and, the stager's, unlink; the pages are unmapped once the last view of them goes. Views may
+        outlive this: a host copy's leader stages the version its engine loads later, and a group closed
+        meanwhile (a re-formed epoch) releases its segments. The mapping is never closed here: torch's
+        ``frombuffer`` keeps the mmap object alive but holds no export of its buffer, so closing it would
+        unmap the pages under live views (a segfault, or another mapping's bytes, in the engine's load)."""
         if self.tensor is not None and self._registered:
             _unlock(self.tensor.data_ptr(), f"weight segment {self.name}", self.device)
-        self.tensor = None
-        with contextlib.suppress(BufferError):  # the publisher's staged views are not used after this
-            self._mmap.close()
+        self.tensor, self._registered = None, False
+        self._mmap = None
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 
