@@ -43,8 +43,12 @@ class StandInNCCL:
     class Options:
         _timeout: timedelta | None = None
 
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self.rank, self.size, self.timeout = rank, size, options._timeout
+        self.high_priority = options.is_high_priority_stream
         names = (*nccl_group.NCCL_ERROR_HANDLING_VARS, nccl_group.DUMP_WAIT_VAR)
         self.env = {name: os.environ.get(name) for name in names}
         self.calls: list[str] = []
@@ -185,6 +189,8 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
             "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
         }
         assert built.timeout == timedelta(seconds=42) and built.size == 3
+        # its stream from the high-priority pool, never one of the low-priority pool's that DeepSpeed's share
+        assert built.high_priority
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert "NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     assert os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC") == dump_wait
@@ -194,8 +200,9 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
     groups[1].close()
     groups[1].close()  # once
     # abort (ncclCommAbort), not shutdown: destroying a communicator waits for a kernel a dead peer never ends
-    # each rank connected while the group formed (one all-reduce: NCCL connects at the first collective)
-    assert [b.calls for b in stand_in_nccl.built if b.rank == 1] == [["allreduce", "abort"]]
+    # each rank connected while the group formed: an all-reduce (NCCL makes its communicator at the first
+    # collective) and a broadcast (NCCL connects each algorithm's links at its first use)
+    assert [b.calls for b in stand_in_nccl.built if b.rank == 1] == [["allreduce", "broadcast", "abort"]]
     for g in groups:
         g.close()
 
@@ -243,9 +250,10 @@ def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_
     assert sorted(errors) == [0, 1]
     assert all(f"NCCL did not connect: {why}" in said for said in errors.values()), errors
     deadline = time.monotonic() + 5  # (an abort while the call is blocked runs on a thread of its own)
-    while any(len(b.calls) < 2 for b in stand_in_nccl.built) and time.monotonic() < deadline:
+    issued = ["allreduce"] if connects == "blocks" else ["allreduce", "broadcast"]
+    while any(b.calls[-1:] != ["abort"] for b in stand_in_nccl.built) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "abort"]] * 2
+    assert sorted(b.calls for b in stand_in_nccl.built) == [[*issued, "abort"]] * 2
 
 
 def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
@@ -399,7 +407,7 @@ def test_an_nccl_group_whose_first_collective_failed_without_raising_does_not_fo
     assert all(
         "NCCL did not connect: NCCL ended the collective with COMM_ERROR" in e for e in errors.values()
     )
-    assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "abort"]] * 2
+    assert sorted(b.calls for b in stand_in_nccl.built) == [["allreduce", "broadcast", "abort"]] * 2
 
 
 # ------------------------------------------------------------------ on GPUs

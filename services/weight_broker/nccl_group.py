@@ -60,7 +60,11 @@ def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> 
     lazily, at the first collective."""
     import torch.distributed as dist
 
-    options = dist.ProcessGroupNCCL.Options()
+    # its stream from torch's pool of high-priority streams: each epoch's group takes the pool's next stream,
+    # and the low-priority pool's 32 are shared with DeepSpeed's (and every torch.cuda.Stream()), so after
+    # enough epochs the learner's ZeRO-3 collectives would queue behind a weight broadcast (and wait out a
+    # hung receiver's timeout with it)
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     options._timeout = timeout
     with _ENV_LOCK:
         saved = {name: os.environ.get(name) for name in (*NCCL_ERROR_HANDLING_VARS, DUMP_WAIT_VAR)}
@@ -77,41 +81,48 @@ def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> 
 
 
 def connect(pg: Any, device: Any, limit_s: float) -> None:
-    """Run ``pg``'s first collective, in which NCCL makes its communicator, within ``limit_s``; raises
-    (TimeoutError, or NCCL's error) having aborted ``pg``, not destroyed it (a destroy would wait for the
-    pending all-reduce; the weight group leaves that to the reaper thread, ``retired.py``). With torch's default, blocking initialization the call returns only once every rank
-    has connected, so it runs on a thread: a rank that never connects (one that died after arriving at the
-    rendezvous, a wrong ``NCCL_SOCKET_IFNAME``) fails after the limit too. An abort while the communicator is
-    still being made may wait for it as well, so it is then left to a thread."""
+    """Run ``pg``'s first collectives within ``limit_s``: an all-reduce, in which NCCL makes its communicator,
+    and a broadcast, the collective versions travel by. NCCL connects each algorithm's links at its first use
+    (``NCCL_RUNTIME_CONNECT``, on by default since NCCL 2.22), and a one-element all-reduce may take another
+    algorithm than a broadcast's ring: a ring link that cannot connect would otherwise fail the first
+    version's broadcast after the group's timeout, not the forming. Raises (TimeoutError, or NCCL's error)
+    having aborted ``pg``, not destroyed it (a destroy would wait for the pending collectives; the weight group
+    leaves that to the reaper thread, ``retired.py``). With torch's default, blocking initialization the
+    call returns only once every rank has connected, so it runs on a thread: a rank that never connects (one
+    that died after arriving at the rendezvous, a wrong ``NCCL_SOCKET_IFNAME``) fails after the limit too. An
+    abort while the communicator is still being made may wait for it as well, so it is then left to a
+    thread."""
     import torch
     import torch.distributed as dist
 
     deadline = time.monotonic() + limit_s
-    started: list[Any] = []  # the all-reduce's work, or what it raised
+    started: list[Any] = []  # the collectives' works, or what one raised
 
-    def first_collective() -> None:
+    def first_collectives() -> None:
         try:
             started.append(pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions()))
+            started.append(pg.broadcast([torch.zeros(1, device=device)], dist.BroadcastOptions()))
         except BaseException as exc:
             started.append(exc)
 
-    caller = threading.Thread(target=first_collective, name="nccl-connect", daemon=True)
+    caller = threading.Thread(target=first_collectives, name="nccl-connect", daemon=True)
     caller.start()
     caller.join(limit_s)
     try:
         if caller.is_alive():
             raise TimeoutError(f"NCCL's communicator was not made within {limit_s:.0f}s")
-        if isinstance(started[0], BaseException):
-            raise started[0]
-        work = started[0]
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not connect within {limit_s:.0f}s")
-            time.sleep(0.005)
-        work.wait(timedelta(seconds=limit_s))
-        why = failure(pg, work)
-        if why:
-            raise RuntimeError(why)
+        for work in started:
+            if isinstance(work, BaseException):
+                raise work
+        for work in started:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not connect within {limit_s:.0f}s")
+                time.sleep(0.005)
+            work.wait(timedelta(seconds=limit_s))
+            why = failure(pg, work)
+            if why:
+                raise RuntimeError(why)
     except BaseException:
         if caller.is_alive():
             threading.Thread(target=_abort, args=(pg,), name="nccl-abort", daemon=True).start()
