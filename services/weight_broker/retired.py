@@ -4,8 +4,8 @@ A process group's destructor may block: ~ProcessGroupGloo joins its worker threa
 wait, until the group's timeout, on a peer that hung or died mid-collective. Dropped by whoever held it last,
 the destructor would run on that thread: a chaos run saw the broker's receiving thread stuck 75 s in it,
 and the learner's next broadcast waited as long. Kept forever instead, every failed or re-formed epoch kept
-its threads and sockets (about 3 threads and 10 descriptors per rank on gloo, and rank 0 also keeps the
-epoch's store and every member's connection to it): a long run whose samplers restart now and then would
+its threads and sockets (about 3 threads and 10 descriptors per rank on gloo; rank 0's rendezvous store also
+kept every member's connection of every closed epoch): a long run whose samplers restart now and then would
 reach a container's open-files limit.
 
 So :func:`retire` hands a closed group to one daemon thread, which destroys it once nothing else holds it
