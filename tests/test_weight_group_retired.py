@@ -8,9 +8,13 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,3 +119,61 @@ def test_closed_groups_give_back_their_sockets_and_threads_off_the_callers_threa
     # destroying rank 1's group waited out its pending broadcast (the 4 s timeout): the reaper's wait, not the
     # wait of the thread that closed and dropped it
     assert got["dropped"] < 1.0 and got["waited"] > 1.5, got
+
+
+_EXIT_WHILE_DESTROYING = """
+import atexit, gc, sys, threading, time
+
+# registered before the reaper's own exit handler, so it runs after it (atexit runs the last registered first)
+atexit.register(lambda: print("destroyed at exit:", sys.modules["services.weight_broker.retired"].destroyed))
+
+import torch
+from services.common.ports import free_port
+from services.weight_broker import retired
+from services.weight_broker.weight_group import GroupSpec, WeightGroup
+
+spec = GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=0, timeout_s=3.0)
+groups = [None] * 3
+threads = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup(spec, r))) for r in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+works = [g.broadcast(torch.zeros(1000)) for g in groups[:2]]  # rank 2 hangs: rank 1's waits for the timeout
+time.sleep(0.3)
+for g in groups:
+    g.close()
+del groups, works, g
+gc.collect()
+deadline = time.monotonic() + 20
+while retired.waiting() + retired.destroyed == 3 and time.monotonic() < deadline:  # until one is under way
+    time.sleep(0.01)
+time.sleep(0.3)  # the group whose broadcast is pending: its destroy waits out the broadcast's timeout
+print("exiting with", retired.waiting(), "waiting and", retired.destroyed, "destroyed", flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_interpreter_exits_cleanly_while_a_retired_group_is_being_destroyed() -> None:
+    """A thread that takes the GIL back while Python finalizes is ended by a forced unwind, which torch's
+    destructor frames do not allow: a test session whose tests had all passed aborted so (std::terminate) when
+    the reaper finished a destroy during its exit. The exit now stops the reaper and waits for a destroy under
+    way: the process ends with 0, the destroy finished before Python finalized."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "gen")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_DESTROYING],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    said = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0, said
+    found = re.search(r"exiting with (\d) waiting and (\d) destroyed", said)
+    assert found, said
+    waiting, destroyed = int(found[1]), int(found[2])
+    assert waiting + destroyed == 2, said  # of the three groups, one was being destroyed when it exited
+    assert f"destroyed at exit: {destroyed + 1}" in said, said  # and that ended before Python finalized

@@ -13,10 +13,16 @@ So :func:`retire` hands a closed group to one daemon thread, which destroys it o
 the destructor runs there. torch releases the GIL while it destroys a process group, so a destructor that
 waits out a timeout holds up only the groups retired after it, never the caller. CPython's reference counts
 tell when a group is the reaper's alone.
+
+At interpreter exit the reaper is stopped, and a destroy under way is waited for (up to ``_EXIT_WAIT_S``):
+a thread that reacquires the GIL while Python finalizes is ended by a forced unwind, which torch's destructor
+frames do not allow (std::terminate: the process aborts, as a test session's did after all its tests had
+passed). Groups still held then are destroyed with the rest of the process's objects.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
@@ -28,7 +34,9 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _HELD: list[Any] = []  # retired process groups not yet destroyed
 _REAPER: threading.Thread | None = None
+_STOP = threading.Event()  # set at interpreter exit
 _POLL_S = 0.5
+_EXIT_WAIT_S = 10.0  # the longest the interpreter's exit waits for a destroy under way
 _SLOW_S = 10.0  # a destroy that took longer is logged
 _ONLY_HERE = 2  # sys.getrefcount of a group held by _HELD alone: the list's slot and the call's argument
 destroyed = 0  # retired groups destroyed so far (tests read it)
@@ -50,7 +58,7 @@ def retire(pg: Any, epoch: int) -> Closed:
     global _REAPER
     with _LOCK:
         _HELD.append(pg)
-        if _REAPER is None or not _REAPER.is_alive():
+        if not _STOP.is_set() and (_REAPER is None or not _REAPER.is_alive()):
             _REAPER = threading.Thread(target=_reap, name="weight-group-reaper", daemon=True)
             _REAPER.start()
     return Closed(epoch)
@@ -64,9 +72,8 @@ def waiting() -> int:
 
 def _reap() -> None:
     global destroyed
-    while True:
-        time.sleep(_POLL_S)
-        while True:
+    while not _STOP.wait(_POLL_S):
+        while not _STOP.is_set():
             with _LOCK:
                 free = next((i for i in range(len(_HELD)) if sys.getrefcount(_HELD[i]) <= _ONLY_HERE), None)
                 if free is None:
@@ -79,3 +86,17 @@ def _reap() -> None:
             (log.info if took > _SLOW_S else log.debug)(
                 "destroyed a retired weight group's process group in %.1fs", took
             )
+
+
+def _stop() -> None:
+    """At interpreter exit (see the module's docstring): no destroy starts on the reaper after this, and one
+    under way has ended (or ``_EXIT_WAIT_S`` has passed)."""
+    _STOP.set()
+    reaper = _REAPER
+    if reaper is not None and reaper.is_alive():
+        reaper.join(_EXIT_WAIT_S)
+        if reaper.is_alive():
+            log.warning("a retired weight group was still being destroyed at exit")
+
+
+atexit.register(_stop)
