@@ -9,36 +9,40 @@ kept every member's connection of every closed epoch): a long run whose samplers
 reach a container's open-files limit.
 
 So :func:`retire` hands a closed group to one daemon thread, which destroys it once nothing else holds it
-(the weight group, a collective being issued, a thread aborting it): the last reference is the reaper's, and
-the destructor runs there. torch releases the GIL while it destroys a process group, so a destructor that
-waits out a timeout holds up only the groups retired after it, never the caller. CPython's reference counts
-tell when a group is the reaper's alone.
+(the weight group, a collective being issued, a thread aborting it) and the collectives the weight group
+issued on it have ended (gloo ends a pending one at the group's timeout): the last reference is the reaper's,
+the destructor runs there and has nothing to wait for. CPython's reference counts tell when a group is the
+reaper's alone.
 
-At interpreter exit the reaper is stopped, and a destroy under way is waited for (up to ``_EXIT_WAIT_S``):
-a thread that reacquires the GIL while Python finalizes is ended by a forced unwind, which torch's destructor
-frames do not allow (std::terminate: the process aborts, as a test session's did after all its tests had
-passed). Groups still held then are destroyed with the rest of the process's objects.
+At interpreter exit the reaper is stopped, and a destroy under way is waited for: a thread that takes the GIL
+back while Python finalizes is ended by a forced unwind, which torch's destructor frames do not allow
+(std::terminate: a test session aborted so after all its tests had passed). Groups still held then are never
+destroyed (the process's end frees what they hold): the main thread would otherwise wait in their destructors
+for their collectives' timeouts.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_HELD: list[Any] = []  # retired process groups not yet destroyed
+# retired process groups not yet destroyed, each with the collectives issued on it
+_HELD: list[tuple[Any, Sequence[Any]]] = []
 _REAPER: threading.Thread | None = None
 _STOP = threading.Event()  # set at interpreter exit
 _POLL_S = 0.5
-_EXIT_WAIT_S = 10.0  # the longest the interpreter's exit waits for a destroy under way
+_EXIT_WAIT_S = 10.0  # the longest the interpreter's exit waits for a destroy under way (they take ms)
 _SLOW_S = 10.0  # a destroy that took longer is logged
-_ONLY_HERE = 2  # sys.getrefcount of a group held by _HELD alone: the list's slot and the call's argument
+_ONLY_HERE = 2  # sys.getrefcount of a group held by _HELD alone: its tuple's slot and the call's argument
 destroyed = 0  # retired groups destroyed so far (tests read it)
 
 
@@ -52,12 +56,13 @@ class Closed:
         raise RuntimeError(f"weight group epoch {self.epoch} is closed")
 
 
-def retire(pg: Any, epoch: int) -> Closed:
+def retire(pg: Any, epoch: int, works: Sequence[Any] = ()) -> Closed:
     """Destroy ``pg`` (epoch ``epoch``'s process group, closed or never connected) on the reaper thread once
-    nothing else holds it; returns what the weight group keeps in its place (its own reference must go)."""
+    nothing else holds it and ``works``, the collectives issued on it that may be pending, have ended; returns
+    what the weight group keeps in its place (its own reference must go)."""
     global _REAPER
     with _LOCK:
-        _HELD.append(pg)
+        _HELD.append((pg, list(works)))
         if not _STOP.is_set() and (_REAPER is None or not _REAPER.is_alive()):
             _REAPER = threading.Thread(target=_reap, name="weight-group-reaper", daemon=True)
             _REAPER.start()
@@ -75,17 +80,29 @@ def _reap() -> None:
     while not _STOP.wait(_POLL_S):
         while not _STOP.is_set():
             with _LOCK:
-                free = next((i for i in range(len(_HELD)) if sys.getrefcount(_HELD[i]) <= _ONLY_HERE), None)
+                free = next((i for i in range(len(_HELD)) if _idle(i)), None)
                 if free is None:
                     break
-                pg = _HELD.pop(free)
+                pg, works = _HELD.pop(free)
             t0 = time.monotonic()
-            del pg  # the last reference: the destructor runs here, the GIL released
+            # the last reference: the destructor runs here (the GIL released), with nothing pending; then the
+            # works, which hold the group's connections
+            del pg, works
             took = time.monotonic() - t0
             destroyed += 1
             (log.info if took > _SLOW_S else log.debug)(
                 "destroyed a retired weight group's process group in %.1fs", took
             )
+
+
+def _idle(i: int) -> bool:
+    """Whether ``_HELD[i]``'s group is held there alone and its collectives have ended (under ``_LOCK``)."""
+    if sys.getrefcount(_HELD[i][0]) > _ONLY_HERE:
+        return False
+    try:
+        return all(work.is_completed() for work in _HELD[i][1])
+    except Exception:  # a work that cannot tell: it has ended as far as this group goes
+        return True
 
 
 def _stop() -> None:
@@ -97,6 +114,9 @@ def _stop() -> None:
         reaper.join(_EXIT_WAIT_S)
         if reaper.is_alive():
             log.warning("a retired weight group was still being destroyed at exit")
+    with _LOCK:
+        for pg, _ in _HELD:  # never destroyed: the process's end frees what they hold
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 atexit.register(_stop)

@@ -195,6 +195,7 @@ class WeightGroup:
         import torch.distributed as dist
 
         self.spec, self.rank = spec, rank
+        self._works: list[Any] = []  # collectives issued that may be pending
         # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA ones
         # through the host (the GPU test of the receiver's bounce path uses that)
         if spec.backend == "nccl":
@@ -312,9 +313,12 @@ class WeightGroup:
         """Start a collective; one the group refuses (torch raises for an NCCL communicator it has aborted)
         fails this rank's part, marked for the others, as a failed wait does."""
         try:
-            return start()
+            work = start()
         except Exception as exc:
             raise self._part_failed(_first_line(exc)) from exc
+        # those that may be pending: a closed group is destroyed once they have ended (retired.py)
+        self._works = [w for w in self._works if not w.is_completed()] + [work]
+        return work
 
     def _part_failed(self, why: str) -> TransferFailed:
         """This rank's part of a collective failed: marked for the other ranks, the group closed; returns the
@@ -492,4 +496,4 @@ class WeightGroup:
         # Never destroy a closed group here: ~ProcessGroupGloo joins its worker threads, which may still wait on
         # a peer that died, and whichever thread dropped the group last would run that destructor (a chaos run
         # saw the broker's receiving thread stuck 75 s in it). The reaper thread destroys it (retired.py).
-        self._pg = retire(self._pg, self.spec.epoch)
+        self._pg, self._works = retire(self._pg, self.spec.epoch, self._works), []
