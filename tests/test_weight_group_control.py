@@ -33,6 +33,7 @@ from services.weight_broker.store import make_store
 from services.weight_broker.transports import WeightTransport
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, version_tensors
+from tests.test_weight_group_nccl import form
 from vcpo.v1 import weights_pb2
 
 
@@ -134,17 +135,7 @@ def test_the_group_host_follows_the_redis_hosts_address_family() -> None:
         pytest.skip("this machine has no IPv6 route")
     host = reachable_host("redis://[2001:db8::1]:6379/0")  # a documentation address: only its route is used
     assert ":" in host, host
-    spec = GroupSpec(host, free_port(), world_size=2, timeout_s=20)
-    groups: list[Any] = [None, None]
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightGroup(spec, rank, torch.device("cpu"))
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    groups = form(GroupSpec(host, free_port(), world_size=2, timeout_s=20))
     sent, got = torch.arange(8.0), torch.zeros(8)
     works = [groups[0].broadcast(sent), groups[1].broadcast(got)]
     for g, w in zip(groups, works, strict=True):

@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -21,27 +20,13 @@ import torch
 
 from services.common.ports import free_port
 from services.weight_broker import retired
-from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from services.weight_broker.weight_group import GroupSpec, TransferFailed
+from tests.test_weight_group_nccl import form
 
 
 def _held() -> tuple[int, int]:
     """This process's open descriptors and threads (the operating system's: gloo's own are not Python's)."""
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
-
-
-def _form(spec: GroupSpec) -> list[WeightGroup]:
-    groups: list[WeightGroup | None] = [None] * spec.world_size
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightGroup(spec, rank, torch.device("cpu"))
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(spec.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert all(g is not None for g in groups), groups
-    return groups  # type: ignore[return-value]
 
 
 def _reaped(limit_s: float) -> float:
@@ -56,7 +41,7 @@ def _reaped(limit_s: float) -> float:
 
 def _epoch(epoch: int) -> None:
     """Form a group of three ranks, move a tensor, close it."""
-    groups = _form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=epoch, timeout_s=30.0))
+    groups = form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=epoch, timeout_s=30.0))
     sent = torch.arange(1000, dtype=torch.float32)
     got = [sent.clone() if g.rank == 0 else torch.zeros(1000) for g in groups]
     works = [g.broadcast(t) for g, t in zip(groups, got, strict=True)]
@@ -89,7 +74,7 @@ def _measure() -> dict[str, Any]:
     four = _held()
 
     # rank 2 hangs: rank 0 is in a broadcast that only the group's timeout (or rank 2's end) ends
-    groups = _form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=5, timeout_s=30.0))
+    groups = form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=5, timeout_s=30.0))
     works = [g.broadcast(torch.zeros(1000)) for g in groups[:2]]
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -126,20 +111,15 @@ def test_closed_groups_give_back_their_sockets_and_threads_off_the_callers_threa
 
 
 _EXIT_WITH_A_PENDING_GROUP = """
-import sys, threading, time
+import sys, time
 
 import torch
 from services.common.ports import free_port
 from services.weight_broker import retired
-from services.weight_broker.weight_group import GroupSpec, WeightGroup
+from services.weight_broker.weight_group import GroupSpec
+from tests.test_weight_group_nccl import form
 
-spec = GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=0, timeout_s=30.0)
-groups = [None] * 3
-threads = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup(spec, r))) for r in range(3)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
+groups = form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=0, timeout_s=30.0))
 works = [g.broadcast(torch.zeros(1000)) for g in groups[:2]]  # rank 2 hangs: ranks 0 and 1 wait 30 s
 time.sleep(0.3)
 for g in groups[:2]:

@@ -70,7 +70,7 @@ def retire(pg: Any, epoch: int, works: Sequence[Any] = ()) -> Closed:
 
 
 def waiting() -> int:
-    """Retired groups not destroyed yet (something still holds them, or one ahead of them is being destroyed)."""
+    """Retired groups not destroyed yet (something still holds them, or a collective of theirs is pending)."""
     with _LOCK:
         return len(_HELD)
 

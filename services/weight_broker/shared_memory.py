@@ -228,7 +228,7 @@ class SharedSegment:
         self, name: str, nbytes: int, mapping: mmap.mmap, owner: bool, device: int | None = None
     ) -> None:
         self.name, self.nbytes, self.owner, self.device = name, nbytes, owner, device
-        self._mmap: mmap.mmap | None = mapping
+        # the tensor, and every view of it, keeps the mapping alive (unmapped once the last goes)
         self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         # page-locked like a pinned staging buffer: fast GPU copies
         self._registered = owner and page_lock(self.tensor, f"weight segment {name}", device)
@@ -294,7 +294,6 @@ class SharedSegment:
         if self.tensor is not None and self._registered:
             _unlock(self.tensor.data_ptr(), f"weight segment {self.name}", self.device)
         self.tensor, self._registered = None, False
-        self._mmap = None
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 
