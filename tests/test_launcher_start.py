@@ -139,3 +139,44 @@ def test_a_failure_inside_a_ray_actor_is_reported_as_what_it_raised_and_where() 
     assert failure_reason(RuntimeError("redis at redis://x:1/0 is unreachable")) == (
         "redis at redis://x:1/0 is unreachable"
     )
+
+
+class _Method:
+    def __init__(self, calls: list[tuple[str, int]], name: str, rank: int, result: object = None) -> None:
+        self.calls, self.name, self.rank, self.result = calls, name, rank, result
+
+    def remote(self, *args: object) -> object:
+        self.calls.append((self.name, self.rank))
+        return self.result
+
+
+class _Rank:
+    def __init__(self, calls: list[tuple[str, int]], rank: int) -> None:
+        self.prepare = _Method(calls, "prepare", rank)
+        self.address = _Method(calls, "address", rank, ("10.0.0.1", 29500))
+        self.run = _Method(calls, "run", rank)
+
+
+def test_every_learner_rank_imports_its_modules_before_rank_0_opens_the_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rendezvous waits for the ranks only the collective timeout (30 s in a chaos run): a rank that
+    imported DeepSpeed and transformers only once run() had started missed it on a loaded machine."""
+    import ray
+
+    from services.learner.ray_group import LearnerGroup
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(ray, "get", lambda refs, **_: refs)
+    group = object.__new__(LearnerGroup)
+    group.actors = [_Rank(calls, i) for i in range(3)]
+    group.start()
+    assert calls == [
+        ("prepare", 0),
+        ("prepare", 1),
+        ("prepare", 2),
+        ("address", 0),
+        ("run", 0),
+        ("run", 1),
+        ("run", 2),
+    ]

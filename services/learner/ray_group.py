@@ -1,8 +1,9 @@
 """The learner as a Ray actor group: one actor per rank, all in one placement group.
 
     placement group: learner.num_ranks bundles of {CPU: 1, GPU: learner.gpus_per_rank}, packed
-    rank 0's actor picks the rendezvous address (its node's IP, a free port) → every actor sets
-    MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and runs LearnerRank (service.py) in a thread
+    every actor imports the learner's modules; then rank 0's picks the rendezvous address (its node's IP, a
+    free port) → every actor sets MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and runs LearnerRank
+    (service.py) in a thread
     stop(): rank 0 stops at the next poll, checkpoints and tells the other ranks; run() returns summaries
     RankWatch: the launcher calls every rank (its second thread answers while run() trains); a rank that
     answers nothing for launcher.learner_hang_timeout_s is hung (stopped, or stuck holding the interpreter),
@@ -37,15 +38,19 @@ class LearnerRankActor:
         self.stop_event = threading.Event()
         self.published: int | None = None  # the version this rank published at start, once it has
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (asked of rank 0 for the rendezvous). The learner's modules
-        (torch, DeepSpeed, transformers: seconds) are imported first, so that run() binds the port moments
-        after it was found free, not after the imports, while other processes on the node take free ports."""
+    def prepare(self) -> None:
+        """Import the learner's modules (torch, DeepSpeed, transformers: seconds, far more on a loaded node or
+        a network filesystem). Every rank does so before rank 0 picks the rendezvous port: the rendezvous
+        waits for the ranks only ``learner.collective_timeout_s`` (30 s in a chaos run), which a rank still
+        importing missed (a CI run saw rank 1 miss it on a busy 2-core machine); and rank 0 binds the port
+        moments after it was found free, not after the imports, while other processes take free ports."""
         import deepspeed  # noqa: F401
         import transformers  # noqa: F401
 
         import services.learner.service  # noqa: F401
 
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (asked of rank 0 for the rendezvous, once it is prepared)."""
         return ray.util.get_node_ip_address(), self.cfg.learner.master_port or free_port("")
 
     def run(self, master: tuple[str, int], world: int, max_steps: int = 0) -> dict[str, Any]:
@@ -123,6 +128,7 @@ class LearnerGroup:
         return RankWatch(self.actors, timeout_s)
 
     def start(self, max_steps: int = 0) -> None:
+        ray.get([a.prepare.remote() for a in self.actors])  # every rank ready to meet (prepare's docstring)
         master = ray.get(self.actors[0].address.remote())
         world = len(self.actors)
         self._runs = [a.run.remote(master, world, max_steps) for a in self.actors]
