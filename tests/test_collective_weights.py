@@ -92,6 +92,12 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
             raise OSError(28, "No space left on device")
 
         Staging.take = full  # type: ignore[method-assign]
+    if behaviour == "fail-locally-and-linger":  # its own part fails (no room for a buffer); it stays up
+
+        def no_room(self: Any, layout: Any, piece: int, hashed: bool) -> Any:
+            raise RuntimeError("CUDA out of memory (a stand-in)\nmore lines")
+
+        CollectiveReceiver._direct = no_room  # type: ignore[method-assign]
     if behaviour == "corrupt":  # every bucket's first byte flipped after it arrived, as if damaged in transit
         receiver: CollectiveReceiver = _Corrupting(group)
     else:
@@ -104,6 +110,8 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
             version, tensors, stats = receiver.receive()
         except TransferFailed as exc:
             out.put((rank, "failed", str(exc)))
+            if behaviour.endswith("linger"):  # up, its sockets open, as an NCCL rank stays after its abort
+                time.sleep(120)
             if group.closed:  # a broken group: nothing more can arrive through it
                 # the abandoned collective stays pending inside gloo until its timeout, and an interpreter
                 # exit waits for it: leave at once (a service keeps running and joins a new group instead)
@@ -254,6 +262,27 @@ def test_a_receiver_whose_part_failed_stops_every_rank_at_once() -> None:
     assert time.monotonic() - t0 < 10, time.monotonic() - t0
     rank, status, why = out.get(timeout=30)
     assert (rank, status) == (2, "failed") and "version 7" in why
+    assert time.monotonic() - t0 < 15
+    for p in procs:
+        p.kill()
+
+
+def test_a_receiver_whose_own_step_fails_names_it_to_every_rank_at_once() -> None:
+    """A receiver whose own step fails (no room for a buffer, a bad header) marks its failure in the store
+    before it closes: every other rank gives up at its next check with that reason. Under NCCL nothing else
+    would wake them (an aborted rank's peers wait in the next bucket until the group's timeout)."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90)
+    procs, out = start_receivers(spec, ["fail-locally-and-linger", "ok"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(7)
+    t0 = time.monotonic()
+    why = "rank 1's part failed: version 7: receiving failed: CUDA out of memory \\(a stand-in\\)$"
+    with pytest.raises(TransferFailed, match=why):
+        CollectivePublisher(group, bucket_bytes=8192).send(7, specs_of(tensors), iter(tensors))
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    failed = dict((rank, message) for rank, _, message in (out.get(timeout=30) for _ in range(2)))
+    assert failed[1].startswith("rank 1's part failed: version 7: receiving failed: CUDA out of memory")
+    assert "rank 1's part failed" in failed[2] and "CUDA out of memory" in failed[2], failed[2]
     assert time.monotonic() - t0 < 15
     for p in procs:
         p.kill()

@@ -84,9 +84,14 @@ class CollectiveReceiver:
                 read = host_copy.opened
             theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(theirs))
-        except Exception as exc:
+        except TransferFailed as exc:  # the group's: marked for every rank already
             group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
+        except Exception as exc:  # this rank's own (no room for a bounce buffer, a bad header)
+            # marked for the others before closing: the publisher and the other receivers would otherwise wait
+            # in the next bucket until the group's timeout (an NCCL peer is not woken by this rank's abort)
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            raise group.part_failed(f"version {version}: receiving failed: {why}") from exc
         good = read and (mine is None or theirs.cpu().tolist() == mine)
         if read and not good:
             log.error("version %d: bucket digests differ from the publisher's: voting against it", version)

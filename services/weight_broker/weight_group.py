@@ -315,12 +315,12 @@ class WeightGroup:
         try:
             work = start()
         except Exception as exc:
-            raise self._part_failed(_first_line(exc)) from exc
+            raise self.part_failed(_first_line(exc)) from exc
         # those that may be pending: a closed group is destroyed once they have ended (retired.py)
         self._works = [w for w in self._works if not w.is_completed()] + [work]
         return work
 
-    def _part_failed(self, why: str) -> TransferFailed:
+    def part_failed(self, why: str) -> TransferFailed:
         """This rank's part of a collective failed: marked for the other ranks, the group closed; returns the
         error to raise."""
         why = f"rank {self.rank}'s part failed: {why}"
@@ -414,7 +414,8 @@ class WeightGroup:
         whose own part failed (a peer died). Without it a rank waiting for bytes that will never come waits
         out the whole timeout, since neither a closed gloo group nor a dead peer wakes every rank: a chaos run
         saw rank 0 wait 120 s in a commit vote whose failure the broker had seen at once. A rank whose
-        collective fails marks it so, before raising the collective's own error."""
+        collective fails marks it so, and raises the first mark (the cause, where another rank's failure broke
+        this one's links)."""
         nap, last = 5e-5, time.monotonic()
         asked = last
         while not work.is_completed():
@@ -427,7 +428,7 @@ class WeightGroup:
             if why is None and self.backend == "nccl":  # the watchdog times a collective out before it ends
                 broke = nccl_failure(self._pg, work)
                 if broke:
-                    raise self._part_failed(broke)
+                    raise self.part_failed(broke)
             if why is None and self.members_gone is not None and last - asked >= self.alive_every_s:
                 # a member that hung, or died without its connections closing (NCCL between the GPUs of one
                 # node notices neither), would hold every rank here until the timeout
@@ -444,12 +445,12 @@ class WeightGroup:
             # it returns as if the broadcast's bytes had arrived, so its result is read below. The collective
             # has completed here, so nothing waits.
             work.wait(timedelta(seconds=self.spec.timeout_s))
-        except Exception as exc:
+        except Exception as exc:  # the first rank's mark names the cause (a peer's closed link is its effect)
             self._mark_failed(f"rank {self.rank}'s part failed: {_first_line(exc)}")
-            raise
+            raise TransferFailed(self._failure() or _first_line(exc)) from exc
         why = nccl_failure(self._pg, work) if self.backend == "nccl" else None
         if why:  # NCCL raises nothing for a group built to survive its failures (nccl_group.failure)
-            raise self._part_failed(why)
+            raise self.part_failed(why)
         if self._closed:  # by another thread meanwhile: its abort ended the collective, which reads as done
             raise TransferFailed(f"rank {self.rank}'s weight group was closed during the collective")
 
