@@ -375,7 +375,8 @@ def test_an_idle_learner_republishes_the_version_its_failed_background_broadcast
     from types import SimpleNamespace
 
     from services.learner.service import LearnerRank
-    from services.weight_broker.group_control import GroupCoordinator, GroupRegistry
+    from services.weight_broker.group_control import GroupCoordinator
+    from services.weight_broker.seats import GroupRegistry
     from tests.test_collective_weights import specs_of, version_tensors
     from tests.test_weight_group_control import Receiver, _until
 

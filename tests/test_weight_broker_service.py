@@ -17,7 +17,7 @@ from services.common.observability import check_health
 from services.common.ports import free_port
 from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
-from services.weight_broker.group_control import GroupRegistry, Member
+from services.weight_broker.seats import GroupRegistry, Member
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports import GrpcTransport
 

@@ -19,15 +19,11 @@ from services.common.observability import Metrics
 from services.common.ports import free_port
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_broker.group_control import (
-    GroupCoordinator,
-    GroupRegistry,
-    Member,
-    MemberSeat,
-)
+from services.weight_broker.group_control import GroupCoordinator
 from services.weight_broker.member import serve_seat
 from services.weight_broker.members import reachable_host
 from services.weight_broker.receiver import CollectiveReceiver
+from services.weight_broker.seats import GroupRegistry, Member, MemberSeat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
 from services.weight_broker.transports import WeightTransport
@@ -287,6 +283,53 @@ def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
             _publish(coordinator, 2)
         assert time.monotonic() - t0 < 10, time.monotonic() - t0
         _until("a's part given up", lambda: any("version 2" in f for f in a.failures), timeout_s=5)
+        assert a.versions() == [1]  # nothing applied
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        for r in (a, b):
+            r.join(10)
+        coordinator.close()
+
+
+def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
+    registry: GroupRegistry,
+) -> None:
+    """Rank 0's idle check (``publisher()``) can see the members change (a sampler gone mid-broadcast) before
+    the broadcast thread sees it fail. Dropping the epoch then waits for that broadcast, whose failure was only
+    logged: not counted, so the learner never republished the version it lost (with k = 0 the run waited for
+    good). It is counted as any failed broadcast is."""
+    events: list[str] = []
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        timeout_s=60,
+        form_timeout_s=3,
+        bucket_bytes=8192,
+        on_event=events.append,
+    )
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    for r in (a, b):
+        r.start()
+    try:
+        _until("a formed group", lambda: coordinator.wait_formed(0.1))
+        _publish(coordinator, 1)
+        _until("version 1", lambda: a.versions() == [1] and b.versions() == [1])
+        assert coordinator._formed is not None
+        coordinator._formed.group.alive_every_s = (
+            5.0  # its own look at the members comes after the idle check
+        )
+        b.hang = True  # leaves the registry at the announcement, its connections open
+        publisher = coordinator.publisher()
+        assert publisher is not None
+        tensors = version_tensors(2)
+        publisher.send_background(2, specs_of(tensors), iter(tensors))
+        _until("b gone from the registry", lambda: "sampler-1.b" not in registry.live(), timeout_s=10)
+        coordinator.publisher()  # the members changed: the epoch is dropped once its broadcast has ended
+        assert coordinator.failures == 1 and events.count("broadcast_failed") == 1, events
+        coordinator.publisher()
+        assert coordinator.failures == 1  # once
         assert a.versions() == [1]  # nothing applied
     finally:
         for r in (a, b):

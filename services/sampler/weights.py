@@ -20,8 +20,8 @@ from services.common.admission import Admission
 from services.common.streams.consumer import StreamTail
 from services.sampler.engine import GenerationEngine
 from services.weight_broker.follower import WeightFollower
-from services.weight_broker.group_control import MemberSeat, Seat
 from services.weight_broker.protocol import Sink
+from services.weight_broker.seats import MemberSeat, Seat
 from services.weight_broker.transports import WeightTransport
 from services.weight_broker.weight_group import AnnouncementWatch, TransferFailed
 from vcpo.v1 import weights_pb2

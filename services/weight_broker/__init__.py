@@ -18,7 +18,9 @@ Client side (other services may import these):
 - ``buckets``: how a version is cut for the weight group (buckets, the pieces they travel in, digests).
 - ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.
 - ``members``: who the weight group's members are (their hosts, GPUs, host copies), as every rank reads it.
-- ``group_control``: the weight group's control plane (members' seats in Redis, learner rank 0's coordinator).
+- ``seats``: the weight group's receivers in its control plane (their registration in Redis, their seat in an
+  epoch).
+- ``group_control``: the weight group's control plane on learner rank 0 (the coordinator that forms epochs).
 
 Shared by both sides (the client side and the broker agree through these):
 

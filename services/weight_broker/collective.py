@@ -192,12 +192,15 @@ class CollectivePublisher:
                 self.shared = False
         return self._staging.take(nbytes)
 
-    def close(self) -> None:
-        """Wait for a background broadcast (its failure is logged, not raised) and stop its thread."""
+    def close(self) -> BaseException | None:
+        """Wait for a background broadcast and stop its thread; returns the broadcast's failure (logged, not
+        raised), for the caller to count, else None."""
+        failure: BaseException | None = None
         try:
             self.wait()
         except Exception as exc:  # a TransferFailed, or anything else the thread raised
             log.warning("the last background broadcast failed: %s", exc)
+            failure = exc
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
@@ -206,6 +209,7 @@ class CollectivePublisher:
         self._staging.release()
         if self._on_gpu is not None:
             self._on_gpu.release()
+        return failure
 
     def send(
         self,

@@ -8,7 +8,7 @@
          │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
          └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
 
-The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
+(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.) The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
 no group and some receiver is alive, or when the live members differ from the group's: one joined, one's
 heartbeat expired, or one restarted (a restarted process registers under a new id). Forming runs in a
 background thread; until it is done the learner publishes through the broker, so it never waits for a group.
@@ -20,11 +20,8 @@ restarted learner never reuses an epoch's keys.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,218 +34,12 @@ from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.members import reachable_host
+from services.weight_broker.seats import GroupRegistry, Member
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
 
 log = logging.getLogger(__name__)
 
 PUBLISHER = "publisher"  # the rendezvous name of rank 0
-
-
-@dataclass(frozen=True)
-class Member:
-    """A receiver: ``workers`` ranks (an engine's tensor-parallel workers; 1 for the broker) that can use
-    ``devices`` ("cuda": NCCL or gloo; "cpu": gloo only)."""
-
-    id: str
-    workers: int = 1
-    kind: str = "sampler"
-    devices: str = "cpu"
-
-    def as_json(self) -> str:
-        return json.dumps({"workers": self.workers, "kind": self.kind, "devices": self.devices})
-
-    @classmethod
-    def here(cls, name: str, workers: int, kind: str, gpu: bool | None = None) -> Member:
-        """This process as a member: ``name`` plus a fresh incarnation (a restarted process is a new member),
-        with a GPU if it was given one (default: if CUDA shows it one)."""
-        gpu = torch.cuda.is_available() if gpu is None else gpu
-        return cls(f"{name}.{uuid.uuid4().hex[:8]}", workers, kind, "cuda" if gpu else "cpu")
-
-
-@dataclass(frozen=True)
-class Seat:
-    """An epoch of the group that names this member, every member arrived: join it as ranks
-    ``rank_offset`` .. ``rank_offset + workers - 1``."""
-
-    spec: GroupSpec
-    rank_offset: int
-    bucket_bytes: int
-
-    def init_info(self) -> dict[str, Any]:
-        """What a vLLM engine's ``init_weight_transfer_engine`` takes (services/sampler/weight_transfer.py)."""
-        return {**self.spec.as_dict(), "rank_offset": self.rank_offset}
-
-
-class GroupRegistry:
-    """The Redis keys of the control plane (one run's)."""
-
-    def __init__(self, client: redis.Redis, run_id: str, ttl_s: float = 10.0) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"member ttl must be > 0, got {ttl_s}")
-        self.client, self.ttl_s = client, ttl_s
-        self.prefix = f"vcpo:{run_id}:wg"
-
-    def heartbeat(self, member: Member) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(f"{self.prefix}:member:{member.id}", member.as_json(), px=int(self.ttl_s * 1000))
-        pipe.sadd(f"{self.prefix}:members", member.id)
-        pipe.execute()
-
-    def leave(self, member_id: str) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.delete(f"{self.prefix}:member:{member_id}")
-        pipe.srem(f"{self.prefix}:members", member_id)
-        pipe.execute()
-
-    def live(self) -> dict[str, Member]:
-        """Every member whose heartbeat has not expired (expired ones are removed from the set)."""
-        ids = sorted(
-            m.decode() if isinstance(m, bytes) else str(m)
-            for m in self.client.smembers(f"{self.prefix}:members")
-        )
-        if not ids:
-            return {}
-        values = self.client.mget([f"{self.prefix}:member:{i}" for i in ids])
-        out, gone = {}, []
-        for member_id, raw in zip(ids, values, strict=True):
-            if raw is None:
-                gone.append(member_id)
-                continue
-            d = json.loads(raw)
-            out[member_id] = Member(member_id, int(d["workers"]), str(d["kind"]), str(d["devices"]))
-        if gone:
-            self.client.srem(f"{self.prefix}:members", *gone)
-        return out
-
-    def next_epoch(self) -> int:
-        return int(self.client.incr(f"{self.prefix}:epoch"))
-
-    def write_spec(self, spec: GroupSpec, ranks: dict[str, int], bucket_bytes: int) -> None:
-        body = {**spec.as_dict(), "ranks": ranks, "bucket_bytes": bucket_bytes}
-        self.client.set(f"{self.prefix}:spec", json.dumps(body))
-
-    def spec(self) -> tuple[GroupSpec, dict[str, int], int] | None:
-        """The newest epoch's spec, the members' rank offsets and the bucket size (None before the first)."""
-        raw = self.client.get(f"{self.prefix}:spec")
-        if raw is None:
-            return None
-        d = json.loads(raw)
-        return GroupSpec.from_dict(d), {k: int(v) for k, v in d["ranks"].items()}, int(d["bucket_bytes"])
-
-
-class MemberSeat:
-    """A receiver's place in the control plane: keeps its registration alive and, when an epoch names it,
-    arrives at that epoch's rendezvous from a background thread. :meth:`take` hands the epoch over once every
-    member has arrived, to the thread that owns the engine (which then joins without waiting for others)."""
-
-    def __init__(self, registry: GroupRegistry, member: Member, poll_s: float = 0.25) -> None:
-        self.registry, self.member, self.poll_s = registry, member, poll_s
-        self.newest_epoch = (
-            0  # the newest epoch the control plane formed (a holder of an older one leaves it)
-        )
-        self.failures = 0  # epochs that named this member but did not form
-        self._seen = 0
-        self._ready: Seat | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        self.registry.heartbeat(self.member)
-        # two threads: waiting at a rendezvous (up to form_timeout_s) must not let the registration expire
-        self._threads = [
-            threading.Thread(
-                target=self._loop,
-                args=(self._beat, self.registry.ttl_s / 3),
-                name=f"weight-seat-beat-{self.member.kind}",
-                daemon=True,
-            ),
-            threading.Thread(
-                target=self._loop,
-                args=(self._check, self.poll_s),
-                name=f"weight-seat-{self.member.kind}",
-                daemon=True,
-            ),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        try:
-            self.registry.leave(self.member.id)
-        except redis.RedisError as exc:
-            log.warning("could not leave the weight group's registry: %s", exc)
-
-    def take(self) -> Seat | None:
-        """A formed epoch to join, once (None when there is none new)."""
-        with self._lock:
-            seat, self._ready = self._ready, None
-        return seat
-
-    def superseded(self, epoch: int) -> bool:
-        """Whether the control plane formed an epoch after ``epoch`` (its members left that one)."""
-        return self.newest_epoch > epoch
-
-    def _loop(self, work: Callable[[], None], every_s: float) -> None:
-        while not self._stop.is_set():
-            try:
-                work()
-            except redis.RedisError as exc:
-                log.warning("weight group registry unreachable: %s", exc)
-            self._stop.wait(every_s)
-
-    def _beat(self) -> None:
-        self.registry.heartbeat(self.member)
-
-    def _check(self) -> None:
-        current = self.registry.spec()
-        if current is None:
-            return
-        spec, ranks, bucket_bytes = current
-        self.newest_epoch = max(self.newest_epoch, spec.epoch)
-        if spec.epoch <= self._seen or self.member.id not in ranks:
-            return
-        self._seen = spec.epoch
-        log.info(
-            "weight group epoch %d names this member (rank %d of %d): arriving at %s:%d",
-            spec.epoch,
-            ranks[self.member.id],
-            spec.world_size,
-            spec.host,
-            spec.port,
-        )
-        t0 = time.monotonic()
-        try:
-            import torch.distributed as dist
-
-            store = dist.PrefixStore(spec.prefix(), open_store(spec))
-            store.set(f"arrived/{self.member.id}", "1")
-            arrived = arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
-        except Exception as exc:
-            self.failures += 1
-            log.warning("weight group epoch %d: could not reach its rendezvous: %s", spec.epoch, exc)
-            return
-        if arrived < len(ranks) + 1:
-            self.failures += 1
-            log.warning(
-                "weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
-                spec.epoch,
-                arrived,
-                len(ranks) + 1,
-                spec.form_timeout_s,
-            )
-            return
-        log.info(
-            "weight group epoch %d: all %d members arrived (%.1fs)",
-            spec.epoch,
-            arrived,
-            time.monotonic() - t0,
-        )
-        with self._lock:
-            self._ready = Seat(spec, ranks[self.member.id], bucket_bytes)
 
 
 class FormFailed(RuntimeError):
@@ -372,7 +163,11 @@ class GroupCoordinator:
         if formed is None:
             return
         log.info("leaving weight group epoch %d: %s", self.epoch, why)
-        formed.publisher.close()  # waits for a broadcast in flight (its failure is logged)
+        # waits for a broadcast in flight: one that fails meanwhile (the member whose heartbeat expired, which
+        # changed the members, was in it) is counted as failed() counts, for the learner to republish its version
+        if formed.publisher.close() is not None:
+            self.failures += 1
+            self.on_event("broadcast_failed")
         formed.group.close()
         if formed.publisher.ipc_refused and self.planes["cuda_ipc"]:  # for good: receivers stay as they are
             self.planes["cuda_ipc"] = False

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.weight_broker.group_control import MemberSeat
 from services.weight_broker.receiver import CollectiveReceiver
+from services.weight_broker.seats import MemberSeat
 from services.weight_broker.servicer import WeightBrokerServicer
 from services.weight_broker.store import PublishRejected, StoredVersion
 from services.weight_broker.tensors import TensorSpec, checksum, manifest_of, tensor_bytes, version_checksum

@@ -16,8 +16,8 @@ from services.common.streams.specs import connect, stream_specs
 from services.weight_broker.announce import Announcer
 from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.group_control import GroupRegistry, Member, MemberSeat
 from services.weight_broker.member import serve_seat
+from services.weight_broker.seats import GroupRegistry, Member, MemberSeat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import make_store
 
