@@ -60,10 +60,49 @@ def test_a_republish_goes_through_the_broker_and_counts_as_given(monkeypatch: py
     monkeypatch.setattr(service, "publish_version", lambda *a, **k: calls.append("broker"))
     rank = rank0(0, 0, 7)
     rank.collective, rank._superseded, rank.rank = True, -1, 0
-    rank.coordinator = SimpleNamespace(publisher=lambda: object())  # type: ignore[assignment]
+    rank.coordinator = SimpleNamespace(  # type: ignore[assignment]
+        publisher=lambda: object(), members=frozenset({"sampler-0.a"})
+    )
     rank.learner = SimpleNamespace(publish_bucket_mb=1)  # type: ignore[assignment]
     rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=1.0))  # type: ignore[assignment]
     rank.clock, rank.metrics = None, None
     assert rank._publish()[1] == "collective" and rank._given_broker == 0
+    assert rank._carried_to == {"sampler-0.a"}  # the members that hold version 7 now
     assert rank._publish(via_broker=True)[1] == "broker" and rank._given_broker == 7
     assert calls == ["collective", "broker"]
+
+
+def test_a_sampler_that_joined_after_the_current_version_went_into_the_group_gets_it_through_the_broker(
+    redis_client: Any,
+) -> None:
+    """Under NCCL a broker without a GPU is not in the weight group: it holds only what went through its own
+    path (version 3 here), not version 7, which the group carried. A sampler that starts or restarts catches up
+    from the broker to version 3, whose groups the feed drops as too old; with no other sampler serving version
+    7 (one sampler, or every one restarted) no step comes to publish version 8, and the run waited for good.
+    While it waits for groups, learner rank 0 sees a receiver the current version did not reach and republishes
+    it through the broker, once; not while every receiver holds it, nor where the broker holds it."""
+    import time
+
+    from services.weight_broker.group_control import GroupCoordinator
+    from services.weight_broker.seats import GroupRegistry, Member
+
+    registry = GroupRegistry(redis_client, f"joiner-{time.monotonic_ns()}", ttl_s=10.0)
+    rank = rank0(3, 3, 7)
+    rank.coordinator = GroupCoordinator(registry, "127.0.0.1", "nccl")
+    rank._carried_to, rank._joiners_checked = frozenset({"sampler-0.a"}), 0.0
+    registry.heartbeat(Member("sampler-0.a", devices="cuda"))  # holds version 7
+    registry.heartbeat(Member("broker.x", kind="broker", devices="cpu"))  # no GPU: never in the NCCL group
+    try:
+        assert not rank._joiner_behind(every_s=0.0)
+        registry.heartbeat(Member("sampler-1.b", devices="cuda"))  # a sampler restarted: a new member
+        assert rank._joiner_behind(every_s=0.0)
+        assert not rank._joiner_behind(every_s=60.0)  # looked a moment ago
+        rank.transport.latest_version = 7  # the broker holds it (on gloo it is in the group)
+        assert not rank._joiner_behind(every_s=0.0)
+        rank.transport.latest_version, rank._given_broker = 3, 7  # what the republish does
+        assert not rank._joiner_behind(every_s=0.0)
+        rank._given_broker = 3
+        rank.transport.latest_version = -1  # the broker does not answer: asked again later
+        assert not rank._joiner_behind(every_s=0.0)
+    finally:
+        rank.coordinator.close()

@@ -110,6 +110,10 @@ class LearnerRank:
         # the newest version published through the broker's own path (under NCCL a broker without a GPU is
         # not in the weight group, so it holds only these: never a sign it lost the group's newer ones)
         self._given_broker = -1
+        # rank 0: the weight group's members when the current version went into it (they hold it, unless its
+        # broadcast failed), and when receivers that joined since were last looked for (_joiner_behind)
+        self._carried_to: frozenset[str] = frozenset()
+        self._joiners_checked = 0.0
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -236,7 +240,7 @@ class LearnerRank:
         self.metrics.offered(offered)
         self._offered.extend(offered)
         if groups is None:
-            if self._broadcast_lost() or self._broker_lost_version():
+            if self._broadcast_lost() or self._broker_lost_version() or self._joiner_behind():
                 return ("republish",)
             self.status.state = common_pb2.ServiceStatus.WAITING
             self.status.detail = (
@@ -318,6 +322,8 @@ class LearnerRank:
                         background=True,
                     )
                     path = "collective"
+                    if self.coordinator is not None:
+                        self._carried_to = self.coordinator.members
                 except TransferFailed as exc:  # the previous version's broadcast: nothing of this one left
                     if self.coordinator is not None:
                         self.coordinator.failed(exc)
@@ -360,6 +366,39 @@ class LearnerRank:
         if self.coordinator.failures == failures:
             return False
         log.warning("version %d did not reach the weight group: republishing it", self.trainer.version)
+        return True
+
+    def _joiner_behind(self, every_s: float = 2.0) -> bool:
+        """Rank 0, while it waits for groups (at most every ``every_s``): whether a receiver that did not get
+        the current version from the weight group (a sampler that started or restarted since it went out, or
+        one the group left out) needs it while the broker does not hold it. Under NCCL a broker without a GPU
+        is not in the group and holds only what went through its own path: such a sampler catches up to an
+        older version, whose groups the feed drops as too old, and where no other sampler serves the current
+        version (one sampler, or every one restarted) no step comes to publish a newer one, so the run would
+        wait for good. The current version then goes through the broker, once."""
+        now = time.monotonic()
+        if self.coordinator is None or self._given_broker >= self.trainer.version:
+            return False
+        if now - self._joiners_checked < every_s:
+            return False
+        self._joiners_checked = now
+        try:
+            joined = self.coordinator.receivers() - self._carried_to
+        except Exception as exc:  # Redis out of reach: asked again later
+            log.info("could not read the weight group's members: %s", exc)
+            return False
+        if not joined:
+            return False
+        latest = self._broker_latest()
+        if latest == -1 or (latest is not None and latest >= self.trainer.version):
+            return False  # the broker holds it (it is in the group, on gloo), or cannot say now
+        log.warning(
+            "%s joined after version %d went into the weight group, which the broker does not hold (it "
+            "holds %s): republishing it through the broker",
+            ", ".join(sorted(joined)),
+            self.trainer.version,
+            latest,
+        )
         return True
 
     def _broker_lost_version(self, every_s: float = 10.0) -> bool:

@@ -146,17 +146,19 @@ class GroupCoordinator:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ internals
+    def receivers(self) -> frozenset[str]:
+        """The live members the group carries versions to once they are in it (those left out for a while
+        too); under NCCL, those with a GPU (a broker without one gets versions over the broker path)."""
+        return frozenset(self._carried(self.registry.live()))
+
+    def _carried(self, live: dict[str, Member]) -> dict[str, Member]:
+        return {i: m for i, m in live.items() if self.backend != "nccl" or m.devices == "cuda"}
+
     def _eligible(self) -> dict[str, Any]:
         now = time.monotonic()
-        live = self.registry.live()
-        out = {}
-        for member_id, member in live.items():
-            if self._excluded.get(member_id, 0.0) > now:
-                continue
-            if self.backend == "nccl" and member.devices != "cuda":
-                continue  # e.g. a broker without a GPU: it gets versions over the broker path
-            out[member_id] = member
-        return out
+        return {
+            i: m for i, m in self._carried(self.registry.live()).items() if self._excluded.get(i, 0.0) <= now
+        }
 
     def _drop(self, why: str) -> None:
         formed, self._formed = self._formed, None
