@@ -622,3 +622,44 @@ def test_epochs_keep_forming_on_a_fixed_port_range_however_many_there_are(regist
         a.halt.set()
         a.join(10)
         coordinator.close()
+
+
+def test_a_broadcast_version_whose_load_failed_is_fetched_from_the_broker_though_it_was_passed_over() -> None:
+    """The fetch thread passes over a version the group delivered (version 5, announced by the broker too), and a
+    refusal is final. When loading the delivered copy fails (finish_weight_update raising in a worker), the
+    broker's copy is wanted again: it used to stay refused, and the sampler admitted nothing until a newer
+    version came (with one sampler, none did)."""
+    from types import SimpleNamespace
+
+    class NoLoad:
+        collective_staged, loaded_version = 5, 4
+
+        def apply_collective(self, version: int) -> float:
+            raise RuntimeError("finish_weight_update failed in worker(s) 1 of 2")
+
+    renewed: list[bool] = []
+    seat = SimpleNamespace(start=lambda: None, stop=lambda: None, renew=lambda: renewed.append(True))
+    sync = CollectiveWeightSync(NoLoad(), SimpleNamespace(), None, seat)  # type: ignore[arg-type]
+    sync.received = 5
+    assert not sync.follower._wants(5) and sync.follower.declined == 5  # delivered: not fetched
+    with pytest.raises(RuntimeError, match="finish_weight_update failed"):
+        sync.apply(5)
+    assert sync.received is None and sync.follower._wants(5)
+    assert "version 5 could not be loaded" in sync.error
+    # registered again under a new id: learner rank 0 gives the broker version 5 for it (its broker under NCCL
+    # holds only what the group did not carry), as it does for a restarted sampler
+    assert renewed == [True]
+
+
+def test_a_renewed_seat_is_a_new_member_and_the_old_one_is_gone(registry: GroupRegistry) -> None:
+    seat = MemberSeat(registry, Member("sampler-0.a1b2c3d4", 2, "sampler", "cuda"))
+    seat.start()
+    try:
+        old = seat.member.id
+        seat.renew()
+        new = seat.member
+        assert new.id != old and new.id.startswith("sampler-0.") and (new.workers, new.devices) == (2, "cuda")
+        assert set(registry.live()) == {new.id}
+    finally:
+        seat.stop()
+    assert registry.live() == {}

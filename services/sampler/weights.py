@@ -274,8 +274,15 @@ class CollectiveWeightSync(WeightSync):
         try:
             seconds = float(self.engine.apply_collective(version))  # type: ignore[attr-defined]
         except Exception as exc:
-            self.received = None  # the broker's copy is wanted again
+            # the broker's copy is wanted again, though the fetch thread passed over it when the group had
+            # delivered it (a refusal is otherwise final): the sampler would admit nothing until a newer one
+            self.received, self.follower.declined = None, None
             self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
+            try:  # under NCCL the broker holds only what the group did not carry: the learner gives it this
+                self.seat.renew()
+            except Exception as renew_exc:
+                log.warning("could not register again after a failed load: %s", renew_exc)
+            self.poll_now()
             raise
         self.error, self.last_path = "", "collective"
         log.info(

@@ -167,6 +167,19 @@ class MemberSeat:
         except redis.RedisError as exc:
             log.warning("could not leave the weight group's registry: %s", exc)
 
+    def renew(self) -> None:
+        """Register under a new id, as a restarted process does, and leave the old one: this member no longer
+        holds the version the group gave it (its load failed), so learner rank 0 counts it among the receivers
+        the current version did not reach, and gives the broker that version for it to fetch; the group
+        re-forms with it. Raises redis.RedisError if the registry is out of reach."""
+        with self._lock:
+            old = self.member
+            name = old.id.rsplit(".", 1)[0]
+            self.member = Member(f"{name}.{uuid.uuid4().hex[:8]}", old.workers, old.kind, old.devices)
+            self.registry.heartbeat(self.member)
+            self.registry.leave(old.id)
+        log.info("registered again as %s (was %s)", self.member.id, old.id)
+
     def take(self) -> Seat | None:
         """A formed epoch to join, once (None when there is none new)."""
         with self._lock:
@@ -186,7 +199,8 @@ class MemberSeat:
             self._stop.wait(every_s)
 
     def _beat(self) -> None:
-        self.registry.heartbeat(self.member)
+        with self._lock:  # not the old id after renew() left it
+            self.registry.heartbeat(self.member)
 
     def _check(self) -> None:
         current = self.registry.spec()
