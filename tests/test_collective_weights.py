@@ -485,6 +485,41 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
             learner.kill()
 
 
+def test_the_broker_stores_the_next_broadcast_version_after_one_it_could_not_store(redis_client: Any) -> None:
+    """A version the broker received but could not store (a full disk) is counted, and the broker stays in
+    the group and stores the next: its member thread used to end there, and with it every later sampler's
+    catch-up."""
+    from services.common.observability import Metrics
+    from services.weight_broker.member import BrokerMember
+    from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
+    from services.weight_broker.store import MemoryStore
+
+    class FullOnce(MemoryStore):
+        def begin(self, manifest: Any) -> Any:
+            if manifest.policy_version == 31:
+                raise OSError(28, "No space left on device")
+            return super().begin(manifest)
+
+    servicer = WeightBrokerServicer(FullOnce(2), BrokerMetrics(Metrics("t")), None)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    learner = ctx.Process(target=_announcing_publisher, args=(spec, [(31, 0.0), (32, 0.5)], out))
+    learner.start()
+    try:
+        member = BrokerMember(servicer, WeightGroup(spec, 1))
+        thread = threading.Thread(target=member.run, args=(threading.Event(), 0.2))
+        thread.start()
+        assert [out.get(timeout=60) for _ in range(2)] == [31, 32]
+        learner.join(timeout=30)
+        thread.join(timeout=30)
+        assert member.received == [32] and servicer.store.latest() == 32
+        assert member.failures[0] == "OSError: [Errno 28] No space left on device"
+        assert servicer.metrics.rejected.labels("store_error")._value.get() == 1
+    finally:
+        learner.kill()
+
+
 def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
     group = WeightGroup(spec, 1, device=torch.device("cuda", 0))  # gloo moves CUDA tensors through the host
     for _ in range(versions):

@@ -68,8 +68,8 @@ class BrokerMember:
         self, stop: threading.Event, poll_s: float = 1.0, superseded: Callable[[], bool] = lambda: False
     ) -> None:
         """Take versions until ``stop`` is set, the group breaks (a failed broadcast: the control plane forms
-        a new group) or ``superseded()`` (a newer epoch formed). A version the store refuses is counted and
-        skipped."""
+        a new group) or ``superseded()`` (a newer epoch formed). A version the store refuses, or cannot take,
+        is counted and skipped (until this thread ended at a full disk, and with it the broker's catch-up)."""
         while not stop.is_set() and not superseded():
             try:
                 self.step(poll_s)
@@ -79,6 +79,10 @@ class BrokerMember:
                 self.failures.append(str(exc))
                 log.warning("the weight group failed; the broker leaves it: %s", exc)
                 return
+            except Exception as exc:  # received, but not stored (a full disk): counted, the next may be
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+                if self.group.closed:
+                    return
 
 
 def serve_seat(
@@ -95,7 +99,7 @@ def serve_seat(
                 continue
             try:
                 group = WeightGroup(formed.spec, formed.rank_offset)
-            except TransferFailed as exc:
+            except Exception as exc:  # a TransferFailed, or a bad spec: the next epoch is tried all the same
                 log.warning("could not join weight group epoch %d: %s", formed.spec.epoch, exc)
                 continue
             log.info("joined weight group epoch %d as rank %d", formed.spec.epoch, formed.rank_offset)
