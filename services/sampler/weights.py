@@ -184,13 +184,25 @@ class CollectiveWeightSync(WeightSync):
         self.received_total = 0
         self._receive_seconds = 0.0
         self._last_look = 0.0
+        self._seated = False  # registered for the group (start)
 
     def start(self) -> None:
+        """Fetch through the broker; register for the group once the engine serves a version (at once if it
+        does already). A replica that starts or restarts catches up from the broker first: a member's loop
+        that spent its ticks in that first load (the whole model through the staging file) would hold every
+        broadcast of an epoch naming it, and every other engine's loop inside it."""
         super().start()
-        self.seat.start()
+        if self.engine.loaded_version is not None:
+            self._seat()
+
+    def _seat(self) -> None:
+        if not self._seated:
+            self._seated = True
+            self.seat.start()
 
     def stop(self) -> None:
-        self.seat.stop()
+        if self._seated:
+            self.seat.stop()
         super().stop()
         self.watch = None
 
@@ -270,7 +282,9 @@ class CollectiveWeightSync(WeightSync):
 
     def apply(self, version: int) -> float:
         if getattr(self.engine, "collective_staged", None) != version:
-            return super().apply(version)
+            seconds = super().apply(version)
+            self._seat()  # caught up: a member from now on
+            return seconds
         try:
             seconds = float(self.engine.apply_collective(version))  # type: ignore[attr-defined]
         except Exception as exc:
