@@ -53,6 +53,7 @@ class Receiver(threading.Thread):
         self.failures: list[str] = []
         self.refuse = False
         self.hang = False
+        self.never_connect = False  # arrives at each epoch's rendezvous (its seat), never joins the group
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -60,10 +61,17 @@ class Receiver(threading.Thread):
         group: WeightGroup | None = None
         while not self.halt.is_set():
             formed = self.seat.take()
+            if formed is not None and self.never_connect:
+                continue
             if formed is not None:
                 if group is not None:
                     group.close()
-                group = WeightGroup(formed.spec, formed.rank_offset)
+                try:
+                    group = WeightGroup(formed.spec, formed.rank_offset)
+                except TransferFailed as exc:  # the epoch did not form: the next one may
+                    group = None
+                    self.failures.append(str(exc))
+                    continue
             if group is None or group.closed or self.seat.superseded(group.spec.epoch):
                 time.sleep(0.02)
                 continue
@@ -289,6 +297,46 @@ def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
             r.halt.set()
         for r in (a, b):
             r.join(10)
+        coordinator.close()
+
+
+def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_and_the_rest_form(
+    registry: GroupRegistry,
+) -> None:
+    """Every member arrived, and the ranks did not connect (one on a node whose NCCL interface is wrong):
+    nothing names the culprit, and none was left out, so every attempt failed alike, each holding every
+    sampler's loop in its join for up to the forming timeout. The members new since the last epoch that formed
+    are left out, twice as long each time in a row: the others form and take versions."""
+    coordinator = GroupCoordinator(
+        registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=2, bucket_bytes=8192
+    )
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    b.never_connect = True
+    a.start()
+    try:
+        _until("a group of a", lambda: coordinator.wait_formed(0.1))
+        first = coordinator.epoch
+
+        def strikes() -> int:  # rank 0's look between steps: forms, re-forms, takes what forming gave
+            coordinator.publisher()
+            return coordinator._strikes.get("sampler-1.b", 0)
+
+        b.start()  # joins the registry: the group re-forms with it, and fails
+        _until("b left out once", lambda: strikes() == 1, timeout_s=20)
+        _until("a group of a again", lambda: coordinator.wait_formed(0.1) and coordinator.epoch > first)
+        assert coordinator.members == {"sampler-0.a"}
+        _publish(coordinator, 3)
+        _until("version 3", lambda: 3 in a.versions())
+        # back in after 3 heartbeat lifetimes (3 s), it breaks the next epoch too: left out twice as long
+        _until("b left out twice", lambda: strikes() == 2, timeout_s=30)
+        assert coordinator._excluded["sampler-1.b"] - time.monotonic() > 4.0
+        assert "sampler-0.a" not in coordinator._strikes  # in the epochs that formed: never blamed
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        for r in (a, b):
+            if r.is_alive():
+                r.join(10)
         coordinator.close()
 
 

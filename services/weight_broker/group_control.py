@@ -13,8 +13,10 @@ no group and some receiver is alive, or when the live members differ from the gr
 heartbeat expired, or one restarted (a restarted process registers under a new id). Forming runs in a
 background thread; until it is done the learner publishes through the broker, so it never waits for a group.
 A broadcast that fails closes the group on every member; the next publish goes through the broker and forms
-a new epoch. Members that did not arrive in time are left out of the next attempts for a while (they are
-counted back in once they arrive in time again, or restart). Epochs come from a Redis counter, so a
+a new epoch. Members that did not arrive in time, or where the ranks could not connect those new since the
+last epoch that formed, are left out of the next attempts for a while: 3 heartbeat lifetimes, twice that
+each time in a row, up to 10 minutes (a member is counted back in once it is in an epoch that forms, or
+restarts). Epochs come from a Redis counter, so a
 restarted learner never reuses an epoch's keys.
 """
 
@@ -40,6 +42,7 @@ from services.weight_broker.weight_group import GroupSpec, TransferFailed, Weigh
 log = logging.getLogger(__name__)
 
 PUBLISHER = "publisher"  # the rendezvous name of rank 0
+EXCLUDE_MAX_S = 600.0  # the longest a member that keeps breaking epochs is left out at a time
 
 
 class FormFailed(RuntimeError):
@@ -91,6 +94,10 @@ class GroupCoordinator:
         self._forming: Future[_Formed] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-group-form")
         self._excluded: dict[str, float] = {}  # member -> monotonic time it may be named again
+        # member -> epochs in a row it broke (left out twice as long each time, up to EXCLUDE_MAX_S); the
+        # members of the last epoch that formed (a connect that fails blames those not in it)
+        self._strikes: dict[str, int] = {}
+        self._last_formed: frozenset[str] = frozenset()
         self._next_attempt = 0.0
         self._closing = False
         self._store: Any = None  # the rendezvous store (TCPStore master), once bound
@@ -185,8 +192,10 @@ class GroupCoordinator:
             formed = forming.result()
         except Exception as exc:
             if isinstance(exc, FormFailed):
-                until = time.monotonic() + 3 * self.registry.ttl_s
-                self._excluded.update(dict.fromkeys(exc.missing, until))
+                for member in exc.missing:
+                    self._strikes[member] = strikes = self._strikes.get(member, 0) + 1
+                    left_out = min(3 * self.registry.ttl_s * 2 ** (strikes - 1), EXCLUDE_MAX_S)
+                    self._excluded[member] = time.monotonic() + left_out
             self._failed_forming(exc)
             return
         if self._closing:
@@ -196,6 +205,9 @@ class GroupCoordinator:
         self._formed = formed
         self.epoch = formed.group.spec.epoch
         self.backoff_s = 1.0
+        self._last_formed = formed.members
+        for member in formed.members:
+            self._strikes.pop(member, None)
         self.on_event("formed")
         log.info(
             "weight group epoch %d formed: %d ranks (%s)",
@@ -260,7 +272,11 @@ class GroupCoordinator:
         try:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:
-            raise FormFailed(str(exc), []) from exc
+            # every member arrived, and the ranks did not connect: nothing names the rank that could not (a
+            # wrong NCCL_SOCKET_IFNAME on its node, a NetworkPolicy). The members new since the last epoch
+            # that formed are left out; were none left out, every attempt would fail alike, and each holds
+            # every sampler's loop in its join for up to the forming timeout.
+            raise FormFailed(str(exc), sorted(set(ranks) - self._last_formed)) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
         publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, **self.planes)
