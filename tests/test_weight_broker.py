@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -452,3 +453,32 @@ def test_wire_chunks_round_trip_through_protobuf() -> None:
     )
     with pytest.raises(ValueError, match="truncated"):
         decode_chunk(raw[:-10])
+
+
+def test_a_follower_fetches_a_version_whose_announcement_was_lost(
+    redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """The broker could not announce version 1 (Redis out of reach for a moment: counted, and the version is
+    committed and fetchable). The follower asks the broker's latest version beside the announcements, so it
+    is not missed until version 2 comes, which with k = 0 and one sampler never would."""
+    from services.weight_broker.follower import WeightFollower
+
+    spec = stream_specs(RunConfig(run_id=f"lost-{time.monotonic_ns()}"), StreamsConfig())["weights"]
+
+    class LosesOne(Announcer):
+        def announce(self, manifest: Any, location: str | None = None) -> None:
+            if manifest.policy_version == 1:
+                raise redis.ConnectionError("Connection reset by peer")
+            super().announce(manifest, location)
+
+    b = Broker(MemoryStore(retain=2), LosesOne(StreamProducer(redis_client, spec), "grpc", "x"))
+    loader = StagingLoader()
+    follower = WeightFollower(b.client(), loader, StreamTail(redis_client, spec), latest_every_s=0.0)
+    try:
+        b.client().publish(0, specs_of(state_dict), source(state_dict))
+        assert follower.poll() and follower.loaded_version == 0
+        b.client().publish(1, specs_of(state_dict), source(state_dict))
+        assert follower.poll() and follower.loaded_version == 1
+        assert not follower.poll()  # nothing newer
+    finally:
+        b.stop()

@@ -45,8 +45,12 @@ class WeightFollower:
         announcements: StreamTail[weights_pb2.WeightAnnouncement] | None = None,
         loaded_version: int | None = None,
         wanted: Callable[[int], bool] | None = None,
+        latest_every_s: float = 10.0,
     ) -> None:
+        """``latest_every_s``: how often the broker's latest version is asked for beside the announcements (one
+        the broker could not announce, Redis out of reach for a moment, is not missed until the next)."""
         self.transport, self.loader, self.announcements = transport, loader, announcements
+        self.latest_every_s, self._asked = latest_every_s, float("-inf")
         self.loaded_version = loaded_version
         # None: every newer version; else only those it accepts (the dedicated evaluator's due ones)
         self.wanted = wanted
@@ -101,7 +105,13 @@ class WeightFollower:
         if self.announcements is not None:
             for entry in self.announcements.read(count=1000):
                 self.newest_known = max(self.newest_known or 0, entry.policy_version)
-        if self.announcements is None or self.newest_known is None:
+        now = time.monotonic()
+        if (
+            self.announcements is None
+            or self.newest_known is None
+            or now - self._asked >= self.latest_every_s
+        ):
+            self._asked = now
             latest = self.transport.latest()
             if latest is not None:
                 self.newest_known = max(self.newest_known or 0, latest)
