@@ -23,7 +23,7 @@ from services.weight_broker.group_control import GroupCoordinator
 from services.weight_broker.member import serve_seat
 from services.weight_broker.members import reachable_host
 from services.weight_broker.receiver import CollectiveReceiver
-from services.weight_broker.seats import GroupRegistry, Member, MemberSeat
+from services.weight_broker.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer
 from services.weight_broker.store import make_store
 from services.weight_broker.transports import WeightTransport
@@ -698,6 +698,18 @@ def test_a_broadcast_version_whose_load_failed_is_fetched_from_the_broker_though
     # registered again under a new id: learner rank 0 gives the broker version 5 for it (its broker under NCCL
     # holds only what the group did not carry), as it does for a restarted sampler
     assert renewed == [True]
+
+
+def test_a_seat_taken_after_a_newer_epoch_formed_is_not_joined(registry: GroupRegistry) -> None:
+    """A sampler's loop busy past the forming timeout takes its seat late: rank 0 gave that epoch up and wrote
+    a newer one. Joining it would wait out the forming timeout again for ranks that left."""
+    seat = MemberSeat(registry, Member("sampler-0.a"), poll_s=0.05)
+    seat._ready = Seat(GroupSpec("127.0.0.1", 1, 2, epoch=4), 1, 8192)
+    seat.newest_epoch = 5
+    assert seat.take() is None
+    seat._ready = Seat(GroupSpec("127.0.0.1", 1, 2, epoch=5), 1, 8192)
+    taken = seat.take()
+    assert taken is not None and taken.spec.epoch == 5 and seat.take() is None
 
 
 def test_a_renewed_seat_is_a_new_member_and_the_old_one_is_gone(registry: GroupRegistry) -> None:

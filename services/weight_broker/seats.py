@@ -181,9 +181,14 @@ class MemberSeat:
         log.info("registered again as %s (was %s)", self.member.id, old.id)
 
     def take(self) -> Seat | None:
-        """A formed epoch to join, once (None when there is none new)."""
+        """A formed epoch to join, once (None when there is none new, or the one there is was superseded:
+        its loop took it too late, after rank 0 had given it up and formed another, and joining it would
+        wait out the forming timeout for ranks that left)."""
         with self._lock:
             seat, self._ready = self._ready, None
+        if seat is not None and self.superseded(seat.spec.epoch):
+            log.info("weight group epoch %d was superseded before this member took it", seat.spec.epoch)
+            return None
         return seat
 
     def superseded(self, epoch: int) -> bool:
