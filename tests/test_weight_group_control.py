@@ -340,6 +340,31 @@ def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_a
         coordinator.close()
 
 
+def test_where_every_member_is_new_a_failed_connect_leaves_none_out(registry: GroupRegistry) -> None:
+    """The first epoch's ranks did not connect: every member is new, so blaming the new ones would leave all
+    out together, longer each time, up to 10 minutes between attempts. None is left out; the attempts come
+    at the forming backoff."""
+    coordinator = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=2)
+    events: list[str] = []
+    coordinator.on_event = events.append
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    b.never_connect = True
+    for r in (a, b):
+        r.start()
+    try:
+        _until("both registered", lambda: len(registry.live()) == 2)  # before rank 0 first looks
+        _until(
+            "a failed forming", lambda: (coordinator.publisher(), "form_failed" in events)[1], timeout_s=20
+        )
+        assert coordinator._strikes == {} and coordinator._excluded == {}
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        for r in (a, b):
+            r.join(10)
+        coordinator.close()
+
+
 def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
     registry: GroupRegistry,
 ) -> None:
@@ -379,6 +404,42 @@ def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
         coordinator.publisher()
         assert coordinator.failures == 1  # once
         assert a.versions() == [1]  # nothing applied
+    finally:
+        for r in (a, b):
+            r.halt.set()
+        for r in (a, b):
+            r.join(10)
+        coordinator.close()
+
+
+def test_a_failure_counted_by_failed_is_not_counted_again_when_its_broadcast_ends(
+    registry: GroupRegistry,
+) -> None:
+    """failed() counts a failure and drops the epoch, which waits for the broadcast still pending; that
+    broadcast's own failure, returned by the publisher's close, is the same failure."""
+    events: list[str] = []
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        timeout_s=60,
+        form_timeout_s=3,
+        bucket_bytes=8192,
+        on_event=events.append,
+    )
+    a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
+    for r in (a, b):
+        r.start()
+    try:
+        _until("a formed group", lambda: coordinator.wait_formed(0.1))
+        b.hang = True
+        publisher = coordinator.publisher()
+        assert publisher is not None
+        tensors = version_tensors(2)
+        publisher.send_background(2, specs_of(tensors), iter(tensors))
+        coordinator.failed(TransferFailed("epoch closed after a failed broadcast"))  # as publisher() calls it
+        assert publisher._pending is None  # the drop waited for the broadcast, which failed
+        assert coordinator.failures == 1 and events.count("broadcast_failed") == 1, events
     finally:
         for r in (a, b):
             r.halt.set()
@@ -710,6 +771,56 @@ def test_a_seat_taken_after_a_newer_epoch_formed_is_not_joined(registry: GroupRe
     seat._ready = Seat(GroupSpec("127.0.0.1", 1, 2, epoch=5), 1, 8192)
     taken = seat.take()
     assert taken is not None and taken.spec.epoch == 5 and seat.take() is None
+
+
+def test_a_sampler_that_could_not_register_tries_again_at_a_later_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering (once the engine serves a version) can meet the registry out of reach (Redis restarting):
+    it is not raised through the load that succeeded, and a later turn of the loop registers."""
+    from types import SimpleNamespace
+
+    import services.sampler.weights as weights
+
+    starts: list[str] = []
+
+    def start() -> None:
+        starts.append("tried")
+        if len(starts) == 1:
+            raise redis.ConnectionError("Error 111 connecting to redis:6379. Connection refused.")
+
+    engine = SimpleNamespace(loaded_version=None, collective_staged=None)
+    seat = SimpleNamespace(start=start, stop=lambda: None, take=lambda: None)
+    sync = CollectiveWeightSync(engine, SimpleNamespace(latest=lambda: None), None, seat)  # type: ignore[arg-type]
+    sync.start()
+    sync.pump()
+    assert starts == []  # no version served yet: it catches up from the broker first
+    engine.loaded_version = 1
+    sync.pump()  # refused: logged, not raised
+    sync.pump()  # not again at once
+    assert starts == ["tried"] and not sync._seated
+    monkeypatch.setattr(weights, "SEAT_RETRY_S", 0.0)
+    sync.pump()
+    assert starts == ["tried", "tried"] and sync._seated
+    sync.stop()
+
+
+def test_a_heartbeat_that_races_a_renew_leaves_only_the_new_id(registry: GroupRegistry) -> None:
+    """The heartbeat thread read the member before renew() replaced it, and heartbeat it after renew() left
+    it: the old id was registered again, and the coordinator saw a member that is gone."""
+    seat = MemberSeat(registry, Member("sampler-0.a1b2c3d4"))
+    real, raced = registry.heartbeat, []
+
+    def renewed_meanwhile(member: Member) -> None:
+        if member.id == "sampler-0.a1b2c3d4" and not raced:
+            raced.append(True)
+            seat.renew()  # between the heartbeat thread's read of the member and its write
+        real(member)
+
+    registry.heartbeat = renewed_meanwhile  # type: ignore[method-assign]
+    seat._beat()
+    assert raced and set(registry.live()) == {seat.member.id} != {"sampler-0.a1b2c3d4"}
+    registry.leave(seat.member.id)
 
 
 def test_a_renewed_seat_is_a_new_member_and_the_old_one_is_gone(registry: GroupRegistry) -> None:

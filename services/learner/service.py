@@ -6,6 +6,8 @@
       rank 0:     feed.poll(version) ─► ("step", groups) | ("idle",) | ("stop",)  ─┐ broadcast to all ranks
                   idle, every 10 s: does the broker still hold the current version? ─► ("republish",)
                   idle: did the current version's broadcast into the weight group fail? ─► ("republish",)
+                  idle, every 2 s: a receiver it did not reach (joined since), and the broker lacks it? ─►
+                  ("republish",)
       all ranks:  ◄──────────────────────────────────────────────────────────────┘
                   step: place whole groups on ranks ─ train_step ─ publish v+1 (bucketed gathers)
                   every M steps: checkpoint (weights, optimizer, feed state), then rank 0 acknowledges

@@ -147,6 +147,9 @@ class WeightSync:
         return f"{why}; the learner has not published a newer version yet"
 
 
+SEAT_RETRY_S = 5.0  # a registration the registry refused is tried again this much later
+
+
 class CollectiveWeightSync(WeightSync):
     """Weight sync with the collective transport: versions the learner broadcasts are received into the
     engine's workers between engine steps, and applied at the loop's safe points like fetched ones.
@@ -158,7 +161,7 @@ class CollectiveWeightSync(WeightSync):
                       ready() ─► apply(v)                                  in the weight_update mode's time
         fetch thread: the broker's path for what the group did not carry (published while it formed, or after
                       a failed broadcast, or before this replica joined); versions the group delivered are
-                      not fetched again
+                      not fetched again, unless their load failed
 
     A broadcast that fails leaves the engine on its version (nothing was loaded before the group's vote),
     is counted in ``broadcast_failures``, and the engine leaves the group until the learner forms a new one.
@@ -185,6 +188,7 @@ class CollectiveWeightSync(WeightSync):
         self._receive_seconds = 0.0
         self._last_look = 0.0
         self._seated = False  # registered for the group (start)
+        self._seat_tried = float("-inf")
 
     def start(self) -> None:
         """Fetch through the broker; register for the group once the engine serves a version (at once if it
@@ -196,9 +200,20 @@ class CollectiveWeightSync(WeightSync):
             self._seat()
 
     def _seat(self) -> None:
-        if not self._seated:
-            self._seated = True
+        """Register (once the engine serves a version); where the registry is out of reach, again at the loop's
+        turn ``SEAT_RETRY_S`` later."""
+        now = time.monotonic()
+        if self._seated or now - self._seat_tried < SEAT_RETRY_S:
+            return
+        self._seat_tried = now
+        try:
             self.seat.start()
+        except Exception as exc:
+            log.warning(
+                "could not register for the weight group (trying again in %.0fs): %s", SEAT_RETRY_S, exc
+            )
+            return
+        self._seated = True
 
     def stop(self) -> None:
         if self._seated:
@@ -210,6 +225,8 @@ class CollectiveWeightSync(WeightSync):
         return self.received is None or version > self.received
 
     def pump(self) -> None:
+        if not self._seated and self.engine.loaded_version is not None:
+            self._seat()
         seat = self.seat.take()
         if seat is not None:
             self._join(seat)

@@ -8,7 +8,9 @@
          │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
          └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
 
-(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.) The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
+(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.)
+
+The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
 no group and some receiver is alive, or when the live members differ from the group's: one joined, one's
 heartbeat expired, or one restarted (a restarted process registers under a new id). Forming runs in a
 background thread; until it is done the learner publishes through the broker, so it never waits for a group.
@@ -132,7 +134,7 @@ class GroupCoordinator:
         log.warning("weight group epoch %d failed: %s", self.epoch, error)
         self.failures += 1
         self.on_event("broadcast_failed")
-        self._drop("a broadcast failed")
+        self._drop("a broadcast failed", counted=True)
         # a member that died is still registered until its heartbeat expires: form again after that, or the
         # next epoch would wait form_timeout_s for it
         self._next_attempt = max(self._next_attempt, time.monotonic() + self.registry.ttl_s)
@@ -162,19 +164,21 @@ class GroupCoordinator:
         return {i: m for i, m in live.items() if self.backend != "nccl" or m.devices == "cuda"}
 
     def _eligible(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            i: m for i, m in self._carried(self.registry.live()).items() if self._excluded.get(i, 0.0) <= now
-        }
+        now, live = time.monotonic(), self._carried(self.registry.live())
+        for gone in (set(self._strikes) | set(self._excluded)) - set(live):  # dead ids are not kept
+            self._strikes.pop(gone, None)
+            self._excluded.pop(gone, None)
+        return {i: m for i, m in live.items() if self._excluded.get(i, 0.0) <= now}
 
-    def _drop(self, why: str) -> None:
+    def _drop(self, why: str, counted: bool = False) -> None:
+        """Leave the formed epoch; ``counted``: its failure was counted already (:meth:`failed`)."""
         formed, self._formed = self._formed, None
         if formed is None:
             return
         log.info("leaving weight group epoch %d: %s", self.epoch, why)
         # waits for a broadcast in flight: one that fails meanwhile (the member whose heartbeat expired, which
         # changed the members, was in it) is counted as failed() counts, for the learner to republish its version
-        if formed.publisher.close() is not None:
+        if formed.publisher.close() is not None and not counted:
             self.failures += 1
             self.on_event("broadcast_failed")
         formed.group.close()
@@ -194,7 +198,7 @@ class GroupCoordinator:
             if isinstance(exc, FormFailed):
                 for member in exc.missing:
                     self._strikes[member] = strikes = self._strikes.get(member, 0) + 1
-                    left_out = min(3 * self.registry.ttl_s * 2 ** (strikes - 1), EXCLUDE_MAX_S)
+                    left_out = min(3 * self.registry.ttl_s * 2 ** min(strikes - 1, 16), EXCLUDE_MAX_S)
                     self._excluded[member] = time.monotonic() + left_out
             self._failed_forming(exc)
             return
@@ -275,8 +279,10 @@ class GroupCoordinator:
             # every member arrived, and the ranks did not connect: nothing names the rank that could not (a
             # wrong NCCL_SOCKET_IFNAME on its node, a NetworkPolicy). The members new since the last epoch
             # that formed are left out; were none left out, every attempt would fail alike, and each holds
-            # every sampler's loop in its join for up to the forming timeout.
-            raise FormFailed(str(exc), sorted(set(ranks) - self._last_formed)) from exc
+            # every sampler's loop in its join for up to the forming timeout. Where all are new (the first
+            # epoch, every member restarted) none is: the next attempts come at the forming backoff (<= 30 s)
+            new = sorted(set(ranks) - self._last_formed)
+            raise FormFailed(str(exc), new if len(new) < len(ranks) else []) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
         publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, **self.planes)

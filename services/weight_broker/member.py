@@ -81,6 +81,8 @@ class BrokerMember:
                 return
             except Exception as exc:  # received, but not stored (a full disk): counted, the next may be
                 self.failures.append(f"{type(exc).__name__}: {exc}")
+                self.servicer.metrics.rejected.labels("store_error").inc()
+                log.error("a broadcast version was not stored: %s", self.failures[-1])
                 if self.group.closed:
                     return
 

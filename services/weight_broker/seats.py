@@ -172,13 +172,12 @@ class MemberSeat:
         holds the version the group gave it (its load failed), so learner rank 0 counts it among the receivers
         the current version did not reach, and gives the broker that version for it to fetch; the group
         re-forms with it. Raises redis.RedisError if the registry is out of reach."""
-        with self._lock:
-            old = self.member
-            name = old.id.rsplit(".", 1)[0]
-            self.member = Member(f"{name}.{uuid.uuid4().hex[:8]}", old.workers, old.kind, old.devices)
-            self.registry.heartbeat(self.member)
-            self.registry.leave(old.id)
-        log.info("registered again as %s (was %s)", self.member.id, old.id)
+        old = self.member
+        name = old.id.rsplit(".", 1)[0]
+        self.member = new = Member(f"{name}.{uuid.uuid4().hex[:8]}", old.workers, old.kind, old.devices)
+        self.registry.heartbeat(new)
+        self.registry.leave(old.id)
+        log.info("registered again as %s (was %s)", new.id, old.id)
 
     def take(self) -> Seat | None:
         """A formed epoch to join, once (None when there is none new, or the one there is was superseded:
@@ -201,11 +200,16 @@ class MemberSeat:
                 work()
             except redis.RedisError as exc:
                 log.warning("weight group registry unreachable: %s", exc)
+            except Exception:  # never the end of this thread: the member would stop arriving for good
+                log.exception("weight group seat: %s failed", getattr(work, "__name__", work))
             self._stop.wait(every_s)
 
     def _beat(self) -> None:
-        with self._lock:  # not the old id after renew() left it
-            self.registry.heartbeat(self.member)
+        # not under the lock take() uses: the engine's loop would wait out a Redis outage in it
+        member = self.member
+        self.registry.heartbeat(member)
+        if self.member is not member:  # renewed meanwhile: the old id stays gone
+            self.registry.leave(member.id)
 
     def _check(self) -> None:
         current = self.registry.spec()
@@ -213,13 +217,14 @@ class MemberSeat:
             return
         spec, ranks, bucket_bytes = current
         self.newest_epoch = max(self.newest_epoch, spec.epoch)
-        if spec.epoch <= self._seen or self.member.id not in ranks:
+        me = self.member.id  # the id this arrives under (renew() may change the member's meanwhile)
+        if spec.epoch <= self._seen or me not in ranks:
             return
         self._seen = spec.epoch
         log.info(
             "weight group epoch %d names this member (rank %d of %d): arriving at %s:%d",
             spec.epoch,
-            ranks[self.member.id],
+            ranks[me],
             spec.world_size,
             spec.host,
             spec.port,
@@ -229,7 +234,7 @@ class MemberSeat:
             import torch.distributed as dist
 
             store = dist.PrefixStore(spec.prefix(), open_store(spec))
-            store.set(f"arrived/{self.member.id}", "1")
+            store.set(f"arrived/{me}", "1")
             arrived = arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
         except Exception as exc:
             self.failures += 1
@@ -251,5 +256,7 @@ class MemberSeat:
             arrived,
             time.monotonic() - t0,
         )
+        if self.member.id != me:  # renewed meanwhile: the coordinator forms an epoch with the new id
+            return
         with self._lock:
-            self._ready = Seat(spec, ranks[self.member.id], bucket_bytes)
+            self._ready = Seat(spec, ranks[me], bucket_bytes)

@@ -92,8 +92,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
 
     def commit(self, write: Callable[[], StoredVersion], started: float) -> tuple[StoredVersion, float]:
         """Run ``write`` (a publish into the store, or a version the broker received from the weight group),
-        then count and announce the version; a refusal (PublishRejected, or the store's own error as reason
-        ``store_error``) is counted and logged, and raised.
+        then count and announce the version; a refusal (PublishRejected) is counted and logged, and raised.
         ``started``: when the version began to arrive (``time.monotonic()``). Returns the stored version and
         the seconds from ``started`` until it was stored."""
         try:
@@ -101,10 +100,6 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         except PublishRejected as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.warning("publish refused (%s): %s", exc.reason, exc)
-            raise
-        except Exception as exc:  # the store could not take it (a full disk, no memory left)
-            self.metrics.rejected.labels("store_error").inc()
-            log.error("publish not stored: %s: %s", type(exc).__name__, exc)
             raise
         seconds = time.monotonic() - started
         self.published(stored, seconds)
