@@ -106,3 +106,39 @@ def test_a_sampler_that_joined_after_the_current_version_went_into_the_group_get
         assert not rank._joiner_behind(every_s=0.0)
     finally:
         rank.coordinator.close()
+
+
+def test_a_version_rank_0_could_not_stage_goes_through_the_broker_and_the_group_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's own error before it announced anything (no host memory for the staging copy) left the weight
+    group untouched, yet was counted as a failed broadcast: the healthy group was dropped, and formed again
+    only a heartbeat lifetime later. The version goes through the broker, and the group stays."""
+    from torch import nn
+
+    from services.learner.publish import VersionNotSent
+
+    class NoRoom:
+        def send_background(self, version: int, specs: Any, tensors: Any) -> float:
+            raise OSError(12, "Cannot allocate memory")
+
+    with pytest.raises(VersionNotSent, match=r"version 7: .*Cannot allocate memory"):
+        service.publish_collective(nn.Linear(4, 4), NoRoom(), 7, 0, background=True)  # type: ignore[arg-type]
+
+    def cannot_stage(*a: Any, **k: Any) -> None:
+        raise VersionNotSent("version 7: [Errno 12] Cannot allocate memory")
+
+    calls: list[str] = []
+    monkeypatch.setattr(service, "publish_collective", cannot_stage)
+    monkeypatch.setattr(service, "publish_version", lambda *a, **k: calls.append("broker"))
+    failed: list[BaseException] = []
+    rank = rank0(0, 0, 7)
+    rank.collective, rank._superseded, rank.rank = True, -1, 0
+    rank.coordinator = SimpleNamespace(  # type: ignore[assignment]
+        publisher=lambda: object(), members=frozenset({"sampler-0.a"}), failed=failed.append
+    )
+    rank.learner = SimpleNamespace(publish_bucket_mb=1)  # type: ignore[assignment]
+    rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=1.0))  # type: ignore[assignment]
+    rank.clock, rank.metrics = None, None
+    assert rank._publish()[1] == "broker" and calls == ["broker"] and rank._given_broker == 7
+    assert failed == []  # not a failed broadcast: the group is not dropped

@@ -51,6 +51,11 @@ def tensor_specs(module: nn.Module) -> list[TensorSpec]:
     return [TensorSpec(name, dtype_name(p.dtype), full_shape(p)) for name, p in module.named_parameters()]
 
 
+class VersionNotSent(TransferFailed):
+    """Rank 0 could not stage or send a version before announcing it (no host memory for its staging, a source
+    that did not match its specs): nothing reached the weight group, which stays as it is."""
+
+
 @dataclass
 class GatherStats:
     """What the gathers held at once, to check the bucket bound."""
@@ -209,7 +214,8 @@ def publish_collective(
     a collective every learner rank calls, gathering bucket by bucket; rank 0 passes its publisher.
 
     Returns rank 0's transfer stats (None elsewhere, and with ``background``). Raises :class:`TransferFailed`
-    on every rank if the version did not reach every receiver, after all ranks finished the gathers. Nothing
+    on every rank if the version did not reach every receiver, after all ranks finished the gathers (on rank 0
+    :class:`VersionNotSent` where its own error stopped it before anything was announced). Nothing
     is retried here: a failed collective broke the weight group, so the caller forms a new one or uses the
     broker path.
 
@@ -235,7 +241,7 @@ def publish_collective(
     if rank0_code(int(error is not None)):
         if isinstance(error, TransferFailed):
             raise error
-        if error is not None:
-            raise TransferFailed(f"version {version}: {error}") from error
+        if error is not None:  # rank 0's own, before anything was announced
+            raise VersionNotSent(f"version {version}: {error}") from error
         raise TransferFailed(f"version {version}: rank 0's broadcast failed; see its log")
     return result

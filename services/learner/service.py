@@ -51,7 +51,7 @@ from services.learner.batching import place_groups, to_tensors
 from services.learner.config import LearnerConfig, LearnerServiceConfig
 from services.learner.feed import FeedState, Offered, ScoredFeed
 from services.learner.metrics import LearnerMetrics
-from services.learner.publish import publish_collective, publish_version, rank0_code
+from services.learner.publish import VersionNotSent, publish_collective, publish_version, rank0_code
 from services.learner.servicer import LearnerState, StatusServicer
 from services.learner.trainer import Trainer
 from services.weight_broker.collective import CollectivePublisher
@@ -327,7 +327,8 @@ class LearnerRank:
                     if self.coordinator is not None:
                         self._carried_to = self.coordinator.members
                 except TransferFailed as exc:  # the previous version's broadcast: nothing of this one left
-                    if self.coordinator is not None:
+                    # (or rank 0 could not stage this one: nothing was announced, the group stays as it is)
+                    if self.coordinator is not None and not isinstance(exc, VersionNotSent):
                         self.coordinator.failed(exc)
                     log.warning("version %d goes through the broker: %s", version, exc)
         if path == "broker":
