@@ -496,9 +496,14 @@ def test_the_broker_stores_the_next_broadcast_version_after_one_it_could_not_sto
 
     class FullOnce(MemoryStore):
         def begin(self, manifest: Any) -> Any:
-            if manifest.policy_version == 31:
-                raise OSError(28, "No space left on device")
-            return super().begin(manifest)
+            writer = super().begin(manifest)
+            if manifest.policy_version == 31:  # the disk fills mid-write
+
+                def full(chunk: Any) -> None:
+                    raise OSError(28, "No space left on device")
+
+                writer.write = full
+            return writer
 
     servicer = WeightBrokerServicer(FullOnce(2), BrokerMetrics(Metrics("t")), None)
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
@@ -506,17 +511,20 @@ def test_the_broker_stores_the_next_broadcast_version_after_one_it_could_not_sto
     out = ctx.Queue()
     learner = ctx.Process(target=_announcing_publisher, args=(spec, [(31, 0.0), (32, 0.5)], out))
     learner.start()
+    stop = threading.Event()
     try:
         member = BrokerMember(servicer, WeightGroup(spec, 1))
-        thread = threading.Thread(target=member.run, args=(threading.Event(), 0.2))
+        thread = threading.Thread(target=member.run, args=(stop, 0.2), daemon=True)
         thread.start()
         assert [out.get(timeout=60) for _ in range(2)] == [31, 32]
         learner.join(timeout=30)
         thread.join(timeout=30)
+        # version 31's writer was aborted: the store was not left with a publish in progress
         assert member.received == [32] and servicer.store.latest() == 32
         assert member.failures[0] == "OSError: [Errno 28] No space left on device"
         assert servicer.metrics.rejected.labels("store_error")._value.get() == 1
     finally:
+        stop.set()
         learner.kill()
 
 

@@ -340,11 +340,14 @@ def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_a
         coordinator.close()
 
 
-def test_where_every_member_is_new_a_failed_connect_leaves_none_out(registry: GroupRegistry) -> None:
-    """The first epoch's ranks did not connect: every member is new, so blaming the new ones would leave all
-    out together, longer each time, up to 10 minutes between attempts. None is left out; the attempts come
-    at the forming backoff."""
-    coordinator = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=2)
+def test_where_every_member_is_new_a_failed_connect_leaves_all_out_and_dead_ids_go_once_expired(
+    registry: GroupRegistry,
+) -> None:
+    """The first epoch's ranks did not connect: every member is new, so all are left out together, longer each
+    time in a row (the attempts, each holding every sampler's loop in its join, come further apart). An id
+    absent from the registry for a moment (Redis restarted: its set comes back with the next heartbeats)
+    keeps its record until its exclusion has run out; then it is forgotten."""
+    coordinator = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=5)
     events: list[str] = []
     coordinator.on_event = events.append
     a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
@@ -354,15 +357,21 @@ def test_where_every_member_is_new_a_failed_connect_leaves_none_out(registry: Gr
     try:
         _until("both registered", lambda: len(registry.live()) == 2)  # before rank 0 first looks
         _until(
-            "a failed forming", lambda: (coordinator.publisher(), "form_failed" in events)[1], timeout_s=20
+            "a failed forming", lambda: (coordinator.publisher(), "form_failed" in events)[1], timeout_s=30
         )
-        assert coordinator._strikes == {} and coordinator._excluded == {}
+        assert coordinator._strikes == {"sampler-0.a": 1, "sampler-1.b": 1}
     finally:
         for r in (a, b):
             r.halt.set()
         for r in (a, b):
             r.join(10)
-        coordinator.close()
+    _until("both gone", lambda: registry.live() == {})
+    coordinator._eligible()  # gone, and still left out: kept
+    assert set(coordinator._strikes) == {"sampler-0.a", "sampler-1.b"}
+    coordinator._excluded["sampler-1.b"] = time.monotonic() - 1
+    coordinator._eligible()
+    assert set(coordinator._strikes) == {"sampler-0.a"} and "sampler-1.b" not in coordinator._excluded
+    coordinator.close()
 
 
 def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
@@ -835,3 +844,21 @@ def test_a_renewed_seat_is_a_new_member_and_the_old_one_is_gone(registry: GroupR
     finally:
         seat.stop()
     assert registry.live() == {}
+
+
+def test_a_background_broadcasts_own_error_is_a_failed_broadcast_not_the_next_versions() -> None:
+    """The background broadcast failed with an error of its own after its vote (a segment it could not reserve):
+    the next send_background raises it as a failed broadcast (counted, the group dropped), not as an error of
+    the version being staged, which the learner would send through the broker with the group kept."""
+    from concurrent.futures import Future
+
+    from services.learner.publish import VersionNotSent
+    from services.weight_broker.collective import CollectivePublisher
+
+    publisher = object.__new__(CollectivePublisher)
+    pending: Future[Any] = Future()
+    pending.set_exception(OSError(28, "No space left on device"))
+    publisher._pending = pending
+    with pytest.raises(TransferFailed, match="the last background broadcast failed: OSError") as raised:
+        publisher.wait()
+    assert not isinstance(raised.value, VersionNotSent)

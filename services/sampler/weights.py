@@ -202,16 +202,17 @@ class CollectiveWeightSync(WeightSync):
     def _seat(self) -> None:
         """Register (once the engine serves a version); where the registry is out of reach, again at the loop's
         turn ``SEAT_RETRY_S`` later."""
-        now = time.monotonic()
-        if self._seated or now - self._seat_tried < SEAT_RETRY_S:
+        if self._seated or time.monotonic() - self._seat_tried < SEAT_RETRY_S:
             return
-        self._seat_tried = now
         try:
             self.seat.start()
         except Exception as exc:
             log.warning(
                 "could not register for the weight group (trying again in %.0fs): %s", SEAT_RETRY_S, exc
             )
+            self._seat_tried = (
+                time.monotonic()
+            )  # after the attempt, which may have waited out Redis's timeouts
             return
         self._seated = True
 

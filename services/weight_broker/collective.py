@@ -155,7 +155,13 @@ class CollectivePublisher:
         if pending is None:
             return None
         if (error := pending.exception()) is not None:
-            raise _let_go(error)
+            error = _let_go(error)
+            if isinstance(error, TransferFailed):
+                raise error
+            # the background broadcast's own (a segment it could not reserve after its vote): a failed
+            # broadcast all the same, not a failure of the version being staged
+            why = f"the last background broadcast failed: {type(error).__name__}: {error}"
+            raise TransferFailed(why) from error
         return pending.result()
 
     def _stage(

@@ -165,7 +165,9 @@ class GroupCoordinator:
 
     def _eligible(self) -> dict[str, Any]:
         now, live = time.monotonic(), self._carried(self.registry.live())
-        for gone in (set(self._strikes) | set(self._excluded)) - set(live):  # dead ids are not kept
+        # dead ids are not kept; one absent only for a moment (Redis restarted: its set is back at the next
+        # heartbeats) keeps its record until its exclusion has run out
+        for gone in [i for i, until in self._excluded.items() if i not in live and until <= now]:
             self._strikes.pop(gone, None)
             self._excluded.pop(gone, None)
         return {i: m for i, m in live.items() if self._excluded.get(i, 0.0) <= now}
@@ -280,9 +282,8 @@ class GroupCoordinator:
             # wrong NCCL_SOCKET_IFNAME on its node, a NetworkPolicy). The members new since the last epoch
             # that formed are left out; were none left out, every attempt would fail alike, and each holds
             # every sampler's loop in its join for up to the forming timeout. Where all are new (the first
-            # epoch, every member restarted) none is: the next attempts come at the forming backoff (<= 30 s)
-            new = sorted(set(ranks) - self._last_formed)
-            raise FormFailed(str(exc), new if len(new) < len(ranks) else []) from exc
+            # epoch, every member restarted), all are: the attempts then come further apart each time
+            raise FormFailed(str(exc), sorted(set(ranks) - self._last_formed)) from exc
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
         publisher = CollectivePublisher(group, self.bucket_bytes, self.digests, **self.planes)

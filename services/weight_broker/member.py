@@ -56,13 +56,17 @@ class BrokerMember:
         here). Not through encoded publish messages: those would copy the version once more."""
         manifest = manifest_of([TensorSpec.of(n, t) for n, t in tensors], version, self.servicer.run_id)
         writer = self.servicer.store.begin(manifest)
-        digests = []
-        for name, tensor in tensors:
-            data = tensor_bytes(tensor)  # a view of the received bucket: the store keeps it, no copy
-            digest = checksum(data)
-            writer.write(Chunk(version, name, 0, data, True, digest))
-            digests.append((name, digest))
-        return writer.commit(version_checksum(digests))
+        try:
+            digests = []
+            for name, tensor in tensors:
+                data = tensor_bytes(tensor)  # a view of the received bucket: the store keeps it, no copy
+                digest = checksum(data)
+                writer.write(Chunk(version, name, 0, data, True, digest))
+                digests.append((name, digest))
+            return writer.commit(version_checksum(digests))
+        except BaseException:  # a full disk mid-write: nothing of it stays, and the store takes the next
+            writer.abort()
+            raise
 
     def run(
         self, stop: threading.Event, poll_s: float = 1.0, superseded: Callable[[], bool] = lambda: False

@@ -256,7 +256,7 @@ class MemberSeat:
             arrived,
             time.monotonic() - t0,
         )
-        if self.member.id != me:  # renewed meanwhile: the coordinator forms an epoch with the new id
-            return
+        # renewed meanwhile: joined all the same (the others would wait for it), and the coordinator then forms
+        # an epoch with the new id
         with self._lock:
             self._ready = Seat(spec, ranks[me], bucket_bytes)
