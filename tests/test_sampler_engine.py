@@ -275,13 +275,17 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
 
     swap = result["in_flight"]
     assert swap[0]["drained"] > 0, "the engine core never ran ahead: the swap was not tested in flight"
+    # a request may end (its end of sequence) before the swap on a fast turn: every token of it is version a's
+    # (a CI run saw one of the three end at 96 tokens first); the others were swapped mid-request
+    assert any(r["swapped_at"] < len(r["tokens"]) for r in swap), "no request was running at the swap"
     for r in swap:
         k = r["swapped_at"]
-        assert 0 < k < len(r["tokens"]), (k, len(r["tokens"]))
+        assert 0 < k <= len(r["tokens"]), (k, len(r["tokens"]))
         expected = hf_logprobs(model_a, r["prompt"], r["tokens"])
         # every token before the swap is version a's; the first one after it is not (new weights)
         assert max_abs_diff(r["logprobs"][:k], expected[:k]) <= 1e-3
-        assert abs(r["logprobs"][k] - float(expected[k])) > 1e-3
+        if k < len(r["tokens"]):
+            assert abs(r["logprobs"][k] - float(expected[k])) > 1e-3
 
     failed = result["failed_load"]
     assert "exceeds dimension size" in failed["error"] and "serializ" not in failed["error"].lower()

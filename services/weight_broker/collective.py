@@ -160,8 +160,7 @@ class CollectivePublisher:
                 raise error
             # the background broadcast's own (a segment it could not reserve after its vote): a failed
             # broadcast all the same, not a failure of the version being staged
-            why = f"the last background broadcast failed: {type(error).__name__}: {error}"
-            raise TransferFailed(why) from error
+            raise TransferFailed(str(error) or type(error).__name__) from error
         return pending.result()
 
     def _stage(
