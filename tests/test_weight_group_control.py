@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,20 @@ def _publish(coordinator: GroupCoordinator, version: int) -> None:
     assert publisher is not None
     tensors = version_tensors(version)
     publisher.send(version, specs_of(tensors), iter(tensors))
+
+
+@contextmanager
+def _stopping(coordinator: GroupCoordinator, *receivers: Receiver) -> Iterator[None]:
+    """On the way out: the receivers halted and joined (those started), then the coordinator closed."""
+    try:
+        yield
+    finally:
+        for r in receivers:
+            r.halt.set()
+        for r in receivers:
+            if r.is_alive():
+                r.join(10)
+        coordinator.close()
 
 
 def _ipv6_route() -> bool:
@@ -281,7 +296,7 @@ def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
     a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
     for r in (a, b):
         r.start()
-    try:
+    with _stopping(coordinator, a, b):
         _until("a formed group", lambda: coordinator.wait_formed(0.1))
         _publish(coordinator, 1)
         _until("version 1", lambda: a.versions() == [1] and b.versions() == [1])
@@ -292,12 +307,6 @@ def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
         assert time.monotonic() - t0 < 10, time.monotonic() - t0
         _until("a's part given up", lambda: any("version 2" in f for f in a.failures), timeout_s=5)
         assert a.versions() == [1]  # nothing applied
-    finally:
-        for r in (a, b):
-            r.halt.set()
-        for r in (a, b):
-            r.join(10)
-        coordinator.close()
 
 
 def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_and_the_rest_form(
@@ -313,7 +322,7 @@ def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_a
     a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
     b.never_connect = True
     a.start()
-    try:
+    with _stopping(coordinator, a, b):
         _until("a group of a", lambda: coordinator.wait_formed(0.1))
         first = coordinator.epoch
 
@@ -331,13 +340,6 @@ def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_a
         _until("b left out twice", lambda: strikes() == 2, timeout_s=30)
         assert coordinator._excluded["sampler-1.b"] - time.monotonic() > 4.0
         assert "sampler-0.a" not in coordinator._strikes  # in the epochs that formed: never blamed
-    finally:
-        for r in (a, b):
-            r.halt.set()
-        for r in (a, b):
-            if r.is_alive():
-                r.join(10)
-        coordinator.close()
 
 
 def test_where_every_member_is_new_a_failed_connect_leaves_all_out_and_dead_ids_go_once_expired(
@@ -394,7 +396,7 @@ def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
     a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
     for r in (a, b):
         r.start()
-    try:
+    with _stopping(coordinator, a, b):
         _until("a formed group", lambda: coordinator.wait_formed(0.1))
         _publish(coordinator, 1)
         _until("version 1", lambda: a.versions() == [1] and b.versions() == [1])
@@ -413,12 +415,6 @@ def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
         coordinator.publisher()
         assert coordinator.failures == 1  # once
         assert a.versions() == [1]  # nothing applied
-    finally:
-        for r in (a, b):
-            r.halt.set()
-        for r in (a, b):
-            r.join(10)
-        coordinator.close()
 
 
 def test_a_failure_counted_by_failed_is_not_counted_again_when_its_broadcast_ends(
@@ -439,7 +435,7 @@ def test_a_failure_counted_by_failed_is_not_counted_again_when_its_broadcast_end
     a, b = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-1.b")
     for r in (a, b):
         r.start()
-    try:
+    with _stopping(coordinator, a, b):
         _until("a formed group", lambda: coordinator.wait_formed(0.1))
         b.hang = True
         publisher = coordinator.publisher()
@@ -449,12 +445,6 @@ def test_a_failure_counted_by_failed_is_not_counted_again_when_its_broadcast_end
         coordinator.failed(TransferFailed("epoch closed after a failed broadcast"))  # as publisher() calls it
         assert publisher._pending is None  # the drop waited for the broadcast, which failed
         assert coordinator.failures == 1 and events.count("broadcast_failed") == 1, events
-    finally:
-        for r in (a, b):
-            r.halt.set()
-        for r in (a, b):
-            r.join(10)
-        coordinator.close()
 
 
 # ---------------------------------------------------------------------------------------------- the sampler side

@@ -23,7 +23,7 @@ from services.weight_broker.cuda_ipc import receive_export
 from services.weight_broker.host_copy import HostCopy
 from services.weight_broker.shared_memory import HostBuffers, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
-from services.weight_broker.weight_group import TransferFailed, WeightGroup
+from services.weight_broker.weight_group import TransferFailed, WeightGroup, first_line
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class CollectiveReceiver:
         except Exception as exc:  # this rank's own (no room for a bounce buffer, a bad header)
             # marked for the others before closing: the publisher and the other receivers would otherwise wait
             # in the next bucket until the group's timeout (an NCCL peer is not woken by this rank's abort)
-            why = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-            raise group.part_failed(f"version {version}: receiving failed: {why}") from exc
+            raise group.part_failed(f"version {version}: receiving failed: {first_line(exc)}") from exc
         good = read and (mine is None or theirs.cpu().tolist() == mine)
         if read and not good:
             log.error("version %d: bucket digests differ from the publisher's: voting against it", version)

@@ -37,7 +37,7 @@ from services.weight_broker.shared_memory import host_identity
 log = logging.getLogger(__name__)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
@@ -315,7 +315,7 @@ class WeightGroup:
         try:
             work = start()
         except Exception as exc:
-            raise self.part_failed(_first_line(exc)) from exc
+            raise self.part_failed(first_line(exc)) from exc
         # those that may be pending: a closed group is destroyed once they have ended (retired.py)
         self._works = [w for w in self._works if not w.is_completed()] + [work]
         return work
@@ -446,8 +446,8 @@ class WeightGroup:
             # has completed here, so nothing waits.
             work.wait(timedelta(seconds=self.spec.timeout_s))
         except Exception as exc:  # the first rank's mark names the cause (a peer's closed link is its effect)
-            self._mark_failed(f"rank {self.rank}'s part failed: {_first_line(exc)}")
-            raise TransferFailed(self._failure() or _first_line(exc)) from exc
+            self._mark_failed(f"rank {self.rank}'s part failed: {first_line(exc)}")
+            raise TransferFailed(self._failure() or first_line(exc)) from exc
         why = nccl_failure(self._pg, work) if self.backend == "nccl" else None
         if why:  # NCCL raises nothing for a group built to survive its failures (nccl_group.failure)
             raise self.part_failed(why)
