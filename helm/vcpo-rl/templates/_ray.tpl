@@ -219,7 +219,7 @@ headGroupSpec:
   resources:
     vcpo_broker: "1"
   template:
-    {{- $ports := list (dict "name" "gcs" "containerPort" 6379) (dict "name" "dashboard" "containerPort" 8265) (dict "name" "client" "containerPort" 10001) (dict "name" "broker-grpc" "containerPort" (int $p.brokerGrpc)) (dict "name" "broker-data" "containerPort" (int $p.brokerData)) (dict "name" "vcpo-metrics" "containerPort" (int $p.brokerMetrics)) (dict "name" "launcher-metrics" "containerPort" (int $p.launcherMetrics)) }}
+    {{- $ports := list (dict "name" "gcs" "containerPort" 6379) (dict "name" "dashboard" "containerPort" 8265) (dict "name" "client" "containerPort" 10001) (dict "name" "broker-grpc" "containerPort" (int $p.brokerGrpc)) (dict "name" "broker-data" "containerPort" (int $p.brokerData)) (dict "name" "vcpo-metrics" "containerPort" (int $p.brokerMetrics)) (dict "name" "launch-metrics" "containerPort" (int $p.launcherMetrics)) }}
     {{- $env := list (dict "name" "VCPO_WEIGHT_BROKER__ADVERTISE_HOST" "value" "$(POD_IP)") }}
     {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "head" "container" "ray-head" "resources" $v.head.resources "gpus" 0 "ports" $ports "env" $env "scheduling" $v.head "grace" (add (int $v.rayJob.stopGracePeriodSeconds) 60)) | nindent 4 }}
 workerGroupSpecs:
