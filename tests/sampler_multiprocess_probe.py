@@ -2,8 +2,9 @@
 GPU machines). Prints one JSON line: a version applied through the staging file (greedy tokens and
 log-probs; the staging directories of dead engines swept at start-up, none left by its own loads), an
 in-flight swap (which tokens ``quiesce`` handed back before it, which came after) and a load
-that fails inside the workers (the error raised, the version served afterwards and its tokens), and a version
-broadcast through the weight group into the workers."""
+that fails inside the workers (the error raised, the version served afterwards and its tokens), a version
+broadcast through the weight group into the workers, and then a version whose file for the workers cannot be
+written."""
 
 from __future__ import annotations
 
@@ -107,6 +108,33 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
         "sent": list(sent),
         "seconds": seconds,
         "serving": engine.loaded_version == version,
+        "version": version,
+        **greedy(engine, prompt),
+    }
+
+
+def unwritable_staging(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str) -> dict[str, Any]:
+    """A broker-path version whose file for the workers cannot be written (as in a full /dev/shm), after a
+    version from the weight group: the error, and what the engine serves afterwards."""
+    from pathlib import Path
+
+    from tests.sampler_helpers import load_into
+
+    serving, root = engine.loaded_version, engine._staging_root
+    blocker = Path(tmp) / "not-a-directory"
+    blocker.write_bytes(b"")
+    engine._staging_root = blocker / "staging"
+    error = ""
+    try:
+        load_into(engine, weights)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        engine._staging_root = root
+    return {
+        "error": error,
+        "serving_before": serving,
+        "serving_after": engine.loaded_version,
         **greedy(engine, prompt),
     }
 
@@ -190,6 +218,7 @@ def main() -> None:
         out["after_failed_load"] = greedy(engine, prompt)
         with tempfile.TemporaryDirectory() as tmp:
             out["collective"] = collective(engine, version_weights(model_dir, seed_c), prompt, tmp)
+            out["unwritable_staging"] = unwritable_staging(engine, a, prompt, tmp)
         out["staging_after_loads"] = sorted(os.listdir(staging))
         print("RESULT " + json.dumps(out), flush=True)
     finally:

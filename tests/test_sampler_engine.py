@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from services.sampler.engine import GenerationEngine, Sampling, WeightMismatch, WorkerCallFailed
+from services.sampler.engine import (
+    GenerationEngine,
+    LoadNotStarted,
+    Sampling,
+    WeightMismatch,
+    WorkerCallFailed,
+)
 from tests.sampler_helpers import (
     broadcasting,
     hf_logprobs,
@@ -148,6 +154,31 @@ def test_a_load_failing_part_way_restores_the_previous_version(
         load_into(vllm_engine, version_weights(tiny_model_dir, 8))
     assert len(calls) == 2 and vllm_engine.loaded_version == serving
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
+
+
+def test_a_version_whose_file_for_the_workers_cannot_be_written_leaves_the_engine_as_it_was(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A full /dev/shm: safetensors raises its own error, not an OSError. Nothing is loaded, not even the
+    version back (the engine process test covers a staging path that cannot be made, after a version from
+    the weight group)."""
+    from safetensors import SafetensorError
+
+    serving = load_into(vllm_engine, version_weights(tiny_model_dir, 7))
+    monkeypatch.setattr(vllm_engine, "_in_process", False)  # the workers' file, as a multi-process engine's
+    monkeypatch.setattr(vllm_engine, "_staging_root", tmp_path)
+    reloads: list[dict[str, Any]] = []
+    monkeypatch.setattr(vllm_engine, "_reload", lambda **source: reloads.append(source))
+
+    def full(tensors: Any, filename: str, metadata: Any = None) -> None:
+        Path(filename).write_bytes(b"part of it")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(LoadNotStarted, match=r"in .* \(Error while serializing: .*No space left on device"):
+        load_into(vllm_engine, version_weights(tiny_model_dir, 8))
+    assert reloads == [] and vllm_engine.loaded_version == serving
+    assert list(tmp_path.iterdir()) == []  # the part written went
 
 
 def test_a_load_whose_restore_fails_too_leaves_no_known_version_and_the_next_one_loads(
@@ -303,6 +334,13 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
         hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"], coll["tokens"]
     )
     assert len(coll["tokens"]) == 8 and max_abs_diff(coll["logprobs"], expected) <= 1e-3
+
+    # a broker-path version whose file cannot be written (a full /dev/shm) touched nothing: the broadcast
+    # version serves on (it was "restored" to the initial weights, no version's, until 2026-11-27)
+    unwritable = result["unwritable_staging"]
+    assert unwritable["serving_after"] == unwritable["serving_before"] == coll["version"]
+    assert unwritable["error"].startswith("LoadNotStarted: could not write the file"), unwritable["error"]
+    assert coll["tokens"] == unwritable["tokens"] and max_abs_diff(unwritable["logprobs"], expected) <= 1e-3
 
 
 def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_worker_fails(

@@ -83,6 +83,11 @@ class WeightMismatch(ValueError):
     """A staged version does not match the model (missing, unknown or mis-shaped tensors)."""
 
 
+class LoadNotStarted(OSError):
+    """A load that failed before it touched the engine (writing the file its workers read: a full /dev/shm).
+    The engine serves the version it served; nothing is loaded back."""
+
+
 @dataclass
 class _Staged:
     version: int
@@ -175,6 +180,9 @@ class GenerationEngine(ABC):
         t0 = time.monotonic()
         try:
             self._load(staged.tensors.items())
+        except LoadNotStarted:
+            log.error("version %d was not loaded; version %s serves on", version, self.loaded_version)
+            raise
         except BaseException:
             log.exception(
                 "loading version %d failed part-way; restoring version %s", version, self.loaded_version
@@ -394,16 +402,25 @@ class VllmEngine(GenerationEngine):
             return
         # worker processes read the version from a local safetensors file (shared memory by default); a
         # failure while writing it has touched nothing in the engine
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         directory = self._staging_root / STAGING_DIR.format(pid=os.getpid())
-        directory.mkdir(parents=True, exist_ok=True)
         try:
-            save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
+            except (OSError, SafetensorError) as exc:
+                # until 2026-11-27 the engine was then "restored": after a version from the weight group, whose
+                # tensors this process never held, to the initial weights
+                raise LoadNotStarted(
+                    f"could not write the file the engine's workers load from in {self._staging_root} ({exc}); "
+                    "give /dev/shm room for one more version (rayCluster.shmSize) or set VCPO_WEIGHT_STAGING"
+                ) from exc
             self._reload(weights_path=str(directory))
         finally:  # a process killed before this leaves both: the next engine to start here sweeps them
-            (directory / "model.safetensors").unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # (not an error of its own in place of the load's)
+                (directory / "model.safetensors").unlink(missing_ok=True)
                 directory.rmdir()
 
     def _rpc(self, method: str, *args: Any, **kwargs: Any) -> None:
