@@ -88,10 +88,15 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     if behaviour == "host-no-shm":  # as if /dev/shm could not hold the version
         from services.weight_broker.shared_memory import Staging
 
-        def full(self: Any, nbytes: int) -> torch.Tensor:
+        def full(self: Any, nbytes: int, keep_free: int = 0) -> torch.Tensor:
             raise OSError(28, "No space left on device")
 
         Staging.take = full  # type: ignore[method-assign]
+    if behaviour == "host-tight-shm":  # /dev/shm holds one version but not a second: the broker path's file
+        from services.weight_broker import shared_memory
+
+        sent = sum(t.nbytes for _, t in version_tensors(0))
+        shared_memory.shm_free = lambda: sent * 3 // 2  # type: ignore[assignment]
     if behaviour == "fail-locally-and-linger":  # its own part fails (no room for a buffer); it stays up
 
         def no_room(self: Any, layout: Any, piece: int, hashed: bool) -> Any:
@@ -712,6 +717,25 @@ def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_vers
         (2, 4, True, "own"),
     ]
     assert not any("/dev/shm" in where for *_, (_, _, where) in got)  # their own memory
+
+
+def test_receivers_keep_their_own_copies_where_a_host_copy_would_leave_no_room_for_one_more_version() -> None:
+    """The leader stages a host copy only where /dev/shm keeps room for one more version after it: the file
+    the engine's workers read a broker-path version from goes there too. Until 2026-11-27 a host copy that
+    took that room made every broker-path load fail, and the engine fell back to its initial weights."""
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
+    procs, out = start_receivers(spec, ["host-tight-shm", "host-tight-shm"], versions=1)
+    group = WeightGroup(spec, 0)
+    tensors = version_tensors(4)
+    CollectivePublisher(group, bucket_bytes=8192).send(4, specs_of(tensors), iter(tensors))
+    got = sorted(out.get(timeout=60) for _ in range(2))
+    for p in procs:
+        p.join(timeout=30)
+    group.close()
+    assert [(r, v, exact, role) for r, v, (exact, role, _) in got] == [
+        (1, 4, True, "own"),
+        (2, 4, True, "own"),
+    ]
 
 
 def test_a_host_copys_leader_killed_mid_broadcast_fails_the_version_everywhere_at_once() -> None:

@@ -278,6 +278,44 @@ def test_the_segment_is_reserved_up_front() -> None:
         seg.close()
 
 
+def test_staging_with_room_kept_free_leaves_dev_shm_that_room_or_stages_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host copy's leader keeps room in /dev/shm for one more version: the file its engine's workers read
+    a broker-path version from goes there too, and a host copy that took that room made every such load
+    fail. Neither a new segment, nor the spare, nor the spare's reservation leaves less than ``keep_free``."""
+    nbytes, keep = 1 << 20, 3 << 20
+    free = [nbytes + keep - 1]
+    monkeypatch.setattr(shared_memory, "shm_free", lambda: free[0])
+    staging = shared_memory.Staging()
+    try:
+        with pytest.raises(OSError, match=r"would leave less than the 3145728 kept free") as info:
+            staging.take(nbytes, keep_free=keep)
+        assert info.value.errno == errno.ENOSPC and staging.current is None
+        assert staging.take(nbytes).numel() == nbytes  # nothing kept free: as before
+        staging.release()
+        free[0] = nbytes + keep
+        assert staging.take(nbytes, keep_free=keep).numel() == nbytes and staging.current is not None
+        held = staging.current.name
+        free[0] = nbytes + keep - 1
+        staging.reserve_spare(nbytes, keep_free=keep)
+        staging.settle()
+        assert staging.spare is None  # it would have left too little: the next take makes its own
+        free[0] = nbytes + keep
+        staging.reserve_spare(nbytes, keep_free=keep)
+        staging.settle()
+        assert staging.spare is not None
+        spare = staging.spare.name
+        staging.release(spare=False)
+        free[0] = keep - 1  # something else took /dev/shm meanwhile: the spare goes too, freeing its bytes
+        with pytest.raises(OSError, match="staging in the spare segment"):
+            staging.take(nbytes, keep_free=keep)
+        assert staging.spare is None and staging.current is None
+        assert not (SHM_DIR / spare).exists() and not (SHM_DIR / held).exists()
+    finally:
+        staging.release()
+
+
 def test_pinned_staging_is_exact_size_reused_and_grown() -> None:
     """The publisher's staging buffer outside /dev/shm: exactly the bytes asked for (torch's pinned allocator
     would round a 65 GB version up to 128 GB), the same memory for the next version of the same size, a new

@@ -9,7 +9,9 @@ GPU workers by default) keep one between them instead:
     leader     the lowest of them: stages the version in a /dev/shm segment of its own (``shared_memory.py``;
                page-locked under CUDA, so its copies from the GPU run at full speed) and names it in the
                group's store (``host_copy/<broadcast>/<leader>``) before the buckets come; the empty name when
-               it cannot reserve one (/dev/shm too small: every receiver of the host then keeps its own copy)
+               it cannot reserve one, or one would leave /dev/shm no room for one more version (the file the
+               engine's workers read a broker-path version from goes there: every receiver of the host then
+               keeps its own copy)
     the others receive the buckets through their two device buffers and keep nothing; before they vote they
                open the leader's file, and once the vote commits they map it copy-on-write: their tensors
                are views of the leader's pages (an engine's loader that writes one copies that page only)
@@ -53,6 +55,7 @@ class HostCopy:
         opened the leader's file (``opened``: False if they could not, and then vote the version down). False
         when the leader has no room for it: every receiver of the host keeps its own."""
         if self.leader:
+            self.views = None  # the last version's pages go with their last view: room for this one's
             self.views = self._stage(layout)
             return self.views is not None
         opened = self._open(layout)
@@ -68,7 +71,9 @@ class HostCopy:
         offsets, total = bucket_offsets(layout)
         self._staging.release(spare=False)  # the last version's: its engine has loaded it by now
         try:
-            whole = self._staging.take(total)  # the spare reserved after the last version, or a new one
+            # the spare reserved after the last version, or a new one; either way /dev/shm keeps room for one
+            # more version: the file the engine's workers read a broker-path version from goes there too
+            whole = self._staging.take(total, keep_free=total)
         except OSError as exc:
             log.warning(
                 "cannot stage a host copy of %d bytes in %s (%s): each receiver on this host keeps its own",
@@ -105,7 +110,7 @@ class HostCopy:
             current = self._staging.current
             if current is not None:
                 (SHM_DIR / current.name).unlink(missing_ok=True)
-            self._staging.reserve_spare(total)
+            self._staging.reserve_spare(total, keep_free=total)
             return []
         assert self._fd is not None
         fd, self._fd = self._fd, None

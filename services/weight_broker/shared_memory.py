@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import itertools
 import logging
 import mmap
@@ -55,6 +56,24 @@ def host_identity() -> str:
         return f"{boot}/{os.stat(SHM_DIR).st_dev}/{socket.gethostname()}"
     except OSError:
         return f"no-shm/{socket.gethostname()}/{os.getpid()}"
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm now."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _room(nbytes: int, keep_free: int, what: str) -> None:
+    """OSError (ENOSPC) unless /dev/shm holds ``nbytes`` more and then still has ``keep_free`` free."""
+    if keep_free <= 0:
+        return
+    free = shm_free()
+    if free < nbytes + keep_free:
+        raise OSError(
+            errno.ENOSPC,
+            f"{free} bytes free in {SHM_DIR}: {what} would leave less than the {keep_free} kept free",
+        )
 
 
 def sweep_stale() -> int:
@@ -311,31 +330,41 @@ class Staging:
         # the segments are page-locked on it, on whichever thread
         self.device = cuda_device_here() if device is None else device
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, keep_free: int = 0) -> torch.Tensor:
         """``nbytes`` of the current segment: the one staged and not yet sent, the spare (once its reservation
-        has ended), or a new one (OSError if /dev/shm cannot hold it)."""
+        has ended), or a new one. OSError if /dev/shm cannot hold it, or would then have less than
+        ``keep_free`` bytes free (a host copy's leader keeps room for the file its engine's workers read a
+        broker-path version from: a host copy that took it would make every such load fail)."""
         self.settle()
         if self.current is None or self.current.nbytes < nbytes:
             self.release(spare=False)  # staged and never sent, or too small
             spare, self.spare = self.spare, None
             if spare is not None and spare.nbytes >= nbytes:
+                try:
+                    _room(0, keep_free, "staging in the spare segment")  # its bytes are taken already
+                except OSError:
+                    spare.close()
+                    raise
                 self.current = spare
             else:
                 if spare is not None:
                     spare.close()
+                _room(nbytes, keep_free, f"a segment of {nbytes} bytes")
                 self.current = SharedSegment.create(nbytes, self.device)
         assert self.current.tensor is not None
         return self.current.tensor[:nbytes]
 
-    def reserve_spare(self, nbytes: int) -> None:
-        """Reserve the next version's segment of ``nbytes`` in the background (:meth:`take` waits for it)."""
+    def reserve_spare(self, nbytes: int, keep_free: int = 0) -> None:
+        """Reserve the next version's segment of ``nbytes`` in the background (:meth:`take` waits for it); none
+        where /dev/shm would then have less than ``keep_free`` bytes free."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-segment")
-        self.reserving = self._thread.submit(self._reserve, nbytes)
+        self.reserving = self._thread.submit(self._reserve, nbytes, keep_free)
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, keep_free: int) -> None:
         if self.spare is None:
             with contextlib.suppress(OSError):  # the next take tries again, and says why if it cannot
+                _room(nbytes, keep_free, f"a spare segment of {nbytes} bytes")
                 self.spare = SharedSegment.create(nbytes, self.device)
 
     def settle(self) -> None:
