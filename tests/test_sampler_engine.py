@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -531,6 +532,46 @@ def test_an_engine_worker_loads_versions_mapped_from_its_hosts_one_copy(
             assert_matches(
                 tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
             )
+
+
+def test_an_engine_that_gives_up_on_its_epoch_fails_the_next_broadcast_at_once(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A sampler that gives up on its epoch outside the group's collectives (here: the group delivered another
+    version than the control plane announced; or it leaves) tells every rank: the learner's next broadcast
+    fails at once instead of waiting for these workers until the group's timeout, with every other engine's
+    loop inside it. A version received before it left stays whole and loads."""
+    plan = [next(versions) for _ in range(2)]
+    weights = {v: version_weights(tiny_model_dir, 60 + i) for i, v in enumerate(plan)}
+    weights_file = tmp_path / "versions.pt"
+    torch.save(weights, weights_file)
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    for how in ("wrong version", "leave"):
+        with broadcasting(weights_file, [(v, "whole") for v in plan], timeout_s=60.0) as (spec, out):
+            vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+            if how == "wrong version":
+                with pytest.raises(WorkerCallFailed, match=f"delivered version {plan[0]}, the control plane"):
+                    vllm_engine.stage_collective(plan[0] + 1000)
+            else:
+                vllm_engine.stage_collective(plan[0])
+            assert out.get(timeout=60)[:2] == (plan[0], "sent")
+            t0 = time.monotonic()
+            if how == "leave":
+                vllm_engine.leave_weight_group("the sampler gave up on the epoch")
+            version, status, why = out.get(timeout=60)
+            waited = time.monotonic() - t0
+        assert (version, status) == (plan[1], "failed") and waited < 20.0, (why, waited)
+        if how == "leave":
+            assert "it left the group: the sampler gave up on the epoch" in why
+            vllm_engine.apply_collective(plan[0])
+            assert vllm_engine.loaded_version == plan[0]
+            assert_matches(
+                tiny_model_dir,
+                weights[plan[0]],
+                generate(vllm_engine, prompts_of(vllm_engine), greedy).values(),
+            )
+        else:
+            assert "delivered version" in why and vllm_engine.collective_staged is None
 
 
 def test_a_weight_update_that_failed_ends_the_session_in_every_worker(vllm_engine: Any) -> None:

@@ -497,6 +497,12 @@ class GroupEngine(GenerationEngine):
         self.collective_staged, self.model, self.loaded_version = None, dict(self._received), version
         return 0.0
 
+    def leave_weight_group(self, why: str | None = None) -> None:  # as the vLLM engine's workers leave
+        if self.group is not None and why is not None and not self.group.closed:
+            self.group.part_failed(f"it left the group: {why}")
+        if self.group is not None:
+            self.group.close()
+
 
 class BrokerPath(WeightTransport):
     """The broker's path as the follower sees it: the versions it holds, each fetch counted."""
@@ -758,6 +764,53 @@ def test_a_broadcast_version_whose_load_failed_is_fetched_from_the_broker_though
     # registered again under a new id: learner rank 0 gives the broker version 5 for it (its broker under NCCL
     # holds only what the group did not carry), as it does for a restarted sampler
     assert renewed == [True]
+
+
+def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group() -> None:
+    """A join that failed in some worker, a stage that failed outside the group's collectives, a superseded
+    epoch: the workers leave their groups too (the first two telling every rank why). They stayed in them:
+    the learner's next broadcast then waited for them until the group's timeout."""
+    from types import SimpleNamespace
+
+    left: list[str | None] = []
+
+    def join(init: dict[str, Any]) -> None:
+        raise RuntimeError("join_weight_group failed in worker(s) 1 of 2: connect timed out")
+
+    def stage(version: int) -> float:
+        raise RuntimeError(
+            f"update_weights failed in worker(s) 0 of 2: version {version} is not the announced"
+        )
+
+    engine = SimpleNamespace(
+        loaded_version=1,
+        collective_staged=None,
+        join_weight_group=join,
+        stage_collective=stage,
+        leave_weight_group=left.append,
+    )
+    seat = Seat(GroupSpec("127.0.0.1", 1, 3, epoch=4), 1, 8192)
+    ready = [seat]
+    seats = SimpleNamespace(
+        start=lambda: None,
+        stop=lambda: None,
+        take=lambda: ready.pop() if ready else None,
+        superseded=lambda epoch: False,
+        newest_epoch=4,
+    )
+    sync = CollectiveWeightSync(engine, SimpleNamespace(latest=lambda: None), None, seats)  # type: ignore[arg-type]
+    sync.pump()
+    assert sync.watch is None and left == [sync.error] and "could not join weight group epoch 4" in sync.error
+
+    watch = SimpleNamespace(next=lambda timeout: 7)
+    sync.watch, sync.epoch, engine.join_weight_group = watch, 4, lambda init: None  # type: ignore[assignment]
+    sync.pump()
+    assert sync.watch is None and left[1] == sync.error and "version 7 is not the announced" in str(left[1])
+
+    sync.watch, sync.epoch = watch, 4  # type: ignore[assignment]
+    seats.superseded = lambda epoch: True
+    sync.pump()
+    assert sync.watch is None and left[2] is None and len(left) == 3  # let go of, no failure to tell
 
 
 def test_a_seat_taken_after_a_newer_epoch_formed_is_not_joined(registry: GroupRegistry) -> None:

@@ -455,6 +455,16 @@ class VllmEngine(GenerationEngine):
         CollectiveInitInfo`'s fields); blocks until the whole group has joined."""
         self._rpc("init_weight_transfer_engine", init)
 
+    def leave_weight_group(self, why: str | None = None) -> None:
+        """Every worker leaves its weight group. ``why``: the sampler gave up on the epoch, which every member
+        is told, so rank 0's next broadcast fails at once instead of waiting for these workers until the
+        group's timeout; None: the epoch was superseded (its group and host copy let go). Never raises: it is
+        called on the way out of failures (a worker that cannot leave closes its group at the next join)."""
+        try:
+            self._rpc("vcpo_leave_weight_group", why)
+        except Exception:
+            log.exception("could not leave the weight group")
+
     def stage_collective(self, version: int) -> float:
         """Receive the announced ``version`` from the broadcast into the workers' staging; returns the seconds
         it took. The model is untouched, so the engine may go on generating under its loaded version until

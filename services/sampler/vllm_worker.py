@@ -74,6 +74,13 @@ class VcpoWorkerExtension:
         runner = self.model_runner
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
 
+    def vcpo_leave_weight_group(self, why: str | None) -> None:
+        """Leave the weight group this worker is in (``CollectiveWeightTransferEngine.leave``); nothing where it
+        is in none."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "leave"):
+            engine.leave(why)
+
     def vcpo_end_failed_weight_update(self) -> None:
         """After a weight update failed in any worker: vLLM's worker clears its "update session active" mark
         only after a load that succeeded, or where its own ``update_weights`` raised, and refuses every later

@@ -123,8 +123,8 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         # two (its host copy is the spare this one is received into; a failure drops both either way)
         self._staged = None
         version, tensors, stats = CollectiveReceiver(self.group).receive()
-        if version != update_info.version:
-            raise RuntimeError(
+        if version != update_info.version:  # marked for every rank: none waits in the next broadcast for it
+            raise self.group.part_failed(
                 f"the weight group delivered version {version}, the control plane announced "
                 f"{update_info.version}"
             )
@@ -162,6 +162,15 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             raise
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
+
+    def leave(self, why: str | None) -> None:
+        """Leave the weight group; ``why``: this engine gave up on its epoch (a join that failed in another
+        worker, a failure outside the group's collectives), marked for every rank first. A member that stopped
+        receiving with its group open held the next broadcast, and every other engine's loop in it, for the
+        group's timeout (rank 0 saw it alive: its heartbeat goes on)."""
+        if self.group is not None and why is not None and not self.group.closed:
+            self.group.part_failed(f"it left the group: {why}")
+        self.shutdown()
 
     def shutdown(self) -> None:
         if self.group is not None:

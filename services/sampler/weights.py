@@ -270,6 +270,7 @@ class CollectiveWeightSync(WeightSync):
             self.broadcast_failures += 1
             self.on_failure()
             log.warning("%s; weights come through the broker", self.error)
+            self._quit_group(self.error)  # where some workers (or all) joined
             return
         self.epoch = seat.spec.epoch
         log.info("joined weight group epoch %d as ranks from %d", self.epoch, seat.rank_offset)
@@ -283,8 +284,17 @@ class CollectiveWeightSync(WeightSync):
             log.warning("%s; weights come through the broker until a new group forms", self.error)
         else:
             log.info("leaving weight group: %s", why)
+        # the workers' groups too: a failure outside the group's collectives (a worker's own) left them open,
+        # and rank 0 would wait for them in its next broadcast until the group's timeout; a superseded epoch's
+        # group (and host copy) is let go of rather than held until the next join
+        self._quit_group(self.error if failed else None)
         self.epoch = 0
         self.poll_now()  # what the group would have carried may be on the broker already
+
+    def _quit_group(self, why: str | None) -> None:
+        leave = getattr(self.engine, "leave_weight_group", None)
+        if leave is not None:
+            leave(why)
 
     def ready(self) -> int | None:
         staged = getattr(self.engine, "collective_staged", None)

@@ -46,7 +46,10 @@ class CollectiveReceiver:
         than the group's timeout for the publisher fails. Raises :class:`TransferFailed`, returning nothing,
         if any part failed on any member (a failed collective also closes the group)."""
         group = self.group
-        head = torch.zeros(3, dtype=torch.int64, device=group.device)
+        try:
+            head = torch.zeros(3, dtype=torch.int64, device=group.device)
+        except Exception as exc:  # a CUDA error: marked, so no rank waits for this one until the timeout
+            raise group.part_failed(f"could not take the version's head: {first_line(exc)}") from exc
         try:
             group.wait(group.broadcast(head))
         except Exception as exc:
