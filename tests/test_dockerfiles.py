@@ -160,6 +160,36 @@ def test_gpu_base_image_has_the_cuda_torch_is_built_for() -> None:
     assert m.group(4) == "24.04", "the image installs python3.12 from Ubuntu 24.04's archive"
 
 
+def apt_packages(dockerfile: Path) -> set[str]:
+    """Every package an ``apt-get install`` of a RUN names (its options left out)."""
+    packages: set[str] = set()
+    for word, args in instructions(dockerfile):
+        if word != "RUN":
+            continue
+        lexer = shlex.shlex(args, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        command: list[str] = []
+        for token in [*lexer, ";"]:
+            if token in ("&&", "||", ";", "|"):  # the end of one command
+                if command[:2] in (["apt-get", "install"], ["apt", "install"]):
+                    packages |= {p for p in command[2:] if not p.startswith("-")}
+                command = []
+            else:
+                command.append(token)
+    return packages
+
+
+def test_gpu_image_has_the_rdma_libraries_nccl_needs_for_infiniband() -> None:
+    """NCCL loads libibverbs (and librdmacm) at run time to use InfiniBand or RoCE, with the adapter's driver
+    from ibverbs-providers; without them it falls back to sockets, whatever IPC_LOCK and RDMA devices the pods
+    are given (docs/deploy.md, "Weight transport"). Ubuntu 24.04 (the base, checked above) names librdmacm's
+    package librdmacm1t64."""
+    packages = apt_packages(GPU_DOCKERFILE)
+    assert {"python3.12", "libnuma1"} <= packages, packages  # it found the image's apt list
+    missing = {"libibverbs1", "ibverbs-providers", "librdmacm1t64"} - packages
+    assert not missing, f"{GPU_DOCKERFILE.name} does not install {sorted(missing)}"
+
+
 def test_cuda_named_in_tags_and_docs_is_the_images() -> None:
     cuda = TORCH_DEFAULT_WHEEL_CUDA[constraint_pins()["torch"]]
     tag = "cu" + cuda.replace(".", "")

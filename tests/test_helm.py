@@ -152,7 +152,9 @@ def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
 def validate(doc: dict[str, Any]) -> None:
     """A rendered object against its schema: the Kubernetes API's (strict) or its CRD's."""
     where = f"{doc['kind']} {doc['metadata']['name']}"
-    if "." in doc["apiVersion"].split("/")[0]:  # a custom resource (ray.io, monitoring.coreos.com)
+    api_group = doc["apiVersion"].split("/")[0]
+    # a custom resource (ray.io, monitoring.coreos.com); Kubernetes' own groups are core (v1) or *.k8s.io
+    if "." in api_group and not api_group.endswith(".k8s.io"):
         if not CRDS.is_dir():
             pytest.skip(f"the CRDs to validate {doc['kind']} against are not at {CRDS}")
         problems = [
@@ -453,6 +455,80 @@ def test_services_select_the_pods_that_serve_them(scenario: str) -> None:
     }  # the `service` label alerts use
 
 
+def test_network_policy_admits_the_releases_own_pods_on_every_port() -> None:
+    """networkPolicy.enabled: one NetworkPolicy over every pod of the release (the Ray pods, Redis, the
+    environment servers), admitting the release's own pods on every port (NCCL and gloo pick theirs at random)
+    and the head's dashboard to the RayJob's submitter and the KubeRay operator; none by default."""
+    scenario = scenario_args(
+        "environments-values.yaml"
+    )  # Redis and an environment server besides the Ray pods
+    assert not [d for d in render(*scenario) if d["kind"] == "NetworkPolicy"]
+    docs = render(*scenario, "--set", "networkPolicy.enabled=true")
+    policy = one(docs, "NetworkPolicy")
+    validate(policy)
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"vcpo.io/release": "r"}}
+    assert spec["policyTypes"] == ["Ingress"]  # the pods' own connections out are left alone
+    own, dashboard = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {"vcpo.io/release": "r"}}}]}  # no port list
+    # every pod of the release is selected, and so admitted as a peer
+    pods: list[dict[str, Any]] = [
+        g["template"] for g in [cluster(docs)["headGroupSpec"], *cluster(docs)["workerGroupSpecs"]]
+    ]
+    pods += [d["spec"]["template"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    assert {p["metadata"]["labels"]["vcpo.io/component"] for p in pods} == {
+        "head",
+        "sampler",
+        "learner",
+        "reward",
+        "redis",
+        "env-calculator",
+    }
+    for pod in pods:
+        assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # the head's Ray dashboard, which only the head serves: the submitter Job (named after the RayJob) and the
+    # KubeRay operator, from any namespace unless networkPolicy.operatorNamespace names its own
+    assert dashboard["ports"] == [{"port": 8265, "protocol": "TCP"}]
+    dashboard_ports = {
+        p["name"]: p["containerPort"] for pod in pods for c in pod["spec"]["containers"] for p in c["ports"]
+    }
+    assert dashboard_ports["dashboard"] == 8265
+    assert [
+        p
+        for pod in pods[1:]
+        for c in pod["spec"]["containers"]
+        for p in c["ports"]
+        if p["containerPort"] == 8265
+    ] == []
+    job = one(docs, "RayJob")["metadata"]["name"]
+    assert dashboard["from"] == [
+        {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": job}}},
+        {"namespaceSelector": {}},
+    ]
+    docs = render(
+        *scenario, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.operatorNamespace=kuberay"
+    )
+    policy = one(docs, "NetworkPolicy")
+    validate(policy)
+    assert policy["spec"]["ingress"][1]["from"][1] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}
+    }
+    assert one(docs, "RayJob")["metadata"]["name"] == job  # the policy is not part of the job's definition
+    out = helm(
+        "lint",
+        str(CHART),
+        "--strict",
+        "-f",
+        str(CHART / "ci" / "environments-values.yaml"),
+        "--set",
+        "networkPolicy.enabled=true",
+    )
+    assert out.returncode == 0, out.stdout + errors(out)
+    out = helm("template", "r", str(CHART), "--set", "networkPolicy.operatorNamespace=Kube_Ray")
+    assert out.returncode != 0 and "/networkPolicy/operatorNamespace" in errors(out), errors(out)
+
+
 def test_restart_settings_reach_the_launcher_and_its_metrics_are_served(tmp_path: Path) -> None:
     docs = render(
         "--set",
@@ -589,7 +665,7 @@ def test_an_evaluator_group_exists_only_for_a_dedicated_evaluator_with_sets(tmp_
     for doc in docs:
         validate(doc)
     # without GPUs for the samplers (the CPU image), the evaluator asks for none either
-    cpu = render(*with_sets, "--set", "sampler.gpusPerReplica=0")
+    cpu = render(*with_sets, "--set", "sampler.gpusPerReplica=0", "--set", "learner.gpusPerRank=0")
     assert "nvidia.com/gpu" not in container(group(cpu, "evaluator"))["resources"].get("limits", {})
 
 
@@ -694,6 +770,11 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["learner.ranks=3", "learner.ranksPerPod=2", "run.groupsPerStep=8"], "not a multiple of"),
         (["learner.ranks=4", "learner.ranksPerPod=4", "run.groupsPerStep=2"], "run.groupsPerStep = 2"),
         (["reward.minReplicas=3", "reward.maxReplicas=2"], "reward.maxReplicas = 2"),
+        # a GPU learner with CPU samplers: every replica's engine would open cuda:0 beside the learner
+        (
+            ["sampler.gpusPerReplica=0", "rayCluster.shmSize=64Mi"],
+            "sampler.gpusPerReplica = 0 while learner.gpusPerRank = 1",
+        ),
         (["datasetEnvironment=nope"], 'datasetEnvironment = "nope"'),
         (
             [
@@ -779,14 +860,20 @@ def minimums(
     retain: int = 2,
     in_memory: bool = True,
     collective: bool = True,
+    shm_gi: float = 0,
 ) -> dict[str, int]:
-    """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version."""
+    """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version;
+    ``shm_gi``: rayCluster.shmSize (0: its minimum)."""
     w = billions * 1e9 * dtype_bytes / GIB
     broker_path = (3 if gpus else 2) * w + 6 + 2 * max(1, gpus)
+    # with 2 GPUs or more the engine's workers keep one host copy between them in /dev/shm, and its spare,
+    # where /dev/shm holds them beside the broker path's file + 4Gi; below that each may keep its own
+    host_copy = collective and gpus >= 2 and shm_gi >= math.ceil(3 * w + 4)
     return {
         # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes;
         # with the collective transport, one more per engine worker: the broadcast received in host memory
-        "sampler": math.ceil(broker_path + (max(1, gpus) * w if collective else 0)),
+        # (or 2 in all, the host copy and its spare in /dev/shm)
+        "sampler": math.ceil(broker_path + ((2 if host_copy else max(1, gpus)) * w if collective else 0)),
         "evaluator": math.ceil(broker_path),  # a dedicated evaluator takes its versions from the broker
         "shm": math.ceil(w + 4) if gpus else 0,  # the file vLLM's workers read + NCCL, vLLM, Ray
         # the broker's retained versions + the one being published, in memory; the launcher, Ray
@@ -805,8 +892,22 @@ def test_minimums_of_the_documented_examples() -> None:
     # tensor parallelism 2: one more GPU worker process, which receives a broadcast version too
     assert minimums(7 * 1.1, gpus=2)["sampler"] == 82
     assert minimums(7 * 1.1, gpus=2, collective=False)["sampler"] == 54
+    # one host copy per pod from /dev/shm = 3 W + 4Gi: with 2 GPUs the same 2 W as a copy per GPU, with more
+    # GPUs fewer
+    assert minimums(7 * 1.1, gpus=2, shm_gi=48)["sampler"] == 82
+    assert minimums(7 * 1.1, gpus=4)["sampler"] == minimums(7 * 1.1, gpus=4, shm_gi=47)["sampler"] == 115
+    assert minimums(7 * 1.1, gpus=4, shm_gi=48)["sampler"] == 86
+    assert minimums(7 * 1.1, gpus=4, collective=False)["sampler"] == 58
+    # Qwen2.5-72B on 8 GPUs: 3 + 8 copies of 147.5GiB with a copy per GPU, 3 + 2 with one host copy
+    m72 = minimums(72 * 1.1, gpus=8)
+    assert m72 == {"sampler": 1645, "evaluator": 465, "shm": 152, "head": 451}
+    assert minimums(72 * 1.1, gpus=8, shm_gi=446)["sampler"] == 1645  # 3 W + 4Gi = 446.6Gi, rounded up: 447Gi
+    for shm in (447, 600):
+        assert minimums(72 * 1.1, gpus=8, shm_gi=shm)["sampler"] == 760
     guide = (ROOT / "docs" / "deploy.md").read_text()
     for figure in ("21Gi", "18Gi", "66Gi", "52Gi", "82Gi", "54Gi", "19Gi", "65Gi", "51Gi"):
+        assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
+    for figure in ("115Gi", "86Gi", "58Gi", "48Gi", "1645Gi", "760Gi", "465Gi", "152Gi", "447Gi", "451Gi"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
 
 
@@ -828,12 +929,28 @@ def test_default_pods_hold_the_default_model() -> None:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container(g)["volumeMounts"]
 
 
-SIZING_CASES = {  # name: (flags, minimums, head key is checked)
+SIZING_CASES = {  # name: (flags, minimums); a case that sets rayCluster.shmSize keeps it
     "1.5B from its name": ((), minimums(1.5 * 1.1)),
     "7B from its name": (("run.model=Qwen/Qwen2.5-7B",), minimums(7 * 1.1)),
-    "7B, tensor parallel 2": (
+    "7B, tensor parallel 2, a copy per GPU worker (/dev/shm 19Gi)": (
         ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2"),
         minimums(7 * 1.1, gpus=2),
+    ),
+    "7B, tensor parallel 2, one host copy (/dev/shm 48Gi = 3 W + 4Gi)": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "rayCluster.shmSize=48Gi"),
+        minimums(7 * 1.1, gpus=2, shm_gi=48),
+    ),
+    "7B, tensor parallel 4, a copy per GPU worker (/dev/shm 47Gi)": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4", "rayCluster.shmSize=47Gi"),
+        minimums(7 * 1.1, gpus=4, shm_gi=47),
+    ),
+    "7B, tensor parallel 4, one host copy (/dev/shm 48Gi)": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4", "rayCluster.shmSize=48Gi"),
+        minimums(7 * 1.1, gpus=4, shm_gi=48),
+    ),
+    "72B, tensor parallel 8, one host copy (/dev/shm 600Gi)": (
+        ("run.model=Qwen/Qwen2.5-72B", "sampler.gpusPerReplica=8", "rayCluster.shmSize=600Gi"),
+        minimums(72 * 1.1, gpus=8, shm_gi=600),
     ),
     "7.62B given": (("run.model=Qwen/Qwen2.5-7B", "modelSize.parameters=7.62"), minimums(7.62)),
     "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),
@@ -864,7 +981,10 @@ SIZED_KEYS = {  # the minimum's name -> the values it checks
 @pytest.mark.parametrize("case", SIZING_CASES)
 def test_pod_sizes_follow_the_model_size(case: str) -> None:
     flags, need = SIZING_CASES[case]
-    at_minimum = {key: f"{need[name]}Gi" for name, keys in SIZED_KEYS.items() for key in keys}
+    shm = next((f.split("=", 1)[1] for f in flags if f.startswith("rayCluster.shmSize=")), f"{need['shm']}Gi")
+    sized = {name: keys for name, keys in SIZED_KEYS.items() if name != "shm" or shm == f"{need['shm']}Gi"}
+    at_minimum = {key: f"{need[name]}Gi" for name, keys in sized.items() for key in keys}
+    at_minimum["rayCluster.shmSize"] = shm
     base = [a for flag in flags for a in ("--set", flag)]
 
     def args(values: dict[str, str]) -> list[str]:
@@ -874,14 +994,58 @@ def test_pod_sizes_follow_the_model_size(case: str) -> None:
     sampler, head = container(group(docs, "sampler")), container(group(docs, "head"))
     assert sampler["resources"]["limits"]["memory"] == f"{need['sampler']}Gi"
     assert head["resources"]["limits"]["memory"] == f"{need['head']}Gi"
-    shm = next(v for v in group(docs, "sampler")["template"]["spec"]["volumes"] if v["name"] == "dshm")
-    assert shm["emptyDir"]["sizeLimit"] == f"{need['shm']}Gi"
-    for name, keys in SIZED_KEYS.items():
+    dshm = next(v for v in group(docs, "sampler")["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["sizeLimit"] == shm
+    for name, keys in sized.items():
         for key in keys:  # 1Gi less: refused, naming the value and the minimum
             out = helm("template", "r", str(CHART), *args({**at_minimum, key: f"{need[name] - 1}Gi"}))
             assert out.returncode != 0, f"{case}: {key} = {need[name] - 1}Gi was accepted"
             assert f"{key} = {need[name] - 1}Gi is below the {need[name]}Gi" in errors(out), errors(out)
             assert f"raise {key} to at least {need[name]}Gi" in errors(out)
+
+
+def test_one_host_copy_per_sampler_pod_from_three_versions_of_shm() -> None:
+    """With the collective transport and 2 GPUs or more, a sampler pod's GPU workers keep one host copy of each
+    version between them, and its spare, in /dev/shm where rayCluster.shmSize holds them beside the broker
+    path's file + 4Gi (3 W + 4Gi): the pod's memory minimum counts 2 W for them, not one W per GPU. Below that
+    each worker may keep its own copy: still a valid install, with the larger minimum; the errors name both."""
+    big = (
+        *("--set", "run.model=Qwen/Qwen2.5-72B", "--set", "sampler.gpusPerReplica=8"),
+        *("--set", "head.resources.limits.memory=451Gi", "--set", "head.resources.requests.memory=451Gi"),
+    )
+
+    def sized(shm: str, memory: int, *more: str) -> subprocess.CompletedProcess[str]:
+        memory_flags = [f"sampler.resources.{kind}.memory={memory}Gi" for kind in ("limits", "requests")]
+        flags = [f"rayCluster.shmSize={shm}", *memory_flags, *more]
+        return helm("template", "r", str(CHART), *big, *[a for flag in flags for a in ("--set", flag)])
+
+    # the review's case: 8 GPUs, 600Gi of /dev/shm: (3 + 2) × 147.5GiB + 22Gi, not (3 + 8) × 147.5GiB + 22Gi
+    for shm in ("600Gi", "447Gi", "480G"):  # 3 W + 4Gi = 446.6Gi, rounded up; 480G = 447.03Gi
+        assert sized(shm, 760).returncode == 0, (shm, errors(sized(shm, 760)))
+    out = sized("600Gi", 759)
+    assert "sampler.resources.requests.memory = 759Gi is below the 760Gi" in errors(out), errors(out)
+    assert "one host copy of each version the engine's GPU workers keep between them" in errors(out)
+    # 1Gi short of it: a copy per GPU worker, and the way to the smaller minimum
+    out = sized("446Gi", 760)
+    assert "sampler.resources.requests.memory = 760Gi is below the 1645Gi" in errors(out), errors(out)
+    assert (
+        "raise sampler.resources.requests.memory to at least 1645Gi, or raise rayCluster.shmSize to at least "
+        "447Gi" in errors(out)
+    ), errors(out)
+    assert "sampler.resources needs 760Gi" in errors(out)
+    for shm in ("446Gi", "152Gi"):  # W + 4Gi up to 3 W + 4Gi: valid, each worker keeps its own copy
+        assert sized(shm, 1645).returncode == 0, (shm, errors(sized(shm, 1645)))
+    out = sized("151Gi", 1645)
+    assert (
+        "raise rayCluster.shmSize to at least 152Gi (447Gi, 3 versions + 4Gi, lets the engine's GPU workers "
+        "keep one host copy" in errors(out)
+    ), errors(out)
+    assert "sampler.resources then needs 760Gi" in errors(out)
+    # no weight group (tcp), or one GPU: no host copy to count
+    assert sized("600Gi", 465, "weightBroker.transport=tcp").returncode == 0
+    one_gpu = minimums(72 * 1.1, gpus=1, shm_gi=600)["sampler"]  # 3 + 1 copies, as with a copy per GPU
+    assert one_gpu == minimums(72 * 1.1, gpus=1)["sampler"] == 599
+    assert f"below the {one_gpu}Gi" in errors(sized("600Gi", 465, "sampler.gpusPerReplica=1"))
 
 
 def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
@@ -902,6 +1066,8 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
             "--set",
             "sampler.gpusPerReplica=0",
             "--set",
+            "learner.gpusPerRank=0",
+            "--set",
             "rayCluster.shmSize=64Mi",
             "--set",
             f"sampler.resources.limits.memory={memory}Gi",
@@ -914,6 +1080,8 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
         "run.model=",
         "--set",
         "sampler.gpusPerReplica=0",
+        "--set",
+        "learner.gpusPerRank=0",
         "--set",
         "rayCluster.shmSize=64Mi",
         "--set",

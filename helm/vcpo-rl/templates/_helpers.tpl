@@ -288,6 +288,9 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- if gt (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner)) -}}
 {{- fail (printf "sampler.n = %d exceeds learner.max_group_size = %d: the learner would reject every group" (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner))) -}}
 {{- end -}}
+{{- if and (gt (float64 $cfg.learner.gpus_per_rank) 0.0) (eq (float64 $cfg.sampler.gpus_per_replica) 0.0) -}}
+{{- fail (printf "sampler.gpusPerReplica = 0 while learner.gpusPerRank = %v: on GPUs each sampler replica must hold the GPUs its engine uses, or every replica's vLLM engine opens cuda:0 beside the learner's ranks; set sampler.gpusPerReplica to at least 1 (its tensor parallelism), or learner.gpusPerRank = 0 for a run on CPUs" $v.learner.gpusPerRank) -}}
+{{- end -}}
 {{- if lt (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas) -}}
 {{- fail (printf "reward.maxReplicas = %d is less than reward.minReplicas = %d" (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas)) -}}
 {{- end -}}

@@ -14,8 +14,16 @@ the value to raise, instead of being OOM-killed at its first weight update (docs
                                                                       memory before it loads its share; the
                                                                       evaluator takes its versions from the
                                                                       broker
+      ... with 2 GPUs or more and            + 2 W                    the engine's GPU workers keep one host
+      rayCluster.shmSize >= 3 W + 4Gi                                 copy of each version between them, in
+                                                                      /dev/shm (the leader's segment and the
+                                                                      spare for the next version; tmpfs
+                                                                      counts as the pod's memory), instead
+                                                                      of one each (host_copy.py)
   /dev/shm (rayCluster.shmSize)              W + 4Gi                  that file, and NCCL's, vLLM's and
-                                                                      Ray's own segments
+                                                                      Ray's own segments; 3 W + 4Gi (the
+                                                                      host copy and its spare beside the
+                                                                      file) for one host copy per host
   head pod                                   (retain + 1) W + 8Gi     the broker's retained versions and the
                                                                       one being published, in memory
                                                                       (storage = memory, transport tcp or
@@ -67,7 +75,12 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- end -}}
 {{- end -}}
 
-{{/* The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, evaluator, shm, head, volume. */}}
+{{/*
+The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, evaluator, shm, head, volume; and for a
+collective sampler of 2 GPUs or more (hostCopyApplies): hostCopyShm, the /dev/shm that gives one host copy
+per host (3 W + 4Gi), hostCopy, whether rayCluster.shmSize reaches it, and samplerHostCopy, the sampler's
+minimum with it.
+*/}}
 {{- define "vcpo-rl.sizing" -}}
 {{- $v := .Values -}}
 {{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
@@ -75,7 +88,14 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- $w := divf (mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes)) 1073741824.0 -}}
 {{- $gpus := int $v.sampler.gpusPerReplica -}}
 {{- $copies := ternary 3 2 (gt $gpus 0) -}}
-{{- $received := ternary (max 1 $gpus) 0 (eq $wb.transport "collective") -}}
+{{- $collective := eq $wb.transport "collective" -}}
+{{- /* the GPU workers' one host copy (services/weight_broker/host_copy.py): the leader stages each version
+in /dev/shm only with room left there for the broker path's file, and reserves the next one's spare only with
+room for that file again, so 3 W + the headroom hold the copy, its spare and the file */ -}}
+{{- $hostCopyApplies := and $collective (ge $gpus 2) -}}
+{{- $hostCopyShm := ceil (addf (mulf 3.0 $w) (float64 (include "vcpo-rl.sizing.shmHeadroomGi" .))) | int -}}
+{{- $hostCopy := and $hostCopyApplies (ge (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $hostCopyShm)) -}}
+{{- $received := ternary 2 (ternary (max 1 $gpus) 0 $collective) $hostCopy -}}
 {{- $engine := add (include "vcpo-rl.sizing.engineGi" .) (mul (include "vcpo-rl.sizing.perGpuGi" .) (max 1 $gpus)) -}}
 {{- $retained := add1 (int $wb.retain_versions) -}}
 {{- $inMemory := and (eq $wb.storage "memory") (ne $wb.transport "filesystem") -}}
@@ -88,6 +108,10 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
   "retained" $retained
   "inMemory" $inMemory
   "sampler" (ceil (addf (mulf (add $copies $received) $w) $engine) | int)
+  "hostCopyApplies" $hostCopyApplies
+  "hostCopy" $hostCopy
+  "hostCopyShm" $hostCopyShm
+  "samplerHostCopy" (ceil (addf (mulf (add $copies 2) $w) $engine) | int)
   "evaluator" (ceil (addf (mulf $copies $w) $engine) | int)
   "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
   "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
@@ -97,14 +121,15 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 
 {{/*
 Fails when a memory request or limit of `resources` is below `min` Gi. Arguments: dict "key" <values path of
-the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made of>
+the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made of>; optional "or" <another
+way to meet it, appended to the message>
 */}}
 {{- define "vcpo-rl.sizing.checkMemory" -}}
 {{- $args := . -}}
 {{- range $kind := list "requests" "limits" -}}
 {{- $memory := dig $kind "memory" "" (default dict $args.resources) -}}
 {{- if and $memory (lt (float64 (include "vcpo-rl.gib" $memory)) (float64 $args.min)) -}}
-{{- fail (printf "%s.%s.memory = %v is below the %dGi %s; raise %s.%s.memory to at least %dGi" $args.key $kind $memory (int $args.min) $args.why $args.key $kind (int $args.min)) -}}
+{{- fail (printf "%s.%s.memory = %v is below the %dGi %s; raise %s.%s.memory to at least %dGi%s" $args.key $kind $memory (int $args.min) $args.why $args.key $kind (int $args.min) (default "" $args.or)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -116,13 +141,23 @@ the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made o
 {{- $model := printf "run.model %q (%.3gB parameters from %s; × %v bytes = %.1fGiB per version)" $v.run.model (float64 (include "vcpo-rl.sizing.billions" .)) $source $v.modelSize.dtypeBytes (float64 $s.weightsGi) -}}
 {{- $copies := ternary "3 copies of the weights (the staged version, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of the weights (the staged version, the previous one)" (eq (int $s.copies) 3) -}}
 {{- $why := printf "a sampler pod needs for %s: %s + %dGi for the engine's processes" $model $copies (int $s.engineGi) -}}
-{{- $received := ternary (printf " + %d more, the weight group's broadcast as each engine worker receives it into host memory (weightBroker.transport collective)" (int $s.received)) "" (gt (int $s.received) 0) -}}
-{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" (printf "%s%s" $why $received)) -}}
+{{- $received := "" -}}
+{{- $or := "" -}}
+{{- if $s.hostCopy -}}
+{{- $received = printf " + 2 more, the one host copy of each version the engine's GPU workers keep between them in /dev/shm and its spare for the next (weightBroker.transport collective, rayCluster.shmSize at least %dGi)" (int $s.hostCopyShm) -}}
+{{- else if gt (int $s.received) 0 -}}
+{{- $received = printf " + %d more, the weight group's broadcast as each engine worker receives it into host memory (weightBroker.transport collective)" (int $s.received) -}}
+{{- end -}}
+{{- if and $s.hostCopyApplies (not $s.hostCopy) (lt (int $s.samplerHostCopy) (int $s.sampler)) -}}
+{{- $or = printf ", or raise rayCluster.shmSize to at least %dGi (3 versions + %sGi): the GPU workers then keep one host copy of each version between them in /dev/shm, and sampler.resources needs %dGi" (int $s.hostCopyShm) (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.samplerHostCopy) -}}
+{{- end -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" (printf "%s%s" $why $received) "or" $or) -}}
 {{- if and (include "vcpo-rl.dedicatedEvaluator" .) $v.evaluation.evaluator.resources -}}
 {{- include "vcpo-rl.sizing.checkMemory" (dict "key" "evaluation.evaluator.resources" "resources" $v.evaluation.evaluator.resources "min" $s.evaluator "why" (replace "a sampler pod" "the evaluator's pod" $why)) -}}
 {{- end -}}
 {{- if and (gt (int $s.shm) 0) (lt (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $s.shm)) -}}
-{{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm)) -}}
+{{- $hostCopyNote := ternary (printf " (%dGi, 3 versions + %sGi, lets the engine's GPU workers keep one host copy of each version between them instead of one each; sampler.resources then needs %dGi)" (int $s.hostCopyShm) (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.samplerHostCopy)) "" $s.hostCopyApplies -}}
+{{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi%s" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm) $hostCopyNote) -}}
 {{- end -}}
 {{- $held := ternary (printf "%d versions in the weight broker's memory (weightBroker.retainVersions + the one being published) + %sGi for the launcher and Ray's control plane" (int $s.retained) (include "vcpo-rl.sizing.headGi" .)) (printf "%sGi for the launcher, Ray's control plane and the weight broker (its versions are on the shared volume)" (include "vcpo-rl.sizing.headGi" .)) $s.inMemory -}}
 {{- include "vcpo-rl.sizing.checkMemory" (dict "key" "head.resources" "resources" $v.head.resources "min" $s.head "why" (printf "the head pod needs for %s: %s" $model $held)) -}}
