@@ -665,6 +665,38 @@ def test_versions_given_back_for_dead_cuda_ipc_receivers_are_counted_as_group_ev
     assert events == ["ipc_reclaimed", "ipc_reclaimed"]
 
 
+def test_every_epochs_publisher_stages_in_the_coordinators_one_buffer(registry: GroupRegistry) -> None:
+    """A background broadcast stages the version in a host buffer of the model's size, page-locked under CUDA.
+    Each epoch's publisher made its own: after every re-forming (a sampler joining, leaving, restarting) rank
+    0 mapped and page-locked the whole model again, tens of seconds for a 70B one, while the other learner
+    ranks waited for it in the gathers. The coordinator keeps one for every epoch, and lets it go at close."""
+    coordinator = GroupCoordinator(
+        registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=3, bucket_bytes=8192
+    )
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    buffers = []
+    try:
+        for version in (5, 6):
+            _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+            publisher = coordinator.publisher()
+            assert publisher is not None
+            tensors = version_tensors(version)
+            publisher.send_background(version, specs_of(tensors), iter(tensors))
+            publisher.wait()
+            _until(f"version {version}", lambda v=version: v in a.versions())  # type: ignore[misc]
+            buffers.append((publisher._staging, publisher._staging._tensor.data_ptr()))
+            coordinator.failed(TransferFailed(f"version {version + 10}: broadcast failed"))  # a new epoch
+        (first, at), (second, again) = buffers
+        assert second is first and again == at  # the same memory, not made again
+        assert first._tensor is not None  # kept while the epoch is dropped
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()
+    assert buffers[0][0]._tensor is None
+
+
 def test_cuda_ipc_that_failed_in_an_epoch_stays_off_in_the_epochs_after_it(registry: GroupRegistry) -> None:
     """A publisher that gave up CUDA IPC (a receiver could not open its export: test_weight_group_cuda_ipc.py)
     fails its version, and a failed version drops the epoch. The coordinator remembers it: every epoch formed

@@ -77,12 +77,15 @@ class CollectivePublisher:
         digests: bool = True,
         shared_memory: bool = False,
         cuda_ipc: bool = False,
+        staging: PinnedStaging | None = None,
     ) -> None:
         """``digests``: send each bucket's digest for every receiver to check before the vote (taken only where
         the buckets are in host memory: hashing a GPU's would copy each to the host). ``shared_memory``: with
         every member on this host, stage versions in /dev/shm for the receivers to map (see the module
         docstring; ranks sharing a GPU do regardless). ``cuda_ipc``: with every member on this rank's GPU,
-        stage versions there and hand the receivers CUDA IPC handles instead (``cuda_ipc.py``)."""
+        stage versions there and hand the receivers CUDA IPC handles instead (``cuda_ipc.py``). ``staging``: the
+        host staging buffer to use, kept by the caller beyond this publisher (the coordinator's, for every
+        epoch's publisher: one of the model's size, page-locked, is costly to make again for each)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
@@ -96,7 +99,8 @@ class CollectivePublisher:
             DeviceStaging(group.gpu) if cuda_ipc and group.one_gpu and group.gpu is not None else None
         )
         self._buffers: list[torch.Tensor] = []
-        self._staging = PinnedStaging(group.cuda_index)
+        self._owns_staging = staging is None
+        self._staging = staging if staging is not None else PinnedStaging(group.cuda_index)
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
         self._thread: ThreadPoolExecutor | None = None
@@ -211,7 +215,8 @@ class CollectivePublisher:
             self._thread = None
         self._buffers.clear()
         self._segments.release()
-        self._staging.release()
+        if self._owns_staging:
+            self._staging.release()
         if self._on_gpu is not None:
             self._on_gpu.release()
         return failure
