@@ -595,6 +595,30 @@ def test_a_cuda_receiver_stages_the_version_in_pinned_host_memory() -> None:
     group.close()
 
 
+@pytest.mark.gpu
+def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
+    """``send`` (not ``send_background``, which stages in host memory first) of CUDA tensors over a gloo group:
+    a bucket of one tensor was hashed as a device buffer (no digest), the receivers hashed its bytes, and
+    every one of them voted the version down."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tests.test_weight_group_nccl import form
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60))
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(CollectiveReceiver(groups[1]).receive()))
+    thread.start()
+    try:
+        tensors = [(n, t.to("cuda")) for n, t in version_tensors(44)]
+        CollectivePublisher(groups[0], bucket_bytes=8192).send(44, specs_of(tensors), iter(tensors))
+        thread.join(60)
+        [(version, received, _)] = got
+        assert version == 44 and is_version(44, received)
+    finally:
+        for group in groups:
+            group.close()
+
+
 def test_pieces_cover_a_bucket_in_order_at_most_the_bucket_size_each() -> None:
     assert pieces(20_000, 8192) == [(0, 8192), (8192, 16384), (16384, 20_000)]
     assert pieces(8192, 8192) == [(0, 8192)] and pieces(100, 8192) == [(0, 100)]

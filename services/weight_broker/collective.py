@@ -334,6 +334,10 @@ class CollectivePublisher:
             if error is None and len(bucket.items) == 1:
                 try:
                     whole = flat_bytes(next_checked(bucket.items[0][0], specs, source))
+                    if whole.device.type != "cpu" and self.group.device.type == "cpu":
+                        # a GPU source over gloo (``send`` without staging): its digest is of host bytes,
+                        # which a device tensor's would not be (every receiver then voted the version down)
+                        whole = whole.cpu()
                 except Exception as exc:  # reported after the vote
                     error = exc
             if whole is not None and self._in_place(whole):
