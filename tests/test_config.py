@@ -142,6 +142,11 @@ def test_parse_literal() -> None:
             {},
             "max_replicas (2) must be >= min_replicas (4)",
         ),
+        (
+            "[learner]\nnum_ranks = 2\ngpus_per_rank = 0.5\n",
+            {},
+            "learner.gpus_per_rank = 0.5 with learner.num_ranks = 2: ranks would share a GPU",
+        ),
         ("[smapler]\nn = 2\n", {}, "unknown section 'smapler' (from {file})"),
         (
             "",

@@ -128,6 +128,18 @@ class LearnerConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> LearnerConfig:
+        # Ray would place two ranks' fractions on one GPU, and NCCL refuses a group with two ranks on one
+        # device ("Duplicate GPU detected") at DeepSpeed's first collective, after every pod was scheduled
+        if self.num_ranks > 1 and 0 < self.gpus_per_rank < 1 and self.backend != "gloo":
+            raise ValueError(
+                f"learner.gpus_per_rank = {self.gpus_per_rank:g} with learner.num_ranks = {self.num_ranks}: "
+                "ranks would share a GPU, which NCCL refuses; give each rank a whole GPU (gpus_per_rank >= 1) "
+                "or run one rank"
+            )
+        return self
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
