@@ -76,8 +76,13 @@ def gathered_tensors(
     params = list(module.named_parameters())
     bucket: list[tuple[str, nn.Parameter]] = []
     size = 0
+    # the gathers run on whichever thread pulls this (the broker path's gRPC thread, whose current CUDA
+    # device was never chosen: DeepSpeed would gather onto cuda:0 there, whatever this rank's device)
+    device = next((p.device for _, p in params if p.device.type == "cuda"), None)
 
     def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        if device is not None:
+            torch.cuda.set_device(device)
         if stats is not None:
             stats.buckets += 1
             stats.sizes.append(size)
