@@ -61,7 +61,7 @@ def test_a_republish_goes_through_the_broker_and_counts_as_given(monkeypatch: py
     rank = rank0(0, 0, 7)
     rank.collective, rank._superseded, rank.rank = True, -1, 0
     rank.coordinator = SimpleNamespace(  # type: ignore[assignment]
-        publisher=lambda: object(), members=frozenset({"sampler-0.a"})
+        publisher=lambda ready=False: object(), members=frozenset({"sampler-0.a"})
     )
     rank.learner = SimpleNamespace(publish_bucket_mb=1)  # type: ignore[assignment]
     rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=1.0))  # type: ignore[assignment]
@@ -135,7 +135,9 @@ def test_a_version_rank_0_could_not_stage_goes_through_the_broker_and_the_group_
     rank = rank0(0, 0, 7)
     rank.collective, rank._superseded, rank.rank = True, -1, 0
     rank.coordinator = SimpleNamespace(  # type: ignore[assignment]
-        publisher=lambda: object(), members=frozenset({"sampler-0.a"}), failed=failed.append
+        publisher=lambda ready=False: object(),
+        members=frozenset({"sampler-0.a"}),
+        failed=failed.append,
     )
     rank.learner = SimpleNamespace(publish_bucket_mb=1)  # type: ignore[assignment]
     rank.cfg = SimpleNamespace(weight_broker=SimpleNamespace(publish_retry_s=1.0))  # type: ignore[assignment]

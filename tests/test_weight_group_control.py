@@ -54,6 +54,7 @@ class Receiver(threading.Thread):
         self.failures: list[str] = []
         self.refuse = False
         self.hang = False
+        self.stall = False
         self.never_connect = False  # arrives at each epoch's rendezvous (its seat), never joins the group
         self.halt = threading.Event()
 
@@ -86,6 +87,9 @@ class Receiver(threading.Thread):
                     continue
                 if self.hang:
                     self.seat.stop()
+                    self.halt.wait()
+                    break
+                if self.stall:  # stuck (its engine's loop in a long call), its heartbeat going on
                     self.halt.wait()
                     break
                 got, tensors, _ = CollectiveReceiver(group).receive()
@@ -665,6 +669,44 @@ def test_versions_given_back_for_dead_cuda_ipc_receivers_are_counted_as_group_ev
     assert events == ["ipc_reclaimed", "ipc_reclaimed"]
 
 
+def test_rank_0_waits_for_a_broadcast_in_flight_no_longer_than_its_budget(registry: GroupRegistry) -> None:
+    """The other learner ranks wait for rank 0 inside a collective while it waits for the broadcast in flight
+    (before the next version, or to leave the epoch); past ``learner.collective_timeout_s`` they would fail and
+    the learner restart. A receiver stuck in its loop with its heartbeat alive held that broadcast until the
+    group's timeout. Past the budget the broadcast is aborted and counted, and its version's successor goes
+    through the broker."""
+    events: list[str] = []
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        timeout_s=30,
+        form_timeout_s=3,
+        bucket_bytes=8192,
+        on_event=events.append,
+        wait_budget_s=2.0,
+    )
+    a = Receiver(registry, "sampler-0.a")
+    a.start()
+    try:
+        _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
+        publisher = coordinator.publisher(ready=True)
+        assert publisher is not None  # nothing in flight: ready at once
+        a.stall = True
+        tensors = version_tensors(5)
+        publisher.send_background(5, specs_of(tensors), iter(tensors))
+        t0 = time.monotonic()
+        assert coordinator.publisher(ready=True) is None
+        waited = time.monotonic() - t0
+        assert 2.0 <= waited < 10.0, waited  # the budget, not the group's 30 s timeout
+        assert coordinator.failures == 1 and events.count("broadcast_failed") == 1
+        assert publisher._pending is None and coordinator.members == frozenset()
+    finally:
+        a.halt.set()
+        a.join(10)
+        coordinator.close()
+
+
 def test_every_epochs_publisher_stages_in_the_coordinators_one_buffer(registry: GroupRegistry) -> None:
     """A background broadcast stages the version in a host buffer of the model's size, page-locked under CUDA.
     Each epoch's publisher made its own: after every re-forming (a sampler joining, leaving, restarting) rank
@@ -843,6 +885,16 @@ def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group
     seats.superseded = lambda epoch: True
     sync.pump()
     assert sync.watch is None and left[2] is None and len(left) == 3  # let go of, no failure to tell
+
+    def unreachable(timeout: float) -> int:
+        raise TransferFailed("the weight group's store is unreachable: Connection refused")
+
+    # the epoch's failure seen by its watch: marked already, or its store (rank 0's) gone, which a mark would
+    # wait for until the store's timeout, inside the call into every worker: left without telling
+    sync.watch, sync.epoch, sync._last_look = SimpleNamespace(next=unreachable), 4, 0.0  # type: ignore[assignment]
+    seats.superseded = lambda epoch: False
+    sync.pump()
+    assert sync.watch is None and left[3] is None and "store is unreachable" in sync.error
 
 
 def test_a_seat_taken_after_a_newer_epoch_formed_is_not_joined(registry: GroupRegistry) -> None:

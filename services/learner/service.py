@@ -185,6 +185,8 @@ class LearnerRank:
                 client,
                 self.trainer.device,
                 on_event=self._group_event,
+                # what rank 0 may wait for a broadcast while the other ranks wait for it in a collective
+                wait_budget_s=self.learner.collective_timeout_s / 3,
             )
         self.http = serve_metrics(metrics, port=self.learner.metrics_port)
         servicer = StatusServicer(self.status, self.run.run_id)
@@ -312,7 +314,7 @@ class LearnerRank:
         if version <= self._superseded:  # a redone step: the broker holds this version already
             return 0.0, "superseded"
         if self.collective and not via_broker:
-            publisher = self._group_publisher()
+            publisher = self._group_publisher(ready=True)
             if rank0_code(int(publisher is not None)):
                 try:
                     publish_collective(
@@ -347,12 +349,13 @@ class LearnerRank:
             self.metrics.published.labels(path).inc()
         return time.perf_counter() - t0, path
 
-    def _group_publisher(self) -> CollectivePublisher | None:
-        """Rank 0: the weight group's publisher (:meth:`GroupCoordinator.publisher`); None where there is none,
-        or where its state could not be asked (Redis out of reach: the broker's path, asked again at the next
-        publish or idle poll). Never raises, since every rank waits for rank 0's word on the path."""
+    def _group_publisher(self, ready: bool = False) -> CollectivePublisher | None:
+        """Rank 0: the weight group's publisher (:meth:`GroupCoordinator.publisher`; ``ready``: its broadcast in
+        flight ended); None where there is none, or where its state could not be asked (Redis out of reach: the
+        broker's path, asked again at the next publish or idle poll). Never raises, since every rank waits for
+        rank 0's word on the path."""
         try:
-            return self.coordinator.publisher() if self.coordinator is not None else None
+            return self.coordinator.publisher(ready) if self.coordinator is not None else None
         except Exception:
             log.warning("could not ask the weight group's state: the broker's path", exc_info=True)
             return None

@@ -242,8 +242,8 @@ class CollectiveWeightSync(WeightSync):
         self._last_look = now
         try:
             version = self.watch.next(0)
-        except TransferFailed as exc:
-            self._leave(str(exc))
+        except TransferFailed as exc:  # marked failed already, or its store (on rank 0's host) is gone:
+            self._leave(str(exc), tell=False)  # telling the ranks would wait out the store's timeout
             return
         if version is None:
             return
@@ -275,7 +275,7 @@ class CollectiveWeightSync(WeightSync):
         self.epoch = seat.spec.epoch
         log.info("joined weight group epoch %d as ranks from %d", self.epoch, seat.rank_offset)
 
-    def _leave(self, why: str, failed: bool = True) -> None:
+    def _leave(self, why: str, failed: bool = True, tell: bool = True) -> None:
         self.watch = None
         if failed:
             self.broadcast_failures += 1
@@ -287,7 +287,7 @@ class CollectiveWeightSync(WeightSync):
         # the workers' groups too: a failure outside the group's collectives (a worker's own) left them open,
         # and rank 0 would wait for them in its next broadcast until the group's timeout; a superseded epoch's
         # group (and host copy) is let go of rather than held until the next join
-        self._quit_group(self.error if failed else None)
+        self._quit_group(self.error if failed and tell else None)
         self.epoch = 0
         self.poll_now()  # what the group would have carried may be on the broker already
 

@@ -32,12 +32,14 @@ unusable: its members close it and the control plane forms a new one (``GroupSpe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 import traceback
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -65,6 +67,10 @@ log = logging.getLogger(__name__)
 # publisher would leave its predecessor's bucket buffers reserved and unusable (until an allocation that
 # fails makes the allocator synchronize the device and free its cache)
 _STREAMS: dict[torch.device, Any] = {}
+
+
+class BroadcastOverdue(TransferFailed):
+    """The background broadcast in flight had not ended when its caller could wait no longer."""
 
 
 class CollectivePublisher:
@@ -152,13 +158,21 @@ class CollectivePublisher:
         self._pending = None
         return _let_go(error)
 
-    def wait(self) -> TransferStats | None:
+    def wait(self, timeout_s: float | None = None) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
-        :class:`TransferFailed` if it failed."""
-        pending, self._pending = self._pending, None
+        :class:`TransferFailed` if it failed, :class:`BroadcastOverdue` if it has not ended within
+        ``timeout_s`` (it is still in flight: abort the group, or wait again)."""
+        pending = self._pending
         if pending is None:
             return None
-        if (error := pending.exception()) is not None:
+        try:
+            error = pending.exception(timeout=timeout_s)
+        except FutureTimeout:
+            raise BroadcastOverdue(
+                f"the background broadcast had not ended after {timeout_s:.0f}s (a receiver stuck in it?)"
+            ) from None
+        self._pending = None
+        if error is not None:
             error = _let_go(error)
             if isinstance(error, TransferFailed):
                 raise error
@@ -201,12 +215,19 @@ class CollectivePublisher:
                 self.shared = False
         return self._staging.take(nbytes)
 
-    def close(self) -> BaseException | None:
+    def close(self, timeout_s: float | None = None) -> BaseException | None:
         """Wait for a background broadcast and stop its thread; returns the broadcast's failure (logged, not
-        raised), for the caller to count, else None."""
+        raised), for the caller to count, else None. One still in flight after ``timeout_s`` is aborted (the
+        group marked failed and closed: its thread gives up within a poll) and is that failure."""
         failure: BaseException | None = None
         try:
-            self.wait()
+            self.wait(timeout_s)
+        except BroadcastOverdue as exc:
+            log.warning("%s: aborting the weight group", exc)
+            self.group.abort()
+            failure = exc
+            with contextlib.suppress(Exception):  # its own failure now: the group's abort
+                self.wait()
         except Exception as exc:  # a TransferFailed, or anything else the thread raised
             log.warning("the last background broadcast failed: %s", exc)
             failure = exc

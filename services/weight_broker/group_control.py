@@ -36,7 +36,7 @@ import torch
 
 from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
-from services.weight_broker.collective import CollectivePublisher
+from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher
 from services.weight_broker.members import reachable_host
 from services.weight_broker.seats import GroupRegistry, Member
 from services.weight_broker.shared_memory import PinnedStaging
@@ -82,8 +82,14 @@ class GroupCoordinator:
         digests: bool = True,
         shared_memory: bool = False,
         cuda_ipc: bool = False,
+        wait_budget_s: float | None = None,
     ) -> None:
+        """``wait_budget_s``: the longest rank 0 waits for a broadcast in flight (before the next version, or
+        to leave its epoch) while the other learner ranks wait for it inside a collective, whose timeout
+        (``learner.collective_timeout_s``) would end them; one still in flight then is aborted, and counted
+        as failed. None: as long as it takes (each step of a broadcast is bounded by ``timeout_s``)."""
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
+        self.wait_budget_s = wait_budget_s
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
@@ -112,7 +118,9 @@ class GroupCoordinator:
     def members(self) -> frozenset[str]:
         return self._formed.members if self._formed is not None else frozenset()
 
-    def publisher(self) -> CollectivePublisher | None:
+    def publisher(self, ready: bool = False) -> CollectivePublisher | None:
+        """``ready``: with its broadcast in flight ended (within ``wait_budget_s``); None where it failed, or was
+        still going then (aborted): counted, the epoch dropped, the caller's version goes through the broker."""
         self._reap()
         for _ in range(cuda_ipc.HELD.report()):  # versions a dead receiver held, freed on its behalf
             self.on_event("ipc_reclaimed")
@@ -131,7 +139,16 @@ class GroupCoordinator:
                     added, gone = set(live) - formed.members, formed.members - set(live)
                     self._drop(f"members changed (joined: {sorted(added)}, left: {sorted(gone)})")
                 self._forming = self._pool.submit(self._form, live)
-        return self._formed.publisher if self._formed is not None else None
+        publisher = self._formed.publisher if self._formed is not None else None
+        if ready and publisher is not None:
+            try:
+                publisher.wait(self.wait_budget_s)
+            except TransferFailed as exc:
+                if isinstance(exc, BroadcastOverdue):  # its thread gives up: the drop does not wait again
+                    publisher.group.abort()
+                self.failed(exc)
+                return None
+        return publisher
 
     def failed(self, error: BaseException) -> None:
         """A broadcast failed: the group is dropped; the next :meth:`publisher` forms a new one."""
@@ -186,7 +203,7 @@ class GroupCoordinator:
         log.info("leaving weight group epoch %d: %s", self.epoch, why)
         # waits for a broadcast in flight: one that fails meanwhile (the member whose heartbeat expired, which
         # changed the members, was in it) is counted as failed() counts, for the learner to republish its version
-        if formed.publisher.close() is not None and not counted:
+        if formed.publisher.close(self.wait_budget_s) is not None and not counted:
             self.failures += 1
             self.on_event("broadcast_failed")
         formed.group.close()
@@ -307,6 +324,7 @@ def coordinator_from_config(
     client: redis.Redis,
     device: torch.device,
     on_event: Callable[[str], None] | None = None,
+    wait_budget_s: float | None = None,
 ) -> GroupCoordinator:
     """Learner rank 0's coordinator from the ``[weight_broker]`` section (``wb``: a WeightBrokerConfig); the
     backend follows ``device`` when ``group_backend`` is auto."""
@@ -326,4 +344,5 @@ def coordinator_from_config(
         digests=wb.group_digests,
         shared_memory=wb.group_shared_memory,
         cuda_ipc=wb.group_cuda_ipc,
+        wait_budget_s=wait_budget_s,
     )
