@@ -487,8 +487,9 @@ def test_network_policy_admits_the_releases_own_pods_on_every_port() -> None:
     }
     for pod in pods:
         assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    # the head's Ray dashboard, which only the head serves: the submitter Job (named after the RayJob) and the
-    # KubeRay operator, from any namespace unless networkPolicy.operatorNamespace names its own
+    # the head's Ray dashboard, which only the head serves (and takes job submissions): the submitter Job
+    # (named after the RayJob) and the KubeRay operator's pods, in any namespace unless
+    # networkPolicy.operatorNamespace names its own; never every pod of a namespace
     assert dashboard["ports"] == [{"port": 8265, "protocol": "TCP"}]
     dashboard_ports = {
         p["name"]: p["containerPort"] for pod in pods for c in pod["spec"]["containers"] for p in c["ports"]
@@ -502,17 +503,21 @@ def test_network_policy_admits_the_releases_own_pods_on_every_port() -> None:
         if p["containerPort"] == 8265
     ] == []
     job = one(docs, "RayJob")["metadata"]["name"]
+    operator = {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
     assert dashboard["from"] == [
         {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": job}}},
-        {"namespaceSelector": {}},
+        {"podSelector": {"matchLabels": {"job-name": job}}},  # before Kubernetes 1.27
+        {"podSelector": operator, "namespaceSelector": {}},
     ]
+    assert all("podSelector" in peer for peer in dashboard["from"])
     docs = render(
         *scenario, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.operatorNamespace=kuberay"
     )
     policy = one(docs, "NetworkPolicy")
     validate(policy)
-    assert policy["spec"]["ingress"][1]["from"][1] == {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}
+    assert policy["spec"]["ingress"][1]["from"][2] == {
+        "podSelector": operator,
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
     }
     assert one(docs, "RayJob")["metadata"]["name"] == job  # the policy is not part of the job's definition
     out = helm(
@@ -861,14 +866,16 @@ def minimums(
     in_memory: bool = True,
     collective: bool = True,
     shm_gi: float = 0,
+    nccl: bool = True,
 ) -> dict[str, int]:
     """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version;
-    ``shm_gi``: rayCluster.shmSize (0: its minimum)."""
+    ``shm_gi``: rayCluster.shmSize (0: its minimum); ``nccl``: the weight group's backend is NCCL (a GPU
+    learner), the only one under which GPU workers keep one host copy between them."""
     w = billions * 1e9 * dtype_bytes / GIB
     broker_path = (3 if gpus else 2) * w + 6 + 2 * max(1, gpus)
     # with 2 GPUs or more the engine's workers keep one host copy between them in /dev/shm, and its spare,
     # where /dev/shm holds them beside the broker path's file + 4Gi; below that each may keep its own
-    host_copy = collective and gpus >= 2 and shm_gi >= math.ceil(3 * w + 4)
+    host_copy = collective and nccl and gpus >= 2 and shm_gi >= math.ceil(3 * w + 4)
     return {
         # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes;
         # with the collective transport, one more per engine worker: the broadcast received in host memory
@@ -951,6 +958,15 @@ SIZING_CASES = {  # name: (flags, minimums); a case that sets rayCluster.shmSize
     "72B, tensor parallel 8, one host copy (/dev/shm 600Gi)": (
         ("run.model=Qwen/Qwen2.5-72B", "sampler.gpusPerReplica=8", "rayCluster.shmSize=600Gi"),
         minimums(72 * 1.1, gpus=8, shm_gi=600),
+    ),
+    "72B, tensor parallel 8, a CPU learner: gloo, a copy per GPU worker (/dev/shm 600Gi)": (
+        (
+            "run.model=Qwen/Qwen2.5-72B",
+            "sampler.gpusPerReplica=8",
+            "rayCluster.shmSize=600Gi",
+            "learner.gpusPerRank=0",
+        ),
+        minimums(72 * 1.1, gpus=8, shm_gi=600, nccl=False),
     ),
     "7.62B given": (("run.model=Qwen/Qwen2.5-7B", "modelSize.parameters=7.62"), minimums(7.62)),
     "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),

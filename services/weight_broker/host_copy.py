@@ -37,6 +37,9 @@ from services.weight_broker.shared_memory import SHM_DIR, SharedSegment, Staging
 
 log = logging.getLogger(__name__)
 
+# the broker path's file is a safetensors file: the version's bytes, a header naming each tensor, alignment
+FILE_SLACK = 64 << 20
+
 
 class HostCopy:
     """This receiver's part in its host's copy (a :class:`WeightGroup`'s ``host_copy``, made by the first
@@ -73,7 +76,7 @@ class HostCopy:
         try:
             # the spare reserved after the last version, or a new one; either way /dev/shm keeps room for one
             # more version: the file the engine's workers read a broker-path version from goes there too
-            whole = self._staging.take(total, keep_free=total)
+            whole = self._staging.take(total, keep_free=total + FILE_SLACK)
         except OSError as exc:
             log.warning(
                 "cannot stage a host copy of %d bytes in %s (%s): each receiver on this host keeps its own",
@@ -110,7 +113,7 @@ class HostCopy:
             current = self._staging.current
             if current is not None:
                 (SHM_DIR / current.name).unlink(missing_ok=True)
-            self._staging.reserve_spare(total, keep_free=total)
+            self._staging.reserve_spare(total, keep_free=total + FILE_SLACK)
             return []
         assert self._fd is not None
         fd, self._fd = self._fd, None

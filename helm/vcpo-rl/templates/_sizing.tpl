@@ -91,8 +91,11 @@ minimum with it.
 {{- $collective := eq $wb.transport "collective" -}}
 {{- /* the GPU workers' one host copy (services/weight_broker/host_copy.py): the leader stages each version
 in /dev/shm only with room left there for the broker path's file, and reserves the next one's spare only with
-room for that file again, so 3 W + the headroom hold the copy, its spare and the file */ -}}
-{{- $hostCopyApplies := and $collective (ge $gpus 2) -}}
+room for that file again, so 3 W + the headroom hold the copy, its spare and the file. Only under NCCL (the
+group's backend: auto gives NCCL with a GPU learner): over gloo every worker keeps its own copy */ -}}
+{{- $groupBackend := dig "group_backend" "auto" $wb -}}
+{{- $nccl := or (eq $groupBackend "nccl") (and (eq $groupBackend "auto") (gt (float64 $cfg.learner.gpus_per_rank) 0.0)) -}}
+{{- $hostCopyApplies := and $collective $nccl (ge $gpus 2) -}}
 {{- $hostCopyShm := ceil (addf (mulf 3.0 $w) (float64 (include "vcpo-rl.sizing.shmHeadroomGi" .))) | int -}}
 {{- $hostCopy := and $hostCopyApplies (ge (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $hostCopyShm)) -}}
 {{- $received := ternary 2 (ternary (max 1 $gpus) 0 $collective) $hostCopy -}}
