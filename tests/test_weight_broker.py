@@ -176,6 +176,39 @@ def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[
     assert_bit_exact(fetch_all(client), state_dict)
 
 
+def test_a_publish_the_store_could_not_take_is_counted_and_the_next_one_is_stored(
+    state_dict: dict[str, torch.Tensor],
+) -> None:
+    """A full disk under the broker mid-publish (the learner's own publish, over gRPC): counted as
+    ``rejected{reason="store_error"}`` (it was only the learner's retry), and the store takes the next
+    version. A learner whose stream broke is not counted so."""
+
+    class FullOnce(MemoryStore):
+        def begin(self, manifest: Any) -> Any:
+            writer = super().begin(manifest)
+            if manifest.policy_version == 3:
+
+                def full(chunk: Any) -> None:
+                    raise OSError(28, "No space left on device")
+
+                writer.write = full
+            return writer
+
+    broker = Broker(FullOnce(retain=3))
+    try:
+        stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+        with pytest.raises(grpc.RpcError, match="No space left on device"):
+            stub.Publish(iter(as_protos(state_dict, 3)), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            stub.Publish(_broken_off(state_dict, 4), timeout=30)
+        assert broker.metrics.rejected.labels("store_error")._value.get() == 1
+        client = broker.client()
+        client.publish(5, specs_of(state_dict), source(state_dict))
+        assert client.latest() == 5
+    finally:
+        broker.stop()
+
+
 def test_corrupted_chunk_is_detected(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
     requests = as_protos(state_dict, 1)
     chunk = requests[3].chunk

@@ -85,7 +85,8 @@ class LearnerMetrics:
         )
         self.published = metrics.counter(
             "vcpo_learner_versions_published_total",
-            "Versions published, by path: collective (broadcast into the weight group) or broker",
+            "Publishes, by path: collective (broadcast into the weight group) or broker (a version whose "
+            "broadcast failed and was republished through the broker counts under both)",
             ["path"],
         )
         self.group_events = metrics.counter(

@@ -19,7 +19,7 @@ import torch
 
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.seats import MemberSeat
-from services.weight_broker.servicer import WeightBrokerServicer
+from services.weight_broker.servicer import WeightBrokerServicer, is_store_error
 from services.weight_broker.store import PublishRejected, StoredVersion
 from services.weight_broker.tensors import TensorSpec, checksum, manifest_of, tensor_bytes, version_checksum
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
@@ -85,7 +85,8 @@ class BrokerMember:
                 return
             except Exception as exc:  # received, but not stored (a full disk): counted, the next may be
                 self.failures.append(f"{type(exc).__name__}: {exc}")
-                self.servicer.metrics.rejected.labels("store_error").inc()
+                if not is_store_error(exc):  # (those the servicer's commit counted)
+                    self.servicer.metrics.rejected.labels("store_error").inc()
                 log.error("a broadcast version was not stored: %s", self.failures[-1])
                 if self.group.closed:
                     return

@@ -7,6 +7,7 @@ INVALID_ARGUMENT, an unknown version NOT_FOUND. The messages say which version a
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,15 @@ class BrokerMetrics:
             "vcpo_broker_announce_failures_total",
             "Announcements that could not be written to the weights stream",
         )
+
+
+STORE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
+def is_store_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store's storage failing (a full or read-only disk), not the stream that fed it
+    (a learner's connection that broke is an OSError too)."""
+    return isinstance(exc, OSError) and exc.errno in STORE_ERRNOS
 
 
 class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grpc.StatusServicer):
@@ -100,6 +110,11 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         except PublishRejected as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.warning("publish refused (%s): %s", exc.reason, exc)
+            raise
+        except OSError as exc:
+            if is_store_error(exc):  # the writer was aborted: the store takes the next version
+                self.metrics.rejected.labels("store_error").inc()
+                log.error("a version was not stored: %s", exc)
             raise
         seconds = time.monotonic() - started
         self.published(stored, seconds)
