@@ -73,9 +73,11 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     group._store.set(f"test/formed/{rank}", "1")
     if behaviour.endswith("die-after-header"):  # joins, sees a version start, and is killed mid-broadcast
         head = torch.zeros(3, dtype=torch.int64, device=group.device)  # NCCL moves CUDA tensors only
+        group.ready(1)  # as a receiver says it is in its receive
         group.broadcast(head).wait()
         os._exit(3)
     if behaviour == "fail-and-linger":  # its part fails (as when its link to a dead peer breaks), it stays up
+        group.ready(1)
         group.broadcast(torch.zeros(3, dtype=torch.int64, device=group.device)).wait()
         group._mark_failed("rank 1's part failed: Connection reset by peer")
         time.sleep(120)
@@ -617,6 +619,92 @@ def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
     finally:
         for group in groups:
             group.close()
+
+
+def _issued(group: WeightGroup) -> list[float]:
+    """When each of ``group``'s collectives was issued (its broadcasts), recorded from now on."""
+    times: list[float] = []
+    real = group.broadcast
+
+    def broadcast(tensor: torch.Tensor) -> Any:
+        times.append(time.monotonic())
+        return real(tensor)
+
+    group.broadcast = broadcast  # type: ignore[method-assign]
+    return times
+
+
+def test_under_nccl_rank_0_issues_no_collective_before_every_receiver_is_ready() -> None:
+    """Under NCCL a collective waiting for a late receiver is a kernel on the learner's GPU, which every
+    device-wide synchronize of its training step waits for (DeepSpeed's gathers make them): rank 0 waits in
+    the store until every receiver is in its receive. The same code over gloo here, made to wait as under
+    NCCL: a receiver 1.5 s late, and no collective before it."""
+    from tests.test_weight_group_nccl import form
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+    assert not publisher.await_ready  # gloo: its collectives wait in its own threads
+    publisher.await_ready = True
+    issued, got, started = _issued(groups[0]), {}, {}
+
+    def receive(group: WeightGroup, late_s: float) -> None:
+        time.sleep(late_s)
+        started[group.rank] = time.monotonic()
+        got[group.rank] = CollectiveReceiver(group).receive()
+
+    threads = [
+        threading.Thread(target=receive, args=(g, late)) for g, late in ((groups[1], 0.0), (groups[2], 1.5))
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for version in (8, 9):
+            tensors = version_tensors(version)
+            publisher.send(version, specs_of(tensors), iter(tensors))
+            if version == 8:
+                assert issued and issued[0] >= started[2]  # not one before the late receiver was ready
+                for t in threads:
+                    t.join(30)
+                threads = [threading.Thread(target=receive, args=(g, 0.0)) for g in groups[1:]]
+                for t in threads:
+                    t.start()
+        for t in threads:
+            t.join(30)
+        assert all(got[r][0] == 9 and is_version(9, got[r][1]) for r in (1, 2))
+    finally:
+        for group in groups:
+            group.close()
+
+
+def test_under_nccl_a_receiver_that_never_gets_ready_fails_the_version_without_a_collective() -> None:
+    """Rank 0 waiting for receivers in the store gives up as its collectives do: at once where the control
+    plane says a member is gone (a killed sampler, whose heartbeat ran out), else at the group's timeout."""
+    from tests.test_weight_group_nccl import form
+
+    for gone in (True, False):
+        groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=3 if not gone else 60))
+        publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+        publisher.await_ready = True
+        t0 = time.monotonic()
+        if gone:
+            groups[0].alive_every_s = 0.1
+            groups[0].members_gone = lambda t0=t0: (  # type: ignore[misc]
+                "sampler-1.a is gone" if time.monotonic() - t0 > 0.5 else None
+            )
+        issued = _issued(groups[0])
+        tensors = version_tensors(3)
+        try:
+            with pytest.raises(TransferFailed) as info:
+                publisher.send(3, specs_of(tensors), iter(tensors))
+            waited = time.monotonic() - t0
+            assert issued == [] and groups[0].closed
+            if gone:
+                assert "sampler-1.a is gone" in str(info.value) and waited < 5.0, waited
+            else:
+                assert "0 of 1 receivers were ready within 3s" in str(info.value) and 3.0 <= waited < 10.0
+        finally:
+            for group in groups:
+                group.close()
 
 
 def test_pieces_cover_a_bucket_in_order_at_most_the_bucket_size_each() -> None:

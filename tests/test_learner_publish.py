@@ -165,6 +165,7 @@ def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
     spec.pop("shared_memory", None)  # the publisher's setting; the header tells the receivers
     group = WeightGroup(GroupSpec(**spec), 1)
     if behaviour == "die-after-header":
+        group.ready(1)  # as a receiver says it is in its receive
         group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
         os._exit(3)
     try:

@@ -98,6 +98,9 @@ class CollectivePublisher:
             )
         self.group, self.bucket_bytes, self.digests = group, bucket_bytes, digests
         self.ipc_refused = False  # CUDA IPC failed (an export refused, or not opened): none are sent any more
+        # under NCCL, every receiver ready (WeightGroup.wait_ready) before the first collective of a version;
+        # gloo's collectives wait in its threads, and fail at once where a receiver died (it waits no longer)
+        self.await_ready = group.backend == "nccl"
         # not instead of NCCL between GPUs, which moves the bytes device to device
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging(group.cuda_index)
@@ -280,8 +283,11 @@ class CollectivePublisher:
         group, committed = self.group, False
         try:
             group.announce(version)
+            if self.await_ready:  # in the store: no kernel on this GPU waits for a late receiver
+                group.wait_ready(group.broadcasts + 1)
             head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(head))
+            group.broadcasts += 1
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )

@@ -48,8 +48,9 @@ class CollectiveReceiver:
         group = self.group
         try:
             head = torch.zeros(3, dtype=torch.int64, device=group.device)
+            group.ready(group.broadcasts + 1)  # rank 0 issues no collective before every receiver is
         except Exception as exc:  # a CUDA error: marked, so no rank waits for this one until the timeout
-            raise group.part_failed(f"could not take the version's head: {first_line(exc)}") from exc
+            raise group.part_failed(f"could not start receiving: {first_line(exc)}") from exc
         try:
             group.wait(group.broadcast(head))
         except Exception as exc:

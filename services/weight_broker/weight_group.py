@@ -21,13 +21,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from services.common.pids import process_identity
+from services.weight_broker.group_store import AnnouncementWatch as AnnouncementWatch
+from services.weight_broker.group_store import GroupSpec as GroupSpec
+from services.weight_broker.group_store import TransferFailed as TransferFailed
+from services.weight_broker.group_store import arrive as arrive
+from services.weight_broker.group_store import first_line as first_line
+from services.weight_broker.group_store import open_store as open_store
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
 from services.weight_broker.nccl_group import failure as nccl_failure
@@ -35,141 +40,6 @@ from services.weight_broker.retired import retire
 from services.weight_broker.shared_memory import host_identity
 
 log = logging.getLogger(__name__)
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-
-
-class TransferFailed(RuntimeError):
-    """A version did not reach every member of the group; no member applied it. The group must be re-formed."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where and how the weight group meets: the control plane hands the same spec to every member.
-
-    ``world_size`` counts the publisher and every receiving worker. ``epoch`` names this forming of the group:
-    a re-formed group (a member joined, restarted or failed) gets a new one, so no key of an old rendezvous
-    is read by a new one.
-    """
-
-    host: str
-    port: int
-    world_size: int
-    backend: str = "gloo"  # "gloo" | "nccl"
-    epoch: int = 0
-    timeout_s: float = 120.0
-    form_timeout_s: float = 30.0  # how long every rank waits for all the others to arrive at the rendezvous
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.world_size < 2:
-            raise ValueError(
-                f"a weight group needs the publisher and at least one receiver, got {self.world_size}"
-            )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"weight group port must be in 1..65535, got {self.port}")
-        if self.timeout_s <= 0 or self.form_timeout_s <= 0:
-            raise ValueError(
-                f"weight group timeouts must be > 0, got timeout_s={self.timeout_s}, "
-                f"form_timeout_s={self.form_timeout_s}"
-            )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "port": self.port,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "epoch": self.epoch,
-            "timeout_s": self.timeout_s,
-            "form_timeout_s": self.form_timeout_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
-        return cls(
-            str(d["host"]),
-            int(d["port"]),
-            int(d["world_size"]),
-            str(d.get("backend", "gloo")),
-            int(d.get("epoch", 0)),
-            float(d.get("timeout_s", 120.0)),
-            float(d.get("form_timeout_s", 30.0)),
-        )
-
-    def prefix(self) -> str:
-        """The key prefix of this epoch's rendezvous and announcements in the group's store."""
-        return f"vcpo-weights/{self.epoch}"
-
-
-def open_store(spec: GroupSpec, master: bool = False, port: int | None = None) -> Any:
-    """A TCP store client of ``spec``'s rendezvous (or, ``master``, the store itself, listening on ``port``:
-    0 binds a free one, read back from ``.port``)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        spec.host,
-        spec.port if port is None else port,
-        spec.world_size,
-        is_master=master,
-        timeout=timedelta(seconds=spec.form_timeout_s),
-        wait_for_workers=False,
-    )
-
-
-def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float = 0.02) -> int:
-    """Count this process in at ``key`` of ``store`` and wait until ``expected`` have arrived; returns how many
-    had arrived (fewer than ``expected`` after ``timeout_s``)."""
-    arrived = int(store.add(key, 1))
-    deadline = time.monotonic() + timeout_s
-    while arrived < expected and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        arrived = int(store.add(key, 0))
-    return arrived
-
-
-class AnnouncementWatch:
-    """A receiver's view of rank 0's announcements (``announce/<n>`` = version, in order) in one epoch's
-    store: the weight group's own, or a client of the store held by a process that is not a rank itself (a
-    sampler's driver, whose engine workers are the ranks)."""
-
-    def __init__(self, store: Any, closed: Any = None) -> None:
-        self._store = store
-        self._on_failure = closed  # called once the store is gone (e.g. to close the group)
-        self.seq = 0  # announcements taken
-
-    @classmethod
-    def of(cls, spec: GroupSpec) -> AnnouncementWatch:
-        import torch.distributed as dist
-
-        try:
-            return cls(dist.PrefixStore(spec.prefix(), open_store(spec)))
-        except Exception as exc:
-            raise TransferFailed(
-                f"the weight group's store at {spec.host}:{spec.port} is unreachable: {exc}"
-            ) from exc
-
-    def next(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
-        """The version of the next broadcast once rank 0 announced it (then receive it); None after
-        ``timeout_s`` (0: look once) without one. Raises :class:`TransferFailed` if the store is gone with its
-        host, the publisher."""
-        key = f"announce/{self.seq + 1}"
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self._store.check([key]):
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(poll_s)
-            version = int(self._store.get(key))
-        except Exception as exc:
-            if self._on_failure is not None:
-                self._on_failure()
-            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
-        self.seq += 1
-        return version
 
 
 class WeightGroup:
@@ -236,7 +106,7 @@ class WeightGroup:
         self.host_peers = host_peers(prefixed, rank, spec.world_size)
         self.host_copy: Any = None  # their shared copy's state (host_copy.py), released on close
         self.host_buffers: Any = None  # this receiver's own host copies (shared_memory.HostBuffers), likewise
-        self.broadcasts = 0  # versions whose broadcast reached this receiver (every rank counts alike)
+        self.broadcasts = 0  # versions whose broadcast started on this rank (every rank counts alike)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
         # this member's GPU under NCCL, kept where the epoch falls back to gloo; whether every rank is on it
@@ -333,6 +203,39 @@ class WeightGroup:
         Members wait for this, not inside a collective, so an idle group never reaches its timeout."""
         self._seq += 1
         self._announcements.set(f"announce/{self._seq}", str(version))
+
+    def ready(self, seq: int) -> None:
+        """A receiver, in its receive: ready for broadcast ``seq`` (1, 2, ... in this group)."""
+        self._announcements.add(f"ready/{seq}", 1)
+
+    def wait_ready(self, seq: int, poll_s: float = 0.002) -> None:
+        """Rank 0, after announcing broadcast ``seq``: wait until every receiver is ready for it, in the store,
+        before any of its collectives is issued. Under NCCL a collective waiting for a late receiver (an
+        engine's loop in a long step) is a kernel on this rank's GPU, and every device-wide synchronize of the
+        training step (DeepSpeed's gathers make them) waited for it: for a receiver stuck with its heartbeat
+        alive, until the group's timeout. Gives up (:class:`TransferFailed`, the group closed) as :meth:`wait`
+        does: a rank marked the collective failed, a member is gone, or the group's timeout passed."""
+        expected = self.spec.world_size - 1
+        deadline = asked = time.monotonic()
+        deadline += self.spec.timeout_s
+        try:
+            while (arrived := int(self._announcements.add(f"ready/{seq}", 0))) < expected:
+                now = time.monotonic()
+                why = self._failure()
+                if why is None and self.members_gone is not None and now - asked >= self.alive_every_s:
+                    asked, why = now, self.members_gone()
+                if why is None and now > deadline:
+                    why = f"{arrived} of {expected} receivers were ready within {self.spec.timeout_s:.0f}s"
+                if why:
+                    raise TransferFailed(why)
+                time.sleep(poll_s)
+                poll_s = min(poll_s * 2, 0.02)
+        except TransferFailed:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
 
     def next_announcement(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
         """A receiver: the version of the next broadcast, once rank 0 announces it (then call ``receive``);
