@@ -209,6 +209,44 @@ def test_a_publish_the_store_could_not_take_is_counted_and_the_next_one_is_store
         broker.stop()
 
 
+def test_a_disk_store_whose_disk_filled_mid_publish_takes_the_next_version(
+    tmp_path: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """The disk fills while version 3 is written: its file's buffered bytes cannot be written when the writer
+    is discarded either. That second error used to skip the store's release of the publish, which stayed "in
+    progress": the store refused every later version until the broker restarted."""
+    import errno
+    import io
+
+    class Full(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    class FullOnce(DiskStore):
+        def _writer(self, manifest: Any) -> Any:
+            writer = super()._writer(manifest)
+            if manifest.policy_version == 3:  # what is written stays in the buffer until the disk refuses it
+                writer._file.close()
+                writer._file = io.BufferedWriter(Full(), buffer_size=1 << 30)
+            return writer
+
+    broker = Broker(FullOnce(tmp_path, retain=3))
+    try:
+        stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+        with pytest.raises(grpc.RpcError, match="No space left on device"):
+            stub.Publish(iter(as_protos(state_dict, 3)), timeout=30)
+        assert broker.metrics.rejected.labels("store_error")._value.get() == 1
+        client = broker.client()
+        client.publish(4, specs_of(state_dict), source(state_dict))
+        assert client.latest() == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["v0000000004"]
+        assert_bit_exact(fetch_all(client), state_dict)
+    finally:
+        broker.stop()
+
+
 def test_corrupted_chunk_is_detected(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
     requests = as_protos(state_dict, 1)
     chunk = requests[3].chunk

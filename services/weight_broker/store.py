@@ -169,11 +169,15 @@ class VersionWriter(ABC):
         return stored
 
     def abort(self) -> None:
-        """Drop everything written; idempotent."""
+        """Drop everything written; idempotent. The store takes the next publish whatever happens here: until
+        2026-11-27 a full disk failed the discard too (the file's buffered bytes), which left this publish "in
+        progress" and the store refusing every later one until a restart."""
         if not self._done:
             self._done = True
-            self._discard()
-            self.store._aborted(self.version)
+            try:
+                self._discard()
+            finally:
+                self.store._aborted(self.version)
 
     @abstractmethod
     def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
@@ -407,7 +411,8 @@ class _DiskWriter(VersionWriter):
         return _DiskVersion(self._final, manifest)
 
     def _discard(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a full disk: its buffered bytes cannot be written either
+            self._file.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
