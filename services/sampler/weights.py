@@ -242,8 +242,8 @@ class CollectiveWeightSync(WeightSync):
         self._last_look = now
         try:
             version = self.watch.next(0)
-        except TransferFailed as exc:  # marked failed already, or its store (on rank 0's host) is gone:
-            self._leave(str(exc), tell=False)  # telling the ranks would wait out the store's timeout
+        except TransferFailed as exc:  # its store (on rank 0's host) is out of reach: telling the ranks
+            self._leave(str(exc), tell=False)  # through it would wait out its timeout, in every worker
             return
         if version is None:
             return

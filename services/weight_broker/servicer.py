@@ -55,7 +55,21 @@ class BrokerMetrics:
         )
 
 
-STORE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+# a full, failing or read-only disk, a volume the broker may not write (a PVC's wrong fsGroup), no descriptors
+STORE_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EIO,
+        errno.EROFS,
+        errno.EFBIG,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ESTALE,
+    }
+)
 
 
 def is_store_error(exc: BaseException) -> bool:

@@ -227,6 +227,7 @@ class WeightGroup:
                 if why is None and now > deadline:
                     why = f"{arrived} of {expected} receivers were ready within {self.spec.timeout_s:.0f}s"
                 if why:
+                    self._mark_failed(why)  # the receivers waiting name the cause, not rank 0's abort
                     raise TransferFailed(why)
                 time.sleep(poll_s)
                 poll_s = min(poll_s * 2, 0.02)
