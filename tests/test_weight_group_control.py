@@ -636,7 +636,15 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
         WeightBrokerConfig(group_cuda_ipc=False), redis_url, run_id, redis_client, torch.device("cpu")
     )
     assert off.planes == {"shared_memory": False, "cuda_ipc": False}
+    assert (coordinator.timeout_s, off.timeout_s, off.wait_budget_s) == (20, 120, None)
     off.close()
+    # a group's steps never outlast what the learner's other ranks can wait for rank 0 (learner.collective_
+    # timeout_s / 3): under NCCL each is a kernel on rank 0's GPU, which its training step waits for
+    bounded = coordinator_from_config(
+        wb, redis_url, run_id, redis_client, torch.device("cpu"), wait_budget_s=10
+    )
+    assert (bounded.timeout_s, bounded.wait_budget_s) == (10, 10)
+    bounded.close()
     a = Receiver(GroupRegistry(redis_client, run_id, ttl_s=1.0), "sampler-0.a")
     a.start()
     try:
@@ -895,6 +903,14 @@ def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group
     seats.superseded = lambda epoch: False
     sync.pump()
     assert sync.watch is None and left[3] is None and "store is unreachable" in sync.error
+
+
+def test_epoch_numbers_never_go_back_though_the_counter_does(registry: GroupRegistry) -> None:
+    """Redis restarted having lost its last writes: the counter is behind the epochs made. A reused number
+    would meet the old epoch's keys in the coordinator's rendezvous store, and samplers that saw it skip it."""
+    assert registry.next_epoch() == 1 and registry.next_epoch(after=1) == 2
+    registry.client.delete(f"{registry.prefix}:epoch")  # as a restart without the last writes leaves it
+    assert registry.next_epoch(after=2) == 3 and registry.next_epoch(after=3) == 4  # and stored: 4 next
 
 
 def test_a_seat_taken_after_a_newer_epoch_formed_is_not_joined(registry: GroupRegistry) -> None:

@@ -97,6 +97,7 @@ class GroupCoordinator:
         # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
         self.on_event = on_event or (lambda event: None)
         self.epoch = 0  # of the formed group (0: none yet)
+        self._made = 0  # the last epoch number taken (formed or not)
         self.failures = 0  # broadcasts that failed (the learner republishes a version one lost)
         self.backoff_s = 1.0
         self._formed: _Formed | None = None
@@ -283,7 +284,7 @@ class GroupCoordinator:
         for member_id in sorted(live):
             ranks[member_id] = offset
             offset += live[member_id].workers
-        epoch = self.registry.next_epoch()
+        epoch = self._made = self.registry.next_epoch(after=self._made)
         store = self._bind(epoch, offset)
         spec = GroupSpec(
             self.host, int(store.port), offset, self.backend, epoch, self.timeout_s, self.form_timeout_s
@@ -331,12 +332,23 @@ def coordinator_from_config(
     backend = (
         wb.group_backend if wb.group_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     )
+    timeout_s = wb.group_timeout_s
+    if wait_budget_s is not None and wait_budget_s < timeout_s:
+        # a step of a broadcast under NCCL is a kernel on rank 0's GPU, which the training step's device-wide
+        # synchronizes wait for while the other learner ranks wait for rank 0 in a collective of their own
+        log.info(
+            "weight_broker.group_timeout_s %.0fs is over what the learner's ranks can wait for rank 0 "
+            "(a third of learner.collective_timeout_s): the weight group's steps time out after %.0fs",
+            timeout_s,
+            wait_budget_s,
+        )
+        timeout_s = wait_budget_s
     return GroupCoordinator(
         GroupRegistry(client, run_id, wb.group_member_ttl_s),
         wb.group_host or reachable_host(redis_url),
         backend,
         wb.group_port,
-        timeout_s=wb.group_timeout_s,
+        timeout_s=timeout_s,
         form_timeout_s=wb.group_form_timeout_s,
         bucket_bytes=wb.group_bucket_mb << 20,
         device=device if backend == "nccl" else None,

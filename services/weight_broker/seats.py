@@ -105,8 +105,16 @@ class GroupRegistry:
             self.client.srem(f"{self.prefix}:members", *gone)
         return out
 
-    def next_epoch(self) -> int:
-        return int(self.client.incr(f"{self.prefix}:epoch"))
+    def next_epoch(self, after: int = 0) -> int:
+        """A new epoch number, greater than ``after`` (the last one its caller made) even where the counter went
+        back (Redis lost its last writes): a reused number would meet the old epoch's keys in the rendezvous
+        store, and members that saw it would not join it."""
+        key = f"{self.prefix}:epoch"
+        epoch = int(self.client.incr(key))
+        if epoch <= after:
+            epoch = after + 1
+            self.client.set(key, epoch)
+        return epoch
 
     def write_spec(self, spec: GroupSpec, ranks: dict[str, int], bucket_bytes: int) -> None:
         body = {**spec.as_dict(), "ranks": ranks, "bucket_bytes": bucket_bytes}
