@@ -645,12 +645,21 @@ def test_under_nccl_rank_0_issues_no_collective_before_every_receiver_is_ready()
     publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
     assert not publisher.await_ready  # gloo: its collectives wait in its own threads
     publisher.await_ready = True
-    issued, got, started = _issued(groups[0]), {}, {}
+    issued, got, started, buffers_made = _issued(groups[0]), {}, {}, {}
 
-    def receive(group: WeightGroup, late_s: float) -> None:
+    def receive(group: WeightGroup, late_s: float, slow_buffers_s: float = 0.0) -> None:
         time.sleep(late_s)
         started[group.rank] = time.monotonic()
-        got[group.rank] = CollectiveReceiver(group).receive()
+        receiver = CollectiveReceiver(group)
+        go = receiver._go
+
+        def slow_go() -> None:  # its buffers take long to make (a whole model's, page-locked, at first)
+            time.sleep(slow_buffers_s)
+            buffers_made[group.rank] = time.monotonic()
+            go()
+
+        receiver._go = slow_go  # type: ignore[method-assign]
+        got[group.rank] = receiver.receive()
 
     threads = [
         threading.Thread(target=receive, args=(g, late)) for g, late in ((groups[1], 0.0), (groups[2], 1.5))
@@ -665,12 +674,17 @@ def test_under_nccl_rank_0_issues_no_collective_before_every_receiver_is_ready()
                 assert issued and issued[0] >= started[2]  # not one before the late receiver was ready
                 for t in threads:
                     t.join(30)
-                threads = [threading.Thread(target=receive, args=(g, 0.0)) for g in groups[1:]]
+                issued.clear()
+                threads = [
+                    threading.Thread(target=receive, args=(g, 0.0, 1.5 * (g.rank == 1))) for g in groups[1:]
+                ]
                 for t in threads:
                     t.start()
         for t in threads:
             t.join(30)
         assert all(got[r][0] == 9 and is_version(9, got[r][1]) for r in (1, 2))
+        # the head and the header, then nothing until the slow receiver's buffers were made
+        assert len(issued) > 2 and issued[2] >= buffers_made[1] > issued[1]
     finally:
         for group in groups:
             group.close()

@@ -291,6 +291,8 @@ class CollectivePublisher:
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )
+            if self.await_ready:  # and once they made their buffers (a whole model's, page-locked, at first)
+                group.wait_ready(group.broadcasts, "data")
             if shared or on_gpu is not None:  # the receivers map the segment (open the export) now
                 digests, source_error = [0], None
             else:

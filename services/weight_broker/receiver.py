@@ -76,9 +76,11 @@ class CollectiveReceiver:
             if "cuda_ipc" in header:
                 buffers, mine = receive_export(group, layout, header["cuda_ipc"], version), [0]
                 read = bool(buffers)
+                self._go()
             elif "shared" in header:
                 buffers, mine = receive_segment(layout, header["shared"]), [0]
                 read = bool(buffers)
+                self._go()
             elif (host_copy := self._host_copy(layout)) is None:
                 buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
             elif host_copy.leader:
@@ -127,6 +129,12 @@ class CollectiveReceiver:
         stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
         return version, tensors, stats
 
+    def _go(self) -> None:
+        """Ready for the version's data: under NCCL rank 0 issues none of it before every receiver is (its
+        buffers made, a page-locked host copy of the whole model the first time), as no kernel on the
+        learner's GPU may wait for it (``WeightGroup.wait_ready``)."""
+        self.group.ready(self.group.broadcasts, "data")
+
     def _host_copy(self, layout: list[Bucket]) -> HostCopy | None:
         """This host's one copy of the version, when this receiver takes part in one (None: it keeps its own,
         as when the leader has no room for it)."""
@@ -141,6 +149,7 @@ class CollectiveReceiver:
         them in order), each bucket hashed while the next arrives."""
         group = self.group
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
+        self._go()
         works = [[group.broadcast(buf[a:b]) for a, b in pieces(buf.numel(), piece)] for buf in buffers]
         mine: list[int] = []
         for bucket_works, buf in zip(works, buffers, strict=True):
@@ -178,6 +187,7 @@ class CollectiveReceiver:
         copier = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
         copied: list[Any] = [None, None]  # each buffer's last copy out: an event on the copy stream
         n = 0
+        self._go()
         try:
             for i, bucket in enumerate(ranges):
                 for a, b in bucket:

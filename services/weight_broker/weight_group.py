@@ -204,11 +204,12 @@ class WeightGroup:
         self._seq += 1
         self._announcements.set(f"announce/{self._seq}", str(version))
 
-    def ready(self, seq: int) -> None:
-        """A receiver, in its receive: ready for broadcast ``seq`` (1, 2, ... in this group)."""
-        self._announcements.add(f"ready/{seq}", 1)
+    def ready(self, seq: int, stage: str = "") -> None:
+        """A receiver, in its receive: ready for broadcast ``seq`` (1, 2, ... in this group); ``stage``: for its
+        part after the header ("data": its buffers made)."""
+        self._announcements.add(f"ready/{seq}/{stage}", 1)
 
-    def wait_ready(self, seq: int, poll_s: float = 0.002) -> None:
+    def wait_ready(self, seq: int, stage: str = "", poll_s: float = 0.002) -> None:
         """Rank 0, after announcing broadcast ``seq``: wait until every receiver is ready for it, in the store,
         before any of its collectives is issued. Under NCCL a collective waiting for a late receiver (an
         engine's loop in a long step) is a kernel on this rank's GPU, and every device-wide synchronize of the
@@ -219,7 +220,7 @@ class WeightGroup:
         deadline = asked = time.monotonic()
         deadline += self.spec.timeout_s
         try:
-            while (arrived := int(self._announcements.add(f"ready/{seq}", 0))) < expected:
+            while (arrived := int(self._announcements.add(f"ready/{seq}/{stage}", 0))) < expected:
                 now = time.monotonic()
                 why = self._failure()
                 if why is None and self.members_gone is not None and now - asked >= self.alive_every_s:
