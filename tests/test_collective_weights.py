@@ -830,9 +830,22 @@ def test_a_host_copy_received_before_its_group_closes_stays_whole_until_it_is_lo
     ]
 
 
-def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_version() -> None:
+@pytest.mark.parametrize(
+    "behaviours",
+    [
+        ["host-no-shm", "host"],
+        # the leader stages a host copy only where /dev/shm keeps room for one more version after it: the file
+        # the engine's workers read a broker-path version from goes there too. Until 2026-11-27 a host copy
+        # that took that room made every broker-path load fail, and the engine fell back to its initial weights
+        ["host-tight-shm", "host-tight-shm"],
+    ],
+    ids=["no-room-for-the-version", "no-room-for-one-more"],
+)
+def test_receivers_keep_their_own_copies_where_shared_memory_cannot_hold_the_version(
+    behaviours: list[str],
+) -> None:
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
-    procs, out = start_receivers(spec, ["host-no-shm", "host"], versions=1)
+    procs, out = start_receivers(spec, behaviours, versions=1)
     group = WeightGroup(spec, 0)
     tensors = version_tensors(4)
     CollectivePublisher(group, bucket_bytes=8192).send(4, specs_of(tensors), iter(tensors))
@@ -845,25 +858,6 @@ def test_receivers_keep_their_own_copies_when_shared_memory_cannot_hold_the_vers
         (2, 4, True, "own"),
     ]
     assert not any("/dev/shm" in where for *_, (_, _, where) in got)  # their own memory
-
-
-def test_receivers_keep_their_own_copies_where_a_host_copy_would_leave_no_room_for_one_more_version() -> None:
-    """The leader stages a host copy only where /dev/shm keeps room for one more version after it: the file
-    the engine's workers read a broker-path version from goes there too. Until 2026-11-27 a host copy that
-    took that room made every broker-path load fail, and the engine fell back to its initial weights."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=60)
-    procs, out = start_receivers(spec, ["host-tight-shm", "host-tight-shm"], versions=1)
-    group = WeightGroup(spec, 0)
-    tensors = version_tensors(4)
-    CollectivePublisher(group, bucket_bytes=8192).send(4, specs_of(tensors), iter(tensors))
-    got = sorted(out.get(timeout=60) for _ in range(2))
-    for p in procs:
-        p.join(timeout=30)
-    group.close()
-    assert [(r, v, exact, role) for r, v, (exact, role, _) in got] == [
-        (1, 4, True, "own"),
-        (2, 4, True, "own"),
-    ]
 
 
 def test_a_host_copys_leader_killed_mid_broadcast_fails_the_version_everywhere_at_once() -> None:

@@ -18,9 +18,10 @@ is ``collective.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -213,13 +214,13 @@ class WeightGroup:
         """Rank 0, after announcing broadcast ``seq``: wait until every receiver is ready for it, in the store,
         before any of its collectives is issued. Under NCCL a collective waiting for a late receiver (an
         engine's loop in a long step) is a kernel on this rank's GPU, and every device-wide synchronize of the
-        training step (DeepSpeed's gathers make them) waited for it: for a receiver stuck with its heartbeat
+        training step (DeepSpeed's gathers call them) waited for it: for a receiver stuck with its heartbeat
         alive, until the group's timeout. Gives up (:class:`TransferFailed`, the group closed) as :meth:`wait`
         does: a rank marked the collective failed, a member is gone, or the group's timeout passed."""
         expected = self.spec.world_size - 1
         deadline = asked = time.monotonic()
         deadline += self.spec.timeout_s
-        try:
+        with self._closed_on_failure():
             while (arrived := int(self._announcements.add(f"ready/{seq}/{stage}", 0))) < expected:
                 now = time.monotonic()
                 why = self._failure()
@@ -232,12 +233,6 @@ class WeightGroup:
                     raise TransferFailed(why)
                 time.sleep(poll_s)
                 poll_s = min(poll_s * 2, 0.02)
-        except TransferFailed:
-            self.close()
-            raise
-        except Exception as exc:
-            self.close()
-            raise TransferFailed(f"the weight group's store is unreachable: {exc}") from exc
 
     def next_announcement(self, timeout_s: float, poll_s: float = 0.02) -> int | None:
         """A receiver: the version of the next broadcast, once rank 0 announces it (then call ``receive``);
@@ -275,7 +270,7 @@ class WeightGroup:
         """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
         marks the collective failed (:class:`TransferFailed`, the group closed)."""
         deadline = time.monotonic() + self.spec.timeout_s
-        try:
+        with self._closed_on_failure():
             while not self._announcements.check([key]):
                 why = self._failure() or (
                     f"{key} was not set within {self.spec.timeout_s:.0f}s"
@@ -286,6 +281,12 @@ class WeightGroup:
                     raise TransferFailed(why)
                 time.sleep(poll_s)
             return bytes(self._announcements.get(key)).decode()
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self) -> Iterator[None]:
+        """Waits in the store: a failure closes the group, raised as a :class:`TransferFailed`."""
+        try:
+            yield
         except TransferFailed:
             self.close()
             raise
