@@ -324,8 +324,7 @@ class WeightGroup:
         this one's links)."""
         nap, last = 5e-5, time.monotonic()
         asked = last
-        while not work.is_completed():
-            time.sleep(nap)
+        while not self._completed(work, nap, check_every_s):
             nap = min(nap * 2, 1e-3)
             if time.monotonic() - last < check_every_s:
                 continue
@@ -359,6 +358,21 @@ class WeightGroup:
             raise self.part_failed(why)
         if self._closed:  # by another thread meanwhile: its abort ended the collective, which reads as done
             raise TransferFailed(f"rank {self.rank}'s weight group was closed during the collective")
+
+    def _completed(self, work: Any, nap: float, check_every_s: float) -> bool:
+        """Whether ``work`` has completed, after waiting for it a while. Gloo's blocks in its own wait, woken as
+        it completes, for up to ``check_every_s``; its timeout raises and leaves the collective going. (Polling
+        it instead, a thread waking every millisecond or sooner, took a third off a loopback broadcast's rate
+        with every core copying bytes: 0.27 s for 1 GiB against 0.20 s.) NCCL's wait does not block the host (it
+        orders the current stream after the collective): it is polled every ``nap`` seconds."""
+        if work.is_completed():
+            return True
+        if self.backend == "nccl":
+            time.sleep(nap)
+        else:
+            with contextlib.suppress(Exception):  # not completed yet, or failed (raised again by the caller)
+                work.wait(timedelta(seconds=check_every_s))
+        return bool(work.is_completed())
 
     def _mark_failed(self, why: str) -> None:
         """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
