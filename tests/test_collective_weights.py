@@ -373,6 +373,7 @@ def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes()
             t.zero_()
     stats = publisher.wait()
     assert stats is not None and stats.version == 12
+    assert publisher._buffers == []  # every bucket went straight from the staging buffer, none copied
     got = sorted(out.get(timeout=60) for _ in range(4))
     assert got == [(1, 11, True), (1, 12, True), (2, 11, True), (2, 12, True)]
     publisher.close()

@@ -676,7 +676,7 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
     publisher._buffer(0, 4096)
     assert publisher._buffers
 
-    def broken(*args: Any) -> Any:
+    def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     publisher.send = broken  # type: ignore[method-assign]
