@@ -13,7 +13,8 @@ What it decides:
   a fetcher that dies without reporting fails the run at once;
 - the collective: receivers join a gloo weight group; version 1 is untimed, version 2 is timed from the
   publisher's call until the last receiver holds it, versions 3 and 4 go in the background from a staging
-  buffer (the 4th is the one reported; the 3rd allocates the buffer);
+  buffer (the 4th is the one reported; the 3rd allocates the buffer); each timed one after a pause, as a
+  learner's step, in which the publisher reserves its next shared memory segment;
 - the collective on devices (weight_sync_gpu.py): the same, each receiver on a device of its own or a shared
   one, also timed until it has loaded each version into its model there; every version differs from the last,
   and every model must equal it byte for byte.
@@ -255,13 +256,18 @@ def run_collective(
     bucket_mib: int,
     digests: bool = True,
     shared_memory: bool = False,
+    step_s: float = 1.0,
 ) -> dict[str, float]:
     """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
-    background broadcast from its staging buffer (the fourth version; the third allocated the buffer).
+    background broadcast from its staging buffer (the fourth version; the third allocated the buffer), and the
+    seconds from the start of that one until they held it (``staged_seconds``: the learner's publish).
     ``digests``: the publisher sends bucket digests that every receiver checks (weight_broker.group_digests).
     ``shared_memory``: the receivers copy each version out of the publisher's /dev/shm segment instead
-    (weight_broker.group_shared_memory; the publisher must confirm it used it for every version)."""
+    (weight_broker.group_shared_memory; the publisher must confirm it used it for every version). ``step_s``:
+    the pause before each timed version, as a learner's step between versions: the publisher reserves the
+    next version's shared memory segment in the background then (on this machine that takes about 0.6 s per
+    GiB, which back-to-back versions would wait for)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -287,33 +293,37 @@ def run_collective(
         specs = [TensorSpec.of(name, t) for name, t in named]
         publisher.send(1, specs, iter(named))
         _collect(results, receivers, procs, timeout_s=600)
+        time.sleep(step_s)
         t0 = time.monotonic()
         stats = publisher.send(2, specs, iter(named))
         blocked = time.monotonic() - t0
         out = _collect(results, receivers, procs, timeout_s=600)
         # in the background from a staging buffer (versions 3 and 4: the first allocates the buffer)
-        staged_blocked = []
+        staged_blocked, staged_out, staged_t0 = [], [], 0.0
         planes = {stats.extra["shared_memory"]}
         for version in (3, 4):
+            time.sleep(step_s)
+            staged_t0 = time.monotonic()
             staged_blocked.append(publisher.send_background(version, specs, iter(named)))
             planes.add(publisher.wait().extra["shared_memory"])  # type: ignore[union-attr]
-            _collect(results, receivers, procs, timeout_s=600)
+            staged_out = _collect(results, receivers, procs, timeout_s=600)
         if planes != {1.0 if shared_memory else 0.0}:
             raise SystemExit(f"the publisher did not {'' if shared_memory else 'not '}use shared memory")
         publisher.close()
         group.close()
     finally:
         _reap(procs)
-    errors = [r["error"] for r in out if "error" in r]
+    errors = [r["error"] for r in out + staged_out if "error" in r]
     if errors:
         raise RuntimeError(f"collective receivers failed: {errors}")
     expected = digest_of(named)
-    if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out):
+    if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out + staged_out):
         raise SystemExit(f"{receivers} collective receivers: bytes differ from the published ones")
     return {
         "seconds": max(r["done"] for r in out) - t0,
         "blocked_s": blocked,
         "staged_blocked_s": staged_blocked[-1],
+        "staged_seconds": max(r["done"] for r in staged_out) - staged_t0,
     }
 
 

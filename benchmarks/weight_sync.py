@@ -36,7 +36,9 @@ Headline figures (the JSON object on the last line), at the largest size measure
 
     collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
                           publish until it holds the version, against the socket (target >= 0.8);
-                          ..._without_digests: the same without bucket digests (group_digests = false)
+                          ..._without_digests: the same without bucket digests (group_digests = false);
+                          collective_staged_over_socket: as the learner publishes, copied into the staging
+                          buffer (the learner's wait) and broadcast from it in the background
     collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host; the
                           receivers map the publisher's segment), collective_shm_N_over_1 its N receivers'
                           seconds over one's, learner_blocked_s_per_version_shm its staged publish's wait
@@ -232,6 +234,12 @@ def main() -> None:
     )
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     parser.add_argument(
+        "--step-s",
+        type=float,
+        default=1.0,
+        help="collective: the pause before each timed version (a learner's step between versions)",
+    )
+    parser.add_argument(
         "--default-allocator",
         action="store_true",
         help="run the broker and fetchers without the allocator settings services get (services/common/memory.py)",
@@ -256,11 +264,15 @@ def main() -> None:
             rows.append(run_size(size, fetchers, named, socket, kind))
             print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
         if size == sizes[-1] or not args.quick:
-            collective[size] = {n: run_collective(named, n, args.bucket_mib) for n in args.receivers}
+            collective[size] = {
+                n: run_collective(named, n, args.bucket_mib, step_s=args.step_s) for n in args.receivers
+            }
             if size == sizes[-1]:  # beside it: the same broadcast without the bucket digests' CPU
-                without_digests = run_collective(named, args.receivers[0], args.bucket_mib, digests=False)
+                without_digests = run_collective(
+                    named, args.receivers[0], args.bucket_mib, digests=False, step_s=args.step_s
+                )
                 shm = {  # and through shared memory: every receiver copies the version out of /dev/shm
-                    n: run_collective(named, n, args.bucket_mib, shared_memory=True)
+                    n: run_collective(named, n, args.bucket_mib, shared_memory=True, step_s=args.step_s)
                     for n in (args.receivers[0], args.receivers[-1])
                 }
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
@@ -310,12 +322,12 @@ def main() -> None:
     print(
         f"collective (gloo, {args.bucket_mib} MiB buckets): seconds from the start of a publish until every "
         "receiver holds the version; blocked: the publisher's wait in it; staged: its wait when it copies into a "
-        "staging buffer and broadcasts in the background; the broker path: publish + fetch (1) or publish + "
-        "fan-out"
+        "staging buffer and broadcasts in the background (as the learner publishes), and until one receiver "
+        "held that version; the broker path: publish + fetch (1) or publish + fan-out"
     )
     print(
         f"{'MiB':>5} " + " ".join(f"{f'{n} recv s':>9}" for n in args.receivers) + f" {'1 GB/s':>7} "
-        f"{'blocked s':>9} {'staged s':>8} {'broker 1':>8} {f'broker {n}':>9}"
+        f"{'blocked s':>9} {'staged s':>8} {'1 recv, staged s':>16} {'broker 1':>8} {f'broker {n}':>9}"
     )
     for size in collective:
         c = collective[size]
@@ -325,7 +337,7 @@ def main() -> None:
             f"{size:>5} "
             + " ".join(f"{c[n]['seconds']:>9.2f}" for n in args.receivers)
             + f" {r['bytes'] / first['seconds'] / 1e9:>7.2f} {first['blocked_s']:>9.2f} {first['staged_blocked_s']:>8.2f} "
-            f"{r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}"
+            f"{first['staged_seconds']:>16.2f} {r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}"
         )
     print("all collective receivers' digests equal the publisher's")
     print(
@@ -352,6 +364,10 @@ def main() -> None:
     collective_gbps = big["bytes"] / coll[one]["seconds"] / 1e9
     headline = {
         "collective_over_socket": round(collective_gbps / big["socket_gbps"], 3),
+        # the learner's publish: staged (the caller blocked), then broadcast from the staging buffer
+        "collective_staged_over_socket": round(
+            big["bytes"] / coll[one]["staged_seconds"] / 1e9 / big["socket_gbps"], 3
+        ),
         "collective_over_socket_without_digests": round(
             big["bytes"] / without_digests["seconds"] / 1e9 / big["socket_gbps"], 3
         ),
