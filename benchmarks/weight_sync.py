@@ -46,7 +46,7 @@ Headline figures (the JSON object on the last line), at the largest size measure
 
 Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
 
-    python benchmarks/weight_sync.py [--quick] [--sizes 64 256 1024] [--fetchers 4]
+    python benchmarks/weight_sync.py [--quick] [--sizes 64 256 1024] [--fetchers 4] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -210,6 +211,12 @@ def run_size(
     return row
 
 
+def timed(named: list[tuple[str, torch.Tensor]], n: int, args: Any, **kw: Any) -> dict[str, float]:
+    """:func:`run_collective` to ``n`` receivers, ``args.repeats`` times: the median of each figure."""
+    runs = [run_collective(named, n, args.bucket_mib, step_s=args.step_s, **kw) for _ in range(args.repeats)]
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,10 +241,16 @@ def main() -> None:
     )
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="collective: runs of each case, its figures the medians (this machine is shared and noisy)",
+    )
+    parser.add_argument(
         "--step-s",
         type=float,
-        default=1.0,
-        help="collective: the pause before each timed version (a learner's step between versions)",
+        help="collective: the pause before each timed version (a learner's step between versions; default 1, "
+        "quick: 0.1)",
     )
     parser.add_argument(
         "--default-allocator",
@@ -252,6 +265,7 @@ def main() -> None:
     sizes = args.sizes or ([16, 32] if args.quick else [64, 256, 1024])
     fetchers = args.fetchers or (2 if args.quick else 4)
     args.receivers = args.receivers or ([1, 2] if args.quick else [1, 2, 4])
+    args.step_s = args.step_s if args.step_s is not None else (0.1 if args.quick else 1.0)
 
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
@@ -264,15 +278,11 @@ def main() -> None:
             rows.append(run_size(size, fetchers, named, socket, kind))
             print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
         if size == sizes[-1] or not args.quick:
-            collective[size] = {
-                n: run_collective(named, n, args.bucket_mib, step_s=args.step_s) for n in args.receivers
-            }
+            collective[size] = {n: timed(named, n, args) for n in args.receivers}
             if size == sizes[-1]:  # beside it: the same broadcast without the bucket digests' CPU
-                without_digests = run_collective(
-                    named, args.receivers[0], args.bucket_mib, digests=False, step_s=args.step_s
-                )
+                without_digests = timed(named, args.receivers[0], args, digests=False)
                 shm = {  # and through shared memory: every receiver copies the version out of /dev/shm
-                    n: run_collective(named, n, args.bucket_mib, shared_memory=True, step_s=args.step_s)
+                    n: timed(named, n, args, shared_memory=True)
                     for n in (args.receivers[0], args.receivers[-1])
                 }
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)

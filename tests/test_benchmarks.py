@@ -93,6 +93,7 @@ def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     assert "all collective receivers' digests equal the publisher's" in lines  # else it exits non-zero
     assert figures["collective_over_socket"] > 0 and figures["collective_2_over_1"] > 0
     assert figures["collective_over_socket_without_digests"] > 0
+    assert figures["collective_staged_over_socket"] > 0
     assert figures["collective_shm_over_socket"] > 0 and figures["collective_shm_2_over_1"] > 0
     assert figures["learner_blocked_s_per_version"] > 0
 
