@@ -658,6 +658,43 @@ def test_on_a_gpu_a_failed_weight_broadcast_leaves_the_process_up_and_a_missing_
     )
 
 
+@pytest.mark.parametrize("sends_s", [0.8, 30.0])
+def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_budget(sends_s: float) -> None:
+    """A broadcast still going when ``close`` can wait no longer is aborted, and its thread given up to the
+    same wait again to give up. One that ends, committed, during that second wait is no failure (the learner
+    would republish its version through the broker for nothing); one that does not give up is left behind,
+    and ``close`` returns: it waited for that thread without bound before (here the 30 s this stand-in for a
+    stuck broadcast ignores the abort for)."""
+    from services.weight_broker.buckets import TransferStats
+    from services.weight_broker.collective import BroadcastOverdue
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+    release = threading.Event()
+
+    def sending(version: int, *args: Any, **kwargs: Any) -> TransferStats:
+        release.wait(sends_s)  # deaf to the group's abort
+        return TransferStats(version, 1, 1, 1, sends_s)
+
+    publisher.send = sending  # type: ignore[method-assign]
+    tensors = version_tensors(3)
+    try:
+        publisher.send_background(3, specs_of(tensors), iter(tensors))
+        t0 = time.monotonic()
+        failure = publisher.close(timeout_s=0.5)
+        waited = time.monotonic() - t0
+        assert groups[0].closed  # aborted either way
+        if sends_s < 1.0:  # ended during the second wait: its version reached every receiver
+            assert failure is None and 0.5 <= waited < 1.0, (failure, waited)
+        else:
+            assert isinstance(failure, BroadcastOverdue) and waited < 2.0, (failure, waited)
+            assert publisher._left_behind
+    finally:
+        release.set()
+        for g in groups:
+            g.close()
+
+
 def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its_buffers_go(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

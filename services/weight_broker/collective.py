@@ -32,7 +32,6 @@ unusable: its members close it and the control plane forms a new one (``GroupSpe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -115,6 +114,7 @@ class CollectivePublisher:
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._left_behind = False  # a broadcast thread that did not give up after an abort (abort_overdue)
 
     def send_background(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
@@ -178,7 +178,7 @@ class CollectivePublisher:
             error = pending.exception(timeout=timeout_s)
         except FutureTimeout:
             raise BroadcastOverdue(
-                f"the background broadcast had not ended after {timeout_s:.0f}s (a receiver stuck in it?)"
+                f"the background broadcast had not ended after {timeout_s:g}s (a receiver stuck in it?)"
             ) from None
         self._pending = None
         if error is not None:
@@ -225,24 +225,43 @@ class CollectivePublisher:
                 self.shared = False
         return self._staging.take(nbytes)
 
+    def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> BaseException | None:
+        """Abort the background broadcast that :meth:`wait` found ``overdue``: the group is marked failed and
+        closed, and its thread gives up within a poll, waited for up to ``timeout_s`` more. Returns the failure
+        to count: ``overdue``, or None where the broadcast had ended meanwhile with every receiver's commit
+        (the group is closed all the same). A thread still going after that is left behind (logged): nothing
+        waits for it again, and what it sends is into a closed group."""
+        log.warning("%s: aborting the weight group", overdue)
+        self.group.abort()
+        try:
+            self.wait(timeout_s)
+        except BroadcastOverdue:
+            log.error(
+                "the background broadcast had not given up %.0fs after its group was aborted: left behind",
+                timeout_s or 0.0,
+            )
+            self._pending, self._left_behind = None, True
+        except Exception:  # its own failure now: the abort's
+            pass
+        else:
+            log.info("the overdue broadcast ended, committed, as its group was aborted")
+            return None
+        return overdue
+
     def close(self, timeout_s: float | None = None) -> BaseException | None:
         """Wait for a background broadcast and stop its thread; returns the broadcast's failure (logged, not
-        raised), for the caller to count, else None. One still in flight after ``timeout_s`` is aborted (the
-        group marked failed and closed: its thread gives up within a poll) and is that failure."""
+        raised), for the caller to count, else None. One still in flight after ``timeout_s`` is aborted
+        (:meth:`abort_overdue`), which bounds the wait for it to twice ``timeout_s``."""
         failure: BaseException | None = None
         try:
             self.wait(timeout_s)
         except BroadcastOverdue as exc:
-            log.warning("%s: aborting the weight group", exc)
-            self.group.abort()
-            failure = exc
-            with contextlib.suppress(Exception):  # its own failure now: the group's abort
-                self.wait()
+            failure = self.abort_overdue(exc, timeout_s)
         except Exception as exc:  # a TransferFailed, or anything else the thread raised
             log.warning("the last background broadcast failed: %s", exc)
             failure = exc
         if self._thread is not None:
-            self._thread.shutdown()
+            self._thread.shutdown(wait=not self._left_behind)
             self._thread = None
         self._buffers.clear()
         self._segments.release()

@@ -144,9 +144,14 @@ class GroupCoordinator:
         if ready and publisher is not None:
             try:
                 publisher.wait(self.wait_budget_s)
+            except BroadcastOverdue as exc:  # aborted now: the drop does not wait a second budget
+                failure = publisher.abort_overdue(exc, self.wait_budget_s)
+                if failure is not None:
+                    self.failed(failure)
+                else:  # its version reached every receiver; the group is closed all the same
+                    self._drop("its broadcast ended only as the group was aborted")
+                return None
             except TransferFailed as exc:
-                if isinstance(exc, BroadcastOverdue):  # its thread gives up: the drop does not wait again
-                    publisher.group.abort()
                 self.failed(exc)
                 return None
         return publisher
