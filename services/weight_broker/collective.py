@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -113,8 +114,8 @@ class CollectivePublisher:
         self._staging = staging if staging is not None else PinnedStaging(group.cuda_index)
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
-        self._thread: ThreadPoolExecutor | None = None
-        self._left_behind = False  # a broadcast thread that did not give up after an abort (abort_overdue)
+        self._thread: threading.Thread | None = None  # the last background broadcast's
+        self._behind: Future[TransferStats] | None = None  # one that did not give up after an abort
 
     def send_background(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
@@ -131,7 +132,7 @@ class CollectivePublisher:
             raise ValueError(f"version {version} has no tensors")
         self.wait()
         staged, whole = self._stage(specs, tensors)
-        self._pending = self._worker().submit(self._send_in_thread, version, specs, staged, whole)
+        self._pending = self._start(version, specs, staged, whole)
         return time.monotonic() - t0
 
     def _send_in_thread(
@@ -152,10 +153,29 @@ class CollectivePublisher:
         with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
             return self.send(version, specs, iter(staged), staged=whole)
 
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-broadcast")
-        return self._thread
+    def _start(self, *args: Any) -> Future[TransferStats]:
+        """:meth:`_send_in_thread` on a thread of its own, a daemon: one left behind after an abort
+        (:meth:`abort_overdue`) must not hold the process at exit, where an executor's threads are joined.
+        :meth:`close` waits for any other."""
+        future: Future[TransferStats] = Future()
+        work = [args]  # let go of by the thread before it reports
+
+        def run() -> None:
+            future.set_running_or_notify_cancel()
+            try:
+                result = self._send_in_thread(*work[0])
+            except BaseException as exc:
+                # this frame stays in the failure's traceback (as the failed frame's caller), and until the
+                # garbage collector runs, so do its variables: not the staged version (a model's size)
+                work.clear()
+                future.set_exception(exc)
+            else:
+                work.clear()
+                future.set_result(result)
+
+        self._thread = threading.Thread(target=run, name=f"weight-broadcast-{args[0]}", daemon=True)
+        self._thread.start()
+        return future
 
     def failure(self) -> BaseException | None:
         """The background broadcast's failure once it has ended in one (then no longer raised by :meth:`wait`),
@@ -225,51 +245,60 @@ class CollectivePublisher:
                 self.shared = False
         return self._staging.take(nbytes)
 
-    def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> BaseException | None:
+    def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> None:
         """Abort the background broadcast that :meth:`wait` found ``overdue``: the group is marked failed and
-        closed, and its thread gives up within a poll, waited for up to ``timeout_s`` more. Returns the failure
-        to count: ``overdue``, or None where the broadcast had ended meanwhile with every receiver's commit
-        (the group is closed all the same). A thread still going after that is left behind (logged): nothing
-        waits for it again, and what it sends is into a closed group."""
+        closed, and its thread gives up within a poll, waited for up to ``timeout_s`` more. It is a failed
+        broadcast even where it ended meanwhile: rank 0 cannot tell that every receiver committed it (the
+        abort's mark may have stopped one just before), and counted, its version is published again through
+        the broker. A thread still going after that is left behind (logged): a daemon that nothing waits for
+        again, whose buffers are let go once it ends, and whatever it sends goes into a closed group."""
         log.warning("%s: aborting the weight group", overdue)
+        pending = self._pending
         self.group.abort()
         try:
             self.wait(timeout_s)
         except BroadcastOverdue:
             log.error(
-                "the background broadcast had not given up %.0fs after its group was aborted: left behind",
+                "the background broadcast had not given up %gs after its group was aborted: left behind",
                 timeout_s or 0.0,
             )
-            self._pending, self._left_behind = None, True
-        except Exception:  # its own failure now: the abort's
-            pass
-        else:
-            log.info("the overdue broadcast ended, committed, as its group was aborted")
-            return None
-        return overdue
+            self._pending, self._behind = None, pending
+        except Exception as exc:  # its own failure now: the abort's
+            log.debug("the aborted broadcast ended: %s", exc)
 
     def close(self, timeout_s: float | None = None) -> BaseException | None:
         """Wait for a background broadcast and stop its thread; returns the broadcast's failure (logged, not
         raised), for the caller to count, else None. One still in flight after ``timeout_s`` is aborted
-        (:meth:`abort_overdue`), which bounds the wait for it to twice ``timeout_s``."""
+        (:meth:`abort_overdue`), and is that failure: the wait for it is at most twice ``timeout_s``."""
         failure: BaseException | None = None
         try:
             self.wait(timeout_s)
         except BroadcastOverdue as exc:
-            failure = self.abort_overdue(exc, timeout_s)
+            self.abort_overdue(exc, timeout_s)
+            failure = exc
         except Exception as exc:  # a TransferFailed, or anything else the thread raised
             log.warning("the last background broadcast failed: %s", exc)
             failure = exc
-        if self._thread is not None:
-            self._thread.shutdown(wait=not self._left_behind)
-            self._thread = None
+        behind, thread, self._thread = self._behind, self._thread, None
+        if behind is None:
+            if thread is not None:
+                thread.join()  # its broadcast has ended: it is returning
+            self._let_go()
+            return failure
+        # what the thread left behind may still use is let go once it ends, if it does: its version's segment,
+        # and the spare its send reserves after it
+        behind.add_done_callback(lambda _: self._let_go())
+        if self._stream is not None and _STREAMS.get(self.group.device) is self._stream:
+            del _STREAMS[self.group.device]  # later publishers' broadcasts must not queue behind it
+        return failure
+
+    def _let_go(self) -> None:
         self._buffers.clear()
         self._segments.release()
         if self._owns_staging:
             self._staging.release()
         if self._on_gpu is not None:
             self._on_gpu.release()
-        return failure
 
     def send(
         self,

@@ -84,10 +84,11 @@ class GroupCoordinator:
         cuda_ipc: bool = False,
         wait_budget_s: float | None = None,
     ) -> None:
-        """``wait_budget_s``: the longest rank 0 waits for a broadcast in flight (before the next version, or
-        to leave its epoch) while the other learner ranks wait for it inside a collective, whose timeout
-        (``learner.collective_timeout_s``) would end them; one still in flight then is aborted, and counted
-        as failed. None: as long as it takes (each step of a broadcast is bounded by ``timeout_s``)."""
+        """``wait_budget_s``: how long rank 0 waits for a broadcast in flight (before the next version, or to
+        leave its epoch) while the other learner ranks wait for it inside a collective, whose timeout
+        (``learner.collective_timeout_s``) would end them; one still in flight then is aborted, counted as
+        failed, and its thread waited for at most the budget again (``CollectivePublisher.abort_overdue``).
+        None: as long as it takes (each step of a broadcast is bounded by ``timeout_s``)."""
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
         self.wait_budget_s = wait_budget_s
         self.registry, self.host, self.backend = registry, host, backend
@@ -144,14 +145,9 @@ class GroupCoordinator:
         if ready and publisher is not None:
             try:
                 publisher.wait(self.wait_budget_s)
-            except BroadcastOverdue as exc:  # aborted now: the drop does not wait a second budget
-                failure = publisher.abort_overdue(exc, self.wait_budget_s)
-                if failure is not None:
-                    self.failed(failure)
-                else:  # its version reached every receiver; the group is closed all the same
-                    self._drop("its broadcast ended only as the group was aborted")
-                return None
             except TransferFailed as exc:
+                if isinstance(exc, BroadcastOverdue):  # aborted now: the drop does not wait a second budget
+                    publisher.abort_overdue(exc, self.wait_budget_s)
                 self.failed(exc)
                 return None
         return publisher
