@@ -36,7 +36,6 @@ import json
 import logging
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from services.weight_broker.broadcast_thread import cleared, leave_behind, start
 from services.weight_broker.buckets import (
     DEFAULT_BUCKET_BYTES,
     WHOLE,
@@ -132,7 +132,10 @@ class CollectivePublisher:
             raise ValueError(f"version {version} has no tensors")
         self.wait()
         staged, whole = self._stage(specs, tensors)
-        self._pending = self._start(version, specs, staged, whole)
+        # a daemon thread of its own (broadcast_thread.py); close() joins it, unless left behind
+        self._thread, self._pending = start(
+            f"weight-broadcast-{version}", self._send_in_thread, version, specs, staged, whole
+        )
         return time.monotonic() - t0
 
     def _send_in_thread(
@@ -153,30 +156,6 @@ class CollectivePublisher:
         with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
             return self.send(version, specs, iter(staged), staged=whole)
 
-    def _start(self, *args: Any) -> Future[TransferStats]:
-        """:meth:`_send_in_thread` on a thread of its own, a daemon: one left behind after an abort
-        (:meth:`abort_overdue`) must not hold the process at exit, where an executor's threads are joined.
-        :meth:`close` waits for any other."""
-        future: Future[TransferStats] = Future()
-        work = [args]  # let go of by the thread before it reports
-
-        def run() -> None:
-            future.set_running_or_notify_cancel()
-            try:
-                result = self._send_in_thread(*work[0])
-            except BaseException as exc:
-                # this frame stays in the failure's traceback (as the failed frame's caller), and until the
-                # garbage collector runs, so do its variables: not the staged version (a model's size)
-                work.clear()
-                future.set_exception(exc)
-            else:
-                work.clear()
-                future.set_result(result)
-
-        self._thread = threading.Thread(target=run, name=f"weight-broadcast-{args[0]}", daemon=True)
-        self._thread.start()
-        return future
-
     def failure(self) -> BaseException | None:
         """The background broadcast's failure once it has ended in one (then no longer raised by :meth:`wait`),
         else None; never waits."""
@@ -185,7 +164,7 @@ class CollectivePublisher:
         if error is None:
             return None
         self._pending = None
-        return _let_go(error)
+        return cleared(error)
 
     def wait(self, timeout_s: float | None = None) -> TransferStats | None:
         """The stats of the background broadcast in flight, once it has ended (None if there is none); raises
@@ -202,7 +181,7 @@ class CollectivePublisher:
             ) from None
         self._pending = None
         if error is not None:
-            error = _let_go(error)
+            error = cleared(error)
             if isinstance(error, TransferFailed):
                 raise error
             # the background broadcast's own (a segment it could not reserve after its vote): a failed
@@ -287,7 +266,9 @@ class CollectivePublisher:
             return failure
         # what the thread left behind may still use is let go once it ends, if it does: its version's segment,
         # and the spare its send reserves after it
-        behind.add_done_callback(lambda _: self._let_go())
+        self._behind = None
+        if thread is not None:
+            leave_behind(thread, behind, self._let_go)
         if self._stream is not None and _STREAMS.get(self.group.device) is self._stream:
             del _STREAMS[self.group.device]  # later publishers' broadcasts must not queue behind it
         return failure
@@ -490,11 +471,3 @@ class CollectivePublisher:
             except ValueError as exc:
                 error = exc
         return digests, error
-
-
-def _let_go(error: BaseException) -> BaseException:
-    """A background broadcast's failure, its traceback's frames cleared of their locals: they held the staged
-    version (a whole model of page-locked memory) in a reference cycle until the garbage collector ran, while
-    the next version was staged beside it."""
-    traceback.clear_frames(error.__traceback__)
-    return error

@@ -1,0 +1,93 @@
+"""The thread a background broadcast runs on (``CollectivePublisher.send_background``), one per version.
+
+A daemon: a broadcast that did not give up after its group was aborted is left behind
+(``CollectivePublisher.abort_overdue``), and nothing waits for it again but the interpreter's exit, for at
+most :data:`EXIT_WAIT_S` (an executor's threads are joined there without bound). A daemon thread that takes the
+GIL back while Python finalizes is ended by a forced unwind, which torch's frames turn into std::terminate
+(``retired.py``), so the exit waits that long first. The publisher joins every other one.
+
+What the thread was given (the staged version: a model's size) is let go of before it reports: its frame
+stays in a failure's traceback, as the failed call's caller, until the garbage collector runs."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+EXIT_WAIT_S = 10.0  # the longest the interpreter's exit waits for broadcasts left behind
+_BEHIND: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+def start(name: str, fn: Callable[..., T], *args: Any) -> tuple[threading.Thread, Future[T]]:
+    """``fn(*args)`` on a daemon thread of its own; its result, or its failure, in the future returned."""
+    future: Future[T] = Future()
+    work = [args]  # let go of before the future is set
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            result = fn(*work[0])
+        except BaseException as exc:
+            work.clear()
+            future.set_exception(exc)
+        else:
+            work.clear()
+            future.set_result(result)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, future
+
+
+def cleared(error: BaseException) -> BaseException:
+    """A background broadcast's failure, its traceback's frames cleared of their locals: they held the staged
+    version (a whole model of page-locked memory) in a reference cycle until the garbage collector ran, while
+    the next version was staged beside it."""
+    traceback.clear_frames(error.__traceback__)
+    return error
+
+
+def leave_behind(thread: threading.Thread, future: Future[Any], let_go: Callable[[], None]) -> None:
+    """Stop waiting for ``thread`` (its broadcast did not give up after its group was aborted): ``let_go``
+    runs once it ends, if it does, after its failure's frames are cleared (nothing reads that failure); the
+    interpreter's exit waits for it at most :data:`EXIT_WAIT_S`."""
+    with _LOCK:
+        _BEHIND.add(thread)
+
+    def ended(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            cleared(error)
+        let_go()
+
+    future.add_done_callback(ended)
+
+
+def left_behind() -> list[threading.Thread]:
+    """The broadcast threads left behind that are still going."""
+    with _LOCK:
+        return [t for t in _BEHIND if t.is_alive()]
+
+
+def _at_exit() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in left_behind():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning(
+                "a weight broadcast left behind after an abort was still going at exit: %s", thread.name
+            )
+
+
+atexit.register(_at_exit)
