@@ -299,11 +299,23 @@ def test_a_member_that_dies_while_the_group_connects_fails_it_within_the_forming
     """Every rank arrived, then one died before connecting: the others give up after the forming timeout
     (3 s here), not the collective timeout (90 s), which a chaos run saw a sampler's join wait out (its engine
     stood still meanwhile)."""
+    import torch.distributed as dist
+
+    from services.weight_broker.weight_group import open_store
+
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90, form_timeout_s=3)
+    store = open_store(spec, master=True)
     procs, out = start_receivers(spec, ["ok", "arrive-and-die"], versions=1)
+    # rank 0 comes once both receivers arrived: a spawned receiver's start (importing torch) may take longer
+    # than the 3 s forming timeout on a loaded machine, which this test is not about
+    arrived, deadline = 0, time.monotonic() + 60
+    while arrived < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        arrived = int(dist.PrefixStore(spec.prefix(), store).add("ranks_arrived", 0))
+    assert arrived == 2
     t0 = time.monotonic()
     with pytest.raises(TransferFailed, match="the ranks did not connect within 3s"):
-        WeightGroup(spec, 0)
+        WeightGroup(spec, 0, store=store)
     assert time.monotonic() - t0 < 20, time.monotonic() - t0
     rank, status, _ = out.get(timeout=30)
     assert (rank, status) == (1, "failed")
