@@ -157,6 +157,59 @@ def test_a_load_failing_part_way_restores_the_previous_version(
     assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
 
 
+def _layers_tensors(engine: GenerationEngine) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer the in-process engine's model holds now, by name."""
+    [model] = engine.llm.collective_rpc(lambda worker: worker.model_runner.get_model())  # type: ignore[attr-defined]
+    return {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+
+
+def test_a_load_failing_inside_a_layer_puts_the_layers_own_tensors_back(
+    vllm_engine: GenerationEngine, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM rebuilds each layer on new tensors once its weights are in and copies them back into the layer's
+    own; an out-of-memory error while rebuilding one (a GPU's headroom beside its KV cache) used to leave that
+    layer on new and meta tensors, which the previous version was then loaded into. A GPU engine's CUDA graphs
+    read the layer's own tensors: graphed steps would have served another version than eager ones. After the
+    failure, every layer holds its own tensors again, the previous version serves exactly, and so does the
+    next one."""
+    from vllm.model_executor.model_loader.reload import meta
+
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    old = version_weights(tiny_model_dir, 7)
+    serving = load_into(vllm_engine, old)
+    own = _layers_tensors(vllm_engine)
+    storages = {name: t.data_ptr() for name, t in own.items()}
+    real = meta.materialize_meta_tensor
+    made: list[int] = []
+
+    def out_of_memory_part_way(tensor: torch.Tensor) -> torch.Tensor:
+        made.append(1)
+        if len(made) == len(own) // 2:  # part-way through the model
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return real(tensor)
+
+    monkeypatch.setattr(meta, "materialize_meta_tensor", out_of_memory_part_way)
+    with pytest.raises(
+        WorkerCallFailed, match=r"reload_weights failed in worker.*out of memory \(a stand-in\)"
+    ):
+        load_into(vllm_engine, version_weights(tiny_model_dir, 8))
+    monkeypatch.setattr(meta, "materialize_meta_tensor", real)
+    assert vllm_engine.loaded_version == serving
+    after = _layers_tensors(vllm_engine)
+    moved = sorted(n for n in own if after.get(n) is not own[n] or after[n].data_ptr() != storages[n])
+    assert moved == [], f"not on the layer's own tensors: {moved[:5]}"
+    assert not any(t.is_meta for t in after.values())
+    assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
+    new = version_weights(tiny_model_dir, 9)
+    load_into(vllm_engine, new)
+    after = _layers_tensors(vllm_engine)
+    assert all(after[n] is own[n] and after[n].data_ptr() == storages[n] for n in own)
+    assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts_of(vllm_engine), greedy).values())
+
+
 def test_a_version_whose_file_for_the_workers_cannot_be_written_leaves_the_engine_as_it_was(
     vllm_engine: GenerationEngine, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -439,7 +439,7 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         nothing computed earlier is reused), and vLLM's reload state finished should the load fail."""
         self._weights_epoch += 1
         try:
-            self._rpc("reload_weights", **source)
+            self._rpc("vcpo_reload_weights", **source)
         except BaseException:
             # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
             # on the device (loaded or not) so the caller can load a whole version again; a named worker

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from services.sampler.kernel_tensors import hold, put_back
+
 WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
 
 # every worker process imports this module before it builds its model: make the collective weight-transfer
@@ -65,14 +67,22 @@ class VcpoWorkerExtension:
             return f"{type(exc).__name__}: {exc}"
         return None
 
+    def vcpo_reload_weights(self, **source: Any) -> None:
+        """vLLM's ``reload_weights``, with the layers' own tensors held first (``kernel_tensors.py``)."""
+        hold(self.model_runner.get_model())
+        self.reload_weights(**source)  # type: ignore[attr-defined]
+
     def vcpo_finish_interrupted_reload(self) -> None:
         """After ``reload_weights`` raised part-way: vLLM reloads layer by layer and holds the layers it has
-        not reached on the meta device; finish its reload state so every layer is back on the device and a
-        whole version can be loaded again (the sampler then loads the previous version back)."""
+        not reached on the meta device; finish its reload state so every layer is back on the device, on the
+        tensors it was built with (those a GPU engine's CUDA graphs read, ``kernel_tensors.py``), and a whole
+        version can be loaded again (the sampler then loads the previous version back)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         runner = self.model_runner
-        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        model = runner.get_model()
+        finalize_layerwise_reload(model, runner.model_config)
+        put_back(model)
 
     def vcpo_leave_weight_group(self, why: str | None) -> None:
         """Leave the weight group this worker is in (``CollectiveWeightTransferEngine.leave``); nothing where it

@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from services.sampler.kernel_tensors import hold, put_back
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -147,7 +148,8 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         )
 
     def finish_weight_update(self) -> None:
-        """Load the received version in place; vLLM's reload state is finished even if loading fails."""
+        """Load the received version in place; vLLM's reload state is finished even if loading fails, and every
+        layer is back on its own tensors (``kernel_tensors.py``)."""
         if self._staged is None:
             raise RuntimeError("finish_weight_update without a received version")
         _, tensors = self._staged
@@ -155,10 +157,12 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+        hold(self.model)  # the layers' own tensors, put back should the load fail in one (kernel_tensors.py)
         try:
             reload_weights(self.vllm_config, self.model, iter(tensors), None, is_checkpoint_format=True)
         except BaseException:
             finalize_layerwise_reload(self.model, self.model_config)
+            put_back(self.model)
             raise
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
