@@ -310,6 +310,50 @@ class FailedQuietly:
         return True
 
 
+@pytest.mark.parametrize("stuck", [False, True])
+def test_closing_the_group_waits_for_a_collective_another_thread_is_issuing(
+    stuck: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NCCL forbids aborting a communicator while another thread enqueues onto it (the background broadcast
+    issues collectives while the learner's thread may abort an overdue one): ``close`` waits for the
+    collective being issued, and only ``ISSUE_WAIT_S`` for one that is stuck there."""
+    monkeypatch.setattr(weight_group, "ISSUE_WAIT_S", 0.5 if stuck else 10.0)
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30))
+    group, pg = groups[0], groups[0]._pg
+    entered, release = threading.Event(), threading.Event()
+
+    class Done:
+        def is_completed(self) -> bool:
+            return True
+
+    def issuing() -> Any:
+        entered.set()
+        release.wait(10)
+        return Done()
+
+    issuer = threading.Thread(target=group._issue, args=(issuing,), name="issuer")
+    issuer.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=group.close, name="closer")
+    t0 = time.monotonic()
+    closer.start()
+    if stuck:
+        closer.join(timeout=10)
+        assert not closer.is_alive() and 0.4 <= time.monotonic() - t0 < 5
+        assert "while a collective was being issued for 0.5s" in caplog.text
+    else:
+        time.sleep(0.5)
+        assert closer.is_alive() and group._pg is pg  # not shut down yet
+        release.set()
+        closer.join(timeout=10)
+        assert not closer.is_alive()
+    assert group.closed and group._pg is not pg
+    release.set()
+    issuer.join(timeout=10)
+    for g in groups[1:]:
+        g.close()
+
+
 def test_a_collective_that_completed_with_an_error_fails_and_marks_the_group() -> None:
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
     groups = form(spec)

@@ -154,7 +154,10 @@ class CollectivePublisher:
             self._stream or _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
         )
         with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
-            return self.send(version, specs, iter(staged), staged=whole)
+            try:
+                return self.send(version, specs, iter(staged), staged=whole)
+            finally:  # a failed send may leave copies out of the staging buffer queued: it is reused, or unmapped
+                self._stream.synchronize()
 
     def failure(self) -> BaseException | None:
         """The background broadcast's failure once it has ended in one (then no longer raised by :meth:`wait`),

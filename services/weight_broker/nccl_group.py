@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -100,8 +101,14 @@ def connect(pg: Any, device: Any, limit_s: float) -> None:
 
     def first_collectives() -> None:
         try:
-            started.append(pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions()))
-            started.append(pg.broadcast([torch.zeros(1, device=device)], dist.BroadcastOptions()))
+            # on a stream of their own: NCCL's stream waits for the caller's current stream, which on a new
+            # thread is the device's default one, where the training thread queues its kernels (and, through
+            # torch's synchronous collectives, ones waiting for the other learner ranks): a long backlog there
+            # would read as a member that cannot connect, and every new member would be left out
+            own = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext()
+            with own:  # (and on its device: a stream's context makes its device current)
+                started.append(pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions()))
+                started.append(pg.broadcast([torch.zeros(1, device=device)], dist.BroadcastOptions()))
         except BaseException as exc:
             started.append(exc)
 

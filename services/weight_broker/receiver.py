@@ -210,8 +210,10 @@ class CollectiveReceiver:
             if copier is not None:
                 copier.synchronize()
             raise
-        if copier is not None:
-            torch.cuda.synchronize(group.device)
+        if (
+            copier is not None
+        ):  # the copies out, each after its broadcast (not the device: a forward runs there)
+            copier.synchronize()
         if outs is None:
             return [], []
         return outs, [digest(out) if hashed else 0 for out in outs]  # the bytes this member keeps

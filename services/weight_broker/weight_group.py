@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -39,6 +40,10 @@ from services.weight_broker.nccl_group import connect, nccl_backend
 from services.weight_broker.nccl_group import failure as nccl_failure
 from services.weight_broker.retired import retire
 from services.weight_broker.shared_memory import host_identity
+
+# how long closing the group waits for a collective another thread is issuing (NCCL forbids aborting a
+# communicator while a thread enqueues onto it); an enqueue returns at once, so only a stuck one is left
+ISSUE_WAIT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,7 @@ class WeightGroup:
 
         self.spec, self.rank = spec, rank
         self._works: list[Any] = []  # collectives issued that may be pending
+        self._issuing = threading.Lock()  # held while a collective is enqueued, and while the group is closed
         # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA ones
         # through the host (the GPU test of the receiver's bounce path uses that)
         if spec.backend == "nccl":
@@ -183,12 +189,16 @@ class WeightGroup:
     def _issue(self, start: Callable[[], Any]) -> Any:
         """Start a collective; one the group refuses (torch raises for an NCCL communicator it has aborted)
         fails this rank's part, marked for the others, as a failed wait does."""
-        try:
-            work = start()
-        except Exception as exc:
-            raise self.part_failed(first_line(exc)) from exc
-        # those that may be pending: a closed group is destroyed once they have ended (retired.py)
-        self._works = [w for w in self._works if not w.is_completed()] + [work]
+        error: Exception | None = None
+        with self._issuing:  # not while another thread aborts the communicator (``close``)
+            try:
+                work = start()
+                # those that may be pending: a closed group is destroyed once they have ended (retired.py)
+                self._works = [w for w in self._works if not w.is_completed()] + [work]
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            raise self.part_failed(first_line(error)) from error
         return work
 
     def part_failed(self, why: str) -> TransferFailed:
@@ -207,7 +217,11 @@ class WeightGroup:
 
     def ready(self, seq: int, stage: str = "") -> None:
         """A receiver, in its receive: ready for broadcast ``seq`` (1, 2, ... in this group); ``stage``: for its
-        part after the header ("data": its buffers made)."""
+        part after the header ("data": its buffers made). Under CUDA, once what this thread queued on its GPU
+        has run: its collectives start only after that (an engine's forward still running would otherwise hold
+        rank 0's kernel, which rank 0 issues on this word, and every device-wide synchronize of its step)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         self._announcements.add(f"ready/{seq}/{stage}", 1)
 
     def wait_ready(self, seq: int, stage: str = "", poll_s: float = 0.002) -> None:
@@ -407,6 +421,18 @@ class WeightGroup:
         for held in (self.host_copy, self.host_buffers):
             if held is not None:
                 held.release()
+        # a communicator may not be aborted while another thread enqueues onto it (NCCL's thread safety: the
+        # background broadcast issues collectives while the learner's thread may abort an overdue one)
+        issuing = self._issuing.acquire(timeout=ISSUE_WAIT_S)
+        if not issuing:
+            log.warning("closing the weight group while a collective was being issued for %gs", ISSUE_WAIT_S)
+        try:
+            self._shut()
+        finally:
+            if issuing:
+                self._issuing.release()
+
+    def _shut(self) -> None:
         try:
             if self.backend == "nccl":
                 # abort (ncclCommAbort), not shutdown: a communicator's destroy waits for its kernels, and a
