@@ -219,7 +219,7 @@ def test_a_version_whose_file_for_the_workers_cannot_be_written_leaves_the_engin
     from safetensors import SafetensorError
 
     serving = load_into(vllm_engine, version_weights(tiny_model_dir, 7))
-    monkeypatch.setattr(vllm_engine, "_in_process", False)  # the workers' file, as a multi-process engine's
+    monkeypatch.setattr(vllm_engine, "_model_here", False)  # the workers' file, as a multi-process engine's
     monkeypatch.setattr(vllm_engine, "_staging_root", tmp_path)
     reloads: list[dict[str, Any]] = []
     monkeypatch.setattr(vllm_engine, "_reload", lambda **source: reloads.append(source))
@@ -724,3 +724,60 @@ def test_a_worker_sets_up_logging_at_its_first_call_only_where_nothing_is(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"HANDLERS {handlers}" in proc.stdout, proc.stdout
     assert proc.stderr.count("ping") == pings, proc.stderr[-3000:]
+
+
+class _StandInLLM:
+    """vLLM's ``LLM`` as far as the engine's layout decisions go: records the worker calls it is given."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs, self.calls = kwargs, []
+        self.llm_engine = type("Engine", (), {"engine_core": object()})()
+
+    def get_tokenizer(self) -> Any:
+        return None
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[None]:
+        self.calls.append((args, dict(kwargs or {})))
+        return [None] * self.kwargs["tensor_parallel_size"]
+
+
+@pytest.mark.parametrize(
+    ("workers", "multiprocessing", "core_here", "model_here"),
+    [(1, None, True, True), (2, None, False, False), (2, "0", True, False)],
+)
+def test_a_version_reaches_workers_in_other_processes_through_a_file(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    workers: int,
+    multiprocessing: str | None,
+    core_here: bool,
+    model_here: bool,
+) -> None:
+    """vLLM runs a worker process per rank wherever there are several, its engine core in this process or
+    not: a version is handed over as tensors only where the model is in this process, and through a file
+    otherwise (an iterator cannot be shipped to another process: with tensor parallelism on CPU, where the
+    core used to be kept here, every load failed). On CPU, tensor parallelism gets the GPU layout."""
+    import vllm
+
+    from services.sampler.engine import VllmEngine, VllmSettings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm, "LLM", _StandInLLM)
+    monkeypatch.setenv("VCPO_WEIGHT_STAGING", str(tmp_path))
+    if multiprocessing is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    engine = VllmEngine(VllmSettings(model=str(tiny_model_dir), tensor_parallel_size=workers))
+    assert (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") == core_here
+    assert (engine._in_process, engine._model_here) == (core_here, model_here)
+    tensors = version_weights(tiny_model_dir, 3)
+    engine._load(tensors.items())
+    [(args, kwargs)] = engine.llm.calls  # type: ignore[attr-defined]
+    assert args == ("vcpo_reload_weights",)
+    if model_here:
+        assert list(kwargs) == ["weights_iterator"]
+    else:
+        assert list(kwargs) == ["weights_path"] and kwargs["weights_path"].startswith(str(tmp_path))
+        assert list(tmp_path.iterdir()) == []  # the file went once the workers had loaded it

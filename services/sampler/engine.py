@@ -249,14 +249,15 @@ class VllmSettings:
 
 
 class VllmEngine(CollectiveWeights, GenerationEngine):
-    """vLLM's ``LLMEngine`` driven step by step. On CPU machines it runs in this process."""
+    """vLLM's ``LLMEngine`` driven step by step. On CPU machines with one worker it runs in this process."""
 
     def __init__(self, settings: VllmSettings) -> None:
         model_dir = resolve_model_dir(settings.model)
         super().__init__(checkpoint_shapes(model_dir))
         self.model_dir = model_dir
-        if not torch.cuda.is_available():
-            # the engine core in this process: no engine-core and worker processes to spawn and reap
+        if not torch.cuda.is_available() and settings.tensor_parallel_size == 1:
+            # the engine core and its one worker in this process: no processes to spawn and reap (with tensor
+            # parallelism the workers are processes of their own anyway: the GPU layout, core included)
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.sampling_params import RequestOutputKind
@@ -289,7 +290,10 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = settings.max_model_len
         self.loaded_version = None
-        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # the engine core
+        # and the model: vLLM runs a worker process per rank wherever there are several, even with the core
+        # here, and a version is handed to those through a file (an iterator cannot be shipped to them)
+        self._model_here = self._in_process and settings.tensor_parallel_size == 1
         # an engine core in another process runs ahead of this one: its outputs wait in the client's queue
         # (vLLM 0.32's SyncMPClient.outputs_queue), so a swap pauses the core and drains the queue first
         self._outputs: Any = (
@@ -304,7 +308,7 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         self._weights_epoch = 0
         self.collective_staged: int | None = None  # a version received from the weight group, not yet loaded
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
-        if not self._in_process:  # versions go to the workers through files there (``_load``)
+        if not self._model_here:  # versions go to the workers through files there (``_load``)
             sweep_dead(
                 self._staging_root,
                 STAGING_DIR.format(pid=r"(\d+)"),
@@ -398,7 +402,7 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
             self._paused = False
 
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._in_process:  # the model is in this process: hand it the tensors
+        if self._model_here:  # the model is in this process: hand it the tensors
             self._reload(weights_iterator=iter(tensors))
             return
         # worker processes read the version from a local safetensors file (shared memory by default); a
