@@ -325,6 +325,22 @@ def test_a_member_that_dies_while_the_group_connects_fails_it_within_the_forming
     assert procs[1].exitcode == 3
 
 
+def test_a_rank_arriving_after_its_epoch_was_given_up_fails_at_once() -> None:
+    """Rank 0 stopped waiting for a rank that had not arrived: that rank arriving later (a sampler whose loop
+    was in a long load) fails at once, naming why, instead of waiting out the forming timeout for an epoch
+    that can no longer form, its engine's loop standing still meanwhile."""
+    from services.weight_broker.weight_group import open_store
+
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30, form_timeout_s=3)
+    store = open_store(spec, master=True)  # the coordinator's, which outlives each epoch
+    with pytest.raises(TransferFailed, match="1 of 2 ranks arrived within 3s"):
+        WeightGroup(spec, 0, store=store)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"the epoch was given up \(.*1 of 2 ranks arrived within 3s"):
+        WeightGroup(spec, 1)
+    assert time.monotonic() - t0 < 1.5
+
+
 def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=15)
     procs, out = start_receivers(spec, ["ok"], versions=3)

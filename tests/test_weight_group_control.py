@@ -380,6 +380,36 @@ def test_where_every_member_is_new_a_failed_connect_leaves_all_out_and_dead_ids_
     coordinator.close()
 
 
+def test_a_member_arriving_after_its_epoch_was_given_up_stops_waiting_at_once(
+    registry: GroupRegistry,
+) -> None:
+    """Rank 0 stops waiting for a member that has not arrived (its sampler's loop was in a long load) and
+    marks the epoch given up: the member, arriving later, stops at once instead of waiting out the forming
+    timeout (its engine's loop standing still) for an epoch that can no longer form."""
+    import torch.distributed as dist
+
+    from services.weight_broker.weight_group import arrive, open_store
+
+    coordinator = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=2)
+    events: list[str] = []
+    coordinator.on_event = events.append
+    registry.heartbeat(Member("sampler-0.late"))  # registered, its loop busy elsewhere
+    try:
+        _until(
+            "a failed forming", lambda: (coordinator.publisher(), "form_failed" in events)[1], timeout_s=30
+        )
+        current = registry.spec()
+        assert current is not None
+        spec, ranks, _ = current
+        store = dist.PrefixStore(spec.prefix(), open_store(spec))
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match=r"given up .*missing: \['sampler-0.late'\]"):
+            arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        coordinator.close()
+
+
 def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
     registry: GroupRegistry,
 ) -> None:

@@ -37,6 +37,7 @@ import torch
 from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher
+from services.weight_broker.group_store import give_up
 from services.weight_broker.members import reachable_host
 from services.weight_broker.seats import GroupRegistry, Member
 from services.weight_broker.shared_memory import PinnedStaging
@@ -295,11 +296,12 @@ class GroupCoordinator:
         arrived = arrive(prefixed, "members_arrived", len(ranks) + 1, self.form_timeout_s)
         if arrived < len(ranks) + 1:
             missing = [m for m in ranks if not prefixed.check([f"arrived/{m}"])]
-            raise FormFailed(
+            why = (
                 f"epoch {epoch}: {arrived} of {len(ranks) + 1} members arrived within "
-                f"{self.form_timeout_s:.0f}s; missing: {missing}",
-                missing,
+                f"{self.form_timeout_s:.0f}s; missing: {missing}"
             )
+            give_up(prefixed, why)  # a member arriving later (its loop was busy) does not wait for it
+            raise FormFailed(why, missing)
         try:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:

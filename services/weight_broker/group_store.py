@@ -5,6 +5,7 @@ failure of the group is.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,15 +95,29 @@ def open_store(spec: GroupSpec, master: bool = False, port: int | None = None) -
     )
 
 
+FAILED = "failed"  # an epoch's key: why a rank gave it up (while forming, or a broadcast that failed)
+
+
 def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float = 0.02) -> int:
     """Count this process in at ``key`` of ``store`` and wait until ``expected`` have arrived; returns how many
-    had arrived (fewer than ``expected`` after ``timeout_s``)."""
+    had arrived (fewer than ``expected`` after ``timeout_s``). Raises :class:`TransferFailed` once a rank gave
+    the epoch up (:func:`give_up`): a member arriving after rank 0 stopped waiting for it would otherwise wait
+    out the whole timeout, its engine's loop standing still, for an epoch that can no longer form."""
     arrived = int(store.add(key, 1))
     deadline = time.monotonic() + timeout_s
-    while arrived < expected and time.monotonic() < deadline:
+    while True:
+        if store.check([FAILED]):  # also for the last to arrive: those before it may have given up
+            raise TransferFailed(f"the epoch was given up ({store.get(FAILED).decode(errors='replace')})")
+        if arrived >= expected or time.monotonic() >= deadline:
+            return arrived
         time.sleep(poll_s)
         arrived = int(store.add(key, 0))
-    return arrived
+
+
+def give_up(store: Any, why: str) -> None:
+    """Mark the epoch of ``store`` failed (the first mark stays): every rank still arriving stops waiting."""
+    with contextlib.suppress(Exception):  # the store gone too: nothing waits in it then
+        store.compare_set(FAILED, "", why)
 
 
 class AnnouncementWatch:

@@ -246,7 +246,7 @@ class MemberSeat:
             arrived = arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
         except Exception as exc:
             self.failures += 1
-            log.warning("weight group epoch %d: could not reach its rendezvous: %s", spec.epoch, exc)
+            log.warning("weight group epoch %d: no arrival at its rendezvous: %s", spec.epoch, exc)
             return
         if arrived < len(ranks) + 1:
             self.failures += 1

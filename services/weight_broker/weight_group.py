@@ -34,6 +34,7 @@ from services.weight_broker.group_store import GroupSpec as GroupSpec
 from services.weight_broker.group_store import TransferFailed as TransferFailed
 from services.weight_broker.group_store import arrive as arrive
 from services.weight_broker.group_store import first_line as first_line
+from services.weight_broker.group_store import give_up
 from services.weight_broker.group_store import open_store as open_store
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
@@ -96,10 +97,12 @@ class WeightGroup:
                 f"weight group epoch {spec.epoch} at {spec.host}:{spec.port}: {exc}"
             ) from exc
         if arrived < spec.world_size:
-            raise TransferFailed(
+            why = (
                 f"weight group epoch {spec.epoch}: {arrived} of {spec.world_size} ranks arrived "
                 f"within {spec.form_timeout_s:.0f}s"
             )
+            give_up(prefixed, why)  # a rank arriving later fails at once
+            raise TransferFailed(why)
         self.watch = AnnouncementWatch(prefixed, self.close)  # receivers: what rank 0 announces
         self._announcements = prefixed  # rank 0 sets announce/<n>
         self._seq = 0  # announcements made (rank 0)
