@@ -867,6 +867,7 @@ def minimums(
     collective: bool = True,
     shm_gi: float = 0,
     nccl: bool = True,
+    ranks_per_pod: int = 2,
 ) -> dict[str, int]:
     """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version;
     ``shm_gi``: rayCluster.shmSize (0: its minimum); ``nccl``: the weight group's backend is NCCL (a GPU
@@ -885,6 +886,8 @@ def minimums(
         "shm": math.ceil(w + 4) if gpus else 0,  # the file vLLM's workers read + NCCL, vLLM, Ray
         # the broker's retained versions + the one being published, in memory; the launcher, Ray
         "head": math.ceil((retain + 1) * w + 8) if in_memory else 8,
+        # the ranks' processes; with the collective transport, the version rank 0 stages to broadcast from
+        "learner": math.ceil((w if collective else 0) + 6 + 2 * ranks_per_pod),
     }
 
 
@@ -892,9 +895,12 @@ def test_minimums_of_the_documented_examples() -> None:
     # the examples docs/deploy.md gives, from the rule above
     # (the collective transport, the chart's default; the evaluator's figure is the tcp transport's sampler's)
     m15, m7, m762 = minimums(1.5 * 1.1), minimums(7 * 1.1), minimums(7.62)
-    assert m15 == {"sampler": 21, "evaluator": 18, "shm": 8, "head": 18}  # Qwen2.5-1.5B, size from its name
-    assert m7 == {"sampler": 66, "evaluator": 52, "shm": 19, "head": 52}  # Qwen2.5-7B, size from its name
-    assert m762 == {"sampler": 65, "evaluator": 51, "shm": 19, "head": 51}  # modelSize.parameters=7.62
+    # Qwen2.5-1.5B, size from its name; Qwen2.5-7B, likewise; modelSize.parameters=7.62
+    assert m15 == {"sampler": 21, "evaluator": 18, "shm": 8, "head": 18, "learner": 14}
+    assert m7 == {"sampler": 66, "evaluator": 52, "shm": 19, "head": 52, "learner": 25}
+    assert m762 == {"sampler": 65, "evaluator": 51, "shm": 19, "head": 51, "learner": 25}
+    assert minimums(7 * 1.1, collective=False)["learner"] == 10
+    assert minimums(7 * 1.1, ranks_per_pod=4)["learner"] == 29
     assert minimums(7 * 1.1, collective=False)["sampler"] == 52
     # tensor parallelism 2: one more GPU worker process, which receives a broadcast version too
     assert minimums(7 * 1.1, gpus=2)["sampler"] == 82
@@ -907,14 +913,28 @@ def test_minimums_of_the_documented_examples() -> None:
     assert minimums(7 * 1.1, gpus=4, collective=False)["sampler"] == 58
     # Qwen2.5-72B on 8 GPUs: 3 + 8 copies of 147.5GiB with a copy per GPU, 3 + 2 with one host copy
     m72 = minimums(72 * 1.1, gpus=8)
-    assert m72 == {"sampler": 1645, "evaluator": 465, "shm": 152, "head": 451}
+    assert m72 == {"sampler": 1645, "evaluator": 465, "shm": 152, "head": 451, "learner": 158}
     assert minimums(72 * 1.1, gpus=8, shm_gi=446)["sampler"] == 1645  # 3 W + 4Gi = 446.6Gi, rounded up: 447Gi
     for shm in (447, 600):
         assert minimums(72 * 1.1, gpus=8, shm_gi=shm)["sampler"] == 760
     guide = (ROOT / "docs" / "deploy.md").read_text()
     for figure in ("21Gi", "18Gi", "66Gi", "52Gi", "82Gi", "54Gi", "19Gi", "65Gi", "51Gi"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
-    for figure in ("115Gi", "86Gi", "58Gi", "48Gi", "1645Gi", "760Gi", "465Gi", "152Gi", "447Gi", "451Gi"):
+    for figure in (
+        "115Gi",
+        "86Gi",
+        "58Gi",
+        "48Gi",
+        "1645Gi",
+        "760Gi",
+        "465Gi",
+        "152Gi",
+        "447Gi",
+        "451Gi",
+        "14Gi",
+    ):
+        assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
+    for figure in ("25Gi", "29Gi", "158Gi"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
 
 
@@ -924,7 +944,7 @@ def test_default_pods_hold_the_default_model() -> None:
     need = minimums(
         1.5 * 1.1, gpus=values["sampler"]["gpusPerReplica"], retain=values["weightBroker"]["retainVersions"]
     )
-    gi = {"sampler": values["sampler"], "head": values["head"]}
+    gi = {"sampler": values["sampler"], "head": values["head"], "learner": values["learner"]}
     for name, v in gi.items():
         for kind in ("requests", "limits"):
             assert int(v["resources"][kind]["memory"].removesuffix("Gi")) >= need[name], (name, kind)
@@ -991,6 +1011,7 @@ SIZED_KEYS = {  # the minimum's name -> the values it checks
     "sampler": ("sampler.resources.requests.memory", "sampler.resources.limits.memory"),
     "shm": ("rayCluster.shmSize",),
     "head": ("head.resources.requests.memory", "head.resources.limits.memory"),
+    "learner": ("learner.resources.requests.memory", "learner.resources.limits.memory"),
 }
 
 
@@ -1028,6 +1049,12 @@ def test_one_host_copy_per_sampler_pod_from_three_versions_of_shm() -> None:
     big = (
         *("--set", "run.model=Qwen/Qwen2.5-72B", "--set", "sampler.gpusPerReplica=8"),
         *("--set", "head.resources.limits.memory=451Gi", "--set", "head.resources.requests.memory=451Gi"),
+        *(
+            "--set",
+            "learner.resources.limits.memory=158Gi",
+            "--set",
+            "learner.resources.requests.memory=158Gi",
+        ),
     )
 
     def sized(shm: str, memory: int, *more: str) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,15 @@ the value to raise, instead of being OOM-killed at its first weight update (docs
                                                                       Ray's own segments; 3 W + 4Gi (the
                                                                       host copy and its spare beside the
                                                                       file) for one host copy per host
+  learner pod                                6Gi + 2Gi per rank       the ranks' processes (their weights are
+                                                                      on the GPUs, or in the CPU learner's
+                                                                      partitions, ZeRO-3)
+    with transport collective                + W                      learner rank 0 stages each version in
+                                                                      host memory (page-locked under CUDA)
+                                                                      and keeps that buffer for the run, to
+                                                                      broadcast from while the next step runs
+                                                                      (collective.py); every learner pod is
+                                                                      the same, so each is checked for it
   head pod                                   (retain + 1) W + 8Gi     the broker's retained versions and the
                                                                       one being published, in memory
                                                                       (storage = memory, transport tcp or
@@ -40,6 +49,8 @@ Every minimum is rounded up to whole Gi.
 {{- define "vcpo-rl.sizing.perGpuGi" -}}2{{- end -}}
 {{- define "vcpo-rl.sizing.shmHeadroomGi" -}}4{{- end -}}
 {{- define "vcpo-rl.sizing.headGi" -}}8{{- end -}}
+{{- define "vcpo-rl.sizing.learnerGi" -}}6{{- end -}}
+{{- define "vcpo-rl.sizing.perRankGi" -}}2{{- end -}}
 
 {{/* A Kubernetes quantity (48Gi, 64G, 51539607552, ...) in GiB, as a float. */}}
 {{- define "vcpo-rl.gib" -}}
@@ -118,6 +129,8 @@ group's backend: auto gives NCCL with a GPU learner): over gloo every worker kee
   "evaluator" (ceil (addf (mulf $copies $w) $engine) | int)
   "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
   "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
+  "learnerStaging" $collective
+  "learner" (ceil (addf (ternary $w 0.0 $collective) (add (include "vcpo-rl.sizing.learnerGi" .) (mul (include "vcpo-rl.sizing.perRankGi" .) (int $v.learner.ranksPerPod)))) | int)
   "volume" (ternary 0 (ceil (mulf $retained $w) | int) $inMemory)
   | toJson -}}
 {{- end -}}
@@ -164,6 +177,9 @@ way to meet it, appended to the message>
 {{- end -}}
 {{- $held := ternary (printf "%d versions in the weight broker's memory (weightBroker.retainVersions + the one being published) + %sGi for the launcher and Ray's control plane" (int $s.retained) (include "vcpo-rl.sizing.headGi" .)) (printf "%sGi for the launcher, Ray's control plane and the weight broker (its versions are on the shared volume)" (include "vcpo-rl.sizing.headGi" .)) $s.inMemory -}}
 {{- include "vcpo-rl.sizing.checkMemory" (dict "key" "head.resources" "resources" $v.head.resources "min" $s.head "why" (printf "the head pod needs for %s: %s" $model $held)) -}}
+{{- $processes := printf "%sGi + %sGi for each of its %d ranks' processes" (include "vcpo-rl.sizing.learnerGi" .) (include "vcpo-rl.sizing.perRankGi" .) (int $v.learner.ranksPerPod) -}}
+{{- $staging := ternary (printf "the version learner rank 0 stages in host memory to broadcast from (weightBroker.transport collective; every learner pod is sized alike) + %s" $processes) $processes $s.learnerStaging -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "learner.resources" "resources" $v.learner.resources "min" $s.learner "why" (printf "a learner pod needs for %s: %s" $model $staging)) -}}
 {{- if and (gt (int $s.volume) 0) (not $v.sharedStorage.existingClaim) (lt (float64 (include "vcpo-rl.gib" $v.sharedStorage.size)) (float64 $s.volume)) -}}
 {{- fail (printf "sharedStorage.size = %v is below the %dGi the weight broker's %d versions on the shared volume take for %s (checkpoints and the hub cache need more on top); raise sharedStorage.size to at least %dGi" $v.sharedStorage.size (int $s.volume) (int $s.retained) $model (int $s.volume)) -}}
 {{- end -}}
