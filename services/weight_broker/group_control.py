@@ -250,9 +250,9 @@ class GroupCoordinator:
 
     def _failed_forming(self, exc: BaseException) -> None:
         self.on_event("form_failed")
-        self._next_attempt = time.monotonic() + self.backoff_s
-        self.backoff_s = min(self.backoff_s * 2, 30.0)
-        log.warning("the weight group did not form (next attempt in %.0fs): %s", self.backoff_s, exc)
+        wait_s, self.backoff_s = self.backoff_s, min(self.backoff_s * 2, 30.0)
+        self._next_attempt = time.monotonic() + wait_s
+        log.warning("the weight group did not form (next attempt in %.0fs): %s", wait_s, exc)
 
     def _bind(self, epoch: int, world: int) -> Any:
         """The rendezvous store, listening on a free port or the first free one of the range: one for the
