@@ -27,6 +27,15 @@ class LauncherConfig(Section):
     max_steps: int = Field(0, ge=0, description="Stop after this many learner steps; 0 = run until stopped.")
     max_minutes: float = Field(0.0, ge=0, description="Stop after this much wall time; 0 = no limit.")
     progress_interval_s: float = Field(5.0, gt=0, description="Seconds between live progress lines.")
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds each service gets to come up at start: the learner to publish its first version, "
+        "the samplers to generate, the reward app and the evaluator to be ready. On GPUs a sampler's start "
+        "holds the model's download, its load, torch.compile, CUDA graph capture and the first version's "
+        "fetch: raise it for large models (vLLM's own engine start is bounded by VLLM_ENGINE_READY_TIMEOUT_S, "
+        "600 s by default, set in the services' environment).",
+    )
     max_restarts: int = Field(
         10,
         ge=0,
@@ -68,6 +77,9 @@ class LauncherConfig(Section):
     warm_start_batch_size: int = Field(32, ge=1, description="Examples per warm-start step.")
 
 
+SHARED_GPU_MARGIN = 0.05  # of a GPU a replica with a share of it leaves for its co-tenants' CUDA contexts
+
+
 def check_sampler_gpus(s: SamplerConfig, learner_gpus_per_rank: float) -> None:
     """Sampler replicas hold the GPUs their engines use. With none reserved, Ray still lets each replica see
     the node's GPUs and its vLLM engine opens cuda:0, beside the learner ranks that hold it; and a tensor-
@@ -82,6 +94,15 @@ def check_sampler_gpus(s: SamplerConfig, learner_gpus_per_rank: float) -> None:
         raise ValueError(
             f"sampler.gpus_per_replica = {s.gpus_per_replica:g} is less than sampler.tensor_parallel_size = "
             f"{s.tensor_parallel_size}: a tensor-parallel engine needs a GPU per shard"
+        )
+    most = round(s.gpus_per_replica - SHARED_GPU_MARGIN, 4)
+    if 0 < s.gpus_per_replica < 1 and s.gpu_memory_utilization > most:
+        raise ValueError(
+            f"sampler.gpu_memory_utilization = {s.gpu_memory_utilization:g} with sampler.gpus_per_replica = "
+            f"{s.gpus_per_replica:g}: a replica holding part of a GPU shares it (with the learner or other "
+            "replicas), and vLLM takes gpu_memory_utilization of the whole GPU's memory at start-up, failing "
+            f"where that much is not free; set it to at most {most:g} (the share, less {SHARED_GPU_MARGIN:g} "
+            "of the GPU for the other tenants' CUDA contexts)"
         )
 
 

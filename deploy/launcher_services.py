@@ -275,8 +275,9 @@ class Services:
         )
         return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
 
-    def wait_samplers(self, timeout_s: float = 600.0) -> None:
+    def wait_samplers(self, timeout_s: float | None = None) -> None:
         """Until every sampler replica has its engine and weights (its status is past STARTING)."""
+        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
         import ray
 
         def ready() -> bool | None:
@@ -290,8 +291,9 @@ class Services:
             f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
         )
 
-    def wait_evaluator(self, timeout_s: float = 600.0) -> None:
+    def wait_evaluator(self, timeout_s: float | None = None) -> None:
         """Until the dedicated evaluator has its engine and the version the learner published at start."""
+        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
         import ray
 
         def ready() -> int | None:
@@ -306,9 +308,10 @@ class Services:
             f"{self.run_dir / 'logs' / 'evaluator.log'}",
         )
 
-    def wait_learner(self, timeout_s: float = 600.0) -> int:
+    def wait_learner(self, timeout_s: float | None = None) -> int:
         """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
         returns it."""
+        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
 
         def ready() -> int | None:
             # a rank that failed at start raises here
@@ -322,8 +325,9 @@ class Services:
             f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
         )
 
-    def wait_reward(self, timeout_s: float = 600.0) -> None:
+    def wait_reward(self, timeout_s: float | None = None) -> None:
         """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""
+        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
         start = self.reward_start
         assert start is not None
 
@@ -342,10 +346,16 @@ class Services:
     def _await(self, ready: Callable[[], T | None], timeout_s: float, late: str) -> T:
         """Call ``ready`` every 0.5 s until it returns something other than None (it raises for a service that
         failed meanwhile) and return that; a stop request raises KeyboardInterrupt, and ``timeout_s`` without
-        an answer TimeoutError(``late``)."""
+        an answer TimeoutError(``late``). A call into an actor that did not answer in time (Ray's
+        GetTimeoutError: not placed yet, its GPUs still held or its node not joined) is not an answer."""
+        from ray.exceptions import GetTimeoutError
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            value = ready()
+            try:
+                value = ready()
+            except GetTimeoutError:  # until 2026-11-27 this ended the whole start at once
+                value = None
             if value is not None:
                 return value
             if self.stopping.event.is_set():

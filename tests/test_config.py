@@ -55,8 +55,17 @@ def test_sampler_gpus_are_checked_against_the_learner_and_tensor_parallelism() -
         ValueError, match=r"gpus_per_replica = 1 is less than sampler\.tensor_parallel_size = 2"
     ):
         SystemConfig.model_validate({"sampler": {"tensor_parallel_size": 2, "gpus_per_replica": 1}})
-    # shares of a GPU are fine for one-GPU engines; CPU runs reserve none
-    SystemConfig.model_validate({"sampler": {"gpus_per_replica": 0.5}, "learner": {"gpus_per_rank": 1}})
+    # shares of a GPU are fine for one-GPU engines, whose vLLM then takes at most that share of its memory
+    # (vLLM 0.32 asks for gpu_memory_utilization of the whole GPU free at start-up); CPU runs reserve none
+    half = {"gpus_per_replica": 0.5, "gpu_memory_utilization": 0.45}
+    SystemConfig.model_validate({"sampler": half, "learner": {"gpus_per_rank": 1}})
+    with pytest.raises(
+        ValueError,
+        match=r"gpu_memory_utilization = 0\.9 with sampler\.gpus_per_replica = 0\.5: .*at most 0\.45",
+    ):
+        SystemConfig.model_validate({"sampler": {"gpus_per_replica": 0.5}, "learner": {"gpus_per_rank": 1}})
+    with pytest.raises(ValueError, match=r"at most 0\.2 "):
+        SystemConfig.model_validate({"sampler": {"gpus_per_replica": 0.25, "gpu_memory_utilization": 0.21}})
     SystemConfig.model_validate({"sampler": {"tensor_parallel_size": 2, "gpus_per_replica": 2}})
     SystemConfig.model_validate({})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,11 @@ def test_samplers_wait_for_the_learner_only_when_either_asks_for_part_of_a_gpu(
     cfg = SystemConfig.model_validate(
         {
             "run": {"run_dir": str(tmp_path)},
-            "sampler": {"gpus_per_replica": sampler_gpus},
+            # vLLM takes gpu_memory_utilization of the whole GPU: at most the replica's share, less a margin
+            "sampler": {
+                "gpus_per_replica": sampler_gpus,
+                "gpu_memory_utilization": sampler_gpus - 0.05 if 0 < sampler_gpus < 1 else 0.9,
+            },
             "learner": {"gpus_per_rank": learner_gpus},
         }
     )
@@ -65,6 +70,41 @@ def test_samplers_wait_for_the_learner_only_when_either_asks_for_part_of_a_gpu(
 def test_a_start_up_wait_returns_the_first_answer_even_a_falsy_one(tmp_path: Path) -> None:
     answers = iter([None, None, 0])  # version 0 is an answer; None is "not yet"
     assert _services(tmp_path)._await(lambda: next(answers), 10, "late") == 0
+
+
+def test_a_start_up_wait_takes_an_actor_that_did_not_answer_in_time_as_not_ready(tmp_path: Path) -> None:
+    """A replica not placed yet (its GPUs still held, its node not joined) does not answer a status call
+    within the call's timeout: Ray's GetTimeoutError, which used to end the whole start at once."""
+    from ray.exceptions import GetTimeoutError
+
+    def answers() -> Any:
+        yield GetTimeoutError("Get timed out: some object(s) not ready.")
+        yield None
+        yield 3
+
+    pending = answers()
+
+    def ready() -> int | None:
+        answer = next(pending)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    assert _services(tmp_path)._await(ready, 10, "late") == 3
+
+
+def test_start_up_waits_take_the_launchers_start_timeout(tmp_path: Path) -> None:
+    cfg = SystemConfig.model_validate(
+        {"run": {"run_dir": str(tmp_path)}, "launcher": {"start_timeout_s": 1.5}}
+    )
+    services = Services(cfg, Stopping(), {}, time.monotonic())
+    release = threading.Event()
+    services.reward_start = Starting("reward", lambda: release.wait(30))  # a deploy that does not finish
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the reward app was not ready after 2s"):
+        services.wait_reward()
+    assert 1.4 < time.monotonic() - t0 < 5
+    release.set()
 
 
 def test_a_start_up_wait_stops_on_a_stop_request_and_times_out_with_its_message(tmp_path: Path) -> None:

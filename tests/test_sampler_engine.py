@@ -772,6 +772,10 @@ def test_a_version_reaches_workers_in_other_processes_through_a_file(
     engine = VllmEngine(VllmSettings(model=str(tiny_model_dir), tensor_parallel_size=workers))
     assert (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") == core_here
     assert (engine._in_process, engine._model_here) == (core_here, model_here)
+    # tensor parallelism: worker processes of this one, never Ray's executor (which asks Ray for the GPUs this
+    # replica's actor holds, inside a placement group)
+    backend = engine.llm.kwargs.get("distributed_executor_backend")  # type: ignore[attr-defined]
+    assert backend == ("mp" if workers > 1 else None)
     tensors = version_weights(tiny_model_dir, 3)
     engine._load(tensors.items())
     [(args, kwargs)] = engine.llm.calls  # type: ignore[attr-defined]

@@ -265,6 +265,10 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         from services.sampler.vllm_worker import WORKER_EXTENSION
 
         kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
+        if settings.tensor_parallel_size > 1:
+            # worker processes of this process, on the GPUs it holds: vLLM would take Ray's executor inside a
+            # Ray placement group, which asks Ray for GPUs this replica's actor holds already, and waits for good
+            kwargs["distributed_executor_backend"] = "mp"
         if settings.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
         if settings.collective_weights:
