@@ -11,7 +11,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
-from services.learner.config import LearnerConfig, check_scored_capacity, resolve_max_sequence_tokens
+from services.learner.config import (
+    LearnerConfig,
+    check_groups_per_rank,
+    check_scored_capacity,
+    resolve_max_sequence_tokens,
+)
 from services.reward.config import RewardConfig
 from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
 from services.weight_broker.config import WeightBrokerConfig
@@ -130,11 +135,7 @@ class SystemConfig(ServiceConfig):
                 f"sampler.n = {self.sampler.n} exceeds learner.max_group_size = {self.learner.max_group_size}: "
                 "the learner would reject every group"
             )
-        if self.run.groups_per_step < self.learner.num_ranks:
-            raise ValueError(
-                f"run.groups_per_step = {self.run.groups_per_step} is less than learner.num_ranks = "
-                f"{self.learner.num_ranks}: every rank trains on whole groups, so each step needs one per rank"
-            )
+        check_groups_per_rank(self.run.groups_per_step, self.learner)
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
         check_sampler_gpus(s, self.learner.gpus_per_rank)

@@ -156,6 +156,12 @@ def test_parse_literal() -> None:
             {},
             "learner.gpus_per_rank = 0.5 with learner.num_ranks = 2: ranks would share a GPU",
         ),
+        (
+            '[learner]\nnum_ranks = 2\nobjective = "reinforce"\n',
+            {},
+            "learner.objective = 'reinforce' with learner.num_ranks = 2: its baseline is the mean reward over "
+            "the step's batch",
+        ),
         ("[smapler]\nn = 2\n", {}, "unknown section 'smapler' (from {file})"),
         (
             "",
@@ -351,3 +357,16 @@ def test_released_settings_differ_from_the_paper_form_in_the_baseline_weighting_
     }[PAPER[preset]]
     r = released
     assert (r.run.k, r.run.groups_per_step, r.sampler.n, lr.rho_base, r.run.model) == script
+
+
+def test_a_learner_started_on_its_own_is_checked_like_a_whole_run() -> None:
+    """``python -m services.learner`` reads only its sections: the checks that concern them hold there too
+    (a rank left without a group raised while the others waited for it in a collective)."""
+    from services.learner.config import LearnerServiceConfig
+
+    with pytest.raises(ValueError, match=r"run\.groups_per_step = 1 is less than learner\.num_ranks = 2"):
+        LearnerServiceConfig.model_validate({"run": {"groups_per_step": 1}, "learner": {"num_ranks": 2}})
+    with pytest.raises(ValueError, match=r"objective = 'reinforce' with learner\.num_ranks = 2"):
+        LearnerServiceConfig.model_validate({"learner": {"num_ranks": 2, "objective": "reinforce"}})
+    LearnerServiceConfig.model_validate({"learner": {"num_ranks": 1, "objective": "reinforce"}})
+    LearnerServiceConfig.model_validate({"run": {"groups_per_step": 2}, "learner": {"num_ranks": 2}})

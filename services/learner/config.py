@@ -140,6 +140,21 @@ class LearnerConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _batch_baseline_on_one_rank(self) -> LearnerConfig:
+        # an objective whose baseline is the step's batch (reinforce: the mean reward, and its zero-signal
+        # rule) sees only its own rank's trajectories: each rank would subtract its own mean, silently
+        from services.learner.objectives import get
+
+        if self.num_ranks > 1 and get(self.objective).zero_signal == "batch":
+            raise ValueError(
+                f"learner.objective = {self.objective!r} with learner.num_ranks = {self.num_ranks}: its "
+                "baseline is the mean reward over the step's batch, which each rank would take over its own "
+                "share of the step only (a different baseline per rank); use one rank, or a per-group "
+                "objective (grpo, rloo, vcpo)"
+            )
+        return self
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
@@ -179,6 +194,16 @@ def check_scored_capacity(scored_maxlen: int, learner: LearnerConfig, groups_per
         )
 
 
+def check_groups_per_rank(groups_per_step: int, learner: LearnerConfig) -> None:
+    """Every rank trains on whole groups: a step with fewer groups than ranks leaves a rank with none, which
+    raises while the others wait for it in a collective until the supervisor ends them."""
+    if groups_per_step < learner.num_ranks:
+        raise ValueError(
+            f"run.groups_per_step = {groups_per_step} is less than learner.num_ranks = "
+            f"{learner.num_ranks}: every rank trains on whole groups, so each step needs one per rank"
+        )
+
+
 class LearnerServiceConfig(ServiceConfig):
     """Everything the learner reads: the shared sections and ``[learner]``."""
 
@@ -193,4 +218,5 @@ class LearnerServiceConfig(ServiceConfig):
     @model_validator(mode="after")
     def _scored_holds_a_checkpoint_interval(self) -> LearnerServiceConfig:
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
+        check_groups_per_rank(self.run.groups_per_step, self.learner)
         return self
