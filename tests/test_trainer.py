@@ -388,3 +388,46 @@ def test_the_learning_rate_follows_its_decay_and_a_resumed_learner_continues_it(
     tolerance = 1e-2 * out["moved"] if gpus else 0.0
     assert out["scheduled_over_by_hand"] <= tolerance, out
     assert out["resumed_diff"] <= tolerance, out
+
+
+def _checkpoint_rank(rank: int, port: int, directory: str, out: Any) -> None:  # a process
+    import torch.distributed as dist
+
+    from services.learner.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    class Rank:  # what load_checkpoint reads of a trainer, before it reaches DeepSpeed's engine
+        world_size, device = 2, torch.device("cpu")
+
+    me = Rank()
+    me.rank = rank  # type: ignore[attr-defined]
+    try:
+        out.put((rank, Trainer.load_checkpoint(me, Path(directory) / str(rank))))  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        out.put((rank, str(exc)))
+    dist.destroy_process_group()
+
+
+def test_learner_ranks_that_see_different_checkpoints_all_refuse_to_resume(tmp_path: Path) -> None:
+    """A rank that does not see the checkpoint the others see (a node without the shared volume) would start
+    afresh while they resumed, their collectives mismatched: every rank raises, naming the setting."""
+    import multiprocessing as mp
+
+    from services.common.ports import free_port
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "1").mkdir()
+    (tmp_path / "0" / "latest").write_text("step000000004")  # rank 0 sees one, rank 1 does not
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_checkpoint_rank, args=(r, port, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert "learner rank 0 sees a checkpoint in" in said[0]
+    assert "learner rank 1 does not see a checkpoint in" in said[1]
+    assert all("learner.checkpoint_dir must be one directory every rank shares" in s for s in said.values())

@@ -372,8 +372,21 @@ class Trainer:
         return directory / tag
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
-        """Resume from the latest checkpoint in ``directory``; its client state, or None when there is none."""
-        if not (directory / "latest").is_file():
+        """Resume from the latest checkpoint in ``directory``; its client state, or None when there is none.
+        Every rank must see the same: a rank that did not (a node without the shared volume) would start
+        afresh while the others resumed, their collectives mismatched, so the ranks compare first and all
+        raise where they differ."""
+        here = (directory / "latest").is_file()
+        if self.world_size > 1:
+            seen = torch.tensor([int(here), -int(here)], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+            if int(seen[0]) != -int(seen[1]):
+                raise RuntimeError(
+                    f"learner rank {self.rank} {'sees' if here else 'does not see'} a checkpoint in {directory} "
+                    "and another rank does not: learner.checkpoint_dir must be one directory every rank "
+                    "shares (a volume every learner node mounts)"
+                )
+        if not here:
             return None
         path, state = self.engine.load_checkpoint(str(directory))
         if path is None:
