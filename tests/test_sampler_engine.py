@@ -755,9 +755,9 @@ def test_a_version_reaches_workers_in_other_processes_through_a_file(
     model_here: bool,
 ) -> None:
     """vLLM runs a worker process per rank wherever there are several, its engine core in this process or
-    not: a version is handed over as tensors only where the model is in this process, and through a file
-    otherwise (an iterator cannot be shipped to another process: with tensor parallelism on CPU, where the
-    core used to be kept here, every load failed). On CPU, tensor parallelism gets the GPU layout."""
+    not: a version is handed over as tensors only where the model is in this process, and through the
+    staging file otherwise, as in the multi-process layout (not pickled whole through vLLM's message queue).
+    On CPU, tensor parallelism gets the GPU layout, which the tensor-parallel test runs."""
     import vllm
 
     from services.sampler.engine import VllmEngine, VllmSettings

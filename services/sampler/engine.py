@@ -296,7 +296,8 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         self.loaded_version = None
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # the engine core
         # and the model: vLLM runs a worker process per rank wherever there are several, even with the core
-        # here, and a version is handed to those through a file (an iterator cannot be shipped to them)
+        # here, and a version goes to those through the staging file, as in the multi-process layout (not
+        # pickled whole through vLLM's message queue)
         self._model_here = self._in_process and settings.tensor_parallel_size == 1
         # an engine core in another process runs ahead of this one: its outputs wait in the client's queue
         # (vLLM 0.32's SyncMPClient.outputs_queue), so a swap pauses the core and drains the queue first
