@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_val
 from services.common.config import Section, ServiceConfig
 from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
+from services.learner.objectives import get as objective_named
 from services.weight_broker.config import WeightBrokerConfig
 
 
@@ -144,9 +145,7 @@ class LearnerConfig(Section):
     def _batch_baseline_on_one_rank(self) -> LearnerConfig:
         # an objective whose baseline is the step's batch (reinforce: the mean reward, and its zero-signal
         # rule) sees only its own rank's trajectories: each rank would subtract its own mean, silently
-        from services.learner.objectives import get
-
-        if self.num_ranks > 1 and get(self.objective).zero_signal == "batch":
+        if self.num_ranks > 1 and objective_named(self.objective).zero_signal == "batch":
             raise ValueError(
                 f"learner.objective = {self.objective!r} with learner.num_ranks = {self.num_ranks}: its "
                 "baseline is the mean reward over the step's batch, which each rank would take over its own "
@@ -216,7 +215,7 @@ class LearnerServiceConfig(ServiceConfig):
         return resolve_max_sequence_tokens(data)
 
     @model_validator(mode="after")
-    def _scored_holds_a_checkpoint_interval(self) -> LearnerServiceConfig:
+    def _run_fits_the_learner(self) -> LearnerServiceConfig:
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         check_groups_per_rank(self.run.groups_per_step, self.learner)
         return self

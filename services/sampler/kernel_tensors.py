@@ -67,3 +67,13 @@ def put_back(model: Any) -> list[str]:
             ", ".join(changed[:3]),
         )
     return changed
+
+
+def finish_interrupted_reload(model: Any, model_config: Any) -> list[str]:
+    """After a reload raised part-way: vLLM's reload state finished (every layer back on the device, the
+    layers it had not reached on meta included), then every layer on its own tensors (:func:`put_back`, whose
+    names it returns)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    return put_back(model)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from services.sampler.kernel_tensors import hold, put_back
+from services.sampler.kernel_tensors import finish_interrupted_reload, hold
 
 WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
 
@@ -77,12 +77,8 @@ class VcpoWorkerExtension:
         not reached on the meta device; finish its reload state so every layer is back on the device, on the
         tensors it was built with (those a GPU engine's CUDA graphs read, ``kernel_tensors.py``), and a whole
         version can be loaded again (the sampler then loads the previous version back)."""
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
         runner = self.model_runner
-        model = runner.get_model()
-        finalize_layerwise_reload(model, runner.model_config)
-        put_back(model)
+        finish_interrupted_reload(runner.get_model(), runner.model_config)
 
     def vcpo_leave_weight_group(self, why: str | None) -> None:
         """Leave the weight group this worker is in (``CollectiveWeightTransferEngine.leave``); nothing where it

@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from services.sampler.kernel_tensors import hold, put_back
+from services.sampler.kernel_tensors import finish_interrupted_reload, hold
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -154,15 +154,13 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             raise RuntimeError("finish_weight_update without a received version")
         _, tensors = self._staged
         self._staged = None
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         hold(self.model)  # the layers' own tensors, put back should the load fail in one (kernel_tensors.py)
         try:
             reload_weights(self.vllm_config, self.model, iter(tensors), None, is_checkpoint_format=True)
         except BaseException:
-            finalize_layerwise_reload(self.model, self.model_config)
-            put_back(self.model)
+            finish_interrupted_reload(self.model, self.model_config)
             raise
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()

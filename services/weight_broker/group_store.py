@@ -5,7 +5,7 @@ failure of the group is.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -115,9 +115,12 @@ def arrive(store: Any, key: str, expected: int, timeout_s: float, poll_s: float 
 
 
 def give_up(store: Any, why: str) -> None:
-    """Mark the epoch of ``store`` failed (the first mark stays): every rank still arriving stops waiting."""
-    with contextlib.suppress(Exception):  # the store gone too: nothing waits in it then
+    """Mark the epoch of ``store`` failed (the first mark stays): every rank still arriving at it, or waiting in
+    one of its collectives, stops waiting."""
+    try:
         store.compare_set(FAILED, "", why)
+    except Exception:  # the store gone too: nothing waits in it then
+        logging.getLogger(__name__).debug("could not mark the epoch failed", exc_info=True)
 
 
 class AnnouncementWatch:

@@ -210,9 +210,8 @@ class CollectiveReceiver:
             if copier is not None:
                 copier.synchronize()
             raise
-        if (
-            copier is not None
-        ):  # the copies out, each after its broadcast (not the device: a forward runs there)
+        # the copies out, each after its broadcast (not the whole device: an engine's forward runs there)
+        if copier is not None:
             copier.synchronize()
         if outs is None:
             return [], []

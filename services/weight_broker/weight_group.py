@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from services.common.pids import process_identity
+from services.weight_broker.group_store import FAILED, give_up
 from services.weight_broker.group_store import AnnouncementWatch as AnnouncementWatch
 from services.weight_broker.group_store import GroupSpec as GroupSpec
 from services.weight_broker.group_store import TransferFailed as TransferFailed
 from services.weight_broker.group_store import arrive as arrive
 from services.weight_broker.group_store import first_line as first_line
-from services.weight_broker.group_store import give_up
 from services.weight_broker.group_store import open_store as open_store
 from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
@@ -314,9 +314,9 @@ class WeightGroup:
     def _failure(self) -> str | None:
         """Why a rank marked the collective failed in the store (None: none did); the store's failure too."""
         try:
-            if not self._announcements.check(["failed"]):
+            if not self._announcements.check([FAILED]):
                 return None
-            why = self._announcements.get("failed").decode(errors="replace")
+            why = self._announcements.get(FAILED).decode(errors="replace")
         except Exception as exc:
             return f"the weight group's store is unreachable: {exc}"
         return why if why and why != "1" else "rank 0 declared the broadcast failed"
@@ -395,10 +395,7 @@ class WeightGroup:
 
     def _mark_failed(self, why: str) -> None:
         """Tell every rank still waiting in this group's collective to give up (the first mark stays)."""
-        try:
-            self._announcements.compare_set("failed", "", why)
-        except Exception:
-            log.debug("could not mark the collective failed", exc_info=True)
+        give_up(self._announcements, why)
 
     def abort(self) -> None:
         """Rank 0, after a failed broadcast: tell every receiver still waiting in it to give up, then close."""
