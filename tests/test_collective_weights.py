@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.ports import free_port
-from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, pieces
+from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, flat_bytes, pieces
 from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.shared_memory import held_host_bytes
@@ -645,6 +645,69 @@ def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
         thread.join(60)
         [(version, received, _)] = got
         assert version == 44 and is_version(44, received)
+    finally:
+        for group in groups:
+            group.close()
+
+
+class _OnCuda(torch.Tensor):
+    """A CUDA source tensor's stand-in where there is no GPU: its bytes are in host memory, but it says it is on
+    ``cuda:0`` to whatever asks (``.device``: ``digest`` takes it for a device buffer, and ``_in_place`` for one
+    off a CPU group's device), ``.cpu()`` is a copy of its bytes as a plain host tensor (as a CUDA tensor's is),
+    and every other op (``detach``, ``contiguous``, ``view``, slicing, being copied from) works on its bytes and
+    keeps the stand-in."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func == torch.Tensor.device.__get__:
+            return torch.device("cuda", 0)
+        if func == torch.Tensor.cpu:
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].clone()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_device_source_sent_over_gloo_without_staging_is_hashed_as_host_bytes_and_committed() -> None:
+    """The GPU test above on a CPU: ``send`` of tensors that say they are on a GPU (:class:`_OnCuda`) over a
+    real gloo group into a real receiver. A bucket of one such tensor is hashed as the host copy that goes out,
+    so every bucket's digest is a real one and the receiver commits the version; it used to be hashed as a
+    device buffer (digest 0), which the receiver's hash of the bytes it got never matched."""
+    from tests.test_weight_group_nccl import form
+
+    tensors = [(n, t.as_subclass(_OnCuda)) for n, t in version_tensors(44)]
+    assert tensors[2][1].device.type == "cuda" and digest(flat_bytes(tensors[2][1])) == 0  # a device buffer's
+    specs = specs_of(version_tensors(44))
+    layout = bucket_layout(specs, 8192)
+    alone = [b for b, bucket in enumerate(layout) if len(bucket.items) == 1]
+    assert [layout[b].items[0][0] for b in alone] == [2]  # model.layers.0.big alone, the others packed
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60))
+    sent: list[torch.Tensor] = []  # what rank 0 broadcast: the digests are the last
+    real = groups[0].broadcast
+
+    def broadcast(tensor: torch.Tensor) -> Any:
+        sent.append(tensor)
+        return real(tensor)
+
+    groups[0].broadcast = broadcast  # type: ignore[method-assign]
+    got: list[Any] = []
+
+    def receive() -> None:
+        try:
+            got.append(CollectiveReceiver(groups[1]).receive())
+        except TransferFailed as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        CollectivePublisher(groups[0], bucket_bytes=8192).send(44, specs, iter(tensors))
+        thread.join(60)
+        [(version, received, _)] = got
+        assert version == 44 and is_version(44, received)
+        digests = sent[-1].tolist()
+        assert len(digests) == len(layout) and 0 not in digests  # every bucket hashed, on both sides
+        host = version_tensors(44)[2][1]
+        assert [digests[b] for b in alone] == [digest(flat_bytes(host))]  # of the tensor's bytes
     finally:
         for group in groups:
             group.close()
