@@ -390,6 +390,76 @@ def test_the_learning_rate_follows_its_decay_and_a_resumed_learner_continues_it(
     assert out["resumed_diff"] <= tolerance, out
 
 
+def _first_step_by_rule(rank: int, model_dir: str, groups: list[Any], gpus: int) -> dict[str, Any]:
+    """For each ESS rule, a fresh trainer's first step on the same batch: its metrics, where AdamW's fp32
+    partitions (the weights the optimizer steps) were before and after it, and its moments after it."""
+    from services.learner.batching import to_tensors
+    from services.learner.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    for rule in ("off", "sqrt", "linear"):
+        cfg = LearnerConfig(
+            gpus_per_rank=gpus, micro_batch_size=2, lr=1e-2, weight_decay=0.0, grad_clip=1e6, ess_rule=rule
+        )
+        trainer = Trainer(cfg, model_dir, seed=0)
+        zero = trainer.engine.optimizer
+
+        def partitions(zero: Any = zero) -> torch.Tensor:
+            return torch.cat([f.detach().double().cpu() for f in zero.fp32_partitioned_groups_flat])
+
+        before = partitions()
+        metrics = trainer.train_step(to_tensors(groups)).metrics
+        moments = [
+            zero.optimizer.state[flat][key].detach().double().cpu().numpy()
+            for flat in zero.fp32_partitioned_groups_flat
+            for key in ("exp_avg", "exp_avg_sq")
+        ]
+        out[rule] = {
+            "metrics": metrics,
+            "before": before.numpy(),
+            "delta": (partitions() - before).numpy(),
+            "moments": moments,
+        }
+    return out
+
+
+@pytest.mark.parametrize(
+    "gpus", [0, pytest.param(1, marks=pytest.mark.gpu)], ids=["cpu-gloo", "gpu-nccl-bf16"]
+)
+def test_adamw_steps_by_the_ess_scaled_rate(model_dir: Path, gpus: int) -> None:
+    """VCPO's step size where it lands: the same batch (ρ < 1) and the same first AdamW step (weight decay 0)
+    under ``ess_rule`` off, sqrt and linear. Adam's first update is lr·m̂/(√v̂+ε), the same direction for
+    every rule, so each fp32 weight moves by s(ρ) times what it moves without damping (to the float32
+    round-off of the weight), and the moments, which see the unscaled gradient, are the same for every rule.
+    s(ρ) is computed here from ρ by the specification, not by the learner's function."""
+    if gpus and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    groups = scored_groups(model_dir, [4, 4], seed=3, noise=0.4)
+    out = run_ranks(_first_step_by_rule, 1, str(model_dir), groups, gpus)[0]
+    rho = out["off"]["metrics"]["ess_ratio"]
+    assert 0 < rho < 0.9, rho  # far enough from 1 that an undamped step cannot pass for a damped one
+    expected = {"off": 1.0, "sqrt": math.sqrt(rho), "linear": rho}
+    base = torch.from_numpy(out["off"]["delta"])
+    weights = torch.from_numpy(out["off"]["before"])
+    moved = base.abs() > 0.5e-2  # elements whose first Adam step is about ±lr (a gradient well above ε)
+    assert int(moved.sum()) > 0.5 * base.numel(), int(moved.sum())
+    # each delta is a difference of two float32 weights: off by at most an ulp of the weight on either side
+    ulp = 2.0**-23 * (weights.abs() + 2e-2)
+    for rule, s in expected.items():
+        m = out[rule]["metrics"]
+        assert (
+            m["step_skipped"] == 0 and m["ess_ratio"] == rho and m["lr_scale"] == pytest.approx(s, rel=1e-12)
+        )
+        assert m["lr"] == pytest.approx(1e-2 * s, rel=1e-12)
+        delta = torch.from_numpy(out[rule]["delta"])
+        error = (delta - s * base).abs()
+        assert bool((error <= 2 * ulp).all()), (rule, s, float(error.max()))
+        ratio = float(delta[moved].sum() / base[moved].sum())
+        assert ratio == pytest.approx(s, rel=1e-4), (rule, ratio, s)
+        for a, b in zip(out[rule]["moments"], out["off"]["moments"], strict=True):
+            assert (a == b).all() if not gpus else torch.allclose(torch.from_numpy(a), torch.from_numpy(b))
+
+
 def _checkpoint_rank(rank: int, port: int, directory: str, out: Any) -> None:  # a process
     import torch.distributed as dist
 
