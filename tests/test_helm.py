@@ -1,13 +1,14 @@
 """The Helm chart (helm/vcpo-rl): lints and renders every ci/ scenario, every rendered object validates against
 the Kubernetes schemas (core objects, and the pod templates inside the RayJob) or its CRD (RayJob,
-ServiceMonitor, PrometheusRule), the run file it renders is a run file the launcher accepts and agrees with
-the pods it places, bad values fail at install with a message naming them."""
+ServiceMonitor, PrometheusRule: vendored in tests/data/crds), the run file it renders is a run file the
+launcher accepts and agrees with the pods it places, bad values fail at install with a message naming them."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
+import lzma
 import math
 import re
 import shlex
@@ -28,7 +29,14 @@ from services.common.config import add_config_arguments, config_from_args, load_
 ROOT = Path(__file__).parent.parent
 HELM = ROOT / ".tools" / "bin" / "helm"
 CHART = ROOT / "helm" / "vcpo-rl"
-CRDS = ROOT.parent / "shared" / "crds"
+# the CRDs of the custom resources the chart renders, from KubeRay and the Prometheus operator (see README.md
+# there: source, commit, refreshing), xz-compressed; each kind's file by (API group, kind)
+CRDS = ROOT / "tests" / "data" / "crds"
+CRD_FILES = {
+    ("ray.io", "RayJob"): "ray.io_rayjobs.yaml.xz",
+    ("monitoring.coreos.com", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml.xz",
+    ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml.xz",
+}
 SCENARIOS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
 MONITORING_API = "monitoring.coreos.com/v1"
 K8S_VERSION = "1.31"
@@ -137,26 +145,40 @@ def _strict(schema: Any) -> Any:
 
 
 @functools.cache
+def load_crd(group_name: str, kind: str) -> dict[str, Any]:
+    """The vendored CRD of ``kind`` (never a skip: a missing file fails the test, naming it)."""
+    name = CRD_FILES.get((group_name, kind))
+    assert name, f"no CRD for {group_name} {kind} in CRD_FILES: vendor it in {CRDS} (see its README.md)"
+    path = CRDS / name
+    assert path.is_file(), f"{path} is missing: the CRD of {group_name} {kind} (see {CRDS}/README.md)"
+    text = lzma.decompress(path.read_bytes()).decode()  # RayJob's: 1.4 MB, 25k lines
+    crd: dict[str, Any] = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    found = (crd["spec"]["group"], crd["spec"]["names"]["kind"])
+    assert found == (group_name, kind), f"{path} is the CRD of {found}, not of {kind}"
+    return crd
+
+
+@functools.cache
 def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
     group_name, version = api_version.split("/")
-    for path in sorted(CRDS.glob(f"{group_name}_*.yaml")):
-        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 25k lines
-        if crd["spec"]["names"]["kind"] != kind:
-            continue
-        for v in crd["spec"]["versions"]:
-            if v["name"] == version:
-                return jsonschema.Draft7Validator(_strict(v["schema"]["openAPIV3Schema"]))
-    raise AssertionError(f"no CRD for {api_version} {kind} in {CRDS}")
+    crd = load_crd(group_name, kind)
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            return jsonschema.Draft7Validator(_strict(v["schema"]["openAPIV3Schema"]))
+    served = [v["name"] for v in crd["spec"]["versions"]]
+    raise AssertionError(f"{CRD_FILES[(group_name, kind)]} serves {served}, not {version}")
+
+
+def is_custom(doc: dict[str, Any]) -> bool:
+    """A custom resource (ray.io, monitoring.coreos.com); Kubernetes' own groups are core (v1) or *.k8s.io."""
+    api_group = doc["apiVersion"].split("/")[0]
+    return "." in api_group and not api_group.endswith(".k8s.io")
 
 
 def validate(doc: dict[str, Any]) -> None:
     """A rendered object against its schema: the Kubernetes API's (strict) or its CRD's."""
     where = f"{doc['kind']} {doc['metadata']['name']}"
-    api_group = doc["apiVersion"].split("/")[0]
-    # a custom resource (ray.io, monitoring.coreos.com); Kubernetes' own groups are core (v1) or *.k8s.io
-    if "." in api_group and not api_group.endswith(".k8s.io"):
-        if not CRDS.is_dir():
-            pytest.skip(f"the CRDs to validate {doc['kind']} against are not at {CRDS}")
+    if is_custom(doc):
         problems = [
             f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
             for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)
@@ -184,6 +206,17 @@ def validate(doc: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- tests
+def test_the_vendored_crds_are_the_ones_the_chart_renders() -> None:
+    """tests/data/crds holds a CRD for each kind in CRD_FILES and nothing else, each that kind's; the
+    scenarios render exactly those kinds of custom resource (a kind the chart starts rendering fails here)."""
+    assert {p.name for p in CRDS.glob("*.xz")} == set(CRD_FILES.values()), f"{CRDS} and CRD_FILES disagree"
+    for group_name, kind in CRD_FILES:
+        load_crd(group_name, kind)
+    docs = [d for scenario in SCENARIOS for d in render(*scenario_args(scenario))]
+    rendered = {(d["apiVersion"].split("/")[0], d["kind"]) for d in docs if is_custom(d)}
+    assert rendered == set(CRD_FILES), f"rendered custom resources {rendered}, CRD_FILES {set(CRD_FILES)}"
+
+
 def test_every_scenario_is_tested() -> None:
     assert {
         "default-values.yaml",
