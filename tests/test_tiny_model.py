@@ -253,7 +253,7 @@ def test_vllm_logprobs_match_hugging_face(model_dir: Path, tokenizer, vllm_engin
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from tests.sampler_helpers import load_into
+    from tests.sampler_helpers import assert_logprobs_match, load_into
 
     # the session's one vLLM engine (CPU build, in this process), given this model's weights
     load_into(vllm_engine, load_file(model_dir / "model.safetensors"))
@@ -283,3 +283,4 @@ def test_vllm_logprobs_match_hugging_face(model_dir: Path, tokenizer, vllm_engin
         # greedy agrees (up to ties closer than the tolerance: a random tiny model is nearly uniform)
         assert (hf_logprobs.max(dim=-1).values - expected).max() <= 1e-4
         torch.testing.assert_close(torch.tensor(vllm_logprobs), expected, atol=1e-4, rtol=0)
+        assert_logprobs_match(vllm_logprobs, expected)  # and their sum, a response's log-weight
