@@ -109,18 +109,23 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         start = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-        moved, total, count = 0.0, 0.0, 0
+        moved, total, count, loose = 0.0, 0.0, 0, []
         for name in w1:
             a, b = torch.from_numpy(w1[name]), torch.from_numpy(w2[name])
             # Adam divides by √v, so an element whose gradient is pure round-off (k_proj.bias: softmax ignores
-            # a constant shift of the keys, its true gradient is 0) moves by noise: bound each element by 1% of
-            # lr, and the mean difference over all weights by 1e-5 of lr
-            # (recompute: 10% of lr, its gradient is summed over per-micro-batch backwards in another order)
-            atol = 1e-4 if cfg.get("memory_mode") == "recompute" else 1e-5
-            torch.testing.assert_close(b, a, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            # a constant shift of the keys, its true gradient is 0), or is within a few hundred ulps of its
+            # summands (an output-head row of a token the batch never targets), moves by noise of up to lr:
+            # bound each element by 10% of lr, all but 1 in 10^4 of them by 1% of lr (which elements those are
+            # depends on the CPU's kernels: AVX2 and AVX-512 sum in other orders), and the mean difference
+            # over all weights by 1e-5 of lr (recompute: its gradient is summed over per-micro-batch
+            # backwards in another order, so every element by 10% of lr)
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+            if cfg.get("memory_mode") != "recompute":
+                loose += [(name, float(d)) for d in (a - b).abs()[(a - b).abs() > 1e-5]]
             total += float((a - b).abs().sum())
             count += a.numel()
             moved = max(moved, float((a - start[name].detach()).abs().max()))
+        assert len(loose) <= count // 10_000, loose
         assert total / count < 1e-8
         assert moved > 1e-4  # the steps really changed the weights
 
@@ -438,26 +443,31 @@ def test_adamw_steps_by_the_ess_scaled_rate(model_dir: Path, gpus: int) -> None:
     out = run_ranks(_first_step_by_rule, 1, str(model_dir), groups, gpus)[0]
     rho = out["off"]["metrics"]["ess_ratio"]
     assert 0 < rho < 0.9, rho  # far enough from 1 that an undamped step cannot pass for a damped one
-    expected = {"off": 1.0, "sqrt": math.sqrt(rho), "linear": rho}
+    rules = {"off": lambda r: 1.0, "sqrt": math.sqrt, "linear": lambda r: r}  # s(ρ), ρ_base = 1
     base = torch.from_numpy(out["off"]["delta"])
     weights = torch.from_numpy(out["off"]["before"])
     moved = base.abs() > 0.5e-2  # elements whose first Adam step is about ±lr (a gradient well above ε)
     assert int(moved.sum()) > 0.5 * base.numel(), int(moved.sum())
-    # each delta is a difference of two float32 weights: off by at most an ulp of the weight on either side
+    # CPU: each delta is a difference of two float32 weights, off by at most an ulp of the weight on either
+    # side. GPU (bf16 forwards): kernels may sum in another order from one launch to the next, so ρ and the
+    # gradient differ in their last bits between the runs
     ulp = 2.0**-23 * (weights.abs() + 2e-2)
-    for rule, s in expected.items():
+    for rule, scale in rules.items():
         m = out[rule]["metrics"]
-        assert (
-            m["step_skipped"] == 0 and m["ess_ratio"] == rho and m["lr_scale"] == pytest.approx(s, rel=1e-12)
-        )
-        assert m["lr"] == pytest.approx(1e-2 * s, rel=1e-12)
+        assert m["step_skipped"] == 0 and (gpus or m["ess_ratio"] == rho), m
+        s = scale(m["ess_ratio"])
+        assert m["lr_scale"] == pytest.approx(s, rel=1e-12) and m["lr"] == pytest.approx(1e-2 * s, rel=1e-12)
         delta = torch.from_numpy(out[rule]["delta"])
         error = (delta - s * base).abs()
-        assert bool((error <= 2 * ulp).all()), (rule, s, float(error.max()))
+        if gpus:
+            assert bool((error[moved] <= 1e-2 * base[moved].abs()).all()), (rule, s, float(error.max()))
+        else:
+            assert bool((error <= 2 * ulp).all()), (rule, s, float(error.max()))
         ratio = float(delta[moved].sum() / base[moved].sum())
-        assert ratio == pytest.approx(s, rel=1e-4), (rule, ratio, s)
+        assert ratio == pytest.approx(s, rel=1e-2 if gpus else 1e-4), (rule, ratio, s)
         for a, b in zip(out[rule]["moments"], out["off"]["moments"], strict=True):
-            assert (a == b).all() if not gpus else torch.allclose(torch.from_numpy(a), torch.from_numpy(b))
+            a_, b_ = torch.from_numpy(a), torch.from_numpy(b)
+            assert torch.equal(a_, b_) if not gpus else torch.allclose(a_, b_, rtol=1e-2, atol=1e-12)
 
 
 def _checkpoint_rank(rank: int, port: int, directory: str, out: Any) -> None:  # a process
