@@ -202,6 +202,9 @@ def test_eval_overhead_benchmark_quick_mode_prints_its_figures() -> None:
     assert 0 <= figures["hold_s_per_round"] <= figures["max_delay_s"] and 0 <= figures["held_fraction"] < 1
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(660)  # run_quick gives the script 600 s
 def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("async_speedup.py")  # two whole launcher runs (k = 0, k = 4): minutes
     assert any(line.startswith("async ") for line in lines)  # the table
