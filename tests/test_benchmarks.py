@@ -28,6 +28,7 @@ def run_quick(script: str, *extra: str) -> tuple[list[str], dict[str, Any]]:
     return lines, json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_streams_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("streams.py")
     assert any(line.split()[:1] == ["saturated"] for line in lines)  # the table
@@ -36,6 +37,7 @@ def test_streams_benchmark_quick_mode_prints_its_figures() -> None:
     assert figures["group_bytes"] > 20_000  # realistic groups: 8 x 512 tokens with log-probs
 
 
+@pytest.mark.slow
 def test_vcpo_step_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("vcpo_step.py")
     assert any(line.startswith("brute-shared") for line in lines)  # the table
@@ -66,6 +68,7 @@ def test_learner_step_benchmark_runs_on_a_gpu() -> None:
         assert figures[key] > 0
 
 
+@pytest.mark.slow
 def test_learner_memory_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_memory.py")
     assert sum(line.split()[2:3] == ["recompute"] for line in lines) == 4  # 2 lengths x 1 and 8 micro-batches
@@ -86,6 +89,7 @@ def test_learner_memory_benchmark_runs_on_a_gpu() -> None:
     assert figures["device"] == "cuda" and figures["peak_growth_over_microbatches"] <= 1.1
 
 
+@pytest.mark.slow
 def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("weight_sync.py")  # exits non-zero if any fetcher got different bytes
     assert "all fetchers' digests equal the publisher's" in lines
@@ -98,6 +102,7 @@ def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     assert figures["learner_blocked_s_per_version"] > 0
 
 
+@pytest.mark.slow
 def test_weight_sync_gpu_benchmark_runs_its_processes_on_cpu() -> None:
     # the same publisher and loading receivers as on GPUs, over gloo: /dev/shm and loopback sockets
     lines, figures = run_quick("weight_sync_gpu.py", "--device", "cpu")
@@ -156,6 +161,7 @@ def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
     assert ("nccl_gbps" in figures) == (torch.cuda.device_count() > 1)
 
 
+@pytest.mark.slow
 def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_step.py")
     assert any(line.startswith("publish") for line in lines)  # the table
@@ -180,6 +186,7 @@ def test_sampler_benchmark_quick_mode_prints_its_figures() -> None:
         assert 0 < figures[key] <= 8 * 4 * 16
 
 
+@pytest.mark.slow
 def test_reward_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("reward.py")  # exits non-zero if a group was lost, doubled or mis-scored
     assert any(line.startswith("countdown_2") for line in lines)  # the table

@@ -295,6 +295,7 @@ def test_a_receiver_whose_own_step_fails_names_it_to_every_rank_at_once() -> Non
         p.kill()
 
 
+@pytest.mark.slow
 def test_a_member_that_dies_while_the_group_connects_fails_it_within_the_forming_timeout() -> None:
     """Every rank arrived, then one died before connecting: the others give up after the forming timeout
     (3 s here), not the collective timeout (90 s), which a chaos run saw a sampler's join wait out (its engine
@@ -442,6 +443,7 @@ def _announcing_publisher(spec: GroupSpec, plan: list[tuple[int, float]], out: A
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_announcements_wake_receivers_after_idling_past_the_group_timeout() -> None:
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=2)
     ctx = mp.get_context("spawn")
@@ -871,6 +873,7 @@ def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_
     assert held_host_bytes() == held_before
 
 
+@pytest.mark.slow
 def test_receivers_on_one_host_keep_one_copy_of_each_version_between_them() -> None:
     """Three receivers that keep versions in host memory (as GPU workers do) on one host: the lowest stages
     each version in /dev/shm, the others' tensors are mappings of that file (no copy of their own), and all

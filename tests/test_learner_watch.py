@@ -34,6 +34,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_hung_after_the_timeout_and_killed_by_the_teardown(ray_local: Any) -> None:
     import ray
 

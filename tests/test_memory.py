@@ -122,6 +122,7 @@ def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointin
     assert (retained > 0) == (mode == "saved")
 
 
+@pytest.mark.slow
 def test_a_step_that_cannot_fit_is_refused_naming_the_keys(tiny: Path) -> None:
     from transformers import AutoConfig
 
@@ -167,6 +168,7 @@ def _broadcast_bucket(name: str) -> int:
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-7b-math.toml", "qwen2.5-7b-simpletir.toml"])
+@pytest.mark.slow
 def test_the_7b_presets_fit_80gb_gpus(preset: str) -> None:
     learner = _preset(preset)
     assert learner.max_sequence_tokens >= 4096  # sized for sampler.max_model_len
@@ -201,6 +203,7 @@ def test_the_helm_7b_values_fit_80gb_gpus(tmp_path: Path) -> None:
     assert plan.peak("recompute") <= plan.usable, plan.summary()
 
 
+@pytest.mark.slow
 def test_rank_0s_background_broadcast_buffers_are_counted() -> None:
     """Under NCCL rank 0 broadcasts a version while the next step runs: two buffers of at most a bucket on
     its GPU beside the step, which every piece goes through, Qwen2.5-7B's embedding (152064 x 3584 in bf16,
@@ -213,6 +216,7 @@ def test_rank_0s_background_broadcast_buffers_are_counted() -> None:
     assert "(with 0.5 GiB of weight broadcast buffers)" in with_.summary()
 
 
+@pytest.mark.slow
 def test_versions_shared_through_cuda_ipc_are_counted_and_named_when_they_do_not_fit() -> None:
     """A learner sharing its GPU with its samplers hands them versions through CUDA IPC: the one sent and the
     one they hold until they load it, both on rank 0's GPU (Qwen2.5-7B in bf16: 2 x 15.2 GB); a plan that

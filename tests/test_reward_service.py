@@ -176,6 +176,7 @@ def test_service_scores_every_response_and_hands_groups_on(
 # ---------------------------------------------------------------------------------------- gRPC API
 
 
+@pytest.mark.slow
 def test_grpc_api_scores_and_survives_hostile_code(redis_url: str, tmp_path: Path) -> None:
     from services.reward.service import RewardService
 

@@ -313,6 +313,7 @@ def test_a_member_that_hangs_mid_broadcast_fails_it_once_its_heartbeat_expires(
         assert a.versions() == [1]  # nothing applied
 
 
+@pytest.mark.slow
 def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_and_the_rest_form(
     registry: GroupRegistry,
 ) -> None:
@@ -346,6 +347,7 @@ def test_a_member_that_arrives_but_never_connects_is_left_out_longer_each_time_a
         assert "sampler-0.a" not in coordinator._strikes  # in the epochs that formed: never blamed
 
 
+@pytest.mark.slow
 def test_where_every_member_is_new_a_failed_connect_leaves_all_out_and_dead_ids_go_once_expired(
     registry: GroupRegistry,
 ) -> None:
@@ -410,6 +412,7 @@ def test_a_member_arriving_after_its_epoch_was_given_up_stops_waiting_at_once(
         coordinator.close()
 
 
+@pytest.mark.slow
 def test_a_background_broadcast_that_fails_as_its_epoch_is_dropped_is_counted(
     registry: GroupRegistry,
 ) -> None:

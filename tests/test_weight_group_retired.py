@@ -93,6 +93,7 @@ def _measure() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_closed_groups_give_back_their_sockets_and_threads_off_the_callers_thread() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
