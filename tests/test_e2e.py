@@ -157,14 +157,14 @@ def _audit(run_dir: Path) -> list[str]:
 def _idle(run_dir: Path, quiet_s: float, timeout_s: float) -> int:
     """Wait until the learner has logged no step for ``quiet_s`` (it waits for groups); its version then."""
     deadline = time.monotonic() + timeout_s
-    last, since = max(_steps(run_dir)), time.monotonic()
+    steps, since = _steps(run_dir), time.monotonic()
     while time.monotonic() - since < quiet_s:
         assert time.monotonic() < deadline, f"the learner still trains after {timeout_s:.0f}s"
         time.sleep(0.5)
-        now = max(_steps(run_dir))
-        if now != last:
-            last, since = now, time.monotonic()
-    return int(_steps(run_dir)[last]["version"])
+        now = _steps(run_dir)
+        if max(now) != max(steps):
+            steps, since = now, time.monotonic()
+    return int(steps[max(steps)]["version"])
 
 
 def _inject_malformed(run_dir: Path, per_stream: int) -> dict[str, int]:
@@ -172,6 +172,8 @@ def _inject_malformed(run_dir: Path, per_stream: int) -> dict[str, int]:
     dead-letter (no fields it knows, another message type, a bad version, a payload that does not parse),
     into the running system's ``rollouts`` and ``scored`` queues, as a person's ``XADD`` would."""
     import redis
+
+    from services.common.streams.specs import stream_key
 
     config = json.loads((run_dir / "config.resolved.json").read_text())
     client = redis.Redis.from_url(config["run"]["redis_url"])
@@ -184,7 +186,7 @@ def _inject_malformed(run_dir: Path, per_stream: int) -> dict[str, int]:
     rng = random.Random(0)
     written = {}
     for name in ("rollouts", "scored"):
-        key = f"vcpo:{config['run']['run_id']}:{name}"
+        key = stream_key(config["run"]["run_id"], name)
         for i in range(per_stream):
             client.xadd(key, kinds[i % len(kinds)])
             time.sleep(rng.uniform(0, 0.05))

@@ -112,6 +112,7 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
         moved, total, count, loose = 0.0, 0.0, 0, []
         for name in w1:
             a, b = torch.from_numpy(w1[name]), torch.from_numpy(w2[name])
+            diff = (a - b).abs()
             # Adam divides by √v, so an element whose gradient is pure round-off (k_proj.bias: softmax ignores
             # a constant shift of the keys, its true gradient is 0), or is within a few hundred ulps of its
             # summands (an output-head row of a token the batch never targets), moves by noise of up to lr:
@@ -121,8 +122,8 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
             # backwards in another order, so every element by 10% of lr)
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
             if cfg.get("memory_mode") != "recompute":
-                loose += [(name, float(d)) for d in (a - b).abs()[(a - b).abs() > 1e-5]]
-            total += float((a - b).abs().sum())
+                loose += [(name, float(d)) for d in diff[diff > 1e-5]]
+            total += float(diff.sum())
             count += a.numel()
             moved = max(moved, float((a - start[name].detach()).abs().max()))
         assert len(loose) <= count // 10_000, loose
