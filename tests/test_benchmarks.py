@@ -198,6 +198,7 @@ def test_reward_benchmark_quick_mode_prints_its_figures() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(660)  # run_quick gives the script 600 s
 def test_eval_overhead_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("eval_overhead.py")  # two whole launcher runs (without, with evaluation)
@@ -211,6 +212,7 @@ def test_eval_overhead_benchmark_quick_mode_prints_its_figures() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(660)  # run_quick gives the script 600 s
 def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("async_speedup.py")  # two whole launcher runs (k = 0, k = 4): minutes
@@ -228,6 +230,7 @@ def test_async_speedup_benchmark_quick_mode_prints_its_figures() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(660)  # run_quick gives the script 600 s
 def test_startup_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("startup.py")  # two whole launcher runs: sequential, then side by side
