@@ -1,4 +1,4 @@
-"""Stability under policy lag, with and without VCPO, in miniature (GitHub issue 11; VCPO.md §7).
+"""Stability under policy lag, with and without VCPO, in miniature (docs/research/vcpo.md §7).
 
 The paper reports that VCPO trains stably up to a lag of k = 128 versions while unstabilised asynchronous
 runs collapse, with collapse announced by falling ESS and gradient-norm spikes. This experiment asks the

@@ -1,6 +1,6 @@
 """Layout checks that `make lint` runs beside ruff, mypy and the import contract (lint-imports).
 
-Files stay under 500 lines (STYLE.md): a longer file is usually two or three responsibilities that a reader
+Files stay under 500 lines: a longer file is usually two or three responsibilities that a reader
 has to tell apart. Tests are exempt, since a test file grows with the cases of one module. Prints each
 offender with its length and exits 1 if there is any.
 """

@@ -60,7 +60,7 @@ def make_batch(
 
 
 def reference_coefficients(batch: PolicyBatch, cfg: ObjectiveConfig) -> list[float]:
-    """VCPO.md §1–§4 with Python loops and plain float64 exp (inputs keep |ℓ| small)."""
+    """docs/research/vcpo.md §1–§4 with Python loops and plain float64 exp (inputs keep |ℓ| small)."""
     lp, beh = batch.logprobs.detach().tolist(), batch.behaviour_logprobs.tolist()
     mask, rewards = batch.loss_mask.bool().tolist(), batch.rewards.tolist()
     gids, g = batch.group_ids.tolist(), batch.sq_grad_norms.tolist()

@@ -1,6 +1,6 @@
 """The lag bound at admission: one atomic check-and-increment shared by every sampler replica.
 
-ARCHITECTURE.md: a sampler whose loaded weights are version ``v`` may start a new group only while the
+docs/design/architecture.md: a sampler whose loaded weights are version ``v`` may start a new group only while the
 run's count of started groups is below ``(v + k + 1) * groups_per_step``. The learner needs
 ``groups_per_step`` groups per step: the ``c``-th group started (counting from 0) is admitted only if
 ``c < (v + k + 1) * groups_per_step``, so when groups are consumed in the order they started it feeds a step

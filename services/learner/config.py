@@ -14,7 +14,7 @@ from services.weight_broker.config import WeightBrokerConfig
 
 
 class LearnerConfig(Section):
-    """Distributed training, the optimizer and the objective (VCPO.md) of the learner."""
+    """Distributed training, the optimizer and the objective (docs/research/vcpo.md) of the learner."""
 
     num_ranks: int = Field(1, ge=1, description="Data-parallel DeepSpeed ZeRO-3 ranks.")
     gpus_per_rank: float = Field(0, ge=0, description="GPUs per rank on a cluster; 0 on CPU.")
@@ -78,7 +78,7 @@ class LearnerConfig(Section):
     ess_rule: Literal["sqrt", "linear", "off"] = Field("sqrt", description="ESS learning-rate scale rule.")
     rho_base: float = Field(1.0, gt=0, le=1, description="ESS ratio at and above which the rate is unscaled.")
     baseline_weighting: Literal["paper", "exact", "released"] = Field(
-        "paper", description="OPOB weighting W_i (VCPO.md §3)."
+        "paper", description="OPOB weighting W_i (docs/research/vcpo.md §3)."
     )
     loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = Field(
         "seq-mean-token-mean", description="How token terms aggregate into the loss."

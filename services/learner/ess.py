@@ -1,4 +1,4 @@
-"""ESS and the step's learning-rate scale (VCPO.md §2), in float64 log space, local or across ranks.
+"""ESS and the step's learning-rate scale (docs/research/vcpo.md §2), in float64 log space, local or across ranks.
 
 ``ρ = ESS / B`` with ``log ESS = 2·logsumexp(ℓ) − logsumexp(2ℓ)`` over the step's trajectories, all
 data-parallel ranks together: every rank must obtain the same ρ, so a distributed learner all-reduces the
@@ -57,7 +57,7 @@ def ess_from_partial_sums(
 
 
 def effective_sample_size(log_weights: Tensor) -> tuple[float, float]:
-    """``(ESS, ESS/B)`` of a 1-D tensor of log weights, computed in float64 log space (VCPO.md §2).
+    """``(ESS, ESS/B)`` of a 1-D tensor of log weights, computed in float64 log space (docs/research/vcpo.md §2).
 
     Finite for any finite ``ℓ`` (the shift by ``max ℓ`` keeps every term in [0, 1]). Empty input, any NaN or
     +inf → ``(nan, nan)``; ``-inf`` entries are zero weights but still count in ``B``.

@@ -13,7 +13,7 @@ Why a decay at all: with a constant rate AdamW's steps keep their size while the
 late in a run the policy wanders around what it learnt. On the local preset's task, replayed in one process at
 lag 4 (``python experiments/lr_decay.py``: four seeds, 700 steps), the preset's linear decay to a tenth over
 1400 steps ended above the constant rate on every seed: held-out mean@4 0.455 on average against 0.423
-(README, "Why the local preset decays its learning rate").
+(docs/benchmarks.md, "Why the local preset decays its learning rate").
 
 The step count is the learner's own (checkpointed with it), so a resumed or restarted learner continues the
 schedule where it stopped.

@@ -1,4 +1,4 @@
-"""The learner's loss (VCPO.md §1, §2, §4, §6): one step's trajectories in, ``(loss, metrics)`` out.
+"""The learner's loss (docs/research/vcpo.md §1, §2, §4, §6): one step's trajectories in, ``(loss, metrics)`` out.
 
 Why a module of its own: every number the learner optimises comes from here, so it is pure (tensors in,
 tensors and floats out; no I/O, no services, no model code) and testable to round-off. What differs between
@@ -89,7 +89,7 @@ METRIC_KEYS = (
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """How one step's loss is built (VCPO.md §3–§4); every field is validated on construction."""
+    """How one step's loss is built (docs/research/vcpo.md §3–§4); every field is validated on construction."""
 
     objective: str = "vcpo"  # a registered objective (objectives/)
     importance_weighting: ISMode = "truncated"  # TIS = truncated, MIS = masked, none = no correction

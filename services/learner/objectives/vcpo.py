@@ -1,4 +1,4 @@
-"""VCPO's advantage (VCPO.md §3): the reward minus the off-policy optimal baseline (OPOB) of its group.
+"""VCPO's advantage (docs/research/vcpo.md §3): the reward minus the off-policy optimal baseline (OPOB) of its group.
 
 ``b_g = Σ_g W_i R_i / Σ_g W_i`` weighs each trajectory by its importance weight and its squared score-gradient
 norm ``‖∇θ log π(τ_i)‖²``, so this objective needs the norm pass; ``Â = (R − b_g)/σ_g`` with
@@ -125,7 +125,7 @@ def opob_baseline(
     aggregation: str = "seq-mean-token-mean",
     importance_weighting: str = "truncated",
 ) -> Tensor:
-    """Each trajectory's group baseline ``b_g = Σ_g W_i R_i / Σ_g W_i`` (float64 ``[B]``, VCPO.md §3).
+    """Each trajectory's group baseline ``b_g = Σ_g W_i R_i / Σ_g W_i`` (float64 ``[B]``, docs/research/vcpo.md §3).
 
     ``log W_i`` per weighting (``g_i`` = squared score-gradient norm, ``w̄`` per ``importance_weighting``):
     paper ``2ℓ_i + log g_i``; exact ``2 log a_i + log g_i`` with ``log a_i = log w̄_i − log L_i`` for

@@ -21,8 +21,9 @@ holds a whole solution is reduced the way those preprocessors do: GSM8K's text a
 scores the preprocessed one.
 
 The ``math`` scorer (math_answer.py, math-verify's equivalence with lenient extraction) stays the system's
-own; README says where the two differ. These rules compare strings after normalisation, so ``0.50`` is not
-``\\frac12`` for ``math_verl`` and ``18.00`` is not ``18`` for ``gsm8k``, exactly as in the seed.
+own; docs/guides/reproducing-the-paper.md says where the two differ. These rules compare strings after
+normalisation, so ``0.50`` is not ``\\frac12`` for ``math_verl`` and ``18.00`` is not ``18`` for ``gsm8k``,
+exactly as in the seed.
 """
 
 from __future__ import annotations
