@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,34 @@ def test_groups_are_placed_whole_and_balanced() -> None:
     assert place_groups(groups[:1], 3) == [[0], [], []]
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         place_groups(groups, 0)
+
+
+def test_a_long_tailed_step_is_run_at_its_micro_batches_own_widths() -> None:
+    """One rank's rows of the 7B math preset's shape (4 groups of 16: 64 rows, a 150-token prompt, responses
+    up to 2048 tokens from a long tail with ~5% cut at the maximum, 4 rows per micro-batch), as to_tensors lays
+    them out at the longest row's width: the step's micro-batches (longest rows first, each trimmed to its own
+    longest row) run at most 1.2 positions per real token, where running every row at the rank's width
+    costs more than twice the real tokens."""
+    from services.learner.step import plan_step
+
+    rng = random.Random(0)
+    groups = []
+    for i in range(4):
+        group = scored(i, n=16, response_len=2048, prompt_len=150)
+        for t in group.trajectories:
+            long = rng.random() < 0.05
+            keep = 2048 if long else min(2047, int(rng.lognormvariate(math.log(600), 0.7)))
+            del t.response_tokens[keep:], t.behaviour_logprobs[keep:], t.loss_mask[keep:]
+        groups.append(group)
+    batch = to_tensors(groups)
+    real = int(batch.attention_mask.sum())
+    assert batch.input_ids.shape == (64, 150 + 2048)  # a truncated response sets the rank's width
+    plan = plan_step(batch, 4)
+    rows = torch.cat([m.index for m in plan.micro])
+    assert sorted(rows.tolist()) == list(range(64))  # every row once
+    lengths = batch.attention_mask.sum(1)
+    assert lengths[rows].tolist() == sorted(lengths.tolist(), reverse=True)  # longest first
+    assert [w for _, w in plan.shapes()] == [int(lengths[m.index].max()) for m in plan.micro]
+    assert sum(r * w for r, w in plan.shapes()) / real <= 1.2
+    full = plan_step(batch, 4, full_width=True)
+    assert sum(r * w for r, w in full.shapes()) / real > 2

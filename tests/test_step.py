@@ -264,3 +264,189 @@ def test_memory_options_are_checked() -> None:
         MemoryOptions("auto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="logit_chunk_tokens must be >= 0"):
         MemoryOptions("saved", -1)
+
+
+MIXED = [9, 31, 6, 12, 7, 30, 8, 10]  # row lengths: one long row in each group, the rest short
+MIXED_GROUPS = [7, 3, 7, 3, 7, 3, 7, 3]  # the groups interleave with the lengths: sorting splits them
+
+
+def mixed(
+    vocab: int, padding: str = "right", seed: int = 0, model: nn.Module | None = None
+) -> TrajectoryTensors:
+    """Rows of the lengths MIXED (3 prompt tokens, then the response), padded to the longest."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(MIXED)
+    ids = torch.zeros(len(MIXED), width, dtype=torch.long)
+    attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, n in enumerate(MIXED):
+        sl = slice(width - n, width) if padding == "left" else slice(0, n)
+        ids[r, sl], attn[r, sl] = torch.randint(3, vocab, (n,), generator=g), 1
+        resp[r, sl] = (torch.arange(n) >= 3).long()
+    behaviour = torch.zeros(ids.shape, dtype=torch.float64)
+    if model is not None:
+        with torch.no_grad():
+            behaviour = token_logprobs(model, ids, attn) + 0.3 * torch.randn(
+                ids.shape, generator=g, dtype=torch.float64
+            )
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.25, 1.0, 0.0], dtype=torch.float64)
+    return TrajectoryTensors(ids, attn, resp, behaviour, rewards, torch.tensor(MIXED_GROUPS))
+
+
+def _memory(mode: str, chunk_tokens: int = 0):  # type: ignore[no-untyped-def]
+    from services.learner.step import MemoryOptions
+
+    return MemoryOptions(mode, chunk_tokens)  # type: ignore[arg-type]
+
+
+# every path of the step: (objective config, memory options)
+PATHS = {
+    "vcpo-saved": (ObjectiveConfig(), ("saved", 0)),
+    "vcpo-recompute-head-in-slices": (ObjectiveConfig(), ("recompute", 4)),
+    "vcpo-ppo-clip": (ObjectiveConfig(ppo_clip=0.2), ("saved", 0)),
+    "grpo": (ObjectiveConfig(objective="grpo"), ("saved", 0)),
+    "rloo-head-in-slices": (ObjectiveConfig(objective="rloo"), ("recompute", 5)),
+}
+# MIXED sorted longest first, 3 rows per micro-batch: (31, 30, 12), (10, 9, 8), (7, 6)
+TRIMMED = [(3, 31), (3, 10), (2, 7)]
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_forward_runs_its_micro_batch_at_its_own_longest_row(
+    model_dir: Path, path: str, padding: str
+) -> None:
+    """One long trajectory must not set the width of every micro-batch: the rows are sorted by length and each
+    forward (counted by a hook on the decoder, which every path calls) runs [rows, its own longest row]."""
+    from services.learner.step import backward
+
+    model = load(model_dir)
+    batch = mixed(model.config.vocab_size, padding, model=model)
+    config, memory = PATHS[path]
+    seen: list[tuple[int, int]] = []  # (rows, positions) of every forward
+    longest: list[int] = []  # its longest row's tokens
+
+    def count(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, torch.Tensor]) -> None:
+        seen.append(tuple(kwargs["input_ids"].shape))  # type: ignore[arg-type]
+        longest.append(int(kwargs["attention_mask"].sum(1).max()))
+
+    handle = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        backward(StepInputs(model, batch, config, micro_batch_size=3, memory=_memory(*memory)))
+        passes = len(seen) // len(TRIMMED)
+        assert passes >= 1 and seen == TRIMMED * passes
+        assert [w for _, w in seen] == longest  # no column is padding in every row of its micro-batch
+        positions = sum(r * w for r, w in seen)
+        assert positions == passes * 137 < passes * len(MIXED) * max(MIXED)  # 137 against 248 per pass
+        seen.clear()  # the full-width switch (benchmarks' baseline): the rows in order, every one 31 wide
+        backward(StepInputs(model, batch, config, 3, memory=_memory(*memory), full_width=True))
+        assert seen == [(3, 31), (3, 31), (2, 31)] * passes
+    finally:
+        handle.remove()
+
+
+class _Recording(_Agree):
+    """A single rank's collectives that keep the valid log weights the step hands over for the global ρ."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.log_weights: list[torch.Tensor] = []
+
+    def ess_ratio(self, log_weights: torch.Tensor) -> float:
+        self.log_weights.append(log_weights.detach().clone())
+        return super().ess_ratio(log_weights)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_sorted_and_trimmed_micro_batches_give_the_full_width_step_row_by_row(
+    model_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same gradient, loss, metrics and per-row log-probs, norms and log weights, in the batch's row order
+    (against brute force for the norms and one whole-batch forward for the log-probs), with the rows sorted
+    and each micro-batch trimmed as with every micro-batch at full width in the given order."""
+    from services.learner import step as step_module
+    from services.learner.step import backward
+    from services.learner.vcpo import METRIC_KEYS
+
+    model = load(model_dir)
+    batch = mixed(model.config.vocab_size, seed=1, model=model)
+    config, memory = PATHS[path]
+    whole_step: list[
+        tuple[torch.Tensor, torch.Tensor | None]
+    ] = []  # what every whole-step statistic is formed from
+    policy = step_module._policy
+
+    def recording_policy(
+        b: TrajectoryTensors, logprobs: torch.Tensor, norms: torch.Tensor | None
+    ) -> PolicyBatch:
+        whole_step.append((logprobs.detach().clone(), norms))
+        return policy(b, logprobs, norms)
+
+    monkeypatch.setattr(step_module, "_policy", recording_policy)
+    runs = []
+    for full_width in (True, False):
+        whole_step.clear()
+        collectives = _Recording()
+        model.zero_grad(set_to_none=True)
+        metrics = backward(
+            StepInputs(
+                model,
+                batch,
+                config,
+                3,
+                collectives=collectives,
+                memory=_memory(*memory),
+                full_width=full_width,
+            )
+        )
+        runs.append((metrics, grads(model), whole_step[0], collectives.log_weights))
+    (m_full, g_full, (lp_full, n_full), w_full), (m_trim, g_trim, (lp_trim, n_trim), w_trim) = runs
+    close(g_trim, g_full, 1e-10)
+    for key in METRIC_KEYS:
+        assert m_trim[key] == pytest.approx(m_full[key], rel=1e-9, nan_ok=True), key
+    assert m_trim["num_valid"] == len(MIXED) and m_trim["advantage_abs_mean"] > 0
+    real = batch.attention_mask.bool().clone()
+    real[:, 0] = False  # nothing predicts a row's first token
+    with torch.no_grad():
+        expected = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    for lp in (lp_full, lp_trim):
+        torch.testing.assert_close(lp[real], expected[real], rtol=0, atol=1e-10)
+    short = torch.tensor(MIXED) <= 7  # the last micro-batch's rows, trimmed to 7 columns: zeros beyond them
+    assert lp_trim[short, 7:].eq(0).all() and not lp_full[short, 7:].eq(0).all()
+    assert len(w_full) == len(w_trim) >= 1
+    torch.testing.assert_close(w_trim[0], w_full[0], rtol=1e-10, atol=1e-12)  # one per row, in row order
+    if config.spec.needs_sq_grad_norms:
+        assert n_full is not None and n_trim is not None
+        brute = per_trajectory_sq_grad_norms(
+            model, batch.input_ids, batch.attention_mask, batch.response_mask, 1
+        )
+        model.zero_grad(set_to_none=True)
+        for norms in (n_full, n_trim):
+            assert float(((norms - brute).abs() / brute).max()) <= 1e-8
+
+
+def test_the_memory_mode_is_sized_by_the_micro_batches_the_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory_mode = "auto"`` weighs the saved path's memory at each micro-batch's own width, as the step
+    runs it, not at the width of the rank's longest row."""
+    from types import SimpleNamespace
+
+    from services.learner.trainer import Trainer
+
+    sized: list[list[tuple[int, int]]] = []
+
+    class Plan:
+        def mode_for(self, shapes: list[tuple[int, int]]) -> str:
+            sized.append(shapes)
+            return "saved"
+
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda t, op=None: None
+    )  # one rank: nothing to agree
+    for full_width, expected in ((False, TRIMMED), (True, [(3, 31), (3, 31), (2, 31)])):
+        trainer = SimpleNamespace(
+            config=SimpleNamespace(memory_mode="auto", micro_batch_size=3),
+            memory_plan=Plan(),
+            collectives=SimpleNamespace(device=torch.device("cpu")),
+            full_width=full_width,
+        )
+        assert Trainer._memory_mode(trainer, mixed(SPEC.vocab_size)) == "saved"  # type: ignore[arg-type]
+        assert sized.pop() == expected

@@ -6,9 +6,11 @@
                                             balanced by tokens) ─► to_tensors per rank ─► the step
 
 Row layout of :class:`TrajectoryTensors`: one row per trajectory, ``prompt_tokens + response_tokens``,
-right-padded. Column ``c`` of ``behaviour_logprobs`` is the sampler's log-prob of the token at column ``c``
-(so response token ``j`` sits at column ``len(prompt) + j``), ``response_mask`` marks the generated tokens
-the loss uses (tool output is masked out), and ``group_ids`` number the step's groups.
+right-padded to the rank's longest row, in group order. Column ``c`` of ``behaviour_logprobs`` is the
+sampler's log-prob of the token at column ``c`` (so response token ``j`` sits at column
+``len(prompt) + j``), ``response_mask`` marks the generated tokens the loss uses (tool output is masked out),
+and ``group_ids`` number the step's groups. The rank's width is only the container's: the step sorts the
+rows by length and runs each micro-batch at its own longest row (``step.plan_step``).
 """
 
 from __future__ import annotations

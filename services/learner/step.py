@@ -24,6 +24,15 @@ batched forward of the step's trajectories); the recompute path's memory is one 
 With ``logit_chunk_tokens``, every path but the saved norm pass runs the output head in slices of the
 positions, as many per micro-batch on every rank.
 
+Micro-batches (:class:`StepPlan`): a rank's rows are sorted longest first, cut into micro-batches, and each
+micro-batch is trimmed to the columns that hold its own rows' tokens, so a forward runs on [rows, its longest
+row], not on the width of the rank's longest trajectory (one truncated response would otherwise set the
+width of every micro-batch). Trimming drops only columns that are padding in every row of the micro-batch:
+padding is masked out of attention, the loss and the norms, and positions skip it, so no value changes.
+Every per-row result of the passes goes back to the batch's row order and width (zeros in the trimmed
+columns) before any whole-step quantity is formed: the coefficients, ESS, baselines and metrics see the rows
+as given, and the gradient pass hands each micro-batch its own rows' coefficients.
+
 Distributed (DeepSpeed ZeRO-3, each rank holding whole groups): :class:`StepInputs` with
 ``backward=engine.backward`` and a :class:`StepCollectives`. Then every rank runs the same number of micro-batches (padding rows where it has
 too few), ρ is the global one, and each rank's loss is rescaled so that the data-parallel average of the
@@ -33,15 +42,15 @@ ranks' gradients is the gradient of the one loss over all ranks' trajectories.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.learner.grad_norms import (
-    NormPassResult,
     accumulate_weighted_gradients,
     micro_batches,
     norm_pass,
@@ -68,14 +77,13 @@ class TrajectoryTensors:
     rewards: Tensor  # [B]
     group_ids: Tensor  # [B]
 
-    def rows(self, start: int, stop: int) -> TrajectoryTensors:
+    def select(self, index: Tensor, lo: int = 0, hi: int | None = None) -> TrajectoryTensors:
+        """Rows ``index`` (in that order), and columns ``lo:hi`` of every [B, T] tensor."""
         return TrajectoryTensors(
-            self.input_ids[start:stop],
-            self.attention_mask[start:stop],
-            self.response_mask[start:stop],
-            self.behaviour_logprobs[start:stop],
-            self.rewards[start:stop],
-            self.group_ids[start:stop],
+            *(
+                (t[:, lo:hi] if t.dim() == 2 else t).index_select(0, index)
+                for t in (getattr(self, f.name) for f in fields(self))
+            )
         )
 
     def __len__(self) -> int:
@@ -132,7 +140,105 @@ class StepCollectives(Protocol):
 
 
 Backward = Callable[[Tensor], None]
-T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatch:
+    """One forward's rows: ``index`` into the step's batch (empty: a padding micro-batch, run as one row with
+    nothing to train on), and the columns ``[lo, hi)`` that hold every token of those rows."""
+
+    index: Tensor  # [rows] int64, on the batch's device
+    lo: int
+    hi: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, positions per row)`` of its forward."""
+        return max(len(self.index), 1), self.hi - self.lo
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """The step's micro-batches over ``batch`` (:func:`plan_step`) and the way back to the batch's rows."""
+
+    batch: TrajectoryTensors
+    micro: list[MicroBatch]
+
+    def rows(self) -> list[TrajectoryTensors]:
+        """Every micro-batch's model inputs: its rows, trimmed to its columns."""
+        return [
+            self.batch.select(m.index, m.lo, m.hi) if len(m.index) else _padding_row(self.batch)
+            for m in self.micro
+        ]
+
+    def widen(self, m: MicroBatch, t: Tensor) -> Tensor:
+        """A micro-batch's ``[rows, hi − lo]`` result at the batch's width (zeros in the trimmed columns);
+        ``[rows]`` results as they are."""
+        return t if t.dim() == 1 else F.pad(t, (m.lo, int(self.batch.input_ids.shape[1]) - m.hi))
+
+    def gather(self, parts: list[Tensor]) -> Tensor:
+        """The micro-batches' per-row results (``[rows]`` or ``[rows, hi − lo]``) as one tensor over the
+        batch's rows, in its order and at its width; padding micro-batches' results are dropped.
+        Differentiable in ``parts``."""
+        real = [(m, p) for m, p in zip(self.micro, parts, strict=True) if len(m.index)]
+        index = torch.cat([m.index for m, _ in real])
+        values = torch.cat([self.widen(m, p) for m, p in real])
+        return values.new_zeros((len(self.batch), *values.shape[1:])).index_copy(0, index, values)
+
+    def split(self, per_row: Tensor) -> list[Tensor]:
+        """A ``[B]`` tensor in the batch's row order as the micro-batches' rows (a padding one's row: 0)."""
+        return [
+            per_row.index_select(0, m.index) if len(m.index) else per_row.new_zeros(1) for m in self.micro
+        ]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [m.shape for m in self.micro]
+
+
+def plan_step(
+    batch: TrajectoryTensors,
+    micro_batch_size: int | None,
+    collectives: StepCollectives | None = None,
+    full_width: bool = False,
+) -> StepPlan:
+    """The step's micro-batches: ``micro_batch_size`` rows each (:func:`step_spans`: the count every rank
+    agrees on when distributed), the rows sorted by their token span, longest first (ties in the batch's
+    order), each micro-batch trimmed to the columns holding its rows' tokens (at least two, as a padding row).
+
+    ``full_width``: the rows in the batch's order, every micro-batch at the batch's full width (the layout
+    before trimming; kept so ``benchmarks/learner_step.py`` times both on one batch).
+    """
+    spans = step_spans(len(batch), micro_batch_size, collectives)
+    width = int(batch.input_ids.shape[1])
+    device = batch.input_ids.device
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    if full_width:
+        return StepPlan(
+            batch,
+            [
+                MicroBatch(torch.arange(a, b, device=device), 0, width)
+                if b > a
+                else MicroBatch(none, 0, min(width, 2))
+                for a, b in spans
+            ],
+        )
+    real = batch.attention_mask.detach().to("cpu").bool()  # one copy: the plan is host arithmetic
+    columns = torch.arange(width)
+    first = torch.where(real, columns, width).amin(1)
+    last = torch.where(real, columns, -1).amax(1)
+    order = torch.argsort((last - first + 1).clamp(min=0), descending=True, stable=True)
+    micro = []
+    for a, b in spans:
+        if b == a:
+            micro.append(MicroBatch(none, 0, min(width, 2)))
+            continue
+        rows = order[a:b]
+        lo, hi = int(first[rows].min()), int(last[rows].max()) + 1
+        if hi - lo < 2:  # no token, or one: two columns, as a padding row has
+            lo = max(0, min(lo, width - 2))
+            hi = min(width, lo + 2)
+        micro.append(MicroBatch(rows.to(device), lo, hi))
+    return StepPlan(batch, micro)
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +248,8 @@ class StepInputs:
     ``micro_batch_size``: rows per forward (default: all at once). ``ess_ratio``: the global ρ when known,
     else this step's (or the ranks' agreed one with ``collectives``). ``backward``: runs the backward of a
     scalar (default ``Tensor.backward``; ``engine.backward`` under DeepSpeed). ``collectives``: what the ranks
-    of a distributed step agree on (:class:`StepCollectives`); ``None`` in a single process.
+    of a distributed step agree on (:class:`StepCollectives`); ``None`` in a single process. ``full_width``:
+    run every micro-batch at the batch's full width, rows unsorted (:func:`plan_step`; for benchmarks).
     """
 
     model: nn.Module
@@ -153,10 +260,11 @@ class StepInputs:
     backward: Backward | None = None
     collectives: StepCollectives | None = None
     memory: MemoryOptions = MemoryOptions()
+    full_width: bool = False
 
-    def spans(self) -> list[tuple[int, int]]:
-        """The step's micro-batches as row spans (:func:`step_spans`)."""
-        return step_spans(len(self.batch), self.micro_batch_size, self.collectives)
+    def plan(self) -> StepPlan:
+        """The step's micro-batches (:func:`plan_step`)."""
+        return plan_step(self.batch, self.micro_batch_size, self.collectives, self.full_width)
 
     def run_backward(self, loss: Tensor) -> None:
         (self.backward or Tensor.backward)(loss)
@@ -166,16 +274,14 @@ def backward(step: StepInputs) -> dict[str, float]:
     """The step's gradient by the right path for its objective: the norm pass for an objective that needs
     gradient norms (vcpo) without PPO clipping, autograd otherwise."""
     config = step.config
+    plan = step.plan()
     if config.spec.needs_sq_grad_norms and config.ppo_clip == 0:
-        return vcpo_backward(step)
+        return _vcpo_backward(step, plan)
     norms = None
     if config.spec.needs_sq_grad_norms:  # with PPO clipping: the norm pass's norms, then the per-token loss
-        spans = step.spans()
-        chunks = head_chunks(step.batch, spans, step.memory, step.collectives)
-        norms = torch.cat(
-            [n for n, _ in _unpadded(_streaming_norms(step.model, step.batch, spans, chunks), spans)]
-        )
-    return policy_gradient_backward(step, norms)
+        chunks = head_chunks(plan, step.memory, step.collectives)
+        norms = plan.gather([n for n, _ in _streaming_norms(step.model, plan.rows(), chunks)])
+    return _policy_gradient_backward(step, plan, norms)
 
 
 def vcpo_backward(step: StepInputs) -> dict[str, float]:
@@ -192,19 +298,20 @@ def vcpo_backward(step: StepInputs) -> dict[str, float]:
             f"vcpo_backward needs an objective weighted by gradient norms (vcpo) without PPO clipping, got "
             f"{config.objective!r} with ppo_clip={config.ppo_clip}; use policy_gradient_backward"
         )
-    spans = step.spans()
+    return _vcpo_backward(step, step.plan())
+
+
+def _vcpo_backward(step: StepInputs, plan: StepPlan) -> dict[str, float]:
     if step.memory.mode == "recompute":
-        return _vcpo_recompute(step, spans)
-    passes = _norm_passes(step.model, step.batch, spans)
+        return _vcpo_recompute(step, plan)
+    passes = [norm_pass(step.model, *_ids(rows), rows.response_mask) for rows in plan.rows()]
     try:
-        real = _unpadded(passes, spans)
         coefficients, metrics = _step_coefficients(
             step,
-            torch.cat([p.token_logprobs for p in real]),
-            torch.cat([p.sq_grad_norms for p in real]),
+            plan.gather([p.token_logprobs for p in passes]),
+            plan.gather([p.sq_grad_norms for p in passes]),
         )
-        per_pass = [coefficients[a:b] if b > a else coefficients.new_zeros(1) for a, b in spans]
-        accumulate_weighted_gradients(passes, per_pass, step.backward)
+        accumulate_weighted_gradients(passes, plan.split(coefficients), step.backward)
     finally:
         for p in passes:
             p.release()
@@ -216,17 +323,23 @@ def policy_gradient_backward(step: StepInputs, sq_grad_norms: Tensor | None = No
 
     The objective's statistics (baselines, ESS) need the whole step, so log-probs are first computed without
     a graph for all rows, then each micro-batch is re-run with one and weighted by the whole-step values.
-    With one micro-batch (the default) the first pass is skipped. ``sq_grad_norms``: every row's, for an
-    objective that needs them.
+    With one micro-batch (the default) the first pass is skipped. ``sq_grad_norms``: every row's (in the
+    batch's row order), for an objective that needs them.
     """
-    model, batch, config, collectives = step.model, step.batch, step.config, step.collectives
-    if config.spec.needs_sq_grad_norms and sq_grad_norms is None:
+    if step.config.spec.needs_sq_grad_norms and sq_grad_norms is None:
         raise ValueError(
-            f"objective {config.objective!r} needs per-trajectory gradient norms: "
+            f"objective {step.config.objective!r} needs per-trajectory gradient norms: "
             "use vcpo_backward or backward"
         )
-    spans = step.spans()
-    chunks = head_chunks(batch, spans, step.memory, collectives)
+    return _policy_gradient_backward(step, step.plan(), sq_grad_norms)
+
+
+def _policy_gradient_backward(
+    step: StepInputs, plan: StepPlan, sq_grad_norms: Tensor | None
+) -> dict[str, float]:
+    model, batch, config, collectives = step.model, step.batch, step.config, step.collectives
+    chunks = head_chunks(plan, step.memory, collectives)
+    rows = plan.rows()
 
     def objective(logprobs: Tensor, rho: float | None) -> tuple[Tensor, dict[str, float]]:
         policy = _policy(batch, logprobs, sq_grad_norms)
@@ -234,42 +347,44 @@ def policy_gradient_backward(step: StepInputs, sq_grad_norms: Tensor | None = No
             rho = collectives.ess_ratio(valid_log_weights(policy, config))
         return policy_loss(policy, config, rho)
 
-    if len(spans) == 1:
-        loss, metrics = objective(token_logprobs(model, *_ids(batch), chunks[0]), step.ess_ratio)
+    if len(rows) == 1:
+        live = token_logprobs(model, *_ids(rows[0]), chunks[0])
+        loss, metrics = objective(plan.gather([live]), step.ess_ratio)
         scale = _scale(step, metrics)
         step.run_backward(loss * scale)
         return metrics
     with torch.no_grad():
-        rows_chunks = zip(_span_rows(batch, spans), chunks, strict=True)
-        scored = [token_logprobs(model, *_ids(rows), n) for rows, n in rows_chunks]
-    detached = torch.cat(_unpadded(scored, spans))
+        detached = plan.gather(
+            [token_logprobs(model, *_ids(r), n) for r, n in zip(rows, chunks, strict=True)]
+        )
     _, metrics = objective(detached, step.ess_ratio)
     scale = _scale(step, metrics)
     rho = metrics["ess_ratio"] if step.ess_ratio is None else step.ess_ratio
     # every micro-batch's loss is the whole-step loss restricted to its rows, with the whole-step statistics:
     # run the full-batch loss with the graph only through this micro-batch's log-probs
-    for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
-        live = token_logprobs(model, *_ids(rows), n)
-        if b == a:  # a padding micro-batch: zero gradient, but the same collectives as the other ranks
+    for r, m, n in zip(rows, plan.micro, chunks, strict=True):
+        live = token_logprobs(model, *_ids(r), n)
+        if not len(
+            m.index
+        ):  # a padding micro-batch: zero gradient, but the same collectives as the other ranks
             step.run_backward(live.sum() * 0.0)
             continue
-        loss, _ = objective(torch.cat([detached[:a], live, detached[b:]]), rho)
+        loss, _ = objective(detached.index_put((m.index,), plan.widen(m, live)), rho)
         step.run_backward(loss * scale)
     return metrics
 
 
-def _vcpo_recompute(step: StepInputs, spans: list[tuple[int, int]]) -> dict[str, float]:
+def _vcpo_recompute(step: StepInputs, plan: StepPlan) -> dict[str, float]:
     """VCPO with memory bounded by one micro-batch: norms first, then one weighted pass per micro-batch."""
-    model, batch = step.model, step.batch
-    chunks = head_chunks(batch, spans, step.memory, step.collectives)
-    real = _unpadded(_streaming_norms(model, batch, spans, chunks), spans)
-    logprobs, norms = torch.cat([lp for _, lp in real]), torch.cat([n for n, _ in real])
+    chunks = head_chunks(plan, step.memory, step.collectives)
+    rows = plan.rows()
+    streamed = _streaming_norms(step.model, rows, chunks)
+    logprobs, norms = plan.gather([lp for _, lp in streamed]), plan.gather([n for n, _ in streamed])
     coefficients, metrics = _step_coefficients(step, logprobs, norms)
-    for rows, (a, b), n in zip(_span_rows(batch, spans), spans, chunks, strict=True):
-        # a padding micro-batch (b == a) weighs its row by 0: no gradient, the same collectives as its peers
-        c = coefficients[a:b] if b > a else coefficients.new_zeros(1)
-        logp = token_logprobs(model, *_ids(rows), n)
-        terms = torch.where(rows.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
+    # a padding micro-batch weighs its row by 0: no gradient, the same collectives as its peers
+    for r, c, n in zip(rows, plan.split(coefficients), chunks, strict=True):
+        logp = token_logprobs(step.model, *_ids(r), n)
+        terms = torch.where(r.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
         step.run_backward((c.to(terms.dtype) * terms).sum())
     return metrics
 
@@ -278,7 +393,7 @@ def _step_coefficients(
     step: StepInputs, logprobs: Tensor, sq_grad_norms: Tensor
 ) -> tuple[Tensor, dict[str, float]]:
     """The step's per-trajectory coefficients (global ρ when distributed, scaled to this rank's share of the
-    global loss) and its metrics, from the norm passes' log-probs and norms of all rows."""
+    global loss) and its metrics, from the norm passes' log-probs and norms of all rows (the batch's order)."""
     policy = _policy(step.batch, logprobs, sq_grad_norms)
     ess_ratio = step.ess_ratio
     if step.collectives is not None:
@@ -288,38 +403,23 @@ def _step_coefficients(
 
 
 def _streaming_norms(
-    model: nn.Module, batch: TrajectoryTensors, spans: list[tuple[int, int]], chunks: list[int]
+    model: nn.Module, rows: list[TrajectoryTensors], chunks: list[int]
 ) -> list[tuple[Tensor, Tensor]]:
-    """``(sq_grad_norms, token_logprobs)`` of every span, keeping no activations."""
+    """``(sq_grad_norms, token_logprobs)`` of every micro-batch, keeping no activations."""
     return [
-        streaming_norm_pass(model, *_ids(rows), rows.response_mask, n)
-        for rows, n in zip(_span_rows(batch, spans), chunks, strict=True)
+        streaming_norm_pass(model, *_ids(r), r.response_mask, n) for r, n in zip(rows, chunks, strict=True)
     ]
 
 
 def head_chunks(
-    batch: TrajectoryTensors,
-    spans: list[tuple[int, int]],
-    memory: MemoryOptions,
-    collectives: StepCollectives | None = None,
+    plan: StepPlan, memory: MemoryOptions, collectives: StepCollectives | None = None
 ) -> list[int]:
-    """Per span, the slices its output head runs in (0: unchunked); agreed over ranks when distributed."""
+    """Per micro-batch, the slices its output head runs in (0: unchunked), from its own width; agreed over
+    ranks when distributed."""
     if memory.logit_chunk_tokens == 0:
-        return [0] * len(spans)
-    width = int(batch.input_ids.shape[1])
-    local = [chunk_count(width if b > a else 2, memory.logit_chunk_tokens) for a, b in spans]
+        return [0] * len(plan.micro)
+    local = [chunk_count(m.hi - m.lo, memory.logit_chunk_tokens) for m in plan.micro]
     return local if collectives is None else collectives.max_ints(local)
-
-
-def _norm_passes(
-    model: nn.Module, batch: TrajectoryTensors, spans: list[tuple[int, int]]
-) -> list[NormPassResult]:
-    return [norm_pass(model, *_ids(rows), rows.response_mask) for rows in _span_rows(batch, spans)]
-
-
-def _unpadded(items: list[T], spans: list[tuple[int, int]]) -> list[T]:
-    """The per-span results of the spans that hold rows (padding micro-batches dropped)."""
-    return [item for item, (a, b) in zip(items, spans, strict=True) if b > a]
 
 
 def _scale(step: StepInputs, metrics: dict[str, float]) -> float:
@@ -345,11 +445,6 @@ def step_spans(
         return spans
     bounds = [n * i // count for i in range(count + 1)]
     return list(itertools.pairwise(bounds))
-
-
-def _span_rows(batch: TrajectoryTensors, spans: list[tuple[int, int]]) -> Iterator[TrajectoryTensors]:
-    for a, b in spans:
-        yield batch.rows(a, b) if b > a else _padding_row(batch)
 
 
 def _padding_row(batch: TrajectoryTensors) -> TrajectoryTensors:
