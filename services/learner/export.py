@@ -108,8 +108,8 @@ def find_checkpoint(path: str | Path) -> Path:
     raise ValueError(
         f"no learner checkpoint at {given}: looked for a DeepSpeed tag directory (*_model_states.pt in it), "
         f"a checkpoint directory with a 'latest' file ({given / 'latest'}) and a run directory's "
-        f"checkpoints ({given / 'learner' / 'checkpoints' / 'latest'}); DeepSpeed writes 'latest' only "
-        "after a complete save"
+        f"checkpoints ({given / 'learner' / 'checkpoints' / 'latest'}); the learner writes 'latest' only "
+        "once every rank's files of a checkpoint are on disk"
     )
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,9 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from services.learner import checkpoints
 from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
-from services.learner.grad_norms import micro_batches
 from services.learner.lr_schedule import lr_factor
 from services.learner.memory import (
     CUDA_CONTEXT,
@@ -43,7 +42,7 @@ from services.learner.memory import (
     device_budget,
     plan_memory,
 )
-from services.learner.step import MemoryOptions, StepInputs, TrajectoryTensors, backward
+from services.learner.step import MemoryOptions, StepInputs, TrajectoryTensors, backward, plan_step
 from services.learner.vcpo import METRIC_KEYS, objective_config
 
 log = logging.getLogger(__name__)
@@ -192,6 +191,9 @@ class StepResult:
 class Trainer:
     """One rank of the learner. Every method that touches the model is a collective across all ranks."""
 
+    # every micro-batch at the batch's full width, rows unsorted (step.plan_step): benchmarks' baseline only
+    full_width = False
+
     def __init__(
         self,
         learner: LearnerConfig,
@@ -285,6 +287,7 @@ class Trainer:
                 backward=self._backward,
                 collectives=self.collectives,
                 memory=memory,
+                full_width=self.full_width,
             )
         )
         t1 = time.perf_counter()
@@ -343,9 +346,9 @@ class Trainer:
             return "saved"
         if self.memory_plan is None:
             return "saved"
-        width = int(batch.input_ids.shape[1])
-        spans = micro_batches(len(batch), self.config.micro_batch_size)
-        local = self.memory_plan.mode_for([(b - a, width) for a, b in spans])
+        # this rank's micro-batches as the step runs them, each at its own rows' width
+        shapes = plan_step(batch, self.config.micro_batch_size, full_width=self.full_width).shapes()
+        local = self.memory_plan.mode_for(shapes)
         flag = torch.tensor([float(local == "recompute")], device=self.collectives.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return "recompute" if float(flag) > 0 else "saved"
@@ -359,38 +362,21 @@ class Trainer:
         self.engine.backward(loss)
 
     def save_checkpoint(self, directory: Path, client_state: dict[str, Any], keep: int) -> Path:
-        """Write a DeepSpeed checkpoint (weights, optimizer, ``client_state``) tagged by step; keep ``keep``."""
-        tag = f"step{self.step:09d}"
+        """Write a DeepSpeed checkpoint (weights, optimizer, ``client_state``) tagged by step; keep ``keep``.
+        ``latest`` names it only once every rank's shards are on disk (services/learner/checkpoints.py)."""
         state = dict(client_state, version=self.version, step=self.step)
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
-        torch.distributed.barrier()
-        if self.rank == 0:
-            tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name.startswith("step"))
-            for old in tags[:-keep]:
-                shutil.rmtree(directory / old, ignore_errors=True)
-        torch.distributed.barrier()
-        return directory / tag
+        return checkpoints.save(self.engine, directory, self.step, state, self.rank, keep)
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
-        """Resume from the latest checkpoint in ``directory``; its client state, or None when there is none.
-        Every rank must see the same: a rank that did not (a node without the shared volume) would start
-        afresh while the others resumed, their collectives mismatched, so the ranks compare first and all
-        raise where they differ."""
-        here = (directory / "latest").is_file()
-        if self.world_size > 1:
-            seen = torch.tensor([int(here), -int(here)], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-            if int(seen[0]) != -int(seen[1]):
-                raise RuntimeError(
-                    f"learner rank {self.rank} {'sees' if here else 'does not see'} a checkpoint in {directory} "
-                    "and another rank does not: learner.checkpoint_dir must be one directory every rank "
-                    "shares (a volume every learner node mounts)"
-                )
-        if not here:
+        """Resume from the last complete checkpoint in ``directory`` (``checkpoints.resolve``); its client
+        state, or None when there is none. Every rank must find the same (``checkpoints.agree``)."""
+        found = checkpoints.resolve(directory)
+        checkpoints.agree(found, directory, self.rank, self.world_size, self.device)
+        if found.tag is None:
             return None
-        path, state = self.engine.load_checkpoint(str(directory))
+        path, state = self.engine.load_checkpoint(str(directory), tag=found.tag)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint named by {directory / 'latest'}")
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory / found.tag}")
         self.version, self.step = int(state["version"]), int(state["step"])
         return dict(state)
 
