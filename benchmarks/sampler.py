@@ -13,8 +13,9 @@ to a jsonl, chat-templated by the service's ``PromptEncoder``, so both paths see
             service also skips (it decodes each finished response once), so this is the engine alone.
   service   a real ``SamplerService`` on the same engine with a real redis-server (started here), a weight
             broker in this process (gRPC, announcing on the run's `weights` stream) holding version 0 (the
-            model's own weights), the jsonl as its dataset, ``groups_per_step`` 1 and ``max_groups_in_flight``
-            G, so all G groups start in the first tick, as in the one generate call. ``serve(stop,
+            model's own weights), the jsonl as its dataset, ``groups_per_step`` 1 and
+            ``max_requests_in_flight`` G x n, so all G groups start in the first tick, as in the one generate
+            call. ``serve(stop,
             max_groups=G)`` runs in this (the main) thread. Timed from the moment version 0 is loaded into
             the engine (the loop admits its first groups in the same tick) until the G-th group is on the
             `rollouts` stream; the first version's fetch and load before it, and the shutdown after it, are
@@ -34,8 +35,16 @@ one JSON object with the headline figure ``service_over_engine`` (median service
 engine tokens/s; target >= 0.8). ``--profile`` runs one more, untimed, pass of each path under cProfile
 and prints the top functions to stderr (the service's covers all of ``serve``, the first load included).
 
+How full the loop keeps the engine's batch is measured apart (benchmarks/_sampler_admission.py), since it
+is a figure of the admission policy, not of generation: the real ``Sampler`` loop over a stand-in engine that
+batches as vLLM does (at most the cap of requests run per step, one token each, the rest wait), with
+long-tailed response lengths (5 % at max_tokens). ``active_over_cap`` is the mean number of requests running
+per step over the cap (the engine's batch limit, the default of ``sampler.max_requests_in_flight``);
+target >= 0.9. Quick: cap 128, n 8, max_tokens 128; otherwise cap 1024 (vLLM's on an H100), n 16,
+max_tokens 256. ``--admission-only`` measures only that (no vLLM).
+
     python benchmarks/sampler.py [--quick] [--groups 32] [--n 8] [--max-tokens 64] [--repeats 3]
-                                 [--model DIR] [--refill] [--profile]
+                                 [--model DIR] [--refill] [--profile] [--admission-only]
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import redis
 import torch
 from safetensors.torch import load_file
 
+from benchmarks._sampler_admission import measure as measure_admission
 from services.common.builtin_datasets import arith_rows
 from services.common.config import RunConfig, StreamsConfig
 from services.common.datasets import load_dataset
@@ -83,6 +93,7 @@ from services.weight_broker.transports import GrpcTransport
 from vcpo.v1 import rollout_pb2
 
 TARGET_SERVICE_OVER_ENGINE = 0.8
+TARGET_ACTIVE_OVER_CAP = 0.9
 MAX_MODEL_LEN = 512
 RUN_ID = "bench-sampler"
 WARMUP_GROUPS = 2
@@ -184,7 +195,7 @@ class Bench:
             "dtype": "float32",
             "enforce_eager": True,
             "dataset": str(self.dataset),
-            "max_groups_in_flight": groups,
+            "max_requests_in_flight": groups * self.n,
             "grpc_port": 0,
             "metrics_port": 0,
         }
@@ -272,6 +283,28 @@ def print_profile(name: str, profile: cProfile.Profile, top: int) -> None:
         print(f"===== {name}: top {top} by {order} =====\n{out.getvalue()}", file=sys.stderr)
 
 
+def admission(quick: bool) -> dict[str, Any]:
+    """``active_over_cap`` and its setting (module docstring), printed as a line; the figures."""
+    cap, n, max_tokens = (128, 8, 128) if quick else (1024, 16, 256)
+    server = LocalRedis()
+    try:
+        figures = measure_admission(server.client(), cap, n, max_tokens)
+    finally:
+        server.stop()
+    print(
+        f"admission: {figures['mean_active']:.0f} of {cap} requests running on average "
+        f"(active_over_cap {figures['active_over_cap']:.3f}; n={n}, max_tokens={max_tokens}, mean length "
+        f"{figures['mean_length_over_max']:.2f} x max_tokens, {figures['share_at_max']:.0%} at max_tokens; "
+        "stand-in engine batching as vLLM)"
+    )
+    return {
+        "active_over_cap": figures["active_over_cap"],
+        "target_active_over_cap": TARGET_ACTIVE_OVER_CAP,
+        "meets_active_over_cap": figures["active_over_cap"] >= TARGET_ACTIVE_OVER_CAP,
+        "admission": figures,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -287,7 +320,13 @@ def main() -> None:
         "--refill", action="store_true", help="k huge: the service keeps starting groups (see above)"
     )
     parser.add_argument("--profile", action="store_true", help="profile one more run of each path (stderr)")
+    parser.add_argument(
+        "--admission-only", action="store_true", help="only active_over_cap (no vLLM; see above)"
+    )
     args = parser.parse_args()
+    if args.admission_only:
+        print(json.dumps({"quick": args.quick, **admission(args.quick)}))
+        return
     groups = args.groups or (8 if args.quick else 32)
     n = args.n or (4 if args.quick else 8)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -387,6 +426,7 @@ def main() -> None:
         "load_avg_1min": [round(x, 2) for x in load],
         "target_service_over_engine": TARGET_SERVICE_OVER_ENGINE,
         "meets_service_over_engine": ratio >= TARGET_SERVICE_OVER_ENGINE,
+        **admission(args.quick),
     }
     print(json.dumps(figures))
 

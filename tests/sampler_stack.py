@@ -84,7 +84,14 @@ class Stack:
         )
         specs = stream_specs(self.run, StreamsConfig())
         self.broker = announcing_broker(client, self.run)
-        settings = {"n": 4, "max_tokens": 16, "max_model_len": 256, "max_groups_in_flight": 4, **sampler}
+        n = sampler.get("n", 4)  # the requests of 4 whole groups in flight at most
+        settings = {
+            "n": 4,
+            "max_tokens": 16,
+            "max_model_len": 256,
+            "max_requests_in_flight": 4 * n,
+            **sampler,
+        }
         self.cfg = sampler_config(self.run, self.broker, evaluation, **settings)
         engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
         self.service = SamplerService(self.cfg, 0, engine)

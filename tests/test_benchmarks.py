@@ -1,4 +1,4 @@
-"""Benchmarks run (quick mode) and end with one JSON object of headline figures, as STYLE.md asks."""
+"""Benchmarks run (quick mode) and end with one JSON object of the headline figures they quote."""
 
 from __future__ import annotations
 
@@ -171,6 +171,25 @@ def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
 
 
 @pytest.mark.slow
+def test_learner_step_benchmark_mixed_lengths_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("learner_step.py", "--mixed")
+    assert any(line.startswith("padded") for line in lines)  # the table
+    assert figures["ranks"] == 2 and figures["rows"] == 64 and figures["rows_at_maximum"] >= 1
+    # positions run through the model (every forward, counted by a hook) over their real tokens: each
+    # micro-batch at its own longest row, where one truncated response widened every micro-batch
+    assert figures["computed_over_real_tokens"] <= 1.2
+    assert figures["padded_computed_over_real_tokens"] > 1.5
+    assert figures["step_time_over_padded"] > 0 and figures["trimmed_step_s"] > 0
+
+
+@pytest.mark.gpu
+def test_learner_step_benchmark_mixed_lengths_runs_on_a_gpu() -> None:
+    _, figures = run_quick("learner_step.py", "--mixed", "--device", "cuda")
+    assert (figures["ranks"], figures["backend"], figures["precision"]) == (1, "nccl", "bf16")
+    assert figures["computed_over_real_tokens"] <= 1.2 and figures["step_time_over_padded"] > 0
+
+
+@pytest.mark.slow
 def test_sampler_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("sampler.py")
     assert any(line.startswith("service") for line in lines)  # the table
@@ -263,3 +282,17 @@ def test_vcpo_step_benchmark_builds_its_batch_on_the_models_device(monkeypatch: 
     batch = make_batch(model, rows=8, length=32, prompt=8)
     devices = {name: str(getattr(batch, name).device) for name in batch.__dataclass_fields__}
     assert set(devices.values()) == {"meta"}, devices
+
+
+@pytest.mark.slow
+def test_sampler_benchmark_keeps_the_engine_batch_full_under_long_tailed_lengths() -> None:
+    """``active_over_cap``: the requests running per step over the cap, the real sampler loop over a
+    stand-in engine that batches as vLLM does. Admitting by requests in flight keeps the batch full while a
+    group's longest responses run on; whole-group slots (each freed by its last response) give about 0.45 in
+    this setting."""
+    lines, figures = run_quick("sampler.py", "--admission-only")
+    assert any(line.startswith("admission:") for line in lines)
+    setting = figures["admission"]
+    assert (setting["cap"], setting["n"], setting["max_tokens"]) == (128, 8, 128)
+    assert 0.03 <= setting["share_at_max"] <= 0.08 and setting["mean_length_over_max"] < 0.5  # long-tailed
+    assert figures["active_over_cap"] >= 0.9 and figures["meets_active_over_cap"], figures

@@ -39,7 +39,7 @@ def test_two_replicas_never_feed_a_step_past_the_lag_bound(
     )
     broker = announcing_broker(redis_client, run)
     cfg = sampler_config(
-        run, broker, n=2, max_tokens=24, kv_cache_memory_bytes=32 << 20, max_groups_in_flight=2
+        run, broker, n=2, max_tokens=24, kv_cache_memory_bytes=32 << 20, max_requests_in_flight=4
     )
     config = write_resolved(cfg, tmp_path, "sampler.json")
     learner = LearnerStandIn(redis_client, run, broker.client(), tiny_model_dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, SecretStr, model_validator
 
@@ -64,8 +64,15 @@ class SamplerConfig(Section):
         description="How new weights enter a running engine: pause at a safe point, or swap in flight and "
         "record each token's version.",
     )
-    max_groups_in_flight: int = Field(
-        16, ge=1, description="Groups a replica generates at once (n requests each, batched by the engine)."
+    max_requests_in_flight: int = Field(
+        0,
+        ge=0,
+        description="Training requests (responses being generated) a replica keeps in its engine: a new group "
+        "of n starts while the unfinished responses of the groups in flight plus n stay within it, so each "
+        "response that finishes frees its seat at once. 0: the engine's batch limit (vLLM's max_num_seqs: "
+        "1024 on an H100/H200, 256 on smaller GPUs, 256 per worker on CPU). Shared evaluation's requests "
+        "(evaluation.max_requests_in_flight) come on top and are queued by vLLM as seats free. The lag bound "
+        "(run.k) gates every group besides.",
     )
     stop: list[str] = Field(
         default_factory=list, description="Extra stop strings (the tokenizer's EOS always stops)."
@@ -166,6 +173,26 @@ class SamplerConfig(Section):
         "replicas run only on the nodes that offer them (the Helm chart's sampler pods offer 1 each).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_groups_in_flight" in data:
+            raise ValueError(
+                "sampler.max_groups_in_flight was replaced by sampler.max_requests_in_flight, a cap in requests "
+                "(groups x sampler.n; 0, the default: the engine's batch limit): a group's finished responses "
+                "now free their seats before its last one ends"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _cap_fits_a_group(self) -> SamplerConfig:
+        if 0 < self.max_requests_in_flight < self.n:
+            raise ValueError(
+                f"sampler.max_requests_in_flight = {self.max_requests_in_flight} is below sampler.n = {self.n}: "
+                f"no group could ever start; raise it to at least {self.n} (or 0: the engine's batch limit)"
+            )
+        return self
+
 
 class EvalSetConfig(Section):
     """One validation set (``[[evaluation.sets]]``): its data, scorer and sampling settings."""
@@ -215,10 +242,34 @@ class EvaluationConfig(Section):
         30.0,
         ge=0,
         description="shared: the longest a sampler holds a newer version back to finish an evaluation at the "
-        "version it serves; past it the evaluation is abandoned (counted) and training goes on.",
+        "version it serves; past it the evaluation is abandoned (counted) and training goes on. The evaluator "
+        "refuses to start where a round's worst case exceeds it (services/evaluator/capacity.py).",
     )
     max_requests_in_flight: int = Field(
-        64, ge=1, description="Evaluation requests in an engine at once (shared: the rest of it trains)."
+        0,
+        ge=0,
+        description="Evaluation requests in an engine at once; 0: the engine's batch limit (vLLM's max_num_seqs: "
+        "1024 on an H100/H200, 256 on smaller GPUs and per CPU worker). Shared: vLLM queues them with "
+        "training's and runs both first come, first served, so a round gets about half the engine's batch.",
+    )
+    assumed_tokens_per_s: float = Field(
+        0,
+        ge=0,
+        description="Decode speed of one sequence in a full engine, for the start-up check that a shared round "
+        "can finish within max_delay_s (services/evaluator/capacity.py); 0: 25 on a GPU (an H100 at a 7B "
+        "model in bf16 with several hundred sequences), 20 on CPU (the tiny test model).",
+    )
+    shard_samples: int = Field(
+        64,
+        ge=1,
+        description="shared: a round is cut into shards of about this many samples (whole tasks), which the "
+        "replicas serving its version take as their engines have room.",
+    )
+    shard_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="shared: a shard whose replica stops renewing its lease (it died) is taken by another "
+        "replica serving the version after this long.",
     )
     gpus: float = Field(0, ge=0, description="dedicated: GPUs the evaluator asks Ray for (0 on CPU).")
     ray_resources: dict[str, PositiveFloat] = Field(

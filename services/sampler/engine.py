@@ -2,6 +2,8 @@
 
     sampler loop:  engine.add(request, prompt tokens, sampling) ─► engine.step() ─► TokenDelta per request
     weight sync:   sink = engine.stage(v) ◄─ tensors, one at a time (background thread)
+                   engine.prepare(v)      ◄─ main loop, the engine still generating: what a load needs that
+                                             touches nothing in the engine (the workers' staging file)
                    engine.quiesce()       ◄─ main loop: pause; the tokens produced but not yet returned
                    engine.apply(v)        ◄─ between two steps: the whole version or nothing
                    engine.resume()
@@ -43,11 +45,10 @@ import torch
 from services.common.model_dirs import checkpoint_shapes, resolve_model_dir
 from services.common.pids import sweep_dead
 from services.sampler.engine_collective import CollectiveWeights
+from services.sampler.engine_staging import STAGING_DIR, StagingFile
+from services.sampler.engine_staging import LoadNotStarted as LoadNotStarted  # raised by apply and prepare
 
 log = logging.getLogger(__name__)
-
-# where a multi-process engine's workers read each broker-path version from (under $VCPO_WEIGHT_STAGING)
-STAGING_DIR = "vcpo-weights-{pid}"
 
 Sink = Callable[[str, torch.Tensor], None]
 
@@ -84,11 +85,6 @@ class WeightMismatch(ValueError):
     """A staged version does not match the model (missing, unknown or mis-shaped tensors)."""
 
 
-class LoadNotStarted(OSError):
-    """A load that failed before it touched the engine (writing the file its workers read: a full /dev/shm).
-    The engine serves the version it served; nothing is loaded back."""
-
-
 @dataclass
 class _Staged:
     version: int
@@ -104,6 +100,9 @@ class GenerationEngine(ABC):
     # produced before the swap is handed back (by ``quiesce``) before the swap, every later one was produced
     # by the new weights. ``sampler.weight_update = "in_flight"`` is refused on an engine that cannot.
     exact_in_flight: bool = True
+    # The most requests the engine runs in one step (vLLM's max_num_seqs); more wait in its queue. The
+    # sampler's default cap on requests in flight. None: the engine states none.
+    batch_limit: int | None = None
 
     def __init__(self, expected: dict[str, tuple[int, ...]] | None = None) -> None:
         self.expected = expected  # tensor name -> shape of a complete version; None: not checked
@@ -164,6 +163,24 @@ class GenerationEngine(ABC):
             if self._staged is not None and self._staged.version == version:
                 self._staged = None
 
+    def prepare(self, version: int) -> None:
+        """Do the part of loading the staged ``version`` that leaves the engine untouched, while it generates:
+        call before ``quiesce``, so the pause lasts only the load itself. A no-op if ``version`` is not the one
+        staged, is prepared already, or the engine needs nothing beforehand.
+
+        Raises :class:`LoadNotStarted` if it fails (a full /dev/shm); the staged version is then dropped, as
+        ``apply`` drops a version it cannot load, and the engine serves on."""
+        with self._lock:
+            staged = self._staged
+        if staged is None or staged.version != version:
+            return
+        try:
+            self._prepare(staged)
+        except LoadNotStarted:
+            log.error("version %d was not loaded; version %s serves on", version, self.loaded_version)
+            self.discard(version)
+            raise
+
     def apply(self, version: int) -> float:
         """Switch the engine to the staged ``version``; returns the seconds it took.
 
@@ -180,7 +197,7 @@ class GenerationEngine(ABC):
         self._check_complete(staged)
         t0 = time.monotonic()
         try:
-            self._load(staged.tensors.items())
+            self._load_staged(staged)
         except LoadNotStarted:
             log.error("version %d was not loaded; version %s serves on", version, self.loaded_version)
             raise
@@ -221,6 +238,13 @@ class GenerationEngine(ABC):
             self._load_initial()
             self.loaded_version = None
 
+    def _prepare(self, staged: _Staged) -> None:  # noqa: B027 (optional hook)
+        """Ready ``staged`` for ``_load_staged`` without touching the engine (may raise LoadNotStarted)."""
+
+    def _load_staged(self, staged: _Staged) -> None:
+        """Load the version ``apply`` took, using what ``prepare`` readied for it."""
+        self._load(staged.tensors.items())
+
     @abstractmethod
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a complete version into the engine, in place."""
@@ -248,7 +272,7 @@ class VllmSettings:
     collective_weights: bool = False
 
 
-class VllmEngine(CollectiveWeights, GenerationEngine):
+class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
     """vLLM's ``LLMEngine`` driven step by step. On CPU machines with one worker it runs in this process."""
 
     def __init__(self, settings: VllmSettings) -> None:
@@ -313,6 +337,7 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
         self._weights_epoch = 0
         self.collective_staged: int | None = None  # a version received from the weight group, not yet loaded
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
+        self._file = None  # the staged version the staging file holds (``prepare``)
         if not self._model_here:  # versions go to the workers through files there (``_load``)
             sweep_dead(
                 self._staging_root,
@@ -406,32 +431,13 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
             self.engine.wake_up(tags=["scheduling"])
             self._paused = False
 
-    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._model_here:  # the model is in this process: hand it the tensors
-            self._reload(weights_iterator=iter(tensors))
-            return
-        # worker processes read the version from a local safetensors file (shared memory by default); a
-        # failure while writing it has touched nothing in the engine
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
-        directory = self._staging_root / STAGING_DIR.format(pid=os.getpid())
-        try:
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
-            except (OSError, SafetensorError) as exc:
-                # until 2026-11-27 the engine was then "restored": after a version from the weight group, whose
-                # tensors this process never held, to the initial weights
-                raise LoadNotStarted(
-                    f"could not write the file the engine's workers load from in {self._staging_root} ({exc}); "
-                    "give /dev/shm room for one more version (rayCluster.shmSize) or set VCPO_WEIGHT_STAGING"
-                ) from exc
-            self._reload(weights_path=str(directory))
-        finally:  # a process killed before this leaves both: the next engine to start here sweeps them
-            with contextlib.suppress(OSError):  # (not an error of its own in place of the load's)
-                (directory / "model.safetensors").unlink(missing_ok=True)
-                directory.rmdir()
+    @property
+    def batch_limit(self) -> int | None:  # type: ignore[override]
+        """vLLM's ``max_num_seqs``: the most requests its scheduler runs in one step (1024 on an H100 or
+        H200 and 256 on smaller GPUs at vLLM 0.32's ``LLM`` defaults, 256 per worker on CPU)."""
+        config = getattr(self.engine, "vllm_config", None)
+        limit = getattr(getattr(config, "scheduler_config", None), "max_num_seqs", None)
+        return int(limit) if limit else None
 
     def _rpc(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Run the worker method ``method`` on every worker; raises :class:`WorkerCallFailed` (naming the
@@ -461,6 +467,8 @@ class VllmEngine(CollectiveWeights, GenerationEngine):
 
     def close(self) -> None:
         self.resume()
+        if not self._model_here:
+            self._drop_file()  # a version prepared but never applied
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()

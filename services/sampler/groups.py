@@ -123,6 +123,11 @@ class Group:
         return all(r.finish_reason is not None for r in self.responses.values())
 
     @property
+    def unfinished(self) -> int:
+        """Responses still being generated (a multi-turn episode until the agent loop ends it)."""
+        return sum(r.finish_reason is None for r in self.responses.values())
+
+    @property
     def tokens(self) -> int:
         return sum(len(r.tokens) for r in self.responses.values())
 

@@ -1,17 +1,30 @@
 """One sampler replica's loop: tasks in, rollout groups with exact behaviour log-probs out, never past the lag bound.
 
     every tick:
-      1. weights   WeightSync.ready() ─► apply between two engine steps
+      1. weights   WeightSync.ready() ─► prepare (e.g. the workers' staging file, written while the engine
+                   generates) ─► apply between two engine steps
                    pause mode: stop admitting, let in-flight groups finish, then apply
                    in_flight mode: apply now (engine.quiesce() first hands back the tokens an engine core
                    in another process produced ahead of the loop); in-flight responses start a new version
                    segment
-      2. admit     TaskFeed.next() ─► AdmissionCounter.try_admit(loaded version)   (Redis, all replicas)
+      2. admit     while requests in flight + n <= max_requests_in_flight:
+                   TaskFeed.next() ─► AdmissionCounter.try_admit(loaded version)   (Redis, all replicas)
                    refused: the task is held, the sampler reports WAITING and why, newer weights are polled
       3. generate  engine.add(n requests per group) ... engine.step() ─► tokens + log-probs per response
       4. emit      a finished group ─► `rollouts` stream (blocks while it is full) ─► TaskFeed.done (ack task)
       5. give up   an in-flight group that no learner step may still use (newest published version minus its
                    start version > k) is aborted, its admission slot released, its task retried
+
+Two gates decide when a group starts, each for its own reason. The lag bound (services/common/admission.py)
+is the run's: every group passes ``try_admit`` at the loaded version before it starts, whatever the engine
+has room for. The in-flight cap is the engine's: it counts *requests* (responses not finished yet, of every
+group in flight; a multi-turn episode counts until it ends), so a response that finishes frees its seat at
+once, and a new group starts as soon as ``n`` seats are free, while the last responses of older groups run
+on. Response lengths are long-tailed (a few run to ``max_tokens``), so a cap of whole groups, whose slot
+frees only with its last response, would keep the engine's batch at about 0.4 of what it can run
+(benchmarks/sampler.py, ``active_over_cap``). The cap's default is the engine's own batch limit (vLLM's
+``max_num_seqs``): more requests would wait in its queue. A co-tenant's requests (shared evaluation) come on
+top of it: vLLM queues them first come, first served, so they take seats as training responses finish.
 
 A co-tenant (cotenant.py; held-out evaluation with ``[evaluation] placement = "shared"``, services/evaluator/)
 shares the engine: step 1 offers it each version applied and asks it whether a newer one must wait (an
@@ -66,6 +79,32 @@ class SamplerState:
     started: float = field(default_factory=time.monotonic)
 
 
+def request_cap(engine: GenerationEngine, configured: int, n: int) -> int:
+    """The cap on requests in flight: ``configured`` (``sampler.max_requests_in_flight``), or with 0 the
+    engine's batch limit; a ValueError naming the key if no group of ``n`` could ever start."""
+    limit = engine.batch_limit
+    cap = configured or limit
+    if not cap:
+        raise ValueError(
+            f"{type(engine).__name__} states no batch limit: set sampler.max_requests_in_flight (requests, "
+            "i.e. groups in flight x sampler.n)"
+        )
+    if cap < n:
+        source = "sampler.max_requests_in_flight" if configured else "the engine's batch limit"
+        raise ValueError(
+            f"{source} is {cap}, below sampler.n = {n}: no group could ever start; set "
+            f"sampler.max_requests_in_flight to at least {n}"
+        )
+    if limit and cap > limit:
+        log.warning(
+            "sampler.max_requests_in_flight = %d exceeds the engine's batch limit %d (vLLM's max_num_seqs): "
+            "the rest wait in its queue",
+            cap,
+            limit,
+        )
+    return cap
+
+
 class Sampler:
     def __init__(
         self,
@@ -80,7 +119,7 @@ class Sampler:
         replica_id: str,
         n: int,
         sampling: Sampling,
-        max_groups_in_flight: int = 16,
+        max_requests_in_flight: int = 0,
         weight_update: Literal["pause", "in_flight"] = "pause",
         agent: AgentLoop | None = None,
         cotenant: Cotenant | None = None,
@@ -88,7 +127,7 @@ class Sampler:
         self.engine, self.feed, self.admission, self.rollouts = engine, feed, admission, rollouts
         self.sync, self.metrics = sync, metrics
         self.run_id, self.replica_id, self.n, self.sampling = run_id, replica_id, n, sampling
-        self.max_groups_in_flight = max_groups_in_flight
+        self.max_requests_in_flight = request_cap(engine, max_requests_in_flight, n)
         if weight_update == "in_flight" and not engine.exact_in_flight:
             raise ValueError(
                 "sampler.weight_update = 'in_flight' needs an engine that can tell which weights produced "
@@ -166,6 +205,16 @@ class Sampler:
         version = self.sync.ready()
         if version is None:
             return
+        try:  # before any pause, and before draining: the engine generates meanwhile
+            self.sync.prepare(version)
+        except Exception:  # e.g. a full /dev/shm (LoadNotStarted): the version is dropped, nothing paused
+            self.metrics.weight_errors.labels(self.replica_id).inc()
+            log.exception(
+                "version %d was not loaded; still serving version %s", version, self.engine.loaded_version
+            )
+            return
+        if self.sync.ready() != version:  # a newer version began staging meanwhile: it is taken instead
+            return
         if self.cotenant is not None and self.cotenant.holds():
             return  # e.g. an evaluation round is generating at the loaded version (for at most max_delay_s)
         if self.weight_update == "pause" and self.groups:
@@ -202,7 +251,8 @@ class Sampler:
         version = self.engine.loaded_version
         if version is None or self._draining:
             return
-        while len(self.groups) < self.max_groups_in_flight:
+        active = self.requests_in_flight()
+        while active + self.n <= self.max_requests_in_flight:
             if self.max_groups and self.emitted + len(self.groups) >= self.max_groups:
                 return
             prepared = self._held.popleft() if self._held else self.feed.next(self._can_start)
@@ -215,6 +265,11 @@ class Sampler:
                 return
             self._unblock()
             self._start(prepared, version)
+            active += self.n
+
+    def requests_in_flight(self) -> int:
+        """Responses of the groups in flight that have not finished: the seats they hold in the engine."""
+        return sum(group.unfinished for group in self.groups.values())
 
     def _start(self, prepared: PreparedTask, version: int) -> None:
         self._counter += 1
@@ -405,6 +460,8 @@ class Sampler:
             )
         self.status.figures = {
             "groups_in_flight": float(len(self.groups)),
+            "requests_in_flight": float(self.requests_in_flight()),
+            "max_requests_in_flight": float(self.max_requests_in_flight),
             "groups_emitted": float(self.emitted),
             "tokens_per_second": rate,
             "task_errors": float(sum(self.feed.errors.values())),

@@ -138,7 +138,7 @@ class SamplerService:
             replica_id=self.replica_id,
             n=s.n,
             sampling=Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop)),
-            max_groups_in_flight=s.max_groups_in_flight,
+            max_requests_in_flight=s.max_requests_in_flight,
             weight_update=s.weight_update,
             agent=AgentLoop(self.engine, self.environments, encoder, self.metrics, threads=s.env_threads),
             cotenant=self.evaluator,

@@ -2,9 +2,11 @@
 
     fetch thread:  WeightFollower.poll ─► transport.fetch(engine.stage(v))    tensors staged on the host
                                           complete and verified ─► ready(v)
-    sampler loop:  ready() ─► engine.apply(v) between two engine steps          the whole version at once
+    sampler loop:  ready() ─► prepare(v)                                      the engine still generating
+                             ─► engine.apply(v) between two engine steps    the whole version at once
 
-Generation keeps running while a version downloads; only ``apply`` (a host-to-engine copy) stops it. A
+Generation keeps running while a version downloads and while ``prepare`` writes what the engine's workers
+read it from (engines whose workers are other processes); only ``apply`` (the load itself) stops it. A
 fetch that fails or is cut off leaves nothing applied: the engine keeps serving its version and the
 follower records why, for the sampler's waiting reason.
 """
@@ -117,6 +119,15 @@ class WeightSync:
         if self.engine.loaded_version is not None and version <= self.engine.loaded_version:
             return None
         return version
+
+    def prepare(self, version: int) -> None:
+        """What can be done towards loading ``version`` while the engine generates (call before ``quiesce``).
+        Raises LoadNotStarted if it fails; the version is then dropped and the engine serves on."""
+        try:
+            self.engine.prepare(version)
+        except Exception as exc:
+            self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
+            raise
 
     def apply(self, version: int) -> float:
         """Load the staged ``version`` into the engine (call between engine steps); seconds it took."""
@@ -307,6 +318,10 @@ class CollectiveWeightSync(WeightSync):
         ):
             return int(staged)
         return fetched
+
+    def prepare(self, version: int) -> None:
+        if getattr(self.engine, "collective_staged", None) != version:  # the broker's copy is applied
+            super().prepare(version)
 
     def apply(self, version: int) -> float:
         if getattr(self.engine, "collective_staged", None) != version:
