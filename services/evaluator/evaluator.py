@@ -4,12 +4,16 @@
                       (a set with an environment: each task's n samples are one group of episodes in an agent
                       loop of the evaluator's own: training's turns, tool calls, masked observations)
     engine.step() ─► absorb(delta) ─► each response's tokens and log-probs
-    pump(): all generated ─► scoring thread (rounds.score_round) ─► SetResult per set ─► EvalRecorder
+    pump(): all generated ─► scoring thread (rounds.tally_round) ─► SetResult per set (rounds.set_results)
+            ─► EvalRecorder (a shared round: each shard's tallies to Redis first; shards.py)
 
 In a sampler replica's engine (shared placement) it is the replica's co-tenant
 (:class:`services.sampler.cotenant.Cotenant`): the loop hands it the deltas of its requests, offers it each
-version it loads and asks it whether a newer version must wait (:meth:`Evaluator.holds`). In an engine of its
-own (the dedicated evaluator, the eval command) :meth:`Evaluator.run` drives one whole round.
+version it loads and asks it whether a newer version must wait (:meth:`Evaluator.holds`). There a round is the
+work of every replica serving its version: with a :class:`~services.evaluator.shards.ShardBoard` the evaluator
+takes shards of it while its engine has room, hands in each shard's tallies, and the replica whose shard
+completes the round records it. In an engine of its own (the dedicated evaluator, the eval command)
+:meth:`Evaluator.run` drives one whole round.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,14 +35,16 @@ from services.evaluator.rounds import (
     SampleRequest,
     ScoreMany,
     TaskEpisodes,
-    score_round,
+    TaskTally,
+    set_results,
+    tally_round,
 )
 from services.evaluator.schedule import EvalSchedule
 from services.evaluator.sets import EvalSet
+from services.evaluator.shards import ShardBoard
 from services.sampler.agent import AgentLoop
 from services.sampler.engine import GenerationEngine, TokenDelta
 from services.sampler.groups import Group
-from services.sampler.groups import Response as EpisodeResponse
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,7 @@ class Evaluator:
         metrics: EvalMetrics | None = None,
         agent: AgentLoop | None = None,
         on_close: Callable[[], None] | None = None,
+        board: ShardBoard | None = None,
     ) -> None:
         if not sets:
             raise ValueError("an evaluator needs at least one evaluation set")
@@ -82,12 +89,19 @@ class Evaluator:
         self.agent = agent  # runs the episodes of environment sets (its own: closed with the evaluator)
         self.engine, self.sets, self.score_many = engine, sets, score_many
         self.recorder, self.schedule, self.encoder = recorder, schedule, encoder
+        if max_in_flight < 1:
+            raise ValueError(f"an evaluator needs at least one request in flight, got {max_in_flight}")
         self.max_in_flight, self.max_delay_s, self.metrics = max_in_flight, max_delay_s, metrics
+        self.board = board  # shared rounds: split into shards among the replicas serving their version
+        # request and episode ids: a shared round's name the replica too, so that a shard another replica takes
+        # again never reuses the ids (or environment sessions) of the one that gave it up
+        self._ids = f"{REQUEST_PREFIX}{board.owner}/" if board is not None else REQUEST_PREFIX
         self.round: EvalRound | None = None
         self.last: EvalRound | None = None  # the latest round generated (tests read its responses)
         self.results: list[SetResult] = []  # of the latest round scored
         self.rounds: dict[str, int] = {outcome: 0 for outcome in ROUND_OUTCOMES}
-        self._scoring: Future[list[SetResult]] | None = None
+        # generated rounds being scored: in a shared round a replica may take more shards meanwhile
+        self._scoring: list[tuple[EvalRound, Future[tuple[dict[tuple[int, int], TaskTally], float]]]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score")
         self._hold_since: float | None = None
         self._last_hold = 0.0
@@ -104,7 +118,7 @@ class Evaluator:
 
     @property
     def busy(self) -> bool:
-        return self.round is not None or self._scoring is not None
+        return self.round is not None or bool(self._scoring)
 
     def owns(self, request_id: str) -> bool:
         return request_id.startswith(REQUEST_PREFIX)
@@ -118,52 +132,80 @@ class Evaluator:
 
     # ------------------------------------------------------------------ the round
     def offer(self, version: int) -> bool:
-        """The engine now serves ``version``: start a round of the sets the schedule says are due (if not busy)."""
-        if self.busy or self.schedule is None:
+        """The engine now serves ``version``: start a round of the sets the schedule says are due (if not busy;
+        in a shared round, the first shard this replica can take of it, even while it scores an earlier one)."""
+        if self.schedule is None:
             return False
-        due = self.schedule.claim(version)
-        if due:
-            self.begin(version, due)
-        return bool(due)
+        if self.board is None:
+            if self.busy:
+                return False
+            due = self.schedule.claim(version)
+            if due:
+                self.begin(version, due)
+            return bool(due)
+        if self.round is not None:  # cannot happen while the loop honours holds()
+            return False
+        due = self.schedule.due(version)
+        if not due:
+            self.board.leave()
+            return False
+        self.board.join(version, [i for i, s in enumerate(self.sets) if s.name in due], self.sets)
+        return self._take_shard()
 
     def begin(self, version: int, names: Sequence[str] | None = None) -> None:
         """Start a round at ``version`` of the sets named (all of them by default)."""
         if self.busy:
             raise RuntimeError(f"an evaluation round is still running; cannot begin one at version {version}")
+        chosen = [i for i, s in enumerate(self.sets) if names is None or s.name in names]
+        self._begin(version, chosen, [(si, ti) for si in chosen for ti in range(len(self.sets[si].tasks))])
+
+    def _begin(self, version: int, chosen: list[int], tasks: list[tuple[int, int]]) -> EvalRound:
         if self.engine.loaded_version != version:
             raise RuntimeError(f"the engine serves version {self.engine.loaded_version}, not {version}")
-        chosen = [i for i, s in enumerate(self.sets) if names is None or s.name in names]
         self._serial += 1
-        pending: deque[SampleRequest | TaskEpisodes] = deque()
-        responses: dict[tuple[int, int, int], Response | EpisodeResponse] = {}
-        for si in chosen:
-            s = self.sets[si]
-            for ti, prompt in enumerate(s.prompts):
-                sampling = s.sampling
-                if self.encoder is not None:
-                    budget = self.encoder.response_budget(len(prompt))
-                    if budget < sampling.max_tokens:
-                        sampling = dataclasses.replace(sampling, max_tokens=budget)
-                if s.environment:  # the agent loop fills the group's responses in place
-                    group_id = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}"
-                    group = Group(
-                        group_id, s.tasks[ti], list(prompt), version, sampling, s.n, multi_turn=True
-                    )
-                    for k, response in enumerate(group.responses.values()):
-                        responses[(si, ti, k)] = response
-                    pending.append(TaskEpisodes((si, ti), group))
-                    continue
-                for k in range(s.n):
-                    rid = f"{REQUEST_PREFIX}{self._serial}/v{version}/{s.name}/{ti}/{k}"
-                    pending.append(SampleRequest(rid, (si, ti, k), prompt, sampling))
-        self.round = EvalRound(version, pending, chosen, responses=responses)
-        log.info(
-            "evaluation at version %d: %d samples over %d set(s)",
-            version,
-            self.round.outstanding(),
-            len(chosen),
-        )
+        r = self.round = EvalRound(version, deque(), chosen)
+        r.pending.extend(self._requests(r, tasks))
+        log.info("evaluation at version %d: %d samples over %d set(s)", version, r.outstanding(), len(chosen))
         self._top_up()
+        return r
+
+    def _requests(self, r: EvalRound, tasks: list[tuple[int, int]]) -> Iterator[SampleRequest | TaskEpisodes]:
+        """What the engine is asked for ``tasks`` of round ``r``, whose responses it registers."""
+        for si, ti in tasks:
+            s, prompt = self.sets[si], self.sets[si].prompts[ti]
+            sampling = s.sampling
+            if self.encoder is not None:
+                budget = self.encoder.response_budget(len(prompt))
+                if budget < sampling.max_tokens:
+                    sampling = dataclasses.replace(sampling, max_tokens=budget)
+            if s.environment:  # the agent loop fills the group's responses in place
+                group_id = f"{self._ids}{self._serial}/v{r.version}/{s.name}/{ti}"
+                group = Group(group_id, s.tasks[ti], list(prompt), r.version, sampling, s.n, multi_turn=True)
+                for k, response in enumerate(group.responses.values()):
+                    r.responses[(si, ti, k)] = response
+                yield TaskEpisodes((si, ti), group)
+                continue
+            for k in range(s.n):
+                rid = f"{self._ids}{self._serial}/v{r.version}/{s.name}/{ti}/{k}"
+                yield SampleRequest(rid, (si, ti, k), prompt, sampling)
+
+    def _take_shard(self) -> bool:
+        """A shard of the shared round at the loaded version into this engine: the round generating here gets
+        its tasks (or one starts with them); False when no shard is free."""
+        assert self.board is not None
+        taken = self.board.take(self.engine.loaded_version)
+        if taken is None:
+            return False
+        shard, tasks = taken
+        layout = self.board.joined
+        assert layout is not None  # take() hands out shards of the joined round only
+        r = self.round
+        if r is None:
+            r = self._begin(layout.version, list(layout.sets), tasks)
+        else:
+            r.pending.extend(self._requests(r, tasks))
+        r.shards[shard] = tasks
+        return True
 
     def _top_up(self) -> None:
         r = self.round
@@ -215,27 +257,54 @@ class Evaluator:
         if r is not None:
             if self.engine.loaded_version != r.version:  # cannot happen while callers honour holds()
                 self.abandon(f"the engine moved to version {self.engine.loaded_version}")
-            elif r.generated:
-                self.round, self.last, self._hold_since = None, r, None
-                self._scoring = self._executor.submit(self._score, r)
             else:
-                self._top_up()
-        if self._scoring is not None and self._scoring.done():
-            future, self._scoring = self._scoring, None
+                # a shared round: more shards while the engine has room and this replica's are all started
+                while self.board is not None and not r.pending and r.running() < self.max_in_flight:
+                    if not self._take_shard():
+                        break
+                if r.generated:
+                    self.round, self.last, self._hold_since = None, r, None
+                    self._scoring.append((r, self._executor.submit(self._score, r)))
+                else:
+                    self._top_up()
+        elif self.board is not None and self.board.joined is not None:
+            self._take_shard()  # a shard given back, or whose replica died, at the version this engine serves
+        if self.board is not None:
+            self.board.renew()
+        return self._scored()
+
+    def _scored(self) -> list[SetResult]:
+        """Rounds scored since the last call: their results (a shared round's once its last shard is in)."""
+        recorded: list[SetResult] = []
+        for item in [x for x in self._scoring if x[1].done()]:
+            self._scoring.remove(item)
+            r, future = item
             try:
-                results = future.result()
+                tallies, seconds = future.result()
             except Exception:
                 log.exception("scoring an evaluation round failed; its results are lost")
                 self._count("abandoned")
-                return []
-            self.results = results
+                if self.board is not None:
+                    self.board.release(r.version, list(r.shards))  # another replica may generate them again
+                continue
             self._count("done")
+            if self.board is None:
+                results = set_results(tallies, self.sets, r.sets, r.version, seconds)
+            else:
+                by_shard = {shard: {t: tallies[t] for t in tasks} for shard, tasks in r.shards.items()}
+                whole = self.board.submit(r.version, by_shard)
+                if whole is None:
+                    continue  # other shards are still out: the replica that completes the round records it
+                layout, everything = whole
+                results = set_results(
+                    everything, self.sets, list(layout.sets), r.version, time.time() - layout.started
+                )
+            self.results = recorded = results
             if self.metrics is not None:
                 self.metrics.round_seconds.observe(max(x.eval_seconds for x in results))
             if self.recorder is not None:
                 self.recorder.record(results)
-            return results
-        return []
+        return recorded
 
     def _collect_episodes(self, r: EvalRound) -> None:
         """Environment answers in; groups whose episodes all ended (or whose environment failed) out."""
@@ -283,6 +352,8 @@ class Evaluator:
         if self.agent is not None:
             for item in r.episodes.values():
                 self.agent.abort(item.group)  # its turns stop, its sessions close
+        if self.board is not None:  # the shards go back: a replica still serving the version may take them
+            self.board.release(r.version, list(r.shards))
         self.round, self._hold_since = None, None
         self._count(outcome)
         log.warning("evaluation at version %d %s: %s", r.version, outcome, why)
@@ -292,8 +363,9 @@ class Evaluator:
         if self.metrics is not None:
             self.metrics.rounds.labels(outcome).inc()
 
-    def _score(self, r: EvalRound) -> list[SetResult]:
-        return score_round(r, self.sets, self.score_many, self.engine.decode)
+    def _score(self, r: EvalRound) -> tuple[dict[tuple[int, int], TaskTally], float]:
+        tallies = tally_round(r, self.sets, self.score_many, self.engine.decode)
+        return tallies, time.monotonic() - r.started
 
     # ------------------------------------------------------------------ standalone
     def run(
@@ -337,7 +409,9 @@ class Evaluator:
         if self.agent is not None:
             self.agent.close()
         self._executor.shutdown(wait=True)
-        if self._scoring is not None:  # scored before the stop: still recorded
-            self.pump()
+        if self._scoring:  # scored before the stop: still recorded (a shared round's shards handed in)
+            self._scored()
+        if self.board is not None:
+            self.board.leave()
         if self._on_close is not None:
             self._on_close()

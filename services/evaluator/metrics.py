@@ -91,7 +91,10 @@ class EvalMetrics:
             "vcpo_eval_gpu_hours", "GPU-hours of the run when the newest evaluated version was published", s
         )
         self.rounds = metrics.counter(
-            "vcpo_eval_rounds_total", "Evaluation rounds (every set at one version), by outcome", ["outcome"]
+            "vcpo_eval_rounds_total",
+            "Evaluation rounds (the sets due at one version), by outcome; shared: each replica counts its "
+            "part of a round (the shards it generated)",
+            ["outcome"],
         )
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome)

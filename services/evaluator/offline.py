@@ -16,6 +16,7 @@ from typing import Any
 from services.common.prompts import PromptEncoder
 from services.common.redis_server import LocalRedis
 from services.evaluator.build import ENGINE_SEED_OFFSET, evaluation_agent
+from services.evaluator.capacity import requests_in_flight
 from services.evaluator.evaluator import Evaluator
 from services.evaluator.sets import load_eval_sets
 from services.reward.pool import ScoringPool
@@ -52,7 +53,8 @@ def evaluate_model(
             eval_sets,
             pool.score_many,
             encoder=encoder,
-            max_in_flight=max(cfg.evaluation.max_requests_in_flight, 256),
+            # the command owns its engine: as many requests as it batches (at least 256)
+            max_in_flight=max(requests_in_flight(cfg.evaluation, engine.batch_limit or 256), 256),
             agent=evaluation_agent(cfg, engine, encoder, environments),
         )
         t0 = time.monotonic()

@@ -10,9 +10,10 @@ import redis
 class EvalSchedule:
     """Which versions each set is evaluated at: version 0 (``at_start``), then the first version an evaluator
     meets in every bucket ``[b * every, (b + 1) * every)``, b >= 1, of that set's ``every``. One claim per set
-    and bucket across the run (Redis ``SET NX``, kept across restarts), so two replicas never evaluate the
-    same one; a round abandoned or cut short is not retried in its bucket (a budget too small for the sets
-    would otherwise delay every version)."""
+    and bucket across the run (Redis ``SET NX``, kept across restarts), so a bucket is evaluated at one
+    version only: by the claimer alone (:meth:`claim`: the dedicated evaluator) or by every replica serving
+    that version (:meth:`due`: shared rounds, split into shards). A round abandoned or cut short is not
+    retried in its bucket (a budget too small for the sets would otherwise delay every version)."""
 
     def __init__(
         self,
@@ -42,6 +43,22 @@ class EvalSchedule:
         for name, bucket, key in list(self._open(version)):
             self._decided.add((name, bucket))
             if self.client is None or self.client.set(key, f"{self.owner}@{version}", nx=True):
+                due.append(name)
+        return due
+
+    def due(self, version: int) -> list[str]:
+        """The sets due at ``version`` (in the order they were given): those this process claims for it now and
+        those another replica claimed for this very version. Every replica serving a version a set was
+        claimed at takes part in that set's round (shards.py): the claim decides the version, not who
+        evaluates."""
+        due = []
+        for name, bucket, key in list(self._open(version)):
+            self._decided.add((name, bucket))
+            if self.client is None or self.client.set(key, f"{self.owner}@{version}", nx=True):
+                due.append(name)
+                continue
+            held = self.client.get(key)
+            if isinstance(held, bytes) and held.decode().rsplit("@", 1)[-1] == str(version):
                 due.append(name)
         return due
 

@@ -1,9 +1,10 @@
 """Evaluation as a sampler replica's co-tenant (``[evaluation] placement = "shared"``).
 
-The replica that loads a due version starts a round in its own engine beside its training groups (its
-requests share the engine's batches). It holds newer versions back until the round is generated, so every
-response comes from the version named, but at most ``max_delay_s``: past that the round is abandoned
-(counted) and the newer version is loaded, so evaluation never delays training beyond that budget. Scoring
+Every replica that loads a due version takes shards of its round (shards.py) into its own engine beside its
+training groups (its requests share the engine's batches). It holds newer versions back until its part is
+generated, so every response comes from the version named, but at most ``max_delay_s``: past that its part is
+abandoned (counted), its shards go back for a replica still serving the version, and the newer version is
+loaded, so evaluation never delays training beyond that budget. Scoring
 runs on a thread and holds nothing back. The replica finds this module by name
 (services/sampler/cotenant.py) and calls :func:`cotenant` with what it lends.
 """
