@@ -50,11 +50,20 @@ def with_ports_and_redis(cfg: SystemConfig, redis_url: str) -> SystemConfig:
 def prepare_model(cfg: SystemConfig) -> tuple[SystemConfig, str]:
     """The policy every service loads: ``run.model`` (hub id or path), or the tiny model built into the run
     directory; then, with ``launcher.warm_start_steps``, a supervised warm start on the sampler's dataset
-    (built once; a resumed run reuses it). Returns the config pointing at it and a description."""
+    (built once; a resumed run reuses it). Returns the config pointing at it and a description.
+
+    A hub id is downloaded here, once, and the services get its local snapshot directory instead of the id
+    (``deploy/model_fetch.py`` says where the files go on a cluster of several nodes)."""
+    from pathlib import Path
+
     from services.common.tiny_model import count_parameters, run_model
 
     base = run_model(cfg.run)
     what = base if cfg.run.model else f"{base} (tiny Qwen2, {count_parameters(base):,} parameters)"
+    if cfg.run.model and not Path(base).is_dir():
+        from deploy.model_fetch import fetch_policy
+
+        base, what = fetch_policy(cfg, base)
     la = cfg.launcher
     if la.warm_start_steps:
         from services.learner.warm_start import warm_start

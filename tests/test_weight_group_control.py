@@ -660,7 +660,11 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
 
     run_id = f"wg-shm-{time.monotonic_ns()}"
     wb = WeightBrokerConfig(
-        group_shared_memory=True, group_timeout_s=20, group_form_timeout_s=3, group_member_ttl_s=1.0
+        group_shared_memory=True,
+        group_timeout_s=20,
+        group_form_timeout_s=3,
+        group_member_ttl_s=1.0,
+        group_settle_s=0.0,  # one member: nothing to wait for
     )
     coordinator = coordinator_from_config(wb, redis_url, run_id, redis_client, torch.device("cpu"))
     # the publishers' planes: /dev/shm asked for, CUDA IPC on by default (used only with every member on one GPU)
@@ -1038,3 +1042,126 @@ def test_a_background_broadcasts_own_error_is_a_failed_broadcast_not_the_next_ve
     with pytest.raises(TransferFailed, match="No space left on device") as raised:
         publisher.wait()
     assert not isinstance(raised.value, VersionNotSent)
+
+
+def _settling(
+    registry: GroupRegistry, settle_s: float, settle_max_s: float = 30.0, form_timeout_s: float = 3
+) -> tuple[GroupCoordinator, list[tuple[float, str]]]:
+    """A coordinator that forms once the members have settled, and the times of its events."""
+    events: list[tuple[float, str]] = []
+    coordinator = GroupCoordinator(
+        registry,
+        "127.0.0.1",
+        "gloo",
+        timeout_s=20,
+        form_timeout_s=form_timeout_s,
+        bucket_bytes=8192,
+        on_event=lambda event: events.append((time.monotonic(), event)),
+        settle_s=settle_s,
+        settle_max_s=settle_max_s,
+    )
+    return coordinator, events
+
+
+def _polling(
+    coordinator: GroupCoordinator, seconds: float, until: Callable[[], bool] = lambda: False
+) -> None:
+    """Ask the coordinator as the learner does between steps, every 50 ms, for ``seconds`` or until ``until``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not until():
+        coordinator.publisher()
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_members_registering_in_a_burst_form_one_epoch_not_one_each(registry: GroupRegistry) -> None:
+    """Samplers register one after another at start-up, each as its engine has loaded version 0: the
+    coordinator forms once, with all of them, after the last registration has settled; not an epoch per
+    registration, each dropping the one before and holding the members already in it in a new join."""
+    coordinator, events = _settling(registry, settle_s=1.5)
+    receivers = [Receiver(registry, f"sampler-{i}.{name}") for i, name in enumerate("abc")]
+    with _stopping(coordinator, *receivers):
+        for r in receivers:  # 0.4 s apart, the coordinator asked every 50 ms throughout
+            r.start()
+            _polling(coordinator, 5, lambda r=r: r.seat.member.id in registry.live())
+            _polling(coordinator, 0.4)
+        _polling(coordinator, 20, lambda: coordinator.members != frozenset())
+        _polling(coordinator, 2.0)  # and nothing forms again while they stay as they are
+        assert coordinator.members == {r.seat.member.id for r in receivers}
+        assert [event for _, event in events] == ["formed"]
+        assert coordinator._made == coordinator.epoch  # one epoch taken: the one formed
+        _publish(coordinator, 4)
+        _until("version 4 everywhere", lambda: all(r.versions() == [4] for r in receivers))
+
+
+def test_a_member_registering_after_the_group_formed_is_taken_in_once_the_members_settled(
+    registry: GroupRegistry,
+) -> None:
+    """One more sampler after the group formed (a replica restarted, a late engine): the epoch in place goes
+    on carrying versions to its members until the new one has been registered ``settle_s``, then one new
+    epoch forms with it."""
+    settle_s = 1.5
+    coordinator, events = _settling(registry, settle_s=settle_s)
+    a, d = Receiver(registry, "sampler-0.a"), Receiver(registry, "sampler-3.d")
+    with _stopping(coordinator, a, d):
+        a.start()
+        _polling(coordinator, 20, lambda: coordinator.members == {a.seat.member.id})
+        first = coordinator.epoch
+        joined_at = time.monotonic()
+        d.start()
+        _polling(coordinator, 5, lambda: d.seat.member.id in registry.live())
+        # registered, not yet settled: the epoch in place stays, and still carries versions to its members
+        assert coordinator.publisher() is not None and coordinator.epoch == first
+        _publish(coordinator, 1)
+        _until("version 1 at a", lambda: a.versions() == [1])
+        _polling(coordinator, 20, lambda: coordinator.epoch != first)
+        formed = [t for t, event in events if event == "formed"]
+        assert [event for _, event in events] == ["formed", "formed"]
+        assert formed[1] - joined_at >= settle_s, formed[1] - joined_at
+        assert coordinator.members == {a.seat.member.id, d.seat.member.id}
+        _publish(coordinator, 2)
+        _until("version 2 at both", lambda: a.versions() == [1, 2] and d.versions() == [2])
+
+
+def test_members_that_never_stop_changing_still_form_after_the_settle_bound(registry: GroupRegistry) -> None:
+    """A new member every 0.5 s never leaves the members settled for ``settle_s`` (1 s): the coordinator forms
+    ``settle_max_s`` after they first differed from the group's, not later, and not earlier."""
+    settle_max_s = 2.5
+    coordinator, _ = _settling(registry, settle_s=1.0, settle_max_s=settle_max_s, form_timeout_s=1)
+    members: list[Member] = []
+    with _stopping(coordinator):
+        t0 = time.monotonic()
+        started = None
+        while started is None and time.monotonic() < t0 + settle_max_s + 5:
+            if len(members) <= (time.monotonic() - t0) / 0.5:
+                members.append(Member(f"sampler-{len(members)}.churn"))
+            for m in members:  # registered, and kept alive (they never arrive: this forming fails, after 1 s)
+                registry.heartbeat(m)
+            coordinator.publisher()
+            if coordinator._forming is not None:
+                started = time.monotonic()
+            time.sleep(0.05)
+        assert started is not None, "no forming started"
+        assert settle_max_s <= started - t0 <= settle_max_s + 1.5, started - t0
+        assert len(members) >= 5  # still changing when it started
+        _until("the forming to end", lambda: coordinator._forming is None or coordinator._forming.done())
+
+
+def test_the_settle_settings_reach_the_learners_coordinator_and_bad_ones_name_their_keys(
+    registry: GroupRegistry, redis_client: redis.Redis, redis_url: str
+) -> None:
+    from pydantic import ValidationError
+
+    from services.weight_broker.config import WeightBrokerConfig
+    from services.weight_broker.group_control import coordinator_from_config
+
+    wb = WeightBrokerConfig(group_settle_s=2.0, group_settle_max_s=20.0)
+    c = coordinator_from_config(wb, redis_url, "wg-settle", redis_client, torch.device("cpu"))
+    assert (c.settle_s, c.settle_max_s) == (2.0, 20.0)
+    c.close()
+    default = WeightBrokerConfig()
+    assert 0 < default.group_settle_s <= default.group_settle_max_s
+    with pytest.raises(ValidationError, match=r"group_settle_max_s = 1 is less than.*group_settle_s = 2"):
+        WeightBrokerConfig(group_settle_s=2.0, group_settle_max_s=1.0)
+    with pytest.raises(ValueError, match=r"weight_broker\.group_settle_s, weight_broker\.group_settle_max_s"):
+        GroupCoordinator(registry, "127.0.0.1", settle_s=-1.0)

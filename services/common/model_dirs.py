@@ -24,15 +24,22 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+# The files of a hub model that the services load: config and generation config, tokenizer (JSON, merges,
+# sentencepiece), chat template, safetensors weights. Not *.bin / *.pt / *.h5 / *.gguf copies of the same
+# weights, which many repositories also carry and which would double or triple the download.
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
+
 
 def resolve_model_dir(model: str) -> Path:
-    """A local directory as given; a hub id as its local snapshot (downloaded if needed)."""
+    """A local directory as given; a hub id as its local snapshot (downloaded if needed). The launcher hands
+    every service a local directory (``deploy/model_fetch.py``), so a hub id reaches here only where a service
+    is started on its own."""
     path = Path(model)
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    return Path(snapshot_download(model, allow_patterns=list(MODEL_FILES)))
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:

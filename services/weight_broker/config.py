@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field, PositiveFloat, model_validator
 
 from services.common.config import Section, ServiceConfig
 
@@ -65,6 +65,20 @@ class WeightBrokerConfig(Section):
     group_form_timeout_s: float = Field(
         30.0, gt=0, description="collective: how long members wait for each other when a group forms."
     )
+    group_settle_s: float = Field(
+        3.0,
+        ge=0,
+        description="collective: learner rank 0 forms a new epoch only once the registered members have not "
+        "changed for this long, so samplers registering one after another (at start-up, each as its engine "
+        "has loaded version 0) make one epoch, not one each, every one holding the engines of those already "
+        "in it in their joins; meanwhile versions go to those not in a group through the broker. 0 = at once.",
+    )
+    group_settle_max_s: float = Field(
+        30.0,
+        gt=0,
+        description="collective: the longest a change of the members waits for them to settle "
+        "(group_settle_s): members that keep changing form an epoch after this long anyway.",
+    )
     group_bucket_mb: int = Field(256, ge=1, description="collective: MiB per broadcast bucket.")
     group_digests: bool = Field(
         True,
@@ -100,6 +114,16 @@ class WeightBrokerConfig(Section):
         description="Custom Ray resources the broker's actor asks for, e.g. {vcpo_broker = 1}: it runs only "
         "on a node that offers them (the Helm chart's head pod, whose IP it advertises).",
     )
+
+    @model_validator(mode="after")
+    def _settle_bounded(self) -> WeightBrokerConfig:
+        if self.group_settle_max_s < self.group_settle_s:
+            raise ValueError(
+                f"weight_broker.group_settle_max_s = {self.group_settle_max_s:g} is less than "
+                f"weight_broker.group_settle_s = {self.group_settle_s:g}: the members could never be seen "
+                "settled before the bound; raise group_settle_max_s or lower group_settle_s"
+            )
+        return self
 
 
 def broker_host(wb: WeightBrokerConfig) -> str:

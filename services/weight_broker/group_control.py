@@ -12,8 +12,15 @@
 
 The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
 no group and some receiver is alive, or when the live members differ from the group's: one joined, one's
-heartbeat expired, or one restarted (a restarted process registers under a new id). Forming runs in a
-background thread; until it is done the learner publishes through the broker, so it never waits for a group.
+heartbeat expired, or one restarted (a restarted process registers under a new id). It does so once the
+registered members have stayed the same for ``settle_s`` (``weight_broker.group_settle_s``), or have kept
+changing for ``settle_max_s``: samplers register one by one as their engines finish loading version 0, and
+forming at each registration would drop the epoch every time and hold the engines already in it in a join
+(each up to ``form_timeout_s``), one of them busy loading perhaps missing its arrival, which leaves it out
+for a while. Until a change has settled, a group whose members only grew goes on carrying versions to its
+members (the new ones get theirs through the broker); one that lost a member is left at once, since its
+broadcasts cannot reach every rank. Forming runs in a background thread; until it is done the learner
+publishes through the broker, so it never waits for a group.
 A broadcast that fails closes the group on every member; the next publish goes through the broker and forms
 a new epoch. Members that did not arrive in time, or where the ranks could not connect those new since the
 last epoch that formed, are left out of the next attempts for a while: 3 heartbeat lifetimes, twice that
@@ -84,13 +91,28 @@ class GroupCoordinator:
         shared_memory: bool = False,
         cuda_ipc: bool = False,
         wait_budget_s: float | None = None,
+        settle_s: float = 0.0,
+        settle_max_s: float = 30.0,
     ) -> None:
-        """``wait_budget_s``: how long rank 0 waits for a broadcast in flight (before the next version, or to
+        """``settle_s``, ``settle_max_s``: a new epoch forms once the registered members have not changed for
+        ``settle_s``, or ``settle_max_s`` after they first differed from the group's (module docstring).
+
+        ``wait_budget_s``: how long rank 0 waits for a broadcast in flight (before the next version, or to
         leave its epoch) while the other learner ranks wait for it inside a collective, whose timeout
         (``learner.collective_timeout_s``) would end them; one still in flight then is aborted, counted as
         failed, and its thread waited for at most the budget again (``CollectivePublisher.abort_overdue``).
         None: as long as it takes (each step of a broadcast is bounded by ``timeout_s``)."""
         GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
+        if not 0 <= settle_s <= settle_max_s:
+            raise ValueError(
+                f"weight group settle time {settle_s:g}s must be >= 0 and at most its bound {settle_max_s:g}s "
+                "(weight_broker.group_settle_s, weight_broker.group_settle_max_s)"
+            )
+        self.settle_s, self.settle_max_s = settle_s, settle_max_s
+        # the registered members last seen and since when; since when they have differed from the group's
+        self._seen: frozenset[str] | None = None
+        self._seen_at = 0.0
+        self._unsettled_since: float | None = None
         self.wait_budget_s = wait_budget_s
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
@@ -134,14 +156,21 @@ class GroupCoordinator:
             self.failed(failure or TransferFailed(f"epoch {self.epoch} closed after a failed broadcast"))
             formed = None
         if self._forming is None and time.monotonic() >= self._next_attempt:
-            live = self._eligible()
+            carried = self._carried(self.registry.live())
+            live = self._eligible(carried)
+            change = bool(live) and (formed is None or set(live) != formed.members)
+            if not change:
+                self._unsettled_since = None
             if formed is not None and not live:
                 self._drop("no receiver is alive")
-            elif live and (formed is None or set(live) != formed.members):
-                if formed is not None:
-                    added, gone = set(live) - formed.members, formed.members - set(live)
-                    self._drop(f"members changed (joined: {sorted(added)}, left: {sorted(gone)})")
-                self._forming = self._pool.submit(self._form, live)
+            elif change:
+                gone = formed.members - set(live) if formed is not None else set()
+                if gone:  # its broadcasts cannot reach every rank: no use waiting with it
+                    self._drop(f"members left: {sorted(gone)}")
+                if self._settled(frozenset(carried)):
+                    if self._formed is not None:
+                        self._drop(f"members joined: {sorted(set(live) - self._formed.members)}")
+                    self._forming = self._pool.submit(self._form, live)
         publisher = self._formed.publisher if self._formed is not None else None
         if ready and publisher is not None:
             try:
@@ -189,8 +218,23 @@ class GroupCoordinator:
     def _carried(self, live: dict[str, Member]) -> dict[str, Member]:
         return {i: m for i, m in live.items() if self.backend != "nccl" or m.devices == "cuda"}
 
-    def _eligible(self) -> dict[str, Any]:
-        now, live = time.monotonic(), self._carried(self.registry.live())
+    def _settled(self, registered: frozenset[str]) -> bool:
+        """Whether the registered members (left-out ones included: their exclusion ending is no change) have
+        been ``registered`` for ``settle_s``, or have differed from the group's for ``settle_max_s``. Called
+        while they differ from the group's."""
+        now = time.monotonic()
+        if registered != self._seen:
+            self._seen, self._seen_at = registered, now
+        if self._unsettled_since is None:
+            self._unsettled_since = now
+        if now - self._seen_at >= self.settle_s or now - self._unsettled_since >= self.settle_max_s:
+            self._unsettled_since = None
+            return True
+        return False
+
+    def _eligible(self, carried: dict[str, Member] | None = None) -> dict[str, Any]:
+        now = time.monotonic()
+        live = self._carried(self.registry.live()) if carried is None else carried
         # dead ids are not kept; one absent only for a moment (Redis restarted: its set is back at the next
         # heartbeats) keeps its record until its exclusion has run out
         for gone in [i for i, until in self._excluded.items() if i not in live and until <= now]:
@@ -360,4 +404,6 @@ def coordinator_from_config(
         shared_memory=wb.group_shared_memory,
         cuda_ipc=wb.group_cuda_ipc,
         wait_budget_s=wait_budget_s,
+        settle_s=wb.group_settle_s,
+        settle_max_s=wb.group_settle_max_s,
     )
