@@ -6,7 +6,7 @@ in any table is caught before anything starts.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,21 @@ class LauncherConfig(Section):
         "fetch: raise it for large models (vLLM's own engine start is bounded by VLLM_ENGINE_READY_TIMEOUT_S, "
         "600 s by default, set in the services' environment).",
     )
+    cluster_fit: Literal["refuse", "warn"] = Field(
+        "refuse",
+        description="What the launcher does, once Ray is up and before any model is downloaded, with a run that "
+        "asks for more than the Ray cluster has (GPUs, CPUs, the services' ray_resources; in total, and per "
+        "node for what one process needs): refuse it, naming both figures and the keys to change; or warn and "
+        "start anyway, for a cluster whose autoscaler adds nodes for what waits (one that reports its largest "
+        "size to Ray is compared with that size by itself, and only warned about below it).",
+    )
+    unplaced_report_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a learner, sampler replica, evaluator or reward replica may wait for Ray to place "
+        "it (its GPUs or CPUs held by something else) before the launcher names it and says what each node "
+        "has free; the start still waits up to start_timeout_s, whose error then names it too.",
+    )
     max_restarts: int = Field(
         10,
         ge=0,
@@ -67,7 +82,11 @@ class LauncherConfig(Section):
     stop_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="Longest wait for each service to stop (samplers, reward, the learner's checkpoint).",
+        description="Longest wait for each service to stop (evaluator, samplers, reward, learner). The learner's "
+        "wait is this or, where longer, the time its final checkpoint takes to write: the model's parameters "
+        "× 12 B (ZeRO-3's fp32 master weights and AdamW moments; ~91 GB at 7B) at 200 MB/s, plus 60 s "
+        "(deploy/launcher_stopping.py); the launcher prints the wait it uses. Raise it where the checkpoint "
+        "volume writes slower than 200 MB/s. A learner killed mid-checkpoint resumes from the previous one.",
     )
     sequential_start: bool = Field(
         False,

@@ -36,9 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from deploy.preflight import ClusterFitError
+    from deploy.preflight_nodes import NodeCheckError
     from deploy.ray_launcher import RayLauncher
 
-    return RayLauncher(cfg).run()
+    try:
+        return RayLauncher(cfg).run()
+    except (ClusterFitError, NodeCheckError) as exc:  # the run asks for what the cluster cannot give
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Start-up order (:meth:`Services.up`):
 
-    Redis ─► Ray ─► model + config.resolved.json ─► streams and consumer groups (slots of dead samplers given
-    back) ─► weight broker ─┬► learner (rank 0 has published its version) ─┬► dedicated evaluator, if any
+    Redis ─► Ray ─► the run fits the cluster, its nodes' run_dir and /dev/shm (deploy/preflight*.py) ─► model
+    + config.resolved.json ─► streams and consumer groups (slots of dead samplers given back) ─►
+
+             weight broker ─┬► learner (rank 0 has published its version) ─┬► dedicated evaluator, if any
                             ├► reward (Serve app)                           │  (holds version 0) ─► samplers
                             └► samplers, unless they wait for the evaluator ┴► every sampler replica past
                                                                                STARTING ─► Prometheus targets
@@ -15,8 +17,10 @@ for the learner instead when a dedicated evaluator must hold version 0 before tr
 a sampler or a learner rank asks for a fraction of a GPU (they may share one, whose free memory vLLM sizes
 its cache from as it starts). ``launcher.sequential_start`` starts each only once the one before is up.
 
-Each wait polls every 0.5 s, up to 600 s: a service that finishes (fails) while it is awaited raises, and a
-stop request (Ctrl-C) meanwhile raises KeyboardInterrupt, so the launcher goes straight to stopping. The
+Before anything is downloaded or loaded, a run that cannot fit the Ray cluster (GPUs, CPUs, per node) is
+refused, as is a multi-node run whose run_dir a node does not share, or nodes whose /dev/shm cannot stage a
+weight version. Each wait polls every 0.5 s up to ``launcher.start_timeout_s`` and names what Ray has not
+placed (deploy/launcher_waits.py); a stop request (Ctrl-C) meanwhile goes straight to stopping. The
 stops are one method per service (``stop_*``), in the order the launcher calls them: evaluator, samplers,
 reward, learner (which checkpoints), broker, Ray, Redis. A stop that waits on the service's run gives it
 ``launcher.stop_timeout_s`` and logs, rather than raises, a failure: the run is stopping anyway.
@@ -30,9 +34,8 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 
@@ -40,8 +43,11 @@ from deploy.config import SystemConfig, section
 from deploy.launcher_restarts import LauncherMetrics
 from deploy.launcher_setup import init_ray, prepare_model, with_ports_and_redis
 from deploy.launcher_starting import Starting
-from deploy.launcher_stopping import Stopping
+from deploy.launcher_stopping import Stopping, learner_checkpoint_bytes, learner_stop_wait
+from deploy.launcher_waits import Waits
 from deploy.metrics_log import MetricsLog
+from deploy.preflight import preflight_cluster
+from deploy.preflight_nodes import NodeChecks
 from deploy.targets import prometheus_targets, write_prometheus_targets
 from services.common.admission import AdmissionCounter
 from services.common.clock import RunClock
@@ -50,12 +56,12 @@ from services.common.redis_server import LocalRedis
 from services.common.starts import clear as clear_starts
 from services.common.streams.consumer import StreamConsumer
 from services.common.streams.specs import StreamSpec, connect, stream_specs
+from services.learner.checkpoints import committed_step
 
 log = logging.getLogger("vcpo.launch")
-T = TypeVar("T")
 
 
-class Services:
+class Services(Waits):
     """Handles to the run's services (actors, their runs, the Serve app, the local Redis) and the state the
     launcher keeps about them: the config as resolved at start-up, the launcher's own restarts, and
     ``summary``, the run's summary.json, to which each stop adds its service's last figures."""
@@ -130,10 +136,18 @@ class Services:
         self.say("redis", where)
         self.say("ray", init_ray(self.cfg))
         self.stopping.install()  # again: ray.init puts its own SIGTERM handler in place of ours
+        # before any model is downloaded or loaded: a run the cluster cannot hold is refused in seconds
+        self.say("cluster", preflight_cluster(cfg))
+        nodes = NodeChecks(cfg)
+        for name, line in (("nodes", nodes.run()), ("staging", nodes.check_staging(cfg.run.model))):
+            if line:
+                self.say(name, line)
 
         cfg, what = prepare_model(with_ports_and_redis(cfg, url))
         self.cfg = cfg
         self.say("model", what)
+        if line := nodes.check_staging(cfg.run.model):  # a model sized only once it is here
+            self.say("staging", line)
         self.say("config", str(write_resolved(cfg, self.run_dir)))
 
         self.specs = stream_specs(cfg.run, cfg.streams)
@@ -230,6 +244,7 @@ class Services:
         from services.learner.config import LearnerServiceConfig
         from services.learner.ray_group import LearnerGroup
 
+        self.learner_room()  # LearnerGroup waits for its placement group silently: see launcher_waits.py
         self.learner = LearnerGroup(section(self.cfg, LearnerServiceConfig), generation=generation)
         self.learner.start(self.cfg.launcher.max_steps)
 
@@ -275,94 +290,6 @@ class Services:
         )
         return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
 
-    def wait_samplers(self, timeout_s: float | None = None) -> None:
-        """Until every sampler replica has its engine and weights (its status is past STARTING)."""
-        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
-        import ray
-
-        def ready() -> bool | None:
-            _raise_if_finished(self.sampler_runs, "a sampler finished before it generated")
-            statuses = ray.get([a.status.remote() for a in self.samplers], timeout=60)
-            return True if all(s["state"] != "STARTING" for s in statuses) else None
-
-        self._await(
-            ready,
-            timeout_s,
-            f"the samplers were not generating after {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
-        )
-
-    def wait_evaluator(self, timeout_s: float | None = None) -> None:
-        """Until the dedicated evaluator has its engine and the version the learner published at start."""
-        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
-        import ray
-
-        def ready() -> int | None:
-            _raise_if_finished([self.evaluator_run], "the evaluator finished before it evaluated")
-            version: int | None = ray.get(self.evaluator.first_version.remote(), timeout=60)
-            return version
-
-        self._await(
-            ready,
-            timeout_s,
-            f"the evaluator was not following the versions after {timeout_s:.0f}s; see "
-            f"{self.run_dir / 'logs' / 'evaluator.log'}",
-        )
-
-    def wait_learner(self, timeout_s: float | None = None) -> int:
-        """Until learner rank 0 has published its version at start (0, or its checkpoint's after a restart);
-        returns it."""
-        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
-
-        def ready() -> int | None:
-            # a rank that failed at start raises here
-            _raise_if_finished(self.learner.runs, "the learner finished before it published a version")
-            version = self.learner.started()
-            return None if version is None else int(version)
-
-        return self._await(
-            ready,
-            timeout_s,
-            f"the learner published no version in {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
-        )
-
-    def wait_reward(self, timeout_s: float | None = None) -> None:
-        """Until the reward app's deployment (started by :meth:`up`) has its replicas ready."""
-        timeout_s = self.cfg.launcher.start_timeout_s if timeout_s is None else timeout_s
-        start = self.reward_start
-        assert start is not None
-
-        def ready() -> bool | None:
-            if not start.done(0):
-                return None
-            start.result()  # raises what the deploy raised
-            return True
-
-        self._await(
-            ready,
-            timeout_s,
-            f"the reward app was not ready after {timeout_s:.0f}s; see {self.run_dir / 'logs'}",
-        )
-
-    def _await(self, ready: Callable[[], T | None], timeout_s: float, late: str) -> T:
-        """Call ``ready`` every 0.5 s until it returns something other than None (it raises for a service that
-        failed meanwhile) and return that; a stop request raises KeyboardInterrupt, and ``timeout_s`` without
-        an answer TimeoutError(``late``). A call into an actor that did not answer in time (Ray's
-        GetTimeoutError: not placed yet, its GPUs still held or its node not joined) is not an answer."""
-        from ray.exceptions import GetTimeoutError
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                value = ready()
-            except GetTimeoutError:  # until 2026-11-27 this ended the whole start at once
-                value = None
-            if value is not None:
-                return value
-            if self.stopping.event.is_set():
-                raise KeyboardInterrupt
-            time.sleep(0.5)
-        raise TimeoutError(late)
-
     def watch_learner(self) -> None:
         timeout = self.cfg.launcher.learner_hang_timeout_s
         self.learner_watch = self.learner.watch(timeout) if timeout and self.learner is not None else None
@@ -376,10 +303,8 @@ class Services:
         return Path(lr.checkpoint_dir) if lr.checkpoint_dir else self.run_dir / "learner" / "checkpoints"
 
     def checkpoint_version(self) -> int:
-        """The newest checkpoint's step (= the version the learner resumes with), 0 without one."""
-        steps = self.checkpoints()
-        found = sorted(steps.glob("step*")) if steps.is_dir() else []
-        return int(found[-1].name.removeprefix("step")) if found else 0
+        """The step of the checkpoint the learner resumes from (= its version), 0 without one."""
+        return committed_step(self.checkpoints())
 
     # ------------------------------------------------------------------ down
     def close_metrics(self) -> None:
@@ -436,7 +361,10 @@ class Services:
         if self.learner is None:
             return
         self.learner.stop()
-        summaries = _get(self.learner.runs, self.cfg.launcher.stop_timeout_s, "learner") or []
+        checkpoint = learner_checkpoint_bytes(self.cfg.run.model, self.checkpoints())
+        wait = learner_stop_wait(self.cfg.launcher.stop_timeout_s, checkpoint)
+        print(f"  [..] learner        stopping; waiting up to {wait.detail}", flush=True)
+        summaries = _get(self.learner.runs, wait.seconds, "learner") or []
         rank0 = next((s for s in summaries if s.get("rank") == 0), None)
         self.summary["learner"] = rank0
         self.learner.shutdown()
@@ -464,16 +392,6 @@ class Services:
 def _fractional_gpus(cfg: SystemConfig) -> bool:
     """A sampler replica or a learner rank asks for part of a GPU: they may share one."""
     return 0 < cfg.sampler.gpus_per_replica < 1 or 0 < cfg.learner.gpus_per_rank < 1
-
-
-def _raise_if_finished(refs: list[Any], what: str) -> None:
-    """A service awaited at start-up that finished has failed: its error is raised, else ``what``."""
-    import ray
-
-    done, _ = ray.wait(refs, timeout=0)
-    if done:
-        ray.get(done)
-        raise RuntimeError(what)
 
 
 def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any] | None:

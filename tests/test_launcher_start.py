@@ -220,3 +220,33 @@ def test_every_learner_rank_imports_its_modules_before_rank_0_opens_the_rendezvo
         ("run", 1),
         ("run", 2),
     ]
+
+
+def test_a_start_up_wait_names_what_ray_has_not_placed_after_a_short_wait_and_in_its_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A service Ray has not placed (its GPUs held elsewhere) is named once launcher.unplaced_report_s has
+    passed, while the start waits on, and the timeout's error names it instead of the service's own "late"
+    message (which blamed an engine that never started)."""
+    cfg = SystemConfig.model_validate(
+        {"run": {"run_dir": str(tmp_path)}, "launcher": {"unplaced_report_s": 0.3}}
+    )
+    services = Services(cfg, Stopping(), {}, time.monotonic())
+    asked: list[float] = []
+
+    def pending() -> list[str]:
+        asked.append(time.monotonic())
+        return ["sampler replica 3: no node has 1 GPU free (free now: 10.0.0.1 0 of 8 GPU)"]
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        services._await(lambda: None, 1.5, "the samplers were not generating after 2s", pending)
+    assert str(err.value) == (
+        "not placed by Ray after 2s: sampler replica 3: no node has 1 GPU free (free now: 10.0.0.1 0 of 8 GPU)"
+    )
+    assert asked[0] - t0 >= 0.3 and len(asked) == 2  # once past the short wait, once at the timeout
+    said = capsys.readouterr().out
+    assert said.count("[..] not placed   sampler replica 3: no node has 1 GPU free") == 1
+    # all placed: the service's own message
+    with pytest.raises(TimeoutError, match=r"^the samplers were not generating after 1s$"):
+        services._await(lambda: None, 0.6, "the samplers were not generating after 1s", lambda: [])
