@@ -190,19 +190,27 @@ def validate(doc: dict[str, Any]) -> None:
         except kubernetes_validate.ValidationError as exc:
             raise AssertionError(f"{where}: {exc.message} at {list(exc.path)}") from None
     if doc["kind"] == "RayJob":  # the pod templates again, with the Kubernetes API's own (strict) schema
-        spec = doc["spec"]["rayClusterSpec"]
-        for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
-            pod = {
-                "apiVersion": "v1",
-                "kind": "PodTemplate",
-                "metadata": {"name": "x"},
-                "template": g["template"],
-            }
+        for name, template in pod_templates(doc):
+            pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}, "template": template}
             try:
                 kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
             except kubernetes_validate.ValidationError as exc:
-                name = g.get("groupName", "head")
-                raise AssertionError(f"{where}, group {name}: {exc.message} at {list(exc.path)}") from None
+                raise AssertionError(f"{where}, {name}: {exc.message} at {list(exc.path)}") from None
+
+
+def pod_templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The pod templates of a rendered object, by name: a RayJob's head and worker groups and its submitter
+    (where the chart writes one), a StatefulSet's or Deployment's template."""
+    if doc["kind"] in ("StatefulSet", "Deployment"):
+        return [(f"{doc['kind']} {doc['metadata']['name']}", doc["spec"]["template"])]
+    if doc["kind"] != "RayJob":
+        return []
+    spec = doc["spec"]["rayClusterSpec"]
+    found = [("group head", spec["headGroupSpec"]["template"])]
+    found += [(f"group {g['groupName']}", g["template"]) for g in spec["workerGroupSpecs"]]
+    if "submitterPodTemplate" in doc["spec"]:
+        found.append(("submitter", doc["spec"]["submitterPodTemplate"]))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------- tests
@@ -340,7 +348,7 @@ def test_group_resources_and_gpus() -> None:
     assert spec["enableInTreeAutoscaling"] is True
     sampler, learner, reward = group(docs, "sampler"), group(docs, "learner"), group(docs, "reward")
     assert (sampler["replicas"], container(sampler)["resources"]["limits"]["nvidia.com/gpu"]) == (4, 2)
-    assert (learner["replicas"], container(learner)["resources"]["limits"]["nvidia.com/gpu"]) == (2, 4)
+    assert (learner["replicas"], container(learner)["resources"]["limits"]["nvidia.com/gpu"]) == (1, 8)
     assert (reward["minReplicas"], reward["maxReplicas"]) == (2, 8)
     for g in (sampler, learner):
         pod = g["template"]["spec"]
@@ -356,6 +364,147 @@ def test_multi_gpu_run_file_uses_tensor_parallelism(tmp_path: Path) -> None:
     assert (cfg.sampler.tensor_parallel_size, cfg.sampler.gpus_per_replica, cfg.sampler.replicas) == (2, 2, 4)
     assert (cfg.learner.num_ranks, cfg.learner.gpus_per_rank) == (8, 1)
     assert (cfg.learner.truncation, cfg.learner.precision) == (8.0, "bf16")  # from extraConfig
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
+
+
+def tolerates(template: dict[str, Any], taint: dict[str, str]) -> bool:
+    """Whether a pod template tolerates ``taint`` (Kubernetes' matching: an empty key with Exists tolerates
+    every taint; an empty effect every effect)."""
+    for t in template["spec"].get("tolerations", []):
+        key_ok = (
+            t.get("key", "") in ("", taint["key"])
+            if t.get("operator") == "Exists"
+            else (t.get("key") == taint["key"] and t.get("value", "") == taint.get("value", ""))
+        )
+        if key_ok and t.get("effect", "") in ("", taint["effect"]):
+            return True
+    return False
+
+
+def test_every_pod_of_the_multi_gpu_release_tolerates_the_gpu_taint() -> None:
+    """multi-gpu-values.yaml is for a cluster whose GPU nodes are tainted: every pod the release makes (the Ray
+    head, each worker group, the RayJob's submitter, Redis) tolerates the taint, so none is left pending
+    where the GPU nodes are the only nodes; the submitter carries the private registry's pull secret too."""
+    docs = render(*scenario_args("multi-gpu-values.yaml"))
+    templates = [t for d in docs for t in pod_templates(d)]
+    names = {name for name, _ in templates}
+    assert {"group head", "group reward", "group sampler", "group learner", "submitter"} <= names
+    assert any(n.startswith("StatefulSet") for n in names)  # Redis
+    assert [name for name, t in templates if not tolerates(t, GPU_TAINT)] == []
+    job = one(docs, "RayJob")["spec"]
+    submitter = job["submitterPodTemplate"]["spec"]
+    assert job["submissionMode"] == "K8sJobMode" and submitter["restartPolicy"] == "Never"
+    assert submitter["imagePullSecrets"] == [{"name": "regcred"}]
+    assert submitter["containers"][0]["image"] == container(group(docs, "head"))["image"]
+    for doc in docs:
+        validate(doc)
+
+
+def test_tolerations_are_global_and_per_pod() -> None:
+    """The global `tolerations` reach every pod the chart renders, before each one's own, each once; without
+    them (and without pull secrets) the chart leaves KubeRay's default submitter alone."""
+    assert "submitterPodTemplate" not in one(render(), "RayJob")["spec"]
+    mine = {"key": "example.com/dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    env = "environments[0].server.command[0]=python"
+    docs = render(
+        "--set-json",
+        f"tolerations={json.dumps([gpu])}",
+        "--set-json",
+        f"reward.tolerations={json.dumps([mine, gpu])}",
+        "--set-json",
+        f"redis.tolerations={json.dumps([mine])}",
+        "--set",
+        "environments[0].name=calc",
+        "--set",
+        env,
+    )
+    found = {name: t["spec"].get("tolerations") for d in docs for name, t in pod_templates(d)}
+    assert any(n.startswith("Deployment") for n in found)  # the environment server
+    for name, tolerations in found.items():
+        want = [gpu, mine] if name in ("group reward", "StatefulSet r-vcpo-rl-redis") else [gpu]
+        assert tolerations == want, name
+    for doc in docs:
+        validate(doc)
+    out = helm("template", "r", str(CHART), "--set", "tolerations=gpu")
+    assert out.returncode != 0 and "tolerations" in errors(out)
+
+
+def test_a_learner_stays_on_one_node_unless_spreading_is_asked() -> None:
+    """ZeRO-3 gathers every weight for each micro-batch: a learner is kept on one node. multi-gpu-values.yaml
+    runs its 8 ranks in one pod; a learner of several pods gets a required podAffinity among its own pods
+    (one node); learner.spreadAcrossNodes opts in to spreading them (podAntiAffinity, preferred), and only
+    then may a learner need more GPUs than one node has."""
+    mg = scenario_args("multi-gpu-values.yaml")
+    learner = group(render(*mg), "learner")
+    assert learner["replicas"] == 1 and container(learner)["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "podAntiAffinity" not in learner["template"]["spec"].get("affinity", {})
+
+    pods = group(render(*mg, "--set", "learner.ranksPerPod=4"), "learner")
+    assert pods["replicas"] == 2
+    affinity = pods["template"]["spec"]["affinity"]
+    assert "podAntiAffinity" not in affinity
+    (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["labelSelector"]["matchLabels"]
+    assert selector.items() <= pods["template"]["metadata"]["labels"].items()  # the learner pods' own labels
+    assert selector["vcpo.io/component"] == "learner"
+    assert term["matchLabelKeys"] == ["ray.io/cluster"]  # this job's cluster, not a replaced one's
+
+    spread = group(
+        render(*mg, "--set", "learner.ranksPerPod=4", "--set", "learner.spreadAcrossNodes=true"), "learner"
+    )
+    affinity = spread["template"]["spec"]["affinity"]
+    assert "podAffinity" not in affinity
+    (pref,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    # a learner affinity of one's own replaces the chart's rule; other affinity is kept beside it
+    own = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    node = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}
+                ]
+            }
+        }
+    }
+    docs = render(*mg, "--set", "learner.ranksPerPod=4", "--set-json", f"learner.affinity={json.dumps(own)}")
+    assert group(docs, "learner")["template"]["spec"]["affinity"] == own
+    docs = render(*mg, "--set", "learner.ranksPerPod=4", "--set-json", f"learner.affinity={json.dumps(node)}")
+    assert group(docs, "learner")["template"]["spec"]["affinity"] == node | {"podAffinity": affinity_of(term)}
+    for doc in docs:
+        validate(doc)
+
+    # 16 ranks cannot be on one node of 8 GPUs: refused unless spreading is asked
+    big = (
+        *mg,
+        "--set",
+        "learner.ranks=16,learner.ranksPerPod=8",
+        "--set",
+        "gpuNodes.count=3",
+    )
+    out = helm("template", "r", str(CHART), *big)
+    assert out.returncode != 0 and "set learner.spreadAcrossNodes = true" in errors(out), errors(out)
+    assert helm("template", "r", str(CHART), *big, "--set", "learner.spreadAcrossNodes=true").returncode == 0
+
+
+def affinity_of(term: dict[str, Any]) -> dict[str, Any]:
+    return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+
+
+def test_the_gpu_node_checks_are_off_at_zero() -> None:
+    """gpuNodes.count, gpusPerNode and gpuMemoryGB of 0 turn their checks off (a cluster the release does not
+    size itself against)."""
+    for flags in (
+        ["sampler.replicas=7"],  # count 0, the default
+        ["gpuNodes.gpusPerNode=0", "sampler.replicas=7"],
+        ["gpuNodes.gpuMemoryGB=0", "learner.ranks=1", "learner.ranksPerPod=1"],
+    ):
+        out = helm("template", "r", str(CHART), *[a for f in flags for a in ("--set", f)])
+        assert out.returncode == 0, (flags, errors(out))
 
 
 def test_rayjob_runs_the_launcher_against_its_cluster(tmp_path: Path) -> None:
@@ -679,7 +828,8 @@ def test_evaluation_sets_come_from_values_with_their_sampling_settings(tmp_path:
     # the evaluator's pod: the samplers' GPUs (its engine is theirs), its own resources, their scheduling
     pod = group(docs, "evaluator")["template"]
     res = pod["spec"]["containers"][0]["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 2 == ev.gpus
+    samplers = container(group(docs, "sampler"))["resources"]["limits"]["nvidia.com/gpu"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == samplers == 1 == ev.gpus
     assert (res["limits"]["cpu"], res["limits"]["memory"]) == ("8", "64Gi")
     assert pod["spec"]["tolerations"] == group(docs, "sampler")["template"]["spec"]["tolerations"]
     assert pod["metadata"]["labels"]["vcpo.io/component"] == "evaluator"
@@ -786,6 +936,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["run.groupsPerStep=0"], "/run/groupsPerStep"),
         (["run.kk=3"], "kk"),
         (["sampler.gpusPerReplica=-1"], "/sampler/gpusPerReplica"),
+        (["sampler.maxRequestsInFlight=-1"], "/sampler/maxRequestsInFlight"),
         (["learner.objective=ppo"], "/learner/objective"),
         (["sampler.service.type=Ingress"], "/sampler/service/type"),
         (["redis.auth.password=p@ss/word"], "/redis/auth/password"),
@@ -808,6 +959,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["learner.ranks=3", "learner.ranksPerPod=2", "run.groupsPerStep=8"], "not a multiple of"),
         (["learner.ranks=4", "learner.ranksPerPod=4", "run.groupsPerStep=2"], "run.groupsPerStep = 2"),
         (["reward.minReplicas=3", "reward.maxReplicas=2"], "reward.maxReplicas = 2"),
+        (["sampler.maxRequestsInFlight=4"], "sampler.maxRequestsInFlight = 4 is below sampler.groupSize = 8"),
         # a GPU learner with CPU samplers: every replica's engine would open cuda:0 beside the learner
         (
             ["sampler.gpusPerReplica=0", "rayCluster.shmSize=64Mi"],
@@ -831,6 +983,14 @@ def test_generated_secrets_are_kept_or_given() -> None:
             "sampler.resources.limits.memory = 16Gi is below the 21Gi",
         ),
         (["run.model=/data/models/ckpt"], "set modelSize.parameters"),
+        # pods against the GPU nodes the release states (templates/_hardware.tpl)
+        (["gpuNodes.count=1", "sampler.replicas=7"], "the pods ask for 9 GPUs"),
+        (["gpuNodes.gpusPerNode=1", "sampler.gpusPerReplica=2"], "sampler.gpusPerReplica = 2 is more than"),
+        (["learner.ranks=16", "learner.ranksPerPod=16", "run.groupsPerStep=16"], "a learner pod asks for"),
+        (
+            ["learner.ranks=1", "learner.ranksPerPod=1", "gpuNodes.gpuMemoryGB=16"],
+            "the learner cannot fit its GPUs",
+        ),
     ],
 )
 def test_bad_values_fail_at_install(flags: list[str], message: str) -> None:
@@ -1008,8 +1168,14 @@ SIZING_CASES = {  # name: (flags, minimums); a case that sets rayCluster.shmSize
         ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4", "rayCluster.shmSize=48Gi"),
         minimums(7 * 1.1, gpus=4, shm_gi=48),
     ),
+    # (the learner's GPUs, which 2 ranks of 72B would not fit, are not what these size: gpuNodes' check is off)
     "72B, tensor parallel 8, one host copy (/dev/shm 600Gi)": (
-        ("run.model=Qwen/Qwen2.5-72B", "sampler.gpusPerReplica=8", "rayCluster.shmSize=600Gi"),
+        (
+            "run.model=Qwen/Qwen2.5-72B",
+            "sampler.gpusPerReplica=8",
+            "rayCluster.shmSize=600Gi",
+            "gpuNodes.gpuMemoryGB=0",
+        ),
         minimums(72 * 1.1, gpus=8, shm_gi=600),
     ),
     "72B, tensor parallel 8, a CPU learner: gloo, a copy per GPU worker (/dev/shm 600Gi)": (
@@ -1081,6 +1247,7 @@ def test_one_host_copy_per_sampler_pod_from_three_versions_of_shm() -> None:
     each worker may keep its own copy: still a valid install, with the larger minimum; the errors name both."""
     big = (
         *("--set", "run.model=Qwen/Qwen2.5-72B", "--set", "sampler.gpusPerReplica=8"),
+        *("--set", "gpuNodes.gpuMemoryGB=0"),  # the learner's GPUs (2 ranks of 72B) are not what this sizes
         *("--set", "head.resources.limits.memory=451Gi", "--set", "head.resources.requests.memory=451Gi"),
         *(
             "--set",
@@ -1169,9 +1336,10 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
 
 def test_the_evaluator_and_the_shared_volume_are_sized_too() -> None:
     evaluation = ("-f", str(CHART / "ci" / "evaluation-values.yaml"))
-    # the evaluator's engine is the samplers' (2 GPUs); it takes its versions from the broker, not the group
-    need = minimums(7 * 1.1, gpus=2)["evaluator"]
-    assert need == 54
+    # the evaluator's engine is the samplers' (1 GPU); it takes its versions from the broker, not the group
+    gpus = scenario_values("evaluation-values.yaml")["sampler"]["gpusPerReplica"]
+    need = minimums(7 * 1.1, gpus=gpus)["evaluator"]
+    assert (gpus, need, minimums(7 * 1.1, gpus=2)["evaluator"]) == (1, 52, 54)
     render(*evaluation, "--set", f"evaluation.evaluator.resources.limits.memory={need}Gi")
     out = helm(
         "template",
@@ -1284,3 +1452,15 @@ def test_the_weight_groups_members_take_a_security_context_for_nccl_over_infinib
     assert container(group(docs, "evaluator"))["securityContext"] == own
     out = helm("template", "r", str(CHART), "--set", "learner.securityContext=IPC_LOCK")
     assert out.returncode != 0 and "/learner/securityContext': got string, want object" in errors(out)
+
+
+def test_the_samplers_request_cap_reaches_the_run_file(tmp_path: Path) -> None:
+    """sampler.maxRequestsInFlight is the run file's sampler.max_requests_in_flight (0 by default: the engine's
+    batch limit), the training side of a shared engine that the evaluator's start-up rule weighs."""
+    _, cfg = run_config(render(), tmp_path)
+    assert cfg.sampler.max_requests_in_flight == 0
+    _, cfg = run_config(render("--set", "sampler.maxRequestsInFlight=256"), tmp_path)
+    assert cfg.sampler.max_requests_in_flight == 256
+    _, cfg = run_config(render(*scenario_args("environments-values.yaml")), tmp_path)
+    (python,) = [e for e in cfg.sampler.environments if e.name == "python"]
+    assert (cfg.sampler.max_requests_in_flight, python.max_concurrency) == (256, 768)

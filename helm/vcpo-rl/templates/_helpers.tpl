@@ -185,6 +185,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "temperature" (float64 $v.sampler.temperature)
     "max_tokens" (int $v.sampler.maxTokens)
     "max_model_len" (int $v.sampler.maxModelLen)
+    "max_requests_in_flight" (int $v.sampler.maxRequestsInFlight)
     "gpu_memory_utilization" (float64 $v.sampler.gpuMemoryUtilization)
     "dtype" $v.sampler.dtype
     "weight_update" $v.sampler.weightUpdate
@@ -287,6 +288,10 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- end -}}
 {{- if gt (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner)) -}}
 {{- fail (printf "sampler.n = %d exceeds learner.max_group_size = %d: the learner would reject every group" (int $cfg.sampler.n) (int (dig "max_group_size" 64 $cfg.learner))) -}}
+{{- end -}}
+{{- $cap := int (dig "max_requests_in_flight" 0 $cfg.sampler) -}}
+{{- if and (gt $cap 0) (lt $cap (int $cfg.sampler.n)) -}}
+{{- fail (printf "sampler.maxRequestsInFlight = %d is below sampler.groupSize = %d: no group could ever start; raise it to at least %d (or 0: the engine's batch limit)" $cap (int $cfg.sampler.n) (int $cfg.sampler.n)) -}}
 {{- end -}}
 {{- if and (gt (float64 $cfg.learner.gpus_per_rank) 0.0) (eq (float64 $cfg.sampler.gpus_per_replica) 0.0) -}}
 {{- fail (printf "sampler.gpusPerReplica = 0 while learner.gpusPerRank = %v: on GPUs each sampler replica must hold the GPUs its engine uses, or every replica's vLLM engine opens cuda:0 beside the learner's ranks; set sampler.gpusPerReplica to at least 1 (its tensor parallelism), or learner.gpusPerRank = 0 for a run on CPUs" $v.learner.gpusPerRank) -}}

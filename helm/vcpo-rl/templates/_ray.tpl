@@ -131,6 +131,35 @@ resources require). Arguments: dict "resources" <values> "gpus" <int>
 {{- end -}}
 
 {{/*
+A pod's tolerations: the global `tolerations`, then the pod's own (dict "ctx" . "own" <list>), each once, as
+a YAML list.
+*/}}
+{{- define "vcpo-rl.tolerations" -}}
+{{- concat (default list .ctx.Values.tolerations) (default list .own) | uniq | toYaml -}}
+{{- end -}}
+
+{{/*
+The learner pods' affinity: learner.affinity, and where the learner has several pods, the chart's rule for
+where they go: on one node (a required podAffinity among the pods of one RayCluster: KubeRay's ray.io/cluster
+label tells them from a replaced job's pods, which may still be terminating), or spread over nodes with
+learner.spreadAcrossNodes. One node keeps ZeRO-3's per-micro-batch gathers off the link between nodes. A
+podAffinity or podAntiAffinity in learner.affinity replaces the chart's.
+*/}}
+{{- define "vcpo-rl.learnerAffinity" -}}
+{{- $v := .Values -}}
+{{- $affinity := deepCopy (default dict $v.learner.affinity) -}}
+{{- if and (gt (int $v.learner.ranks) (int $v.learner.ranksPerPod)) (not (hasKey $affinity "podAffinity")) (not (hasKey $affinity "podAntiAffinity")) -}}
+{{- $term := dict "labelSelector" (dict "matchLabels" (include "vcpo-rl.selectorLabels" (dict "ctx" . "component" "learner") | fromYaml)) "matchLabelKeys" (list "ray.io/cluster") "topologyKey" "kubernetes.io/hostname" -}}
+{{- if $v.learner.spreadAcrossNodes -}}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
+{{- else -}}
+{{- $_ := set $affinity "podAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $affinity -}}
+{{- end -}}
+
+{{/*
 One Ray pod template. Arguments: dict "ctx" . "component" <name> "container" <name> "resources" <values>
 "gpus" <int> "ports" <list of {name, containerPort}> "env" <extra env list> "scheduling" <values with
 nodeSelector/tolerations/affinity> "grace" <seconds or 0>; optional "securityContext" <the container's>
@@ -183,7 +212,7 @@ spec:
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .scheduling.tolerations }}
+  {{- with include "vcpo-rl.tolerations" (dict "ctx" $ctx "own" .scheduling.tolerations) | fromYamlArray }}
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -242,7 +271,7 @@ workerGroupSpecs:
       vcpo_learner: {{ int $v.learner.ranksPerPod | toString | quote }}
     template:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.learnerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.learnerMetrics)) (dict "name" "weight-group" "containerPort" (int $v.weightBroker.group.port)) }}
-      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" $v.learner "grace" 0 "securityContext" $v.learner.securityContext) | nindent 6 }}
+      {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "learner" "container" "ray-worker" "resources" $v.learner.resources "gpus" (mul (int $v.learner.ranksPerPod) (int $v.learner.gpusPerRank)) "ports" $ports "env" (list) "scheduling" (merge (dict "affinity" (include "vcpo-rl.learnerAffinity" . | fromYaml)) $v.learner) "grace" 0 "securityContext" $v.learner.securityContext) | nindent 6 }}
   - groupName: reward
     replicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
     minReplicas: {{ ternary (int $v.reward.minReplicas) (int $v.reward.maxReplicas) $v.rayCluster.autoscaling }}
