@@ -11,7 +11,7 @@ PY      := $(VENV)/bin/python
 CONFIG  ?= deploy/presets/local.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup proto lint format test test-fast bench bench-check run eval clean
+.PHONY: setup proto lint format test test-fast bench bench-check run eval clean clean-runs
 
 setup:
 	@scripts/setup.sh
@@ -50,4 +50,8 @@ eval: setup
 	$(PY) -m deploy.eval --config $(CONFIG) --checkpoint latest
 
 clean:
-	rm -rf gen .tools runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf gen .tools .pytest_cache .mypy_cache .ruff_cache
+
+clean-runs:
+	@echo "deleting every run, checkpoint and report under runs/:"; ls runs 2>/dev/null || true
+	rm -rf runs

@@ -210,7 +210,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="2 methods x k in {0, 16} x 1 seed x 8 steps")
-    parser.add_argument("--out", default="docs/results/stability", help="where the results are written")
+    parser.add_argument(
+        "--out",
+        default="runs/stability",
+        help="where the results are written (runs/stability; the committed ones: --out docs/results/stability)",
+    )
     parser.add_argument("--preset", default=PRESET, help="the run file whose hyperparameters are replayed")
     parser.add_argument("--methods", help=f"comma-separated, of {list(KNOWN)} (default {list(METHODS)})")
     parser.add_argument("--ks", help=f"lag bounds (default {','.join(map(str, KS))})")
