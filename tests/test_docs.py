@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from deploy.config import SystemConfig
 from services.common.config import RunConfig
+from tests.test_monitoring import HISTOGRAM_SUFFIXES, registered_metrics
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -58,7 +59,6 @@ METRIC_PREFIXES = tuple(
     f"vcpo_{p}_"
     for p in ("learner", "sampler", "reward", "broker", "stream", "eval", "weight_group", "service")
 )
-HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 def _rel(path: Path) -> str:
@@ -296,18 +296,6 @@ def test_config_keys_named_in_the_docs_exist() -> None:
 # ------------------------------------------------------------------------------------ every page: metrics
 
 
-@cache
-def _registered_metrics() -> tuple[frozenset[str], frozenset[str]]:
-    """Metric names the services and the launcher register (as string literals), and the histograms."""
-    names: set[str] = set()
-    histograms: set[str] = set()
-    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "launcher_restarts.py"]:
-        text = path.read_text()
-        names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
-        histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))
-    return frozenset(names), frozenset(histograms)
-
-
 def _code_mentions(name: str) -> bool:
     return any(
         name in path.read_text()
@@ -318,7 +306,7 @@ def _code_mentions(name: str) -> bool:
 
 
 def test_metrics_named_in_the_docs_exist() -> None:
-    names, histograms = _registered_metrics()
+    names, histograms = registered_metrics()
     unknown = []
     seen = 0
     for page in PAGES:

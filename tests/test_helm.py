@@ -71,19 +71,20 @@ def scenario_args(name: str) -> tuple[str, ...]:
     return (*args, "--api-versions", MONITORING_API) if name == "monitoring-values.yaml" else args
 
 
+def merge_values(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base`` as Helm merges values files: tables deep, the rest replaced."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge_values(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
 def scenario_values(name: str) -> dict[str, Any]:
-    """The chart's values with the scenario's on top (as Helm merges them: tables deep, the rest replaced)."""
-
-    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-        for key, value in over.items():
-            if isinstance(value, dict) and isinstance(base.get(key), dict):
-                merge(base[key], value)
-            else:
-                base[key] = value
-        return base
-
+    """The chart's values with the scenario's (``ci/<name>``) on top."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    return merge(values, yaml.safe_load((CHART / "ci" / name).read_text()) or {})
+    return merge_values(values, yaml.safe_load((CHART / "ci" / name).read_text()) or {})
 
 
 def one(docs: list[dict[str, Any]], kind: str, name_part: str = "") -> dict[str, Any]:

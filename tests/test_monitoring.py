@@ -17,6 +17,8 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Set as AbstractSet
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,8 @@ def _metric_names(expr: str) -> set[str]:
     return set(METRIC.findall(expr)) | ({"up"} if re.search(r"\bup\{", expr) else set())
 
 
-def _registered() -> tuple[set[str], set[str]]:
+@cache
+def registered_metrics() -> tuple[frozenset[str], frozenset[str]]:
     """Metric names the services and the launcher register (string literals), and which are histograms."""
     names: set[str] = set()
     histograms: set[str] = set()
@@ -100,10 +103,10 @@ def _registered() -> tuple[set[str], set[str]]:
         text = path.read_text()
         names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
         histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))
-    return names, histograms
+    return frozenset(names), frozenset(histograms)
 
 
-def _series_name(name: str, names: set[str], histograms: set[str]) -> str | None:
+def _series_name(name: str, names: AbstractSet[str], histograms: AbstractSet[str]) -> str | None:
     """The name as registered (a histogram's _bucket/_sum/_count map to it); None if the services lack it."""
     if name in names:
         return name
@@ -199,7 +202,7 @@ def test_the_dashboard_parses_and_every_panel_has_a_prometheus_query(tmp_path: P
 
 
 def test_every_metric_named_in_the_dashboard_and_rules_is_registered_by_the_services() -> None:
-    names, histograms = _registered()
+    names, histograms = registered_metrics()
     assert "vcpo_learner_ess_ratio" in names and "vcpo_learner_staleness_versions" in histograms
     used = {n for _, e in _dashboard_exprs() for n in _metric_names(e)}
     used |= {n for e in _rule_exprs() for n in _metric_names(e)}
@@ -326,7 +329,7 @@ class Prometheus:
 
 def _missing(prom: Prometheus, run_id: str) -> list[str]:
     """What the live Prometheus lacks: metrics named without a series, panel queries without data."""
-    _, histograms = _registered()
+    _, histograms = registered_metrics()
     missing = []
     used = {n for _, e in _dashboard_exprs() for n in _metric_names(e)}
     used |= {n for e in _rule_exprs() for n in _metric_names(e)}

@@ -62,22 +62,21 @@ class Shipped:
     spread_learner: bool = False  # a Helm learner allowed over several nodes (learner.spreadAcrossNodes)
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
-    return base
+def chart_values(path: Path) -> dict[str, Any]:
+    """The values a release of ``path`` gets: the chart's, with a ci/ file's on top."""
+    from tests.test_helm import scenario_values
+
+    if path == CHART / "values.yaml":
+        return dict(yaml.safe_load(path.read_text()))
+    return scenario_values(path.name)
 
 
 def _values_file(path: Path, tmp_path: Path) -> Shipped:
     from tests.test_helm import render, run_config
 
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values = chart_values(path)
     args: tuple[str, ...] = ()
     if path != CHART / "values.yaml":
-        _merge(values, yaml.safe_load(path.read_text()) or {})
         args = ("-f", str(path), "--api-versions", "monitoring.coreos.com/v1")
     _, cfg = run_config(render(*args), tmp_path)
     nodes = values["gpuNodes"]
@@ -142,22 +141,12 @@ def _model_table() -> dict[str, Any]:
 
 def hf_config(model: str) -> Any:
     """The model's config: the tiny built-in model's for an empty run.model, else the table's."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if not model:
-        from services.common.tiny_model import TinyModelSpec
+        from services.common.tiny_model import TinyModelSpec, qwen2_config
 
-        spec = TinyModelSpec()
-        return Qwen2Config(
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            tie_word_embeddings=spec.tie_word_embeddings,
-        )
+        return qwen2_config(TinyModelSpec())
     table = _model_table()
     assert model in table, (
         f"run.model {model!r} has no entry in {MODEL_CONFIGS.relative_to(ROOT)}: add its config.json's "
@@ -304,9 +293,7 @@ def test_each_values_files_stop_grace_covers_the_launchers_stop_waits(path: Path
     from services.learner.checkpoints import checkpoint_bytes
     from services.learner.memory import model_shape
 
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    if path != CHART / "values.yaml":
-        _merge(values, yaml.safe_load(path.read_text()) or {})
+    values = chart_values(path)
     cfg = shipped(path.relative_to(ROOT).as_posix(), tmp_path).cfg
     stop = cfg.launcher.stop_timeout_s
     learner = learner_stop_wait(stop, checkpoint_bytes(model_shape(hf_config(cfg.run.model)).num_params))
