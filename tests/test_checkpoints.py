@@ -27,7 +27,7 @@ from deploy.launcher_stopping import (
     learner_stop_wait,
 )
 from services.common.ports import free_port
-from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
+from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters, qwen2_config
 from services.learner import checkpoints
 from services.learner.checkpoints import LATEST, REPLACED, STAGING, resolve, tag_name
 from services.learner.config import LearnerConfig
@@ -143,15 +143,7 @@ def _config_dir(path: Path, config: Any) -> str:
 
 def _tiny_config() -> Any:
     """The built-in tiny model's config (services/common/tiny_model.py), without building its tokenizer."""
-    from transformers import Qwen2Config
-
-    spec = TinyModelSpec()
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    return Qwen2Config(
-        **{f: getattr(spec, f) for f in fields},
-        num_key_value_heads=spec.num_key_value_heads,
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
+    return qwen2_config(TinyModelSpec())
 
 
 def test_the_learner_stop_wait_covers_a_7b_checkpoint_and_keeps_the_setting_for_a_tiny_one(

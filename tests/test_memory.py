@@ -27,21 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def qwen25_7b_config():  # type: ignore[no-untyped-def]
-    """Qwen/Qwen2.5-7B's config.json, by value (no download)."""
-    from transformers import Qwen2Config
+    """Qwen/Qwen2.5-7B's config.json, by value (no download): tests/data/model_configs.json's entry."""
+    from tests.test_shipped_fit import hf_config
 
-    return Qwen2Config(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
+    return hf_config("Qwen/Qwen2.5-7B")
 
 
 def test_live_bytes_counts_what_is_allocated_and_frees_it() -> None:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.model_dirs import write_model_dir
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
     from services.common.config import RunConfig
 
@@ -253,22 +253,34 @@ def build_tokenizer(spec: TinyModelSpec | None = None) -> PreTrainedTokenizerFas
     )
 
 
+def qwen2_config(spec: TinyModelSpec, **more: Any) -> Qwen2Config:
+    """The ``Qwen2Config`` of ``spec``'s architecture (no tokenizer needed: what sizes the model), with ``more``
+    on top (``build_model`` adds the tokenizer's ids)."""
+    from transformers import Qwen2Config
+
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
+    return Qwen2Config(**{**{f: getattr(spec, f) for f in fields}, **more})
+
+
 def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     """A randomly initialised ``Qwen2ForCausalLM`` whose weights depend only on ``spec``."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     # Like Qwen2, the BOS id in the config is <|endoftext|>; the tokenizer itself never adds a BOS token.
     bos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = Qwen2Config(
+    config = qwen2_config(
+        spec,
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
         use_sliding_window=False,
         bos_token_id=bos_id,
         eos_token_id=tokenizer.eos_token_id,
