@@ -71,13 +71,15 @@ def _with_gpus(cpus: float, gpus: float, extra: Mapping[str, float]) -> dict[str
 
 def demands(cfg: SystemConfig) -> list[Demand]:
     """What the run's services ask Ray for (the module docstring's table)."""
+    from services.learner.ray_group import rank_bundle
+
     lr, s, r, ev, wb = cfg.learner, cfg.sampler, cfg.reward, cfg.evaluation, cfg.weight_broker
     out = [
         Demand("weight broker", 1, {"CPU": 0.5, **wb.ray_resources}, "weight_broker.ray_resources"),
         Demand(
             "learner rank",
             lr.num_ranks,
-            _with_gpus(1, lr.gpus_per_rank, lr.ray_resources),
+            rank_bundle(lr),
             "learner.num_ranks, learner.gpus_per_rank",
         ),
         Demand(

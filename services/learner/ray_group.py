@@ -27,7 +27,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.ports import free_port
-from services.learner.config import LearnerServiceConfig
+from services.learner.config import LearnerConfig, LearnerServiceConfig
 
 
 @ray.remote(max_concurrency=2)  # run() holds one thread; stop() and address() use the other
@@ -89,6 +89,16 @@ class LearnerRankActor:
         self.stop_event.set()
 
 
+def rank_bundle(learner: LearnerConfig) -> dict[str, float]:
+    """What one rank asks Ray for: its bundle of the group's PACK placement group (the launcher's fit check
+    counts the same)."""
+    bundle: dict[str, float] = {"CPU": 1}
+    if learner.gpus_per_rank > 0:
+        bundle["GPU"] = learner.gpus_per_rank
+    bundle.update(learner.ray_resources)
+    return bundle
+
+
 class LearnerGroup:
     """The learner's ranks as Ray actors in one placement group; :meth:`run` blocks until they finish."""
 
@@ -100,10 +110,7 @@ class LearnerGroup:
         run_model(cfg.run)  # build the tiny model once, before the ranks load it
         self.cfg = cfg
         n = cfg.learner.num_ranks
-        bundle: dict[str, float] = {"CPU": 1}
-        if cfg.learner.gpus_per_rank > 0:
-            bundle["GPU"] = cfg.learner.gpus_per_rank
-        bundle.update(cfg.learner.ray_resources)
+        bundle = rank_bundle(cfg.learner)
         self.pg: PlacementGroup = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=600)
