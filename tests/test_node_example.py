@@ -23,6 +23,8 @@ import pytest
 from services.sampler.environments.base import EnvironmentFailure
 from services.sampler.environments.grpc_env import GrpcEnvironment
 from tests.sampler_stack import Stack, check_example_client
+from tests.test_first_try import check_no_run
+from tests.test_tls import _certificates
 from vcpo.v1 import environment_pb2, rollout_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,14 +217,17 @@ def test_the_node_calculator_computes_what_the_python_one_does(node_env: Callabl
 def submit_tasks(
     stack: Stack, token_file: Path, endpoint: str, *extra: str
 ) -> subprocess.CompletedProcess[str]:
+    """No --sampler: the client finds the sampler's free port from the run directory, and the run's own token
+    there (--token-file only for another one)."""
+    run_dir = Path(stack.run.run_dir)
+    token = [] if token_file == run_dir / "api_token" else ["--token-file", str(token_file)]
     return subprocess.run(
         [
             "node",
             "submit_tasks.js",
-            "--sampler",
-            f"127.0.0.1:{stack.service.server.port}",
-            "--token-file",
-            str(token_file),
+            "--run-dir",
+            str(run_dir),
+            *token,
             "--env-endpoint",
             endpoint,
             *extra,
@@ -242,3 +247,36 @@ def test_the_node_client_registers_the_node_environment_and_its_tasks_run(
     check_example_client(
         stack, lambda token_file, *flags: submit_tasks(stack, token_file, server.endpoint, *flags), tmp_path
     )
+
+
+def test_the_node_client_says_what_is_missing_when_its_run_is_not_up(
+    node_modules: Path, tmp_path: Path
+) -> None:
+    check_no_run(["node", "submit_tasks.js"], NODE_DIR, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _certificates(tmp_path_factory.mktemp("pki"))
+
+
+def test_the_node_client_reaches_a_sampler_whose_api_requires_client_certificates(
+    make_stack: Callable[..., Stack], node_env: Callable[..., NodeEnv], pki: dict[str, str]
+) -> None:
+    """[sampler.api_tls] with client_ca_file on a real sampler: --tls-ca, --tls-cert and --tls-key register
+    and submit; without the client certificate the handshake fails and nothing is registered."""
+    tls = {
+        "cert_file": pki["server"] + ".pem",
+        "key_file": pki["server"] + ".key",
+        "client_ca_file": pki["ca"] + ".pem",
+    }
+    stack = make_stack(k=4, groups_per_step=2, dataset="", n=2, max_tokens=8, api_tls=tls)
+    server = node_env()
+    token_file = Path(stack.run.run_dir) / "api_token"
+    ca = ("--tls-ca", pki["ca"] + ".pem")
+    client = ("--tls-cert", pki["client"] + ".pem", "--tls-key", pki["client"] + ".key")
+    secured = submit_tasks(stack, token_file, server.endpoint, "--tasks", "2", "--watch-s", "0", *ca, *client)
+    assert secured.returncode == 0, secured.stderr
+    assert "submitted: 2 accepted, 0 rejected" in secured.stdout
+    anonymous = submit_tasks(stack, token_file, server.endpoint, "--env-name", "other", "--watch-s", "0", *ca)
+    assert anonymous.returncode == 1 and "registration refused: UNAVAILABLE" in anonymous.stderr

@@ -391,14 +391,17 @@ def test_the_example_client_registers_the_example_environment_and_its_tasks_run(
         endpoint = env.stdout.readline().split()[-1]
 
         def submit(token_file: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+            """No --sampler: the client finds the sampler's free port from the run directory, and the run's
+            own token there (--token-file only for another one)."""
+            run_dir = Path(stack.run.run_dir)
+            token = [] if token_file == run_dir / "api_token" else ["--token-file", str(token_file)]
             return subprocess.run(
                 [
                     sys.executable,
                     "examples/submit_tasks.py",
-                    "--sampler",
-                    f"127.0.0.1:{stack.service.server.port}",
-                    "--token-file",
-                    str(token_file),
+                    "--run-dir",
+                    str(run_dir),
+                    *token,
                     "--env-endpoint",
                     endpoint,
                     *flags,
