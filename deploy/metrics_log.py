@@ -22,6 +22,7 @@ import redis
 
 from deploy.progress import StepLog
 from services.common.clock import RunClock, eval_results_key
+from services.learner.metric_names import objective_metrics
 
 TRAIN_METRICS = ("ess_ratio", "lr_scale", "grad_norm", "loss")
 
@@ -33,6 +34,7 @@ def train_record(
     lags = [float(x) for x in step.get("lags", [])]
     metrics = step.get("metrics", {})
     reward = step.get("reward_mean")
+    own = objective_metrics(metrics)  # the ones an objective declares (docs/research/adding-an-objective.md)
     return {
         "kind": "train",
         "step": int(step["step"]),
@@ -44,6 +46,7 @@ def train_record(
         **{name: metrics.get(name) for name in TRAIN_METRICS},
         "lag_mean": sum(lags) / len(lags) if lags else None,
         "groups": len(step.get("groups", [])),
+        **({"objective_metrics": own} if own else {}),
     }
 
 

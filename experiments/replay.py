@@ -58,7 +58,8 @@ from services.learner.warm_start import (
 from services.reward.scorers import ScoreInput, get_scorer
 from services.sampler.tasks import DatasetTasks
 
-# the learner's metrics a step record keeps (services.learner.vcpo.METRIC_KEYS has them all)
+# the learner's metrics a step record keeps (services.learner.vcpo.METRIC_KEYS has them all), with the
+# objective's own metrics after them
 LEARNER_METRICS = (
     "ess_ratio",
     "lr_scale",
@@ -201,7 +202,10 @@ class Replay:
             "response_tokens": float(response_mask.sum()) / len(rows),
             "seconds": time.monotonic() - started,
         }
-        record.update({key: float(metrics[key]) for key in LEARNER_METRICS})
+        spec = self.objective.spec  # and the objective's own metrics, whatever it declares
+        record.update(
+            {key: float(metrics[key]) for key in (*LEARNER_METRICS, *spec.metrics, *spec.summed_metrics)}
+        )
         return record
 
     def evaluate(self, tasks: list[Any], *, n_samples: int, seed: int, temperature: float = 1.0) -> float:

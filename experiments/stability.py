@@ -37,13 +37,24 @@ loss_aggregation seq-mean-token-mean, std_normalize true, ppo_clip 0):
 Ablations, not in the default grid (``--methods``): ``vcpo-paper-no-ess`` (vcpo-paper with ess_rule off: the
 OPOB baseline alone) and ``tis-with-ess`` (tis with ess_rule sqrt, rho_base 1: the ESS step size alone).
 
+Any other objective runs without an edit here: ``--objectives NAME,...`` adds a method per registered
+objective (named after it: the preset's ``[learner]`` table with ``objective = NAME``), and ``--method
+NAME=TABLE`` one whose ``[learner]`` fields are a TOML inline table (e.g. its ``objective_settings``); both
+are added to ``--methods``, validated as the learner validates them before anything runs (``--dry-run`` stops
+there and prints them). Every method runs with ``num_ranks = 1``: the replay is one learner process.
+
 Recorded per step (``runs.jsonl``): training reward (of the behaviour policy), ESS ratio ρ, LR scale,
 pre-clip gradient norm, loss, log-weight max/min/median, fraction truncated, OPOB shift, |Â| mean,
-zero-signal groups, mean response length, skipped steps, seconds; and the evaluation reward at eval steps.
+zero-signal groups, mean response length, skipped steps, seconds, the objective's own metrics; and the
+evaluation reward at eval steps.
 The table, collapse rule and plots: ``experiments/stability_report.py``.
 
     python experiments/stability.py [--quick] [--out DIR] [--seeds 0,1,2] [--ks 0,4,16,64,128]
-                                    [--methods ...] [--steps N] [--workers 2] [--resume] [--report-only]
+                                    [--methods ...] [--objectives ...] [--method NAME=TABLE] [--dry-run]
+                                    [--steps N] [--workers 2] [--resume] [--report-only]
+
+Results go to runs/stability unless ``--out`` says otherwise; the committed ones (docs/results/stability)
+are rewritten only by naming them.
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ import json
 import shlex
 import sys
 import time
+import tomllib
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -134,11 +147,50 @@ def load_preset(path: str) -> Any:
     return load_config(SystemConfig, [path], env={})
 
 
-def learner_config(preset: Any, method: str) -> Any:
-    """The preset's ``[learner]`` table with ``method``'s fields (validated as the learner validates it)."""
+def learner_config(preset: Any, method: str, fields: Mapping[str, Any] | None = None) -> Any:
+    """The preset's ``[learner]`` table with ``method``'s fields (``fields``, else the named method's),
+    validated as the learner validates it; one rank, as the replay is one learner process."""
     from services.learner.config import LearnerConfig
 
-    return LearnerConfig.model_validate({**preset.learner.model_dump(), **KNOWN[method]})
+    fields = KNOWN[method] if fields is None else fields
+    return LearnerConfig.model_validate({**preset.learner.model_dump(), "num_ranks": 1, **fields})
+
+
+def method_fields(
+    methods: list[str], objective_names: list[str], defined: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each method of the grid and its ``[learner]`` fields: the named ones (``--methods``), one per objective
+    (``--objectives``, named after it), then the ones defined as ``NAME=TABLE`` (``--method``)."""
+    from services.learner import objectives
+
+    grid: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        if method not in KNOWN:
+            raise SystemExit(f"unknown method {method!r}; known: {list(KNOWN)} (an objective: --objectives)")
+        grid[method] = KNOWN[method]
+    for name in objective_names:
+        if name not in objectives.NAMES:
+            raise SystemExit(
+                f"--objectives: unknown objective {name!r}; registered: {list(objectives.NAMES)}"
+            )
+        if name in KNOWN:
+            raise SystemExit(f"--objectives: {name!r} is also a method's name; define it with --method")
+        grid[name] = {"objective": name}
+    for definition in defined:
+        name, sep, table = definition.partition("=")
+        name = name.strip()
+        try:
+            fields = tomllib.loads(f"fields = {table}")["fields"] if sep and name else None
+        except tomllib.TOMLDecodeError as e:
+            raise SystemExit(
+                f"--method {definition!r}: the fields are not a TOML inline table ({e})"
+            ) from None
+        if not isinstance(fields, dict):
+            raise SystemExit(f"--method {definition!r}: write NAME={{field = value, ...}} ([learner] fields)")
+        if name in KNOWN or name in grid:
+            raise SystemExit(f"--method: {name!r} is already a method of the grid")
+        grid[name] = fields
+    return grid
 
 
 def warm_started(plan: Plan, seed: int) -> Path:
@@ -160,8 +212,9 @@ def warm_started(plan: Plan, seed: int) -> Path:
     )
 
 
-def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
-    """One (method, k, seed) run: per-step records and the evaluation rewards (in a worker process)."""
+def run_one(plan: Plan, method: str, fields: dict[str, Any], k: int, seed: int) -> dict[str, Any]:
+    """One (method, k, seed) run of ``method``'s ``[learner]`` fields: per-step records and the evaluation
+    rewards (in a worker process)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -175,7 +228,7 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
     preset = load_preset(plan.preset)
     # the preset's lr_decay is left out (a constant rate) so that only the lag differs between cells
     settings = ReplaySettings.from_preset(preset)
-    config = objective_config(learner_config(preset, method))
+    config = objective_config(learner_config(preset, method, fields))
     replay = Replay(warm_started(plan, seed), plan.dataset, config, seed=seed, lag=k, settings=settings)
     tasks = load_dataset(plan.dataset, split="train", seed=seed)[: plan.eval_prompts or None]
 
@@ -194,7 +247,7 @@ def run_one(plan: Plan, method: str, k: int, seed: int) -> dict[str, Any]:
         "method": method,
         "k": k,
         "seed": seed,
-        "fields": KNOWN[method],
+        "fields": fields,
         "steps": series,
         "evals": evals,
         "seconds": time.monotonic() - started,
@@ -217,6 +270,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--preset", default=PRESET, help="the run file whose hyperparameters are replayed")
     parser.add_argument("--methods", help=f"comma-separated, of {list(KNOWN)} (default {list(METHODS)})")
+    parser.add_argument(
+        "--objectives",
+        help="comma-separated registered objectives, each added as a method named after it (the preset's "
+        "[learner] table with that objective)",
+    )
+    parser.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        metavar="NAME=TABLE",
+        help="add a method whose [learner] fields are a TOML inline table, e.g. "
+        "'mine={objective = \"mine\", objective_settings = {temperature = 2.0}}' (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and print every method's fields and the grid; run nothing",
+    )
     parser.add_argument("--ks", help=f"lag bounds (default {','.join(map(str, KS))})")
     parser.add_argument("--seeds", help="run seeds (default 0,1,2)")
     parser.add_argument("--steps", type=int, help=f"learner steps per run (default {FULL['steps']})")
@@ -239,10 +310,17 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["python", "experiments/stability.py", *(sys.argv[1:] if argv is None else argv)])
     mode = {**FULL, **(QUICK if args.quick else {})}
     preset = load_preset(args.preset)
-    methods = _csv(args.methods, str, mode.get("methods", tuple(METHODS)))
-    for method in methods:
-        if method not in KNOWN:
-            raise SystemExit(f"unknown method {method!r}; known: {list(KNOWN)}")
+    grid = method_fields(
+        _csv(args.methods, str, mode.get("methods", tuple(METHODS))),
+        _csv(args.objectives, str, ()),
+        args.method,
+    )
+    methods = list(grid)
+    for method, fields in grid.items():  # a bad field or setting fails here, not in a worker hours later
+        try:
+            learner_config(preset, method, fields)
+        except ValueError as e:
+            raise SystemExit(f"method {method!r} ({fields}): {e}") from None
     ks, seeds = _csv(args.ks, int, mode.get("ks", KS)), _csv(args.seeds, int, mode["seeds"])
     plan = Plan(
         preset=args.preset,
@@ -258,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
         work_dir=args.work_dir,
     )
     window = args.window or mode["window"]
+    if args.dry_run:
+        print(json.dumps({"methods": grid, "ks": ks, "seeds": seeds, "out": args.out, "plan": asdict(plan)}))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs_path = out / RUNS_FILE
@@ -270,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": command,
     }
     if not args.report_only:
-        run_grid(plan, methods, ks, seeds, runs_path, header, workers=args.workers, resume=args.resume)
+        run_grid(plan, grid, ks, seeds, runs_path, header, workers=args.workers, resume=args.resume)
     figures = stability_report.write_report(
         out, runs_path, window=window, grid=(methods, ks, seeds), command=command
     )
@@ -279,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_grid(
     plan: Plan,
-    methods: list[str],
+    methods: dict[str, dict[str, Any]],
     ks: list[int],
     seeds: list[int],
     runs_path: Path,
@@ -288,7 +369,8 @@ def run_grid(
     workers: int,
     resume: bool,
 ) -> None:
-    """Run every (method, k, seed) not already in ``runs_path`` (with ``resume``), appending each as it ends.
+    """Run every (method, k, seed) not already in ``runs_path`` (with ``resume``), appending each as it ends;
+    ``methods``: each method's ``[learner]`` fields.
 
     Seed-major order, so a run stopped early has whole grids for its first seeds."""
     done: set[tuple[str, int, int]] = set()
@@ -296,7 +378,14 @@ def run_grid(
         before = stability_report.read_header(runs_path)
         if before["plan"] != header["plan"]:
             raise SystemExit(f"--resume: {runs_path} was made with a different plan: {before['plan']}")
-        done = {(run["method"], run["k"], run["seed"]) for run in stability_report.read_runs(runs_path)}
+        kept = stability_report.read_runs(runs_path)
+        for run in kept:  # a method defined on the command line may mean other fields than last time
+            if run["method"] in methods and run["fields"] != methods[run["method"]]:
+                raise SystemExit(
+                    f"--resume: {runs_path} holds method {run['method']!r} with the fields {run['fields']}, "
+                    f"not {methods[run['method']]}; name the new one differently"
+                )
+        done = {(run["method"], run["k"], run["seed"]) for run in kept}
     else:
         runs_path.write_text(json.dumps({"header": header}) + "\n")
     todo = [(m, k, s) for s in seeds for k in ks for m in methods if (m, k, s) not in done]
@@ -304,7 +393,7 @@ def run_grid(
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("spawn")) as pool:
         for warm in as_completed([pool.submit(warm_started, plan, seed) for seed in seeds]):
             warm.result()  # one warm start per seed, in parallel, before any run needs it
-        futures = [pool.submit(run_one, plan, m, k, s) for m, k, s in todo]
+        futures = [pool.submit(run_one, plan, m, methods[m], k, s) for m, k, s in todo]
         for i, future in enumerate(as_completed(futures), 1):
             run = future.result()
             run["command"] = header["command"]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from experiments import stability_report
-from experiments.stability import KNOWN, METHODS, learner_config, load_preset
+from experiments.stability import KNOWN, METHODS, learner_config, load_preset, method_fields, run_grid
 from services.learner.vcpo import objective_config
 
 ROOT = Path(__file__).parent.parent
@@ -46,6 +46,48 @@ def test_methods_map_to_the_learner_config_the_docstring_names() -> None:
     assert configs["tis-with-ess"] == dataclasses.replace(configs["tis"], ess_rule="sqrt")
     for c in configs.values():  # the rest as the preset leaves them
         assert (c.loss_aggregation, c.std_normalize, c.ppo_clip) == ("seq-mean-token-mean", True, 0.0)
+
+
+def test_any_registered_objective_joins_the_grid_without_an_edit() -> None:
+    """``--objectives`` adds a method per registered objective (the preset's table with that objective) and
+    ``--method NAME=TABLE`` any fields; every one is checked as the learner checks it, on one rank (the replay
+    is one process, so a batch-baseline objective is valid there although the preset has two ranks)."""
+    preset = load_preset("deploy/presets/local.toml")
+    grid = method_fields(["tis"], ["rloo", "reinforce"], ['r2 = {objective = "rloo", ess_rule = "off"}'])
+    assert grid == {
+        "tis": METHODS["tis"],
+        "rloo": {"objective": "rloo"},
+        "reinforce": {"objective": "reinforce"},
+        "r2": {"objective": "rloo", "ess_rule": "off"},
+    }
+    assert preset.learner.num_ranks == 2
+    configs = {m: objective_config(learner_config(preset, m, f)) for m, f in grid.items()}
+    assert (configs["reinforce"].objective, configs["r2"].ess_rule) == ("reinforce", "off")
+    preset_table = objective_config(preset.learner)  # the rest as the preset leaves them
+    assert configs["rloo"] == dataclasses.replace(preset_table, objective="rloo")
+    for bad, message in (
+        ((["nope"], [], []), "unknown method 'nope'"),
+        (([], ["ppo"], []), "--objectives: unknown objective 'ppo'; registered: "),
+        (([], [], ["tis={objective = 'rloo'}"]), "'tis' is already a method"),
+        (([], [], ["x={objective = "]), "not a TOML inline table"),
+        (([], [], ["x"]), "write NAME={field = value, ...}"),
+    ):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            method_fields(*bad)
+
+
+def test_resume_refuses_a_method_name_that_now_means_other_fields(tmp_path: Path) -> None:
+    """``--method`` names are the user's: resuming a grid where one now has other fields would mix two
+    methods' runs in one row of the table."""
+    runs_path = tmp_path / "runs.jsonl"
+    header = {"plan": {"steps": 3}, "command": "python experiments/stability.py"}
+    old = {"method": "mine", "k": 0, "seed": 0, "fields": {"objective": "rloo", "ess_rule": "off"}}
+    runs_path.write_text(json.dumps({"header": header}) + "\n" + json.dumps(old) + "\n")
+    grid = {"mine": {"objective": "rloo"}}
+    with pytest.raises(
+        SystemExit, match=r"holds method 'mine' with the fields .*name the new one differently"
+    ):
+        run_grid(None, grid, [0], [0], runs_path, header, workers=1, resume=True)  # type: ignore[arg-type]
 
 
 def synthetic_run(

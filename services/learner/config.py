@@ -10,6 +10,7 @@ from services.common.config import Section, ServiceConfig
 from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
 from services.learner.objectives import get as objective_named
+from services.learner.objectives import settings_of as objective_settings_of
 from services.weight_broker.config import WeightBrokerConfig
 
 
@@ -71,6 +72,11 @@ class LearnerConfig(Section):
         description="Advantage/baseline estimator of the policy-gradient loss: a module of "
         f"services/learner/objectives/ ({', '.join(OBJECTIVES)}).",
     )
+    objective_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The objective's own settings, checked against the settings model its module declares "
+        "(docs/research/adding-an-objective.md); an objective that declares none takes none.",
+    )
     importance_weighting: Literal["truncated", "masked", "none"] = Field(
         "truncated", description="How the sequence importance weight enters the loss (TIS, MIS, none)."
     )
@@ -120,6 +126,14 @@ class LearnerConfig(Section):
         if v not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _objective_settings_fit(self) -> LearnerConfig:
+        # an empty table needs no look at the module (every setting has a default): validating the usual
+        # config imports no objective, and so no torch
+        if self.objective_settings:
+            objective_settings_of(self.objective, self.objective_settings)
+        return self
 
     @model_validator(mode="after")
     def _decay_has_steps(self) -> LearnerConfig:

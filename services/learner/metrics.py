@@ -1,9 +1,11 @@
 """The learner's Prometheus metrics (rank 0 serves them): what each step, publish and consumed group records.
 
-The step's metrics dictionary (``StepResult.metrics``) becomes gauges (:data:`GAUGES`) and the quantiles of
-its log importance weights (:data:`QUANTILES`); every scored group consumed is counted as trained, dropped by
-lag or rejected by reason, and its lag observed; each phase of the loop (wait, gradient, optimizer, publish,
-checkpoint) is timed; each version is counted by the path it was published on.
+The step's metrics dictionary (``StepResult.metrics``) becomes gauges (:data:`GAUGES`), the quantiles of
+its log importance weights (:data:`QUANTILES`) and the objective's own metrics (one gauge, labelled by the
+name its ``OBJECTIVE`` declares, so any objective's are served without a change here); every scored group
+consumed is counted as trained, dropped by lag or rejected by reason, and its lag observed; each phase of the
+loop (wait, gradient, optimizer, publish, checkpoint) is timed; each version is counted by the path it was
+published on.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from services.common.observability import Metrics
 from services.learner.batching import REJECT_REASONS
+from services.learner.metric_names import objective_metrics
 
 if TYPE_CHECKING:
     from services.learner.feed import Offered
@@ -59,6 +62,11 @@ class LearnerMetrics:
             "vcpo_learner_log_weight",
             "Quantiles of the last step's sequence log importance weights",
             ["quantile"],
+        )
+        self.objective = metrics.gauge(
+            "vcpo_learner_objective_metric",
+            "The objective's own metrics of the last step, by the name its OBJECTIVE declares",
+            ["metric"],
         )
         self.staleness = metrics.histogram(
             "vcpo_learner_staleness_versions",
@@ -121,6 +129,8 @@ class LearnerMetrics:
             gauge.set(m[key])
         for key, q in QUANTILES.items():
             self.log_weight.labels(q).set(m[key])
+        for key, value in objective_metrics(m).items():
+            self.objective.labels(key).set(value)
         for phase in ("gradient", "optimizer"):
             self.phase.labels(phase).observe(result.timings[f"{phase}_s"])
         self.phase.labels("publish").observe(publish_s)

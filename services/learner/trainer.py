@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from services.learner import checkpoints
+from services.learner import checkpoints, objectives
 from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
 from services.learner.lr_schedule import lr_factor
@@ -150,10 +150,12 @@ def merge_metrics(
 
     Counts and the (rescaled) loss add up; ρ, ESS and the LR scale are the global ones; log-weight
     statistics are recomputed from every rank's weights; per-trajectory means are weighted by valid counts.
+    The objective's own metrics follow its declaration: ``summed_metrics`` add up, ``metrics`` are means.
     """
     ms = [m for m, _ in per_rank]
-    out: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
-    for key in SUMMED:
+    spec = objectives.get(config.objective)
+    out: dict[str, float] = dict.fromkeys((*METRIC_KEYS, *spec.metrics, *spec.summed_metrics), 0.0)
+    for key in (*SUMMED, *spec.summed_metrics):
         out[key] = sum(m[key] for m in ms)
     out["loss"] = sum(m["loss"] for m in ms) / len(ms)  # each rank's loss carries the world size factor
     skipped = any(m["step_skipped"] for m in ms) or not math.isfinite(rho)
@@ -169,8 +171,9 @@ def merge_metrics(
         for key in ("log_weight_max", "log_weight_min", "log_weight_p50", "log_weight_p90", "log_weight_p99"):
             out[key] = math.nan
     valid = out["num_valid"]
-    for key in ("baseline_shift_mean_abs", "advantage_abs_mean"):
-        out[key] = sum(m[key] * m["num_valid"] for m in ms) / valid if valid else 0.0
+    for key in ("baseline_shift_mean_abs", "advantage_abs_mean", *spec.metrics):
+        # a rank without valid trajectories weighs 0 (its rule did not run: its figure is a placeholder)
+        out[key] = sum(m[key] * m["num_valid"] for m in ms if m["num_valid"]) / valid if valid else 0.0
     tokens = out["num_tokens"]
     out["ppo_clip_fraction"] = (
         sum(m["ppo_clip_fraction"] * m["num_tokens"] for m in ms) / tokens if tokens else 0.0

@@ -22,7 +22,9 @@ Rules this module decides (each function's docstring repeats the ones it applies
 - Advantages: the objective's rule (vcpo ``R − b_OPOB``; grpo ``R − mean_g``; rloo ``R_i −`` the mean of the
   other members of its group; reinforce ``R −`` the mean over the valid batch), then divided by ``σ_g``, the
   population std of the group's valid rewards, when the objective takes std-normalisation (vcpo, grpo),
-  ``std_normalize`` is set and ``σ_g > 1e-8``.
+  ``std_normalize`` is set and ``σ_g > 1e-8``. A rule's output is held to its contract
+  (``objectives.AdvantageRule``): a floating ``[V]`` tensor, and only the metric names its objective declares
+  (or the two baseline keys); anything else raises ``ValueError`` naming the objective.
 - Zero-signal rule: a group whose valid rewards are all equal, or that has one valid member, gets ``Â = 0``
   exactly. An objective whose baseline is the batch's (reinforce) applies the same rule to the batch (all
   valid rewards equal, or one valid trajectory) and its groups are not zeroed.
@@ -34,14 +36,16 @@ Rules this module decides (each function's docstring repeats the ones it applies
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import get_args
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
 from services.learner import objectives
 from services.learner.ess import effective_sample_size, lr_scale
+from services.learner.metric_names import METRIC_KEYS as METRIC_KEYS  # kept there to be read without torch
 from services.learner.objectives import AdvantageInputs, Objective
 from services.learner.ops import (
     F64,
@@ -62,29 +66,6 @@ from services.learner.ops import (
 
 STD_EPS = 1e-8  # σ_g at or below this is treated as zero: no division
 PPO_LOG_RATIO_LIMIT = 20.0  # per-token log-ratio clamp under PPO clipping (veRL uses the same bound)
-METRIC_KEYS = (
-    "ess",
-    "ess_ratio",
-    "lr_scale",
-    "log_weight_max",
-    "log_weight_min",
-    "log_weight_p50",
-    "log_weight_p90",
-    "log_weight_p99",
-    "frac_truncated",
-    "baseline_shift_mean_abs",
-    "baseline_fallbacks",
-    "skipped_empty",
-    "skipped_nonfinite",
-    "singleton_groups",
-    "step_skipped",
-    "num_trajectories",
-    "num_valid",
-    "num_tokens",
-    "advantage_abs_mean",
-    "ppo_clip_fraction",
-    "loss",
-)
 
 
 @dataclass(frozen=True)
@@ -100,10 +81,17 @@ class ObjectiveConfig:
     loss_aggregation: Aggregation = "seq-mean-token-mean"
     std_normalize: bool = True  # divide by the group's population std (where the objective takes it)
     ppo_clip: float = 0.0  # ε; 0 = off
+    # the objective's own settings (``[learner.objective_settings]``), validated against its settings model
+    objective_settings: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # that validation's result, what the advantage rule reads: an instance of the objective's settings model
+    # (its defaults where the table is silent), or None for an objective that declares none
+    settings: Any = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         o = "ObjectiveConfig."
         check_choice(o, "objective", self.objective, objectives.NAMES)
+        settings = objectives.settings_of(self.objective, self.objective_settings, f"{o}objective_settings")
+        object.__setattr__(self, "settings", settings)
         check_choice(o, "importance_weighting", self.importance_weighting, get_args(ISMode))
         check_truncation(o, self.truncation)
         check_choice(o, "ess_rule", self.ess_rule, get_args(LRRule))
@@ -127,7 +115,7 @@ class ObjectiveConfig:
 def objective_config(settings: object) -> ObjectiveConfig:
     """The objective settings held by ``settings`` (the learner's ``[learner]`` config section): every field
     of :class:`ObjectiveConfig`, read by its name."""
-    return ObjectiveConfig(**{f.name: getattr(settings, f.name) for f in fields(ObjectiveConfig)})
+    return ObjectiveConfig(**{f.name: getattr(settings, f.name) for f in fields(ObjectiveConfig) if f.init})
 
 
 @dataclass
@@ -194,6 +182,29 @@ def _validate(batch: PolicyBatch, config: ObjectiveConfig) -> Tensor:
     return mask
 
 
+def _rule_output(
+    objective: Objective, adv: object, own: object, r: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """The advantage rule's ``(Â, metrics)`` checked against its contract (objectives.AdvantageRule): a
+    floating ``[V]`` tensor (as float64) and only the metric names its objective may set, as floats."""
+    who = f"objective {objective.name!r}'s advantage rule"
+    if not isinstance(adv, Tensor) or not adv.dtype.is_floating_point or adv.shape != r.shape:
+        got = f"{adv.dtype} {tuple(adv.shape)}" if isinstance(adv, Tensor) else type(adv).__name__
+        raise ValueError(
+            f"{who} must return a floating tensor of shape {tuple(r.shape)} (one Â per valid "
+            f"trajectory), got {got}"
+        )
+    if not isinstance(own, dict):
+        raise ValueError(f"{who} must return its metrics as a dict, got {type(own).__name__}")
+    undeclared = sorted(k for k in own if k not in objective.metric_names)
+    if undeclared:
+        raise ValueError(
+            f"{who} returned metrics {undeclared} that its OBJECTIVE does not declare: name them in "
+            f"Objective(metrics=...) (or summed_metrics=... for counts); it may set {list(objective.metric_names)}"
+        )
+    return adv.to(F64), {k: float(v) for k, v in own.items()}
+
+
 def _advantages(
     config: ObjectiveConfig,
     r: Tensor,
@@ -218,7 +229,7 @@ def _advantages(
     }
     objective = config.spec
     inputs = AdvantageInputs(r, inv, n_groups, count, mean, log_w, lengths, g)
-    adv, own = objective.advantages(inputs, config)
+    adv, own = _rule_output(objective, *objective.advantages(inputs, config), r)
     stats.update(own)
     if objective.zero_signal == "batch":  # the batch is the baseline's "group"
         zero_group = torch.full_like(zero_group, bool(r.max() == r.min()))
@@ -275,7 +286,8 @@ def _prepare(batch: PolicyBatch, config: ObjectiveConfig, ess_ratio: float | Non
     if math.isfinite(rho) and not 0 <= rho <= 1:
         raise ValueError(f"ess_ratio must be in [0, 1], got {rho!r}")
     nan = math.nan
-    m: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+    spec = config.spec
+    m: dict[str, float] = dict.fromkeys((*METRIC_KEYS, *spec.metrics, *spec.summed_metrics), 0.0)
     m.update(ess=ess, ess_ratio=rho, lr_scale=lr_scale(rho, config.rho_base, config.ess_rule))
     m.update(skipped_empty=float((~nonempty).sum()), skipped_nonfinite=float((nonempty & ~beh_ok).sum()))
     m.update(num_trajectories=float(valid.numel()), num_valid=float(n_valid), num_tokens=float(lengths.sum()))
@@ -396,7 +408,8 @@ def policy_loss(
     ``importance_weighting`` has no effect. ``ess_ratio``: the global ρ when given (in [0, 1], or non-finite
     to skip), else this batch's; it drives ``lr_scale`` and the skip, while ``metrics["ess"]`` is always this
     batch's own ESS. A skipped step (module rules) returns ``0·Σ logπ`` and ``metrics["step_skipped"] = 1``,
-    ``lr_scale = 0``. Metric keys, in order: :data:`METRIC_KEYS`; undefined statistics (ESS and log-weight
+    ``lr_scale = 0``. Metric keys, in order: :data:`METRIC_KEYS`, then the objective's own ``metrics`` and
+    ``summed_metrics`` (0 where its rule did not run or set them); undefined statistics (ESS and log-weight
     quantiles of a batch with no valid trajectory) are NaN, the loss never is.
     """
     lp = batch.logprobs

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.learner.objectives import AdvantageInputs, Objective
-from services.learner.ops import seg_sum
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -17,6 +14,10 @@ if TYPE_CHECKING:
 
 
 def advantages(inputs: AdvantageInputs, config: ObjectiveConfig) -> tuple[Tensor, dict[str, float]]:
+    import torch  # here, not at the top: validating a config imports this module and needs no torch
+
+    from services.learner.ops import seg_sum
+
     r, inv, count = inputs.rewards, inputs.groups, inputs.count
     return r - (seg_sum(r, inv, inputs.n_groups)[inv] - r) / torch.clamp(count[inv] - 1, min=1), {}
 

@@ -4,6 +4,9 @@
 norm ``‖∇θ log π(τ_i)‖²``, so this objective needs the norm pass; ``Â = (R − b_g)/σ_g`` with
 ``std_normalize``, and the zero-signal rule applies per group. The weights are handled in log space (a
 weight like ``e^2000`` is fine) and a group whose weights are unusable falls back to its plain mean.
+
+torch (and ``ops``, which needs it) is imported inside the functions: the config's validation imports an
+objective's module to read its declaration, and must not need torch for it.
 """
 
 from __future__ import annotations
@@ -11,27 +14,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, get_args
 
-import torch
-from torch import Tensor
-
 from services.learner.objectives import AdvantageInputs, Objective
-from services.learner.ops import (
-    F64,
-    Aggregation,
-    ISMode,
-    Weighting,
-    check_choice,
-    check_finite,
-    check_group_ids,
-    check_truncation,
-    log_loss_weight,
-    positions,
-    seg_extreme,
-    seg_sum,
-    segments,
-)
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from services.learner.vcpo import ObjectiveConfig
 
 
@@ -48,6 +35,10 @@ def _opob_groups(
     importance_weighting: str,
 ) -> tuple[Tensor, int]:
     """Per-group ``b_g`` (float64 ``[G]``) and the number of groups that fell back to their mean."""
+    import torch
+
+    from services.learner.ops import F64, log_loss_weight, seg_extreme, seg_sum
+
     r, lw, g = rewards.to(F64), log_weights.to(F64), sq_grad_norms.detach().to(F64)
     nan = torch.full_like(g, math.nan)
     log_g = torch.where(torch.isnan(g), nan, torch.where(g > 0, torch.log(g), torch.full_like(g, -math.inf)))
@@ -88,6 +79,21 @@ def opob_baseline_with_stats(
     importance_weighting: str = "truncated",
 ) -> tuple[Tensor, int]:
     """:func:`opob_baseline` and the number of groups that fell back to their plain mean."""
+    import torch
+
+    from services.learner.ops import (
+        F64,
+        Aggregation,
+        ISMode,
+        Weighting,
+        check_choice,
+        check_finite,
+        check_group_ids,
+        check_truncation,
+        positions,
+        segments,
+    )
+
     owner = "opob_baseline "
     check_choice(owner, "weighting", weighting, get_args(Weighting))
     check_choice(owner, "aggregation", aggregation, get_args(Aggregation))
