@@ -1,0 +1,3 @@
+module github.com/vcpo-rl/vcpo-rl/examples/go
+
+go 1.19
