@@ -12,6 +12,7 @@ import lzma
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -45,8 +46,20 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "run-health.json"
 ENTRYPOINT = "python -m deploy.launch --config /etc/vcpo/run.toml --launcher.ray_address auto"
 
 
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
+# The image the tests' releases run. The chart has no default (no public registry carries the image, and an
+# install without image.repository fails: test_an_install_without_an_image_fails_naming_the_build_commands), so
+# every `helm template` and `helm lint` of the chart here names one, as an installer must: this file goes
+# first, so a ci/ file's own image (each names one) and --set win over it.
+TEST_IMAGE = ROOT / "tests" / "data" / "helm-image-values.yaml"
+
+
+def helm(*args: str, image: bool = True) -> subprocess.CompletedProcess[str]:
+    """helm ``args``; a template or lint of the chart gets the tests' image (TEST_IMAGE) unless ``image`` is
+    False."""
     assert HELM.exists(), f"{HELM} missing: `make setup` unpacks helm there"
+    if image and args and args[0] in ("template", "lint") and str(CHART) in args:
+        at = args.index(str(CHART)) + 1
+        args = (*args[:at], "-f", str(TEST_IMAGE), *args[at:])
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, cwd=ROOT)
 
 
@@ -242,6 +255,69 @@ def test_scenario_lints(scenario: str) -> None:
     # (lint has no --api-versions: the monitoring objects are linted away; rendering tests them)
     out = helm("lint", str(CHART), "--strict", "-f", str(CHART / "ci" / scenario))
     assert out.returncode == 0, out.stdout + errors(out)
+
+
+def test_an_install_without_an_image_fails_naming_the_build_commands() -> None:
+    """No public registry carries the project's image, so values.yaml names none: an install without
+    image.repository fails before any other check, with the value to set and the commands that build and push
+    the image; with one, every pod the release runs (bar Redis) runs it, and so does an environment server
+    the chart runs without an image of its own."""
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["image"] == {
+        "repository": "",
+        "tag": "",
+        "pullPolicy": "IfNotPresent",
+    }
+    build = "docker build -f deploy/docker/Dockerfile.gpu -t <registry>/vcpo-rl-gpu:{tag} ."
+    push = "docker push <registry>/vcpo-rl-gpu:{tag}"
+    for flags, tag in (
+        ((), "0.1.0"),  # the chart's appVersion
+        (("--set", "image.tag=0.2.0-cu130"), "0.2.0-cu130"),
+        (
+            ("--set", "run.model=/data/models/ckpt"),
+            "0.1.0",
+        ),  # refused for its size too: the image comes first
+        (("-f", str(CHART / "ci" / "environments-values.yaml"), "--set", "image.repository="), "0.1.0"),
+    ):
+        out = helm("template", "r", str(CHART), *flags, image=False)
+        assert out.returncode != 0, flags
+        assert "image.repository is not set" in errors(out), errors(out)
+        assert f"{build.format(tag=tag)} && {push.format(tag=tag)}" in errors(out), errors(out)
+        assert "--set image.repository=<registry>/vcpo-rl-gpu" in errors(out)
+        assert "deploy/docker/Dockerfile.cpu" in errors(out)
+    for dockerfile in ("Dockerfile.gpu", "Dockerfile.cpu"):  # the files the message names
+        assert (ROOT / "deploy" / "docker" / dockerfile).is_file()
+    assert (
+        "docker build -f deploy/docker/Dockerfile.gpu -t <registry>/vcpo-rl-gpu:"
+        in (ROOT / "deploy" / "docker" / "Dockerfile.gpu").read_text()
+    )
+
+    mine = ("--set", "image.repository=registry.example.com/rl/vcpo-rl-gpu", "--set", "image.tag=t1")
+    docs = render(*scenario_args("environments-values.yaml"), *mine)
+    images = {
+        c["image"] for d in docs for _, template in pod_templates(d) for c in template["spec"]["containers"]
+    }
+    assert images == {
+        "registry.example.com/rl/vcpo-rl-gpu:t1",
+        one(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]["image"],
+    }
+    assert one(docs, "Deployment", "env-calculator")["spec"]["template"]["spec"]["containers"][0][
+        "image"
+    ] == ("registry.example.com/rl/vcpo-rl-gpu:t1")
+    assert helm("template", "r", str(CHART), *mine, image=False).returncode == 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_scenario_names_its_own_image(scenario: str) -> None:
+    """Each shipped values file renders without the tests' image: it names the image the release runs (`helm
+    lint` skips the chart's `fail` checks, so this renders)."""
+    out = helm("template", "r", str(CHART), *scenario_args(scenario), image=False)
+    assert out.returncode == 0, errors(out)
+    want = scenario_values(scenario)["image"]
+    assert want["repository"] and want["repository"] != "registry.example.com/test/vcpo-rl-gpu"
+    job = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "RayJob")
+    assert {c["image"] for _, pod in pod_templates(job) for c in pod["spec"]["containers"]} == {
+        f"{want['repository']}:{want['tag'] or '0.1.0'}"
+    }
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -775,6 +851,105 @@ def test_environments_are_registered_from_values(tmp_path: Path) -> None:
     assert (ROOT / "examples" / "calculator_env.py").exists()
 
 
+def test_environment_tls_and_token_secrets_reach_the_run_file_and_the_pods_that_register(
+    tmp_path: Path,
+) -> None:
+    """environments[].tls and authTokenSecret: the run file's entries get tls = true and an auth_token_file
+    that is the Secret's key as mounted, read-only, in the sampler and evaluator pods (which register
+    environments) and in no other pod; the token is in no run file and no pod's environment. A builtin with
+    either is refused at install, naming it; the Secret needs a name."""
+    envs = [
+        {
+            "name": "calc",
+            "endpoint": "calc.tools.svc:50070",
+            "tls": True,
+            "authTokenSecret": {"name": "calc-token"},
+        },
+        {
+            "name": "search",
+            "endpoint": "search.tools.svc:443",
+            "authTokenSecret": {"name": "s-creds", "key": "bearer"},
+        },
+        {"name": "python", "builtin": "python"},
+    ]
+    held = [{"name": "held", "dataset": "/data/held.jsonl", "environment": "calc"}]
+    docs = render(
+        *(
+            "--set-json",
+            f"environments={json.dumps(envs)}",
+            "--set-json",
+            f"evaluation.sets={json.dumps(held)}",
+        ),
+        *("--set", "evaluation.placement=dedicated", "--set", "tls.envCaSecret=env-ca"),
+    )
+    text, cfg = run_config(docs, tmp_path)
+    found = {e.name: (e.tls, e.auth_token_file, e.auth_token_env) for e in cfg.sampler.environments}
+    assert found == {
+        "calc": (True, "/etc/vcpo/env-tokens/calc/token", ""),
+        "search": (False, "/etc/vcpo/env-tokens/search/token", ""),
+        "python": (False, "", ""),
+    }
+    for name in ("sampler", "evaluator"):
+        mounts = {m["name"]: m for m in container(group(docs, name))["volumeMounts"]}
+        volumes = {v["name"]: v for v in group(docs, name)["template"]["spec"]["volumes"]}
+        for env, secret, key in (("calc", "calc-token", "token"), ("search", "s-creds", "bearer")):
+            mount, volume = mounts[f"env-token-{env}"], volumes[f"env-token-{env}"]["secret"]
+            assert volume == {
+                "secretName": secret,
+                "items": [{"key": key, "path": "token"}],
+                "defaultMode": 0o440,
+            }
+            assert mount["readOnly"] and f"{mount['mountPath']}/token" == found[env][1], (name, env)
+    for name in ("head", "learner", "reward"):
+        pod = group(docs, name)["template"]["spec"]
+        assert not [v for v in pod["volumes"] if v["name"].startswith("env-token-")], name
+        assert not [
+            m for m in container(group(docs, name))["volumeMounts"] if m["name"].startswith("env-token-")
+        ]
+    secret_env = {  # Secrets that reach a container's environment
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for d in docs
+        for _, pod in pod_templates(d)
+        for c in pod["spec"]["containers"]
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert secret_env and not {"calc-token", "s-creds"} & secret_env
+    assert "calc-token" not in text and "s-creds" not in text
+    for doc in docs:
+        validate(doc)
+
+    out = helm(
+        *(
+            "template",
+            "r",
+            str(CHART),
+            "--set",
+            "environments[0].name=py",
+            "--set",
+            "environments[0].builtin=python",
+        ),
+        *("--set", "environments[0].tls=true"),
+    )
+    assert out.returncode != 0
+    assert 'environments "py": tls and authTokenSecret are for an endpoint or a server' in errors(out), (
+        errors(out)
+    )
+    out = helm(
+        *(
+            "template",
+            "r",
+            str(CHART),
+            "--set",
+            "environments[0].name=calc",
+            "--set",
+            "environments[0].endpoint=h:1",
+        ),
+        *("--set", "environments[0].authTokenSecret.key=bearer"),
+    )
+    assert out.returncode != 0 and "/environments/0/authTokenSecret" in errors(out), errors(out)
+
+
 def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
     docs = render(
         "--set",
@@ -901,6 +1076,129 @@ def test_prometheus_rule_is_the_alerts_file() -> None:
     assert "{{ $labels.run_id }}" in json.dumps(rule)  # Prometheus' templates, untouched by Helm
 
 
+def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str]:
+    """``labels`` after a ServiceMonitor endpoint's relabelings (Prometheus' replace action, the only one the
+    chart uses: the joined source labels matched by regex, the replacement expanded; an empty result drops the
+    label)."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace", rule
+        value = rule.get("separator", ";").join(out.get(s, "") for s in rule.get("sourceLabels", []))
+        m = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if m:
+            result = m.expand(re.sub(r"\$\{?(\d+)\}?", r"\\\1", rule.get("replacement", "$1")))
+            if result:
+                out[rule["targetLabel"]] = result
+            else:
+                out.pop(rule["targetLabel"], None)
+    return {k: v for k, v in out.items() if not k.startswith("__")}
+
+
+def scrape_targets(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
+    """The targets Prometheus gets from the release's ServiceMonitor, as (component, labels): one per pod behind
+    each -metrics Service it selects (a worker group at its most pods), labelled as the Prometheus
+    operator labels an endpoint's targets (namespace, service, pod, job, endpoint, instance), then by the
+    ServiceMonitor's relabelings, from the Service's labels."""
+    monitor = one(docs, "ServiceMonitor")["spec"]
+    (endpoint,) = monitor["endpoints"]
+    pods = {g["groupName"]: int(g["maxReplicas"]) for g in cluster(docs)["workerGroupSpecs"]} | {"head": 1}
+    targets = []
+    for svc in docs:
+        meta = svc["metadata"]
+        if (
+            svc["kind"] != "Service"
+            or not monitor["selector"]["matchLabels"].items() <= meta["labels"].items()
+        ):
+            continue
+        component = svc["spec"]["selector"]["vcpo.io/component"]
+        (port,) = svc["spec"]["ports"]
+        assert port["name"] == endpoint["port"]
+        for i in range(pods[component]):
+            labels = {
+                f"__meta_kubernetes_service_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v
+                for k, v in meta["labels"].items()
+            }
+            labels |= {
+                "namespace": "rl",
+                "service": meta["name"],
+                "job": meta["name"],
+                "endpoint": endpoint["port"],
+                "pod": f"r-{component}-worker-{i}",
+                "instance": f"10.0.{len(targets)}.{i}:{port['port']}",
+            }
+            targets.append((component, relabel(labels, endpoint["relabelings"])))
+    return targets
+
+
+def test_service_down_fires_only_for_a_pod_that_should_serve(tmp_path: Path) -> None:
+    """The recommended 16-GPU values (multi-gpu-values.yaml) with monitoring, a learner of two pods, and the
+    reward group at its most pods (autoscaled up) while Serve is back at its fewest replicas (the pods idle
+    until KubeRay's idleTimeoutSeconds): the targets the chart's ServiceMonitor makes, with the chart's
+    PrometheusRule, under promtool. The learner pod without rank 0 and the reward pods without a Serve replica
+    serve no /metrics (down, by design): VcpoServiceDown does not fire for them. It fires for a sampler pod
+    that stops serving, for the learner once no learner pod serves (rank 0's down too), and for the reward
+    service once none of its pods serves."""
+    docs = render(
+        *scenario_args("multi-gpu-values.yaml"),
+        *("--set", "learner.ranksPerPod=4", "--api-versions", MONITORING_API),
+        *(
+            "--set",
+            "monitoring.serviceMonitor.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+        ),
+    )
+    targets = scrape_targets(docs)
+    by = {c: [labels for comp, labels in targets if comp == c] for c, _ in targets}
+    assert (len(by["learner"]), len(by["reward"]), len(by["sampler"])) == (2, 8, 4)
+    minimum = scenario_values("multi-gpu-values.yaml")["reward"]["minReplicas"]
+    # minute by minute (promtool's series notation): a sampler pod stops at 5, the learner's rank 0 at 20,
+    # every reward replica at 30; the other learner pod and the reward pods beyond the minimum never serve
+    values = {("sampler", 0): "1x4 0x45", ("learner", 0): "1x19 0x30", ("learner", 1): "0x50"}
+    values |= {("reward", i): ("1x29 0x20" if i < minimum else "0x50") for i in range(len(by["reward"]))}
+    series = []
+    for component, labels in targets:
+        index = by[component].index(labels)
+        body = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        series.append({"series": f"up{{{body}}}", "values": values.get((component, index), "1x50")})
+    rules = one(docs, "PrometheusRule")["spec"]["groups"]
+    for rule in (r for g in rules for r in g["rules"]):
+        rule.pop("annotations", None)  # alerts_test.yml checks the text; here only who fires
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rules}))
+
+    def alert(labels: dict[str, str]) -> dict[str, Any]:
+        return {"exp_labels": labels | {"severity": "critical"}}
+
+    sampler = alert(by["sampler"][0])
+    learner = alert({"run_id": "qwen7b-math", "service": "learner"})
+    reward = alert({"run_id": "qwen7b-math", "service": "reward"})
+    expected = {"9m": [], "11m": [sampler], "24m": [sampler], "26m": [sampler, learner]}
+    expected |= {"34m": [sampler, learner], "36m": [sampler, learner, reward]}
+    test = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": when, "alertname": "VcpoServiceDown", "exp_alerts": alerts}
+                    for when, alerts in expected.items()
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: `make setup` installs Debian's prometheus package"
+    done = subprocess.run(
+        [promtool, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {labels.get("metrics_pods") for labels in by["learner"] + by["reward"]} == {"some"}
+    assert not [labels for labels in by["sampler"] + by["head"] if "metrics_pods" in labels]
+
+
 def test_chart_reads_the_deploy_files_through_links(tmp_path: Path) -> None:
     for link, target in (("prometheus", "deploy/prometheus"), ("grafana", "deploy/grafana")):
         path = CHART / "files" / link
@@ -938,7 +1236,9 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["run.kk=3"], "kk"),
         (["sampler.gpusPerReplica=-1"], "/sampler/gpusPerReplica"),
         (["sampler.maxRequestsInFlight=-1"], "/sampler/maxRequestsInFlight"),
-        (["learner.objective=ppo"], "/learner/objective"),
+        # the schema checks an objective name's form (the launcher, which sees the image's, the name itself)
+        (["learner.objective=PPO-clip"], "/learner/objective"),
+        (["learner.objectiveSettings=3"], "/learner/objectiveSettings"),
         (["sampler.service.type=Ingress"], "/sampler/service/type"),
         (["redis.auth.password=p@ss/word"], "/redis/auth/password"),
         (["monitoring.serviceMonitor.interval=soon"], "/monitoring/serviceMonitor/interval"),

@@ -9,16 +9,17 @@ named has a series and every panel's query returns data.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Set as AbstractSet
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -94,16 +95,16 @@ def _metric_names(expr: str) -> set[str]:
     return set(METRIC.findall(expr)) | ({"up"} if re.search(r"\bup\{", expr) else set())
 
 
-@cache
 def registered_metrics() -> tuple[frozenset[str], frozenset[str]]:
-    """Metric names the services and the launcher register (string literals), and which are histograms."""
-    names: set[str] = set()
-    histograms: set[str] = set()
-    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "deploy" / "launcher_restarts.py"]:
-        text = path.read_text()
-        names |= set(re.findall(r"\"(vcpo_[a-z0-9_]+)\"", text))
-        histograms |= set(re.findall(r"histogram\(\s*\"(vcpo_[a-z0-9_]+)\"", text))
-    return frozenset(names), frozenset(histograms)
+    """Metric names the services and the launcher register (counters with their _total), and which are
+    histograms: read from their real collectors by scripts/reference_metrics.py, the source of
+    docs/reference/metrics.md too."""
+    if str(ROOT / "scripts") not in sys.path:  # the generator's modules import each other as a script's do
+        sys.path.insert(0, str(ROOT / "scripts"))
+    names: tuple[frozenset[str], frozenset[str]] = importlib.import_module(
+        "reference_metrics"
+    ).registered_metrics()
+    return names
 
 
 def _series_name(name: str, names: AbstractSet[str], histograms: AbstractSet[str]) -> str | None:

@@ -12,7 +12,7 @@ import logging
 import redis
 
 from services.common.tiny_model import run_model
-from services.sampler.config import SamplerServiceConfig
+from services.sampler.config import EnvironmentConfig, SamplerServiceConfig
 from services.sampler.engine import GenerationEngine, VllmEngine, VllmSettings
 from services.sampler.environments.registry import CircuitBreaker, EnvironmentRegistry, make_environment
 from vcpo.v1 import registry_pb2
@@ -67,5 +67,12 @@ def environment_registry(cfg: SamplerServiceConfig, client: redis.Redis, owner: 
         make_env=functools.partial(make_environment, tls=s.env_tls),
     )
     for env in s.environments:
-        registry.register(registry_pb2.EnvironmentSpec(**env.model_dump(exclude_defaults=True)))
+        registry.register(environment_spec(env))
     return registry
+
+
+def environment_spec(env: EnvironmentConfig) -> registry_pb2.EnvironmentSpec:
+    """The registration a run file's environment makes, with its token read now (from the file or variable
+    the entry names: the run file holds no secret)."""
+    fields = env.model_dump(exclude_defaults=True, exclude={"auth_token_file", "auth_token_env"})
+    return registry_pb2.EnvironmentSpec(**fields, auth_token=env.auth_token())

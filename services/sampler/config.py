@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, SecretStr, model_validator
@@ -16,8 +19,12 @@ EVAL_SET_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 
 class EnvironmentConfig(Section):
-    """A tool-use environment registered when the sampler starts (the same fields as RegisterEnvironment's
-    EnvironmentSpec; zeros take the registry's defaults)."""
+    """A tool-use environment registered when the sampler starts: RegisterEnvironment's EnvironmentSpec fields,
+    zeros taking the registry's defaults, except that the bearer token the endpoint wants is named, not written:
+    ``auth_token_file`` or ``auth_token_env``, read by the sampler when it registers the environment. Run files
+    are committed, shared and written into the run directory (config.resolved.json), so a token written in
+    one would travel with them; a file is what a Kubernetes Secret or a credentials store mounts, a variable
+    what a shell or CI job exports."""
 
     name: str = Field(description="The name tasks refer to (Task.environment).")
     endpoint: str = Field("", description="host:port of a vcpo.v1.Environment server (or give builtin).")
@@ -30,6 +37,62 @@ class EnvironmentConfig(Section):
     max_turns: int = Field(0, ge=0, description="Model turns per episode; 0: 8.")
     max_episode_tokens: int = Field(0, ge=0, description="Tokens per episode; 0: what max_model_len allows.")
     tool_parser: str = Field("", description="'fenced_code' (default), 'json' or 'turn'.")
+    tls: bool = Field(
+        False,
+        description="Call the endpoint over TLS, trusting sampler.env_tls.ca_file (else the system's roots) and "
+        "presenting sampler.env_tls's certificate if it has one.",
+    )
+    auth_token_file: str = Field(
+        "",
+        description="A file holding the token the endpoint wants, sent as `authorization: Bearer <token>` on "
+        "every call (surrounding whitespace stripped); read when the sampler registers the environment. Or "
+        "auth_token_env; empty (both): no token.",
+    )
+    auth_token_env: str = Field(
+        "",
+        pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+        description="An environment variable of the sampler's processes holding that token (instead of "
+        "auth_token_file).",
+    )
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> EnvironmentConfig:
+        where = f"[[sampler.environments]] {self.name!r}"
+        if self.auth_token_file and self.auth_token_env:
+            raise ValueError(
+                f"{where}: auth_token_file and auth_token_env both set; give the token one way (remove one)"
+            )
+        if self.builtin and (self.tls or self.auth_token_file or self.auth_token_env):
+            raise ValueError(
+                f"{where}: tls, auth_token_file and auth_token_env are for an endpoint; builtin "
+                f"{self.builtin!r} runs in the sampler"
+            )
+        return self
+
+    def auth_token(self, environ: Mapping[str, str] | None = None) -> str:
+        """The endpoint's token, read now from auth_token_file or auth_token_env ("" when neither is set);
+        ValueError naming the key when it cannot be read or is empty."""
+        where = f"[[sampler.environments]] {self.name!r}"
+        if self.auth_token_file:
+            try:
+                token = Path(self.auth_token_file).read_text().strip()
+            except OSError as exc:
+                raise ValueError(
+                    f"{where}: auth_token_file = {self.auth_token_file!r} cannot be read ({exc.strerror}): "
+                    "point it at the file holding the environment's token, readable where the samplers run"
+                ) from None
+            if not token:
+                raise ValueError(f"{where}: auth_token_file = {self.auth_token_file!r} is empty")
+            return token
+        if self.auth_token_env:
+            token = (os.environ if environ is None else environ).get(self.auth_token_env, "").strip()
+            if not token:
+                raise ValueError(
+                    f"{where}: auth_token_env = {self.auth_token_env!r}, but the sampler's environment has no "
+                    f"(or an empty) {self.auth_token_env}: export it where the samplers run"
+                )
+            return token
+        return ""
 
 
 class SamplerConfig(Section):

@@ -40,7 +40,19 @@ vcpo.io/component: {{ .component }}
 {{- default (printf "%s/runs/%s" (trimSuffix "/" .Values.sharedStorage.mountPath) (include "vcpo-rl.runId" .)) .Values.run.runDir -}}
 {{- end -}}
 
+{{/*
+The project's image. No public registry carries it, so image.repository has no default: without it the install
+fails here (before any other check), printing how to build and push it.
+*/}}
+{{- define "vcpo-rl.checkImage" -}}
+{{- if not .Values.image.repository -}}
+{{- $ref := printf "<registry>/vcpo-rl-gpu:%s" (default .Chart.AppVersion .Values.image.tag) -}}
+{{- fail (printf "image.repository is not set, and no public registry carries the project's image: build it from the repository root and push it to a registry the cluster pulls from,\n  docker build -f deploy/docker/Dockerfile.gpu -t %s . && docker push %s\n(deploy/docker/Dockerfile.cpu for a cluster without GPUs), then install with --set image.repository=<registry>/vcpo-rl-gpu (and image.tag, default: the chart's appVersion %s); docs/deploy.md, step 1" $ref $ref .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "vcpo-rl.image" -}}
+{{- include "vcpo-rl.checkImage" . -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
@@ -152,6 +164,11 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- with .resetTimeoutSeconds }}{{ $_ := set $e "reset_timeout_seconds" (float64 .) }}{{ end -}}
 {{- with .stepTimeoutSeconds }}{{ $_ := set $e "step_timeout_seconds" (float64 .) }}{{ end -}}
 {{- with .weight }}{{ $_ := set $e "weight" (float64 .) }}{{ end -}}
+{{- if and .builtin (or .tls .authTokenSecret) -}}
+{{- fail (printf "environments %q: tls and authTokenSecret are for an endpoint or a server; builtin %q runs in the sampler" .name .builtin) -}}
+{{- end -}}
+{{- with .tls }}{{ $_ := set $e "tls" true }}{{ end -}}
+{{- if .authTokenSecret }}{{ $_ := set $e "auth_token_file" (printf "%s/token" (include "vcpo-rl.envTokenDir" .name)) }}{{ end -}}
 {{- $envs = append $envs $e -}}
 {{- end -}}
 {{- $setKeys := dict "name" "name" "dataset" "dataset" "split" "split" "promptField" "prompt_field" "answerField" "answer_field" "scorer" "scorer" "environment" "environment" "samples" "n" "temperature" "temperature" "topP" "top_p" "maxTokens" "max_tokens" "limit" "limit" "every" "every" "correctAt" "correct_at" -}}
@@ -207,6 +224,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "micro_batch_size" (int $v.learner.microBatchSize)
     "lr" (float64 $v.learner.lr)
     "objective" $v.learner.objective
+    "objective_settings" ($v.learner.objectiveSettings | default dict)
     "checkpoint_every" (int $v.learner.checkpointEvery)
     "keep_checkpoints" (int $v.learner.keepCheckpoints)
     "grpc_port" (int $p.learnerGrpc)

@@ -202,12 +202,30 @@ spec:
         {{- include "vcpo-rl.resourcesWithGpus" (dict "resources" .resources "gpus" .gpus) | nindent 8 }}
       volumeMounts:
         {{- include "vcpo-rl.rayVolumeMounts" $ctx | nindent 8 }}
+        {{- if has .component (list "sampler" "evaluator") }}
+        {{- range include "vcpo-rl.envTokenMounts" $ctx | fromYamlArray }}
+        - name: {{ .volume }}
+          mountPath: {{ .dir }}
+          readOnly: true
+        {{- end }}
+        {{- end }}
       lifecycle:
         preStop:
           exec:
             command: ["/bin/sh", "-c", "ray stop"]
   volumes:
     {{- include "vcpo-rl.rayVolumes" $ctx | nindent 4 }}
+    {{- if has .component (list "sampler" "evaluator") }}
+    {{- range include "vcpo-rl.envTokenMounts" $ctx | fromYamlArray }}
+    - name: {{ .volume }}
+      secret:
+        secretName: {{ .secret }}
+        items:
+          - key: {{ .key }}
+            path: token
+        defaultMode: 0440
+    {{- end }}
+    {{- end }}
   {{- with .scheduling.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -320,6 +338,26 @@ entrypoint, rayJob.redeployKey), at most 47 characters (KubeRay's limit for RayJ
 {{- define "vcpo-rl.jobName" -}}
 {{- $hash := printf "%s\n%s\n%s\n%s" (include "vcpo-rl.runToml" .) (include "vcpo-rl.rayClusterSpec" .) (include "vcpo-rl.entrypoint" .) .Values.rayJob.redeployKey | sha256sum | trunc 8 -}}
 {{- printf "%s-%s" (include "vcpo-rl.fullname" . | trunc 38 | trimSuffix "-") $hash -}}
+{{- end -}}
+
+{{/*
+The Secrets of environments[].authTokenSecret, as [{volume, dir, secret, key}]: each key is mounted read-only as
+<dir>/token in the pods that register environments (the samplers' and a dedicated evaluator's, no others), where
+the run file's auth_token_file points; the token stays out of the run file and out of the pods' environment.
+*/}}
+{{- define "vcpo-rl.envTokenMounts" -}}
+{{- $out := list }}
+{{- range .Values.environments }}
+{{- if .authTokenSecret }}
+{{- $out = append $out (dict "volume" (printf "env-token-%s" .name) "dir" (include "vcpo-rl.envTokenDir" .name) "secret" .authTokenSecret.name "key" (default "token" .authTokenSecret.key)) }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
+{{- end -}}
+
+{{/* Where environment <name>'s token Secret is mounted. */}}
+{{- define "vcpo-rl.envTokenDir" -}}
+{{- printf "/etc/vcpo/env-tokens/%s" . -}}
 {{- end -}}
 
 {{/*
