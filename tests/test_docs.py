@@ -323,3 +323,30 @@ def test_metrics_named_in_the_docs_exist() -> None:
                 unknown.append(f"{_rel(page)}: {name}")
     assert seen > 50
     assert not unknown, "metric names no service registers:\n" + "\n".join(unknown)
+
+
+# ---------------------------------------------------------------------------------- every page: objectives
+
+# a clause that gives `learner.objective` its values: "`learner.objective`: `vcpo` (the default), `grpo` ..."
+OBJECTIVE_CLAUSE = re.compile(r"`learner\.objective[`\s=](?:[^;\n]|\n(?!\n))*?(?=;|\.\s|\n\n|$)")
+
+
+def test_objective_names_the_docs_give_are_registered() -> None:
+    from services.learner.objectives import NAMES
+
+    given = []
+    for page in PAGES:
+        prose = _prose(page.read_text())
+        for clause in OBJECTIVE_CLAUSE.findall(prose):
+            # backticked bare names: `vcpo`; a dotted key (`learner.ppo_clip`) is a setting, not a value
+            given += [(page, n) for n in re.findall(r"`([a-z][a-z0-9_]*)`", clause)]
+        for code in re.findall(r"objective\s*=\s*\"([^\"]+)\"", page.read_text()):
+            given.append((page, code))
+    assert len(given) >= 4
+    # the guide's example objective, which tests/test_objective_dropin.py drops in and checks
+    from tests.test_objective_dropin import EXAMPLE
+
+    unknown = [f"{_rel(p)}: {n}" for p, n in given if n not in NAMES and n != EXAMPLE]
+    assert not unknown, (
+        f"objective names that learner.objective refuses (choices {list(NAMES)}):\n" + "\n".join(unknown)
+    )

@@ -70,7 +70,7 @@ class WeightBrokerConfig(Section):
         ge=0,
         description="collective: learner rank 0 forms a new epoch only once the registered members have not "
         "changed for this long, so samplers registering one after another (at start-up, each as its engine "
-        "has loaded version 0) make one epoch, not one each, every one holding the engines of those already "
+        "has loaded version 0) form one epoch, not one each, every one holding the engines of those already "
         "in it in their joins; meanwhile versions go to those not in a group through the broker. 0 = at once.",
     )
     group_settle_max_s: float = Field(
