@@ -35,7 +35,7 @@ import xxhash
 
 from services.common.ports import free_port
 from services.weight_broker.tensors import TensorSpec, tensor_bytes
-from services.weight_broker.transports import GrpcTransport, TcpTransport, WeightTransport
+from services.weight_broker.transports import TcpTransport
 
 MiB = 1 << 20
 PUBLISHES = 3  # the last one is timed as the steady state
@@ -126,15 +126,9 @@ def socket_gbps(named: list[tuple[str, torch.Tensor]], repeats: int) -> float:
 # ---------------------------------------------------------------------------------------------- fetchers
 
 
-def client(transport: str, address: str, data_address: str) -> WeightTransport:
-    if transport == "tcp":
-        return TcpTransport(address, data_address)
-    return GrpcTransport(address)
-
-
-def _fetcher(kind: str, address: str, data: str, index: int, ready: Any, go: Any, results: Any) -> None:
+def _fetcher(address: str, data: str, index: int, ready: Any, go: Any, results: Any) -> None:
     try:
-        transport = client(kind, address, data)
+        transport = TcpTransport(address, data)
         transport.fetch(lambda name, t: None)  # a sampler has fetched versions before: warm buffers, untimed
         hasher = xxhash.xxh3_128()
         counts = {"bytes": 0, "tensors": 0}
@@ -197,13 +191,11 @@ def _reap(procs: list[Any]) -> None:
             p.join()
 
 
-def run_fetchers(kind: str, address: str, data: str, n: int) -> tuple[float, list[dict[str, Any]]]:
+def run_fetchers(address: str, data: str, n: int) -> tuple[float, list[dict[str, Any]]]:
     """Start ``n`` fetcher processes, release them together; seconds from the release to the last finish."""
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [
-        ctx.Process(target=_fetcher, args=(kind, address, data, i, ready, go, results)) for i in range(n)
-    ]
+    procs = [ctx.Process(target=_fetcher, args=(address, data, i, ready, go, results)) for i in range(n)]
     for p in procs:
         p.start()
     try:
@@ -254,7 +246,6 @@ def run_collective(
     named: list[tuple[str, torch.Tensor]],
     receivers: int,
     bucket_mib: int,
-    digests: bool = True,
     shared_memory: bool = False,
     step_s: float = 1.0,
 ) -> dict[str, float]:
@@ -262,7 +253,6 @@ def run_collective(
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer), and the
     seconds from the start of that one until they held it (``staged_seconds``: the learner's publish).
-    ``digests``: the publisher sends bucket digests that every receiver checks (weight_broker.group_digests).
     ``shared_memory``: the receivers copy each version out of the publisher's /dev/shm segment instead
     (weight_broker.group_shared_memory; the publisher must confirm it used it for every version). ``step_s``:
     the pause before each timed version, as a learner's step between versions: the publisher reserves the
@@ -287,9 +277,7 @@ def run_collective(
         p.start()
     try:
         group = WeightGroup(GroupSpec(**spec), 0)
-        publisher = CollectivePublisher(
-            group, bucket_bytes=bucket_mib * MiB, digests=digests, shared_memory=shared_memory
-        )
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
         specs = [TensorSpec.of(name, t) for name, t in named]
         publisher.send(1, specs, iter(named))
         _collect(results, receivers, procs, timeout_s=600)
@@ -402,7 +390,6 @@ def run_loading(
     bucket_mib: int,
     shared_memory: bool = False,
     lock: bool = False,
-    cuda_ipc: bool = False,
 ) -> dict[str, float]:
     """The publisher (this process, its tensors where ``named`` lives) broadcasts 4 versions to one receiver
     process per entry of ``devices``, each loading into its model there. Version 2 (``send``) is timed from
@@ -410,8 +397,7 @@ def run_loading(
     (``seconds``); ``load_gbps`` is the slowest receiver's load. Versions 3 and 4 go in the background from
     the staging buffer; ``blocked_s`` is the 4th's wait (the 3rd allocates the buffer). Each version differs
     in its first element, and every receiver's model must equal it byte for byte. ``lock``: the receivers
-    page-lock their mapping of a /dev/shm version before loading (``locked``: all could). ``cuda_ipc``: the
-    publisher hands receivers on its GPU CUDA IPC handles of its staged version (``weight_broker.group_cuda_ipc``)."""
+    page-lock their mapping of a /dev/shm version before loading (``locked``: all could)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -434,9 +420,7 @@ def run_loading(
     try:
         here = named[0][1].device
         group = WeightGroup(GroupSpec(**spec), 0, here if backend == "nccl" else None)
-        publisher = CollectivePublisher(
-            group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory, cuda_ipc=cuda_ipc
-        )
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
         specs = [TensorSpec.of(name, t) for name, t in named]
         for version in range(1, 5):
             named[0][1].view(-1)[0] = float(version)  # every version's bytes differ from the last
@@ -458,7 +442,6 @@ def run_loading(
                 figures["received_s"] = max(r["received"] for r in out) - t0
                 figures["load_gbps"] = min(stats.bytes / (r["done"] - r["received"]) / 1e9 for r in out)
                 figures["shared_memory"] = stats.extra["shared_memory"]
-                figures["cuda_ipc"] = stats.extra["cuda_ipc"]
                 figures["bytes"] = float(stats.bytes)
                 figures["locked"] = float(all(r["locked"] for r in out))
                 figures["lock_error"] = float(max(r["lock_error"] for r in out))

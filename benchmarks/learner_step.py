@@ -12,7 +12,7 @@ all rows without a graph (for whole-step statistics) and VCPO's relative cost fa
   grpo      Trainer.train_step with objective "grpo": forward + backward per micro-batch, AdamW step
   vcpo      Trainer.train_step with objective "vcpo": norm pass per micro-batch, global ESS, coefficients,
             one backward handing every parameter its weighted gradient, AdamW step
-  publish   publish_version of the new weights to a weight-broker process over gRPC, ZeRO-3 parameters
+  publish   publish_version of the new weights to a weight-broker process (its TCP data plane), ZeRO-3 parameters
             gathered bucket by bucket (after every step)
 
 Reported: median seconds over --rounds rounds, and the ratios. The last line is one JSON object with the
@@ -64,14 +64,20 @@ AT_MAXIMUM = 0.05  # the share of a mixed step's trajectories cut at the maximum
 
 
 def _rank(
-    rank: int, model_dir: str, groups: list[Any], broker: str, rounds: int, micro: int, gpus: int
+    rank: int,
+    model_dir: str,
+    groups: list[Any],
+    broker: tuple[str, str],
+    rounds: int,
+    micro: int,
+    gpus: int,
 ) -> dict[str, Any]:
     from services.learner.batching import place_groups, to_tensors
     from services.learner.config import LearnerConfig
     from services.learner.publish import publish_version
     from services.learner.trainer import Trainer
     from services.learner.vcpo import objective_config
-    from services.weight_broker.transports import GrpcTransport
+    from services.weight_broker.transports import TcpTransport
 
     torch.set_num_threads(1)  # two ranks share this machine's cores
     configs = {
@@ -80,7 +86,7 @@ def _rank(
     }
     trainer = Trainer(configs["vcpo"], model_dir)
     batch = to_tensors([groups[i] for i in place_groups(groups, trainer.world_size)[rank]])
-    transport = GrpcTransport(broker) if rank == 0 else None
+    transport = TcpTransport(*broker) if rank == 0 else None
     times: dict[str, list[float]] = {"grpo": [], "vcpo": [], "publish": []}
     for r in range(rounds + 1):  # round 0 warms up (allocations, first gathers) and is not counted
         order = ("grpo", "vcpo") if r % 2 else ("vcpo", "grpo")
@@ -261,10 +267,18 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp) / "model", spec)
         params = count_parameters(model_dir)
         groups = scored_groups(model_dir, [8] * max(ranks, 2), (response, response), prompt, noise=0.05)
-        broker, address, _ = start_broker(Path(tmp))
+        broker, address, data_address = start_broker(Path(tmp))
         try:
             results = run_ranks(
-                _rank, ranks, str(model_dir), groups, address, rounds, args.micro_batch, gpus, timeout_s=1800
+                _rank,
+                ranks,
+                str(model_dir),
+                groups,
+                (address, data_address),
+                rounds,
+                args.micro_batch,
+                gpus,
+                timeout_s=1800,
             )
         finally:
             broker.stop()

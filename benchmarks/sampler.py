@@ -12,8 +12,8 @@ to a jsonl, chat-templated by the service's ``PromptEncoder``, so both paths see
   engine_raw the same call with ``detokenize=False``: vLLM skips its per-token detokenizing, which the
             service also skips (it decodes each finished response once), so this is the engine alone.
   service   a real ``SamplerService`` on the same engine with a real redis-server (started here), a weight
-            broker in this process (gRPC, announcing on the run's `weights` stream) holding version 0 (the
-            model's own weights), the jsonl as its dataset, ``groups_per_step`` 1 and
+            broker in this process (gRPC and its TCP data plane, announcing on the run's `weights` stream)
+            holding version 0 (the model's own weights), the jsonl as its dataset, ``groups_per_step`` 1 and
             ``max_requests_in_flight`` G x n, so all G groups start in the first tick, as in the one generate
             call. ``serve(stop,
             max_groups=G)`` runs in this (the main) thread. Timed from the moment version 0 is loaded into
@@ -86,10 +86,11 @@ from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings
 from services.sampler.service import SamplerService
 from services.weight_broker.announce import Announcer
+from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore
 from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import GrpcTransport
+from services.weight_broker.transports import TcpTransport
 from vcpo.v1 import rollout_pb2
 
 TARGET_SERVICE_OVER_ENGINE = 0.8
@@ -175,12 +176,13 @@ class Bench:
             MemoryStore(retain=2), BrokerMetrics(Metrics("bench-broker")), run_id=RUN_ID
         )
         self.broker = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
+        self.plane = DataPlaneServer(servicer, port=0, host="127.0.0.1")
         address = f"127.0.0.1:{self.broker.port}"
         servicer.announcer = Announcer(StreamProducer(self.client, self.specs["weights"]), "grpc", address)
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(str(path)))
-        publisher = GrpcTransport(address, run_id=RUN_ID)
+        publisher = TcpTransport(address, f"127.0.0.1:{self.plane.port}", run_id=RUN_ID)
         publisher.publish(0, [TensorSpec.of(k, t) for k, t in weights.items()], lambda: iter(weights.items()))
         publisher.close()
 
@@ -204,9 +206,10 @@ class Bench:
                 "run": run.model_dump(),
                 "sampler": sampler,
                 "weight_broker": {
-                    "transport": "grpc",
+                    "transport": "tcp",
                     "advertise_host": "127.0.0.1",
                     "grpc_port": self.broker.port,
+                    "data_port": self.plane.port,
                 },
             }
         )
@@ -270,6 +273,7 @@ class Bench:
         return Measurement("service", len(written), responses, tokens, marks["written"] - marks["loaded"])
 
     def close(self) -> None:
+        self.plane.stop()
         self.broker.stop(0)
         self.client.close()
         self.redis.stop()

@@ -9,9 +9,8 @@ projections with their norms, final norm, lm_head; the largest tensors are 64 Mi
                --socket-repeats connections, i.e. the most favourable figure for the socket).
     broker     a fresh ``python -m services.weight_broker`` process (memory storage, retain 1) per size,
                so its peak RSS (VmHWM) is the peak of that size; its RSS after start-up is the baseline.
-    publish    this process publishes versions 1, 2, 3 (tensors built once, seed 0) through each --transports
-               client, a fresh broker per transport: ``tcp`` (TcpTransport: the broker's TCP data plane,
-               the default transport) and ``grpc`` (GrpcTransport: gRPC streaming). Version 3 is timed as
+    publish    this process publishes versions 1, 2, 3 (tensors built once, seed 0) through TcpTransport (the
+               broker's TCP data plane). Version 3 is timed as
                the steady state: with retain 1 it lands in the memory version 1 freed, as every publish of a
                running learner does, while a fresh broker's first publishes also pay the kernel for new
                pages (reported as "first"). The socket's receiver writes into a buffer it touched before, too.
@@ -27,8 +26,7 @@ publisher's, or the run exits non-zero. Broker CPU seconds per phase come from /
 
 Headline figures (the JSON object on the last line), at the largest size measured:
 
-    broker_over_socket    min(steady publish GB/s, single-fetch GB/s) / socket GB/s over the first
-                          --transports (tcp by default; target >= 0.5); <transport>_over_socket for each;
+    broker_over_socket    min(steady publish GB/s, single-fetch GB/s) / socket GB/s (target >= 0.5);
                           first_publish_over_socket: the first publish into a fresh broker
     peak_rss_over_model   (broker VmHWM - broker RSS after start-up) / model bytes, the peak over the
                           broker's whole life: the publishes (a version is retained until the next one
@@ -36,7 +34,6 @@ Headline figures (the JSON object on the last line), at the largest size measure
 
     collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
                           publish until it holds the version, against the socket (target >= 0.8);
-                          ..._without_digests: the same without bucket digests (group_digests = false);
                           collective_staged_over_socket: as the learner publishes, copied into the staging
                           buffer (the learner's wait) and broadcast from it in the background
     collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host; the
@@ -71,7 +68,6 @@ from benchmarks._weight_sync_workers import (
     PUBLISHES,
     MiB,
     build_model,
-    client,
     digest_of,
     run_collective,
     run_fetchers,
@@ -81,6 +77,7 @@ from services.common.memory import ALLOCATOR_ENV
 from services.common.ports import free_port
 from services.common.service_process import ServiceProcess
 from services.weight_broker.tensors import TensorSpec
+from services.weight_broker.transports import TcpTransport
 
 TARGET_BROKER_OVER_SOCKET = 0.5
 TARGET_PEAK_RSS_OVER_MODEL = 2.5
@@ -145,7 +142,7 @@ def start_broker(run_dir: Path) -> tuple[ServiceProcess, str, str]:
 
 
 def run_size(
-    size_mib: int, fetchers: int, named: list[tuple[str, torch.Tensor]], socket: float, kind: str
+    size_mib: int, fetchers: int, named: list[tuple[str, torch.Tensor]], socket: float
 ) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     expected = digest_of(named)
@@ -153,7 +150,6 @@ def run_size(
         "size_mib": size_mib,
         "bytes": nbytes,
         "tensors": len(named),
-        "transport": kind,
         "largest_tensor_mib": max(t.numel() * 4 for _, t in named) / MiB,
     }
     row["socket_gbps"] = socket
@@ -163,7 +159,7 @@ def run_size(
         try:
             time.sleep(0.5)  # let start-up settle before the baseline
             row["rss_base"] = proc_status(broker.pid)["VmRSS"]
-            publisher = client(kind, address, data)
+            publisher = TcpTransport(address, data)
             publisher.latest()  # connected before timing
             specs = [TensorSpec.of(name, t) for name, t in named]
             # versions 1 and 2 are the first publishes into a fresh broker (new memory: page faults); version
@@ -189,7 +185,7 @@ def run_size(
             fetches: list[dict[str, Any]] = []
             for n, key in ((1, "fetch"), (fetchers, "fanout")):
                 cpu_b = cpu_seconds(broker.pid)
-                seconds, out = run_fetchers(kind, address, data, n)
+                seconds, out = run_fetchers(address, data, n)
                 row[f"broker_cpu_{key}_s"] = cpu_seconds(broker.pid) - cpu_b
                 row[f"{key}_s"] = seconds
                 row[f"{key}_gbps"] = n * nbytes / seconds / 1e9
@@ -225,13 +221,6 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", help="model sizes in MiB (default 64 256 1024)")
     parser.add_argument("--fetchers", type=int, default=0, help="concurrent fetchers (default 4; quick: 2)")
     parser.add_argument("--socket-repeats", type=int, default=3, help="socket copies per size (best is kept)")
-    parser.add_argument(
-        "--transports",
-        nargs="+",
-        choices=["tcp", "grpc"],
-        default=["tcp", "grpc"],
-        help="client transports to measure: the data plane (tcp, the default transport) and gRPC streaming",
-    )
     parser.add_argument(
         "--receivers",
         type=int,
@@ -269,19 +258,16 @@ def main() -> None:
 
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
-    without_digests: dict[str, float] = {}
     shm: dict[int, dict[str, float]] = {}
     for size in sizes:
         named = build_model(size * MiB)
         socket = socket_gbps(named, args.socket_repeats)
-        for kind in args.transports:
-            rows.append(run_size(size, fetchers, named, socket, kind))
-            print(f"# {size} MiB over {kind} done", file=sys.stderr, flush=True)
+        rows.append(run_size(size, fetchers, named, socket))
+        print(f"# {size} MiB through the broker done", file=sys.stderr, flush=True)
         if size == sizes[-1] or not args.quick:
             collective[size] = {n: timed(named, n, args) for n in args.receivers}
-            if size == sizes[-1]:  # beside it: the same broadcast without the bucket digests' CPU
-                without_digests = timed(named, args.receivers[0], args, digests=False)
-                shm = {  # and through shared memory: every receiver copies the version out of /dev/shm
+            if size == sizes[-1]:  # beside it: every receiver copies the version out of /dev/shm
+                shm = {
                     n: timed(named, n, args, shared_memory=True)
                     for n in (args.receivers[0], args.receivers[-1])
                 }
@@ -295,16 +281,16 @@ def main() -> None:
         f"{os.cpu_count()} CPUs; {allocator}"
     )
     print(
-        f"{'MiB':>5} {'via':>4} {'tensors':>7} {'socket':>7} {'1st pub':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
+        f"{'MiB':>5} {'tensors':>7} {'socket':>7} {'1st pub':>7} {'publish':>7} {'fetch':>7} {f'{n}x agg':>7} "
         f"{'base':>6} {'+pub':>6} {'peak':>6} {'peak-base':>9}"
     )
     print(
-        f"{'':>5} {'':>4} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "
+        f"{'':>5} {'':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'GB/s':>7} {'MiB':>6} {'MiB':>6} "
         f"{'MiB':>6} {'/ model':>9}"
     )
     for r in rows:
         print(
-            f"{r['size_mib']:>5} {r['transport']:>4} {r['tensors']:>7} {r['socket_gbps']:>7.2f} "
+            f"{r['size_mib']:>5} {r['tensors']:>7} {r['socket_gbps']:>7.2f} "
             f"{r['first_publish_gbps']:>7.2f} {r['publish_gbps']:>7.2f} "
             f"{r['fetch_gbps']:>7.2f} {r['fanout_gbps']:>7.2f} {r['rss_base'] / MiB:>6.0f} "
             f"{(r['rss_after_publish'] - r['rss_base']) / MiB:>6.0f} {r['rss_peak'] / MiB:>6.0f} "
@@ -317,12 +303,12 @@ def main() -> None:
     )
     print("where the time goes (CPU seconds; fetcher figures are the slowest fetcher's):")
     print(
-        f"{'MiB':>5} {'via':>4} {'pub s':>6} {'pubCPU':>6} {'brkCPU':>6} | {'fetch s':>7} {'brkCPU':>6} {'fchCPU':>6} "
+        f"{'MiB':>5} {'pub s':>6} {'pubCPU':>6} {'brkCPU':>6} | {'fetch s':>7} {'brkCPU':>6} {'fchCPU':>6} "
         f"{'sink':>5} | {f'{n}x s':>6} {'brkCPU':>6} {'fchCPU':>6} | {'HWM pub':>7} {'fetch':>6} {f'{n}x':>6}"
     )
     for r in rows:
         print(
-            f"{r['size_mib']:>5} {r['transport']:>4} {r['publish_s']:>6.2f} {r['publisher_cpu_s']:>6.2f} "
+            f"{r['size_mib']:>5} {r['publish_s']:>6.2f} {r['publisher_cpu_s']:>6.2f} "
             f"{r['broker_cpu_publish_s']:>6.2f} | {r['fetch_s']:>7.2f} {r['broker_cpu_fetch_s']:>6.2f} "
             f"{r['fetch_fetcher_cpu_s']:>6.2f} {r['fetch_sink_s']:>5.2f} | {r['fanout_s']:>6.2f} "
             f"{r['broker_cpu_fanout_s']:>6.2f} {r['fanout_fetcher_cpu_s']:>6.2f} | "
@@ -341,7 +327,7 @@ def main() -> None:
     )
     for size in collective:
         c = collective[size]
-        r = next(r for r in rows if r["size_mib"] == size and r["transport"] == args.transports[0])
+        r = next(r for r in rows if r["size_mib"] == size)
         first = c[args.receivers[0]]
         print(
             f"{size:>5} "
@@ -351,18 +337,12 @@ def main() -> None:
         )
     print("all collective receivers' digests equal the publisher's")
     print(
-        f"without bucket digests (weight_broker.group_digests = false), {args.receivers[0]} receiver: "
-        f"{without_digests['seconds']:.2f} s"
-    )
-    print(
         "through shared memory (weight_broker.group_shared_memory = true): "
         + ", ".join(f"{n} receiver(s) {c['seconds']:.2f} s" for n, c in shm.items())
     )
 
     largest = max(r["size_mib"] for r in rows)
-    at_largest = {r["transport"]: r for r in rows if r["size_mib"] == largest}
-    main_kind = args.transports[0]
-    big = at_largest[main_kind]
+    big = next(r for r in rows if r["size_mib"] == largest)
 
     def over_socket(r: dict[str, Any]) -> float:
         return min(r["publish_gbps"], r["fetch_gbps"]) / r["socket_gbps"]
@@ -378,9 +358,6 @@ def main() -> None:
         "collective_staged_over_socket": round(
             big["bytes"] / coll[one]["staged_seconds"] / 1e9 / big["socket_gbps"], 3
         ),
-        "collective_over_socket_without_digests": round(
-            big["bytes"] / without_digests["seconds"] / 1e9 / big["socket_gbps"], 3
-        ),
         f"collective_{many}_over_{one}": round(coll[many]["seconds"] / coll[one]["seconds"], 3),
         "collective_shm_over_socket": round(big["bytes"] / shm[one]["seconds"] / 1e9 / big["socket_gbps"], 3),
         f"collective_shm_{many}_over_{one}": round(shm[many]["seconds"] / shm[one]["seconds"], 3),
@@ -395,16 +372,13 @@ def main() -> None:
         "target_collective_over_socket": TARGET_COLLECTIVE_OVER_SOCKET,
         "target_collective_n_over_1": TARGET_COLLECTIVE_N_OVER_1,
         "broker_over_socket": round(ratio, 3),
-        "broker_over_socket_basis": f"min(steady publish, single fetch) / socket, largest size, {main_kind} transport",
-        "transport": main_kind,
-        **{f"{k}_over_socket": round(over_socket(r), 3) for k, r in at_largest.items()},
+        "broker_over_socket_basis": "min(steady publish, single fetch) / socket, largest size",
         "publish_over_socket": round(big["publish_gbps"] / big["socket_gbps"], 3),
         "first_publish_over_socket": round(big["first_publish_gbps"] / big["socket_gbps"], 3),
         "fetch_over_socket": round(big["fetch_gbps"] / big["socket_gbps"], 3),
         "fanout_over_socket": round(big["fanout_gbps"] / big["socket_gbps"], 3),
         "peak_rss_over_model": round(peak, 3),
-        "peak_rss_basis": f"largest size, {main_kind} transport",
-        **{f"{k}_peak_rss_over_model": round(r["peak_over_model"], 3) for k, r in at_largest.items()},
+        "peak_rss_basis": "largest size",
         "largest_mib": largest,
         "fetchers": n,
         "target_broker_over_socket": TARGET_BROKER_OVER_SOCKET,
@@ -412,7 +386,7 @@ def main() -> None:
         "meets_broker_over_socket": ratio >= TARGET_BROKER_OVER_SOCKET,
         "meets_peak_rss_over_model": peak <= TARGET_PEAK_RSS_OVER_MODEL,
         "per_size": {
-            f"{r['size_mib']}/{r['transport']}": {
+            str(r["size_mib"]): {
                 "socket_gbps": round(r["socket_gbps"], 3),
                 "publish_gbps": round(r["publish_gbps"], 3),
                 "first_publish_gbps": round(r["first_publish_gbps"], 3),

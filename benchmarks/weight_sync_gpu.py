@@ -12,17 +12,9 @@ model on its device (a copy per tensor, as the engine's load does). Paths, by th
     shared_gpu_locked   the same, each receiver page-locking its mapping of the segment (read-only) before
                  it loads from it, the page-locking inside its load's time: whether the sampler should (it
                  does not: its loads read the mapping as it is); a driver that refuses is printed
-    shared_gpu_ipc   every receiver on cuda:0, with ``weight_broker.group_cuda_ipc``: the publisher stages the
-                 version on its GPU and each receiver opens it through a CUDA IPC handle and loads it device
-                 to device (services/weight_broker/cuda_ipc.py)
     nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
                  each receiver through its GPU bounce buffers into the host copy it keeps with the others on
                  this host, then loaded (two or more GPUs)
-    cuda_ipc     a reference, not a transport of the project's (benchmarks/_ipc_workers.py): the receivers
-                 on cuda:0 open the publisher's GPU staging buffer through a CUDA IPC handle, as vLLM's IPC
-                 engine does, and copy each version out of it device to device (no vote, no failure
-                 handling, one more copy of the model on the publisher's GPU); what a shared-GPU path that
-                 never leaves the device could reach (always run; ``ipc`` on CPU: a shared-memory buffer)
 
 Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out). Version 2 is timed from the start
 of the publish until every model holds it; versions 3 and 4 go in the background from the staging buffer and
@@ -44,8 +36,6 @@ Headline figures (the JSON object on the last line), at 1 receiver unless named;
     <path>_N_over_1        N receivers' seconds over one's (target <= 1.3: flat in receivers)
     <path>_blocked_s       the publisher's wait for a background broadcast (the learner's step overlaps the rest)
     shared_gpu_over_round_trip   shared_gpu_gbps / host_round_trip_gbps
-    shared_gpu_over_cuda_ipc     shared_gpu_gbps / cuda_ipc_gbps; cuda_ipc_staging_bytes: its extra GPU memory
-    shared_gpu_ipc_over_shared_gpu   the project's CUDA IPC plane against its /dev/shm plane, one GPU
 
     python benchmarks/weight_sync_gpu.py [--quick] [--size-mib 2048] [--device cuda] [--paths PATH ...]
 """
@@ -63,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks._ipc_workers import run_ipc
 from benchmarks._weight_sync_workers import MiB, build_model, run_loading
 from services.weight_broker.shared_memory import HostBuffers
 
@@ -114,16 +103,14 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
 
 class Run(NamedTuple):
     """One path: its group's backend, whether it asks for /dev/shm (``group_shared_memory``), whether its
-    receivers page-lock their mapping, the receivers' devices for each count, whether the version must
-    go through /dev/shm (asked for, or ranks sharing a GPU), and whether it goes through CUDA IPC instead
-    (``group_cuda_ipc``, every member on one GPU)."""
+    receivers page-lock their mapping, the receivers' devices for each count, and whether the version must
+    go through /dev/shm (asked for, or ranks sharing a GPU)."""
 
     backend: str
     shared_memory: bool
     lock: bool
     devices: list[list[str]]
     through_shm: bool
-    cuda_ipc: bool = False
 
 
 def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
@@ -135,7 +122,6 @@ def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
     out = {
         "shared_gpu": Run("nccl", False, False, shared, True),
         "shared_gpu_locked": Run("nccl", False, True, shared, True),
-        "shared_gpu_ipc": Run("nccl", False, False, shared, False, cuda_ipc=True),
     }
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
     if others:
@@ -146,14 +132,13 @@ def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
 def report(
     figures: dict[str, Any], path: str, n: int, row: dict[str, float], seconds: dict[int, float]
 ) -> None:
-    """Print ``path``'s row for ``n`` receivers and keep its figures: at 1 receiver its GB/s (and, where the
-    row has them, until it was received and the staging buffer's bytes), its load and blocked time; beyond,
-    its seconds over 1 receiver's (``seconds``, by receivers, is filled in as the rows come)."""
+    """Print ``path``'s row for ``n`` receivers and keep its figures: at 1 receiver its GB/s (and until it was
+    received), its load and blocked time; beyond, its seconds over 1 receiver's (``seconds``, by receivers,
+    is filled in as the rows come)."""
     nbytes = figures["model_bytes"]
     seconds[n] = row["seconds"]
-    held = f"{row['received_s']:>8.3f}" if "received_s" in row else f"{'':>8}"
     print(
-        f"{path:<11} {n:>9} {held} {row['seconds']:>9.3f} "
+        f"{path:<11} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "
         f"{nbytes / row['seconds'] / 1e9:>7.2f} {row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
         flush=True,
     )
@@ -161,12 +146,9 @@ def report(
         figures[f"{path}_{n}_over_1"] = seconds[n] / seconds[1]
         return
     figures[f"{path}_gbps"] = nbytes / row["seconds"] / 1e9
-    if "received_s" in row:
-        figures[f"{path}_received_gbps"] = nbytes / row["received_s"] / 1e9
+    figures[f"{path}_received_gbps"] = nbytes / row["received_s"] / 1e9
     figures[f"{path}_load_gbps"] = row["load_gbps"]
     figures[f"{path}_blocked_s"] = row["blocked_s"]
-    if "staging_bytes" in row:
-        figures[f"{path}_staging_bytes"] = int(row["staging_bytes"])
 
 
 def main() -> None:
@@ -211,10 +193,9 @@ def main() -> None:
         f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
     )
     runs = paths(device, args.receivers)
-    reference = "cuda_ipc" if device.type == "cuda" else "ipc"
-    unknown = sorted(set(args.paths or []) - {*runs, reference})
+    unknown = sorted(set(args.paths or []) - set(runs))
     if unknown:
-        raise SystemExit(f"--paths: {unknown} not among {sorted({*runs, reference})} on this machine")
+        raise SystemExit(f"--paths: {unknown} not among {sorted(runs)} on this machine")
     for path, run in runs.items():
         if args.paths and path not in args.paths:
             continue
@@ -228,7 +209,6 @@ def main() -> None:
                 args.bucket_mib,
                 shared_memory=run.shared_memory,
                 lock=run.lock,
-                cuda_ipc=run.cuda_ipc,
             )
             if run.lock and not row["locked"]:
                 print(
@@ -238,28 +218,9 @@ def main() -> None:
                 raise SystemExit(
                     f"{path}: the publisher {'did not use' if run.through_shm else 'used'} /dev/shm"
                 )
-            if row["cuda_ipc"] != (1.0 if run.cuda_ipc else 0.0):
-                raise SystemExit(
-                    f"{path}: the publisher {'did not use' if run.cuda_ipc else 'used'} CUDA IPC"
-                )
             report(figures, path, n, row, seconds)
-    seconds = {}
-    for n in args.receivers if not args.paths or reference in args.paths else []:
-        try:
-            row = run_ipc(named, [str(device)] * n)
-        except RuntimeError as exc:  # a driver or sandbox without CUDA IPC: said, and the figures above kept
-            print(f"{reference}: failed with {n} receivers: {exc}", flush=True)
-            figures[f"{reference}_error"] = str(exc)[:300]
-            break
-        report(figures, reference, n, row, seconds)
     if "shared_gpu_gbps" in figures:
         figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
-        if "cuda_ipc_gbps" in figures:
-            figures["shared_gpu_over_cuda_ipc"] = figures["shared_gpu_gbps"] / figures["cuda_ipc_gbps"]
-    if "shared_gpu_ipc_gbps" in figures and "shared_gpu_gbps" in figures:
-        figures["shared_gpu_ipc_over_shared_gpu"] = (
-            figures["shared_gpu_ipc_gbps"] / figures["shared_gpu_gbps"]
-        )
     print("every receiver's model equals every version it was sent")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
 

@@ -37,19 +37,16 @@ bench() {  # name, then the script and its arguments; the last line of each is i
     rm -f "$log"  # the summary above is what comes back (a device run returns at most 8 files)
 }
 # issue 23: the collective transport on GPUs, until each receiver's model holds the version: one GPU shared by
-# the publisher and its receivers (gloo and /dev/shm, or CUDA IPC), NCCL from cuda:0 to receivers on GPUs of
-# their own
+# the publisher and its receivers (gloo and /dev/shm), NCCL from cuda:0 to receivers on GPUs of their own
 weight_sync() { bench weight_sync_gpu benchmarks/weight_sync_gpu.py --device cuda --size-mib 2048; }
-WEIGHT_TESTS="tests/test_collective_weights.py tests/test_weight_group_nccl.py tests/test_weight_group_cuda_ipc.py"
+WEIGHT_TESTS="tests/test_collective_weights.py tests/test_weight_group_nccl.py"
 if [ "$PHASE" = weights ]; then
     # shellcheck disable=SC2086
-    $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group or ipc" \
+    $PY -m pytest -m gpu $WEIGHT_TESTS tests/test_benchmarks.py -k "weight or collective or nccl or group" \
         -p no:cacheprovider -q -rA --durations=10 2>&1 | tee "$OUT/gpu-tests.log"
     status=${PIPESTATUS[0]}
-    # not gpu-marked, but with CUDA there its host buffers are page-locked for real (cudaHostRegister); and the
-    # counter-file layout CUDA IPC's HeldExports reads, against that machine's torch
-    layout=tests/test_cuda_ipc_held.py::test_counters_are_read_where_torchs_allocator_keeps_them
-    $PY -m pytest tests/test_weight_group_shared_memory.py "$layout" -p no:cacheprovider -q -rA 2>&1 |
+    # not gpu-marked, but with CUDA there its host buffers are page-locked for real (cudaHostRegister)
+    $PY -m pytest tests/test_weight_group_shared_memory.py -p no:cacheprovider -q -rA 2>&1 |
         tee -a "$OUT/gpu-tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     weight_sync

@@ -43,7 +43,8 @@ def version_weights(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
 
 
 def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
-    """An in-process weight broker (gRPC) that announces each version on the run's `weights` stream."""
+    """An in-process weight broker (gRPC and its TCP data plane) that announces each version on the run's
+    `weights` stream."""
     from services.common.config import StreamsConfig
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
@@ -56,7 +57,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
 
 
 def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = None, **sampler: Any) -> Any:
-    """A sampler of ``run`` fetching from ``broker`` over gRPC: the tiny model on CPU, free ports, ``sampler``
+    """A sampler of ``run`` fetching from ``broker`` over its data plane: the tiny model on CPU, free ports, ``sampler``
     on top (and an ``[evaluation]`` section, if given)."""
     from services.sampler.config import SamplerServiceConfig
 
@@ -69,7 +70,12 @@ def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = No
         "metrics_port": 0,
         **sampler,
     }
-    wb = {"transport": "grpc", "advertise_host": "127.0.0.1", "grpc_port": broker.server.port}
+    wb = {
+        "transport": "tcp",
+        "advertise_host": "127.0.0.1",
+        "grpc_port": broker.server.port,
+        "data_port": broker.plane.port,
+    }
     return SamplerServiceConfig.model_validate(
         {"run": run.model_dump(), "sampler": settings, "weight_broker": wb, "evaluation": evaluation or {}}
     )

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.ports import free_port
-from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, digest, flat_bytes, pieces
+from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, pieces
 from services.weight_broker.collective import CollectivePublisher
 from services.weight_broker.receiver import CollectiveReceiver
 from services.weight_broker.shared_memory import held_host_bytes
@@ -101,15 +101,12 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
         shared_memory.shm_free = lambda: sent * 3 // 2  # type: ignore[assignment]
     if behaviour == "fail-locally-and-linger":  # its own part fails (no room for a buffer); it stays up
 
-        def no_room(self: Any, layout: Any, piece: int, hashed: bool) -> Any:
+        def no_room(self: Any, layout: Any, piece: int) -> Any:
             raise RuntimeError("CUDA out of memory (a stand-in)\nmore lines")
 
         CollectiveReceiver._direct = no_room  # type: ignore[method-assign]
-    if behaviour == "corrupt":  # every bucket's first byte flipped after it arrived, as if damaged in transit
-        receiver: CollectiveReceiver = _Corrupting(group)
-    else:
-        # bounce: as a GPU worker receives
-        receiver = CollectiveReceiver(group, bounce=behaviour == "bounce" or behaviour.startswith("host"))
+    # bounce: as a GPU worker receives
+    receiver = CollectiveReceiver(group, bounce=behaviour == "bounce" or behaviour.startswith("host"))
     if behaviour == "late":  # in the receive only 2 s after the publisher started its broadcast
         time.sleep(2.0)
     for _ in range(versions):
@@ -148,14 +145,6 @@ def mapped_file(tensor: torch.Tensor) -> str:
         if start <= address < end:
             return path.strip()
     return ""
-
-
-class _Corrupting(CollectiveReceiver):
-    def _direct(self, layout: Any, piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
-        buffers, _ = super()._direct(layout, piece, hashed)
-        for buf in buffers:
-            buf[0] ^= 0xFF
-        return buffers, [digest(buf) if hashed else 0 for buf in buffers]  # what it holds, hashed
 
 
 def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
@@ -362,27 +351,6 @@ def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
     group.close()
 
 
-def test_bucket_digests_vote_down_bytes_damaged_in_transit() -> None:
-    """A receiver whose buckets differ from what was sent votes the version down on every member; built without
-    digests (``weight_broker.group_digests = false``), the publisher lets the damaged copy through: what the
-    setting saves in CPU it gives up in this check."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30)
-    procs, out = start_receivers(spec, ["ok", "corrupt"], versions=2)
-    group = WeightGroup(spec, 0)
-    tensors = version_tensors(13)
-    with pytest.raises(TransferFailed, match="version 13: a receiver voted against it"):
-        CollectivePublisher(group, bucket_bytes=8192).send(13, specs_of(tensors), iter(tensors))
-    first = sorted(out.get(timeout=60) for _ in range(2))
-    assert [r[:2] for r in first] == [(1, "failed"), (2, "failed")]  # nothing applied anywhere
-    assert all("version 13: not committed" in why for *_, why in first)
-    tensors = version_tensors(14)
-    CollectivePublisher(group, bucket_bytes=8192, digests=False).send(14, specs_of(tensors), iter(tensors))
-    assert sorted(out.get(timeout=60) for _ in range(2)) == [(1, 14, True), (2, 14, False)]
-    for p in procs:
-        p.join(timeout=30)
-    group.close()
-
-
 def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes() -> None:
     """The learner's next step overlaps the broadcast: ``send_background`` returns once the version is copied
     into the staging buffer; changing the weights after that does not change what the receivers get."""
@@ -477,10 +445,11 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
     from services.weight_broker.announce import Announcer
+    from services.weight_broker.dataplane_server import DataPlaneServer
     from services.weight_broker.member import BrokerMember
     from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
     from services.weight_broker.store import MemoryStore
-    from services.weight_broker.transports import GrpcTransport
+    from services.weight_broker.transports import TcpTransport
 
     weights = stream_specs(RunConfig(run_id="member"), StreamsConfig())["weights"]
     servicer = WeightBrokerServicer(
@@ -489,6 +458,7 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
         Announcer(StreamProducer(redis_client, weights), "grpc", "here"),
     )
     server = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
+    plane = DataPlaneServer(servicer, port=0, host="127.0.0.1")
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -508,7 +478,7 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
         assert "store is unreachable" in member.failures[1]
         for version in (31, 32):
             got: dict[str, torch.Tensor] = {}
-            manifest = GrpcTransport(f"127.0.0.1:{server.port}").fetch(
+            manifest = TcpTransport(f"127.0.0.1:{server.port}", f"127.0.0.1:{plane.port}").fetch(
                 lambda n, t, into=got: into.__setitem__(n, t.clone()), version
             )
             assert manifest.checksum.startswith("xxh3_128:")  # verified by the client on the way
@@ -518,6 +488,7 @@ def test_the_broker_stores_and_announces_each_broadcast_version(redis_client: An
         announced = [e.policy_version for e in StreamTail(redis_client, weights).read()]
         assert announced == [31, 32]
     finally:
+        plane.stop()
         server.stop(0)
         if learner.is_alive():
             learner.kill()
@@ -631,8 +602,8 @@ def test_a_cuda_receiver_stages_the_version_in_pinned_host_memory() -> None:
 @pytest.mark.gpu
 def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
     """``send`` (not ``send_background``, which stages in host memory first) of CUDA tensors over a gloo group:
-    a bucket of one tensor was hashed as a device buffer (no digest), the receivers hashed its bytes, and
-    every one of them voted the version down."""
+    gloo moves host bytes, so a bucket of one tensor goes out from its host copy, and the version arrives
+    exact."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from tests.test_weight_group_nccl import form
@@ -654,8 +625,7 @@ def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
 
 class _OnCuda(torch.Tensor):
     """A CUDA source tensor's stand-in where there is no GPU: its bytes are in host memory, but it says it is on
-    ``cuda:0`` to whatever asks (``.device``: ``digest`` takes it for a device buffer, and ``_in_place`` for one
-    off a CPU group's device), ``.cpu()`` is a copy of its bytes as a plain host tensor (as a CUDA tensor's is),
+    ``cuda:0`` to whatever asks (``.device``: ``_in_place`` takes it for one off a CPU group's device), ``.cpu()`` is a copy of its bytes as a plain host tensor (as a CUDA tensor's is),
     and every other op (``detach``, ``contiguous``, ``view``, slicing, being copied from) works on its bytes and
     keeps the stand-in."""
 
@@ -669,28 +639,19 @@ class _OnCuda(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_a_device_source_sent_over_gloo_without_staging_is_hashed_as_host_bytes_and_committed() -> None:
+def test_a_device_source_sent_over_gloo_without_staging_is_committed_exactly() -> None:
     """The GPU test above on a CPU: ``send`` of tensors that say they are on a GPU (:class:`_OnCuda`) over a
-    real gloo group into a real receiver. A bucket of one such tensor is hashed as the host copy that goes out,
-    so every bucket's digest is a real one and the receiver commits the version; it used to be hashed as a
-    device buffer (digest 0), which the receiver's hash of the bytes it got never matched."""
+    real gloo group into a real receiver: the bucket of the one such tensor that is alone in its bucket goes
+    out from its host copy, the packed ones through the buffers, and the receiver commits the exact version."""
     from tests.test_weight_group_nccl import form
 
     tensors = [(n, t.as_subclass(_OnCuda)) for n, t in version_tensors(44)]
-    assert tensors[2][1].device.type == "cuda" and digest(flat_bytes(tensors[2][1])) == 0  # a device buffer's
+    assert tensors[2][1].device.type == "cuda"
     specs = specs_of(version_tensors(44))
     layout = bucket_layout(specs, 8192)
     alone = [b for b, bucket in enumerate(layout) if len(bucket.items) == 1]
     assert [layout[b].items[0][0] for b in alone] == [2]  # model.layers.0.big alone, the others packed
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60))
-    sent: list[torch.Tensor] = []  # what rank 0 broadcast: the digests are the last
-    real = groups[0].broadcast
-
-    def broadcast(tensor: torch.Tensor) -> Any:
-        sent.append(tensor)
-        return real(tensor)
-
-    groups[0].broadcast = broadcast  # type: ignore[method-assign]
     got: list[Any] = []
 
     def receive() -> None:
@@ -706,10 +667,6 @@ def test_a_device_source_sent_over_gloo_without_staging_is_hashed_as_host_bytes_
         thread.join(60)
         [(version, received, _)] = got
         assert version == 44 and is_version(44, received)
-        digests = sent[-1].tolist()
-        assert len(digests) == len(layout) and 0 not in digests  # every bucket hashed, on both sides
-        host = version_tensors(44)[2][1]
-        assert [digests[b] for b in alone] == [digest(flat_bytes(host))]  # of the tensor's bytes
     finally:
         for group in groups:
             group.close()

@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.observability import Metrics, grpc_server
 from services.common.ports import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import MemoryStore
-from services.weight_broker.transports import GrpcTransport, RetryPolicy
+from services.weight_broker.transports import RetryPolicy, TcpTransport
+from tests.test_weight_broker import Broker
 
 BUCKET = 200_000  # bytes: several buckets for the tiny model
 
@@ -55,12 +54,13 @@ def _spawn_ranks(target: Any, *args: Any) -> list[tuple[Any, ...]]:
     return results
 
 
-def _rank(rank: int, port: int, model_dir: str, broker: str, attempts: int, out: Any) -> None:
+def _rank(rank: int, port: int, model_dir: str, broker: tuple[str, str], attempts: int, out: Any) -> None:
     try:
         from services.learner.publish import GatherStats, publish_version
 
         module = _zero3_module(rank, port, model_dir)
-        transport = GrpcTransport(broker, retry=RetryPolicy(attempts=1, timeout_s=30)) if rank == 0 else None
+        retry = RetryPolicy(attempts=1, timeout_s=30)
+        transport = TcpTransport(*broker, retry=retry) if rank == 0 else None
         stats = GatherStats()
         try:
             result = publish_version(
@@ -76,7 +76,7 @@ def _rank(rank: int, port: int, model_dir: str, broker: str, attempts: int, out:
         raise
 
 
-def run_ranks(model_dir: Path, broker: str, attempts: int = 2) -> list[tuple[Any, ...]]:
+def run_ranks(model_dir: Path, broker: tuple[str, str], attempts: int = 2) -> list[tuple[Any, ...]]:
     return _spawn_ranks(_rank, str(model_dir), broker, attempts)
 
 
@@ -89,11 +89,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_zero3_ranks_publish_bucket_by_bucket_bit_exact(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    servicer = WeightBrokerServicer(MemoryStore(2), BrokerMetrics(Metrics("t")), None, 64 << 10)
-    server = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
+    broker = Broker(MemoryStore(2))
     try:
-        address = f"127.0.0.1:{server.port}"
-        results = run_ranks(model_dir, address)
+        results = run_ranks(model_dir, (broker.address, broker.data_address))
         assert [r[:3] for r in results] == [(0, "ok", 1), (1, "ok", None)], results
         reference = dict(
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()
@@ -102,19 +100,20 @@ def test_zero3_ranks_publish_bucket_by_bucket_bit_exact(model_dir: Path) -> None
         for _, _, _, buckets, biggest in results:  # gathered a bucket at a time, never the whole model
             assert buckets > 3 and biggest <= max(BUCKET, largest)
         got: dict[str, torch.Tensor] = {}
-        GrpcTransport(address).fetch(lambda n, t: got.__setitem__(n, t.clone()), 1)
+        broker.client().fetch(lambda n, t: got.__setitem__(n, t.clone()), 1)
         assert list(got) == list(reference)  # Hugging Face names, in order
         for name, p in reference.items():
             assert torch.equal(got[name], p.detach()), name
     finally:
-        server.stop(0)
+        broker.stop()
 
 
 @pytest.mark.slow
 def test_a_failed_publish_raises_on_every_rank_without_hanging(model_dir: Path) -> None:
-    results = run_ranks(model_dir, f"127.0.0.1:{free_port()}", attempts=2)  # nobody listens there
+    nobody = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")  # nobody listens there
+    results = run_ranks(model_dir, nobody, attempts=2)
     assert [r[:2] for r in results] == [(0, "error"), (1, "error")], results
-    assert "UNAVAILABLE" in results[0][2] or "unavailable" in results[0][2].lower()
+    assert "ConnectionRefusedError" in results[0][2]
     assert "rank 0 failed to publish version 1" in results[1][2]
     assert results[1][3] > 3 * 2  # rank 1 took part in every bucket's gather, in both attempts
 

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,20 @@ from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.local_ranks import scored_groups
+from services.weight_broker.store import DiskStore
+from tests.test_weight_broker import Broker
 from vcpo.v1 import rollout_pb2
 
 pytestmark = pytest.mark.slow
+
+_brokers: list[Broker] = []  # started by _config, stopped after each test
+
+
+@pytest.fixture(autouse=True)
+def _stop_brokers() -> Iterator[None]:
+    yield
+    while _brokers:
+        _brokers.pop().stop()
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +41,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(tmp: Path, run_id: str, redis_url: str, model: Path, **learner: Any) -> Path:
+    """The run file of a learner that publishes to a broker of its own in this process (disk storage under
+    ``<run_dir>/weights``)."""
+    broker = Broker(DiskStore(tmp / run_id / "weights", retain=10))
+    _brokers.append(broker)
     cfg = {
         "run": {
             "run_id": run_id,
@@ -52,9 +68,10 @@ def _config(tmp: Path, run_id: str, redis_url: str, model: Path, **learner: Any)
             **learner,
         },
         "weight_broker": {
-            "transport": "filesystem",
-            "storage_dir": str(tmp / run_id / "weights"),
-            "retain_versions": 10,
+            "transport": "tcp",
+            "advertise_host": "127.0.0.1",
+            "grpc_port": broker.server.port,
+            "data_port": broker.plane.port,
         },
     }
     path = tmp / f"{run_id}.json"
@@ -144,7 +161,7 @@ def test_crash_between_step_and_checkpoint_changes_nothing(
         for key in ("loss", "grad_norm", "ess_ratio"):
             assert a[s]["metrics"][key] == b[s]["metrics"][key], (s, key)
 
-    # bit-exact weights of every version, published through the filesystem transport
+    # bit-exact weights of every version, as each broker stored them
     for v in range(5):
         wa = tmp_path / "straight" / "weights" / f"v{v:010d}" / "model.safetensors"
         wb = tmp_path / "crashed" / "weights" / f"v{v:010d}" / "model.safetensors"
@@ -311,9 +328,8 @@ def test_ray_actor_group_trains_like_the_plain_entry_point(
     ).read_bytes()
 
 
-def test_weight_group_events_are_counted_and_only_the_groups_own_change_its_epoch_gauge() -> None:
-    """``ipc_reclaimed`` (a dead receiver's CUDA IPC count given back) is counted, and leaves the epoch gauge
-    at the formed group's epoch: the group is still there."""
+def test_weight_group_events_are_counted_and_set_the_epoch_gauge() -> None:
+    """Each event is counted; ``formed`` sets the epoch gauge to the formed group's epoch, a failure to 0."""
     from types import SimpleNamespace
 
     from services.common.observability import Metrics
@@ -326,15 +342,16 @@ def test_weight_group_events_are_counted_and_only_the_groups_own_change_its_epoc
     def sample(name: str, **labels: str) -> float | None:
         return registry.registry.get_sample_value(name, labels)
 
-    for event in ("formed", "ipc_reclaimed", "ipc_reclaimed"):
+    for event in ("formed", "formed"):
         LearnerRank._group_event(rank, event)  # type: ignore[arg-type]
-    assert sample("vcpo_weight_group_events_total", event="ipc_reclaimed") == 2
+    assert sample("vcpo_weight_group_events_total", event="formed") == 2
     assert sample("vcpo_weight_group_epoch") == 7
     LearnerRank._group_event(rank, "broadcast_failed")  # type: ignore[arg-type]
+    assert sample("vcpo_weight_group_events_total", event="broadcast_failed") == 1
     assert sample("vcpo_weight_group_epoch") == 0
 
 
-@pytest.mark.parametrize("transport", ["collective", "grpc"])
+@pytest.mark.parametrize("transport", ["collective", "tcp"])
 def test_with_the_collective_transport_the_learner_keeps_torchs_monitor_off_a_weight_groups_failure(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,6 @@ from services.learner.memory import (
     GiB,
     LiveBytes,
     drop_gradients_as_zero3,
-    model_shape,
     plan_memory,
     run_micro_batch,
     step_memory,
@@ -205,27 +204,6 @@ def test_rank_0s_background_broadcast_buffers_are_counted() -> None:
     assert "(with 0.5 GiB of weight broadcast buffers)" in with_.summary()
 
 
-@pytest.mark.slow
-def test_versions_shared_through_cuda_ipc_are_counted_and_named_when_they_do_not_fit() -> None:
-    """A learner sharing its GPU with its samplers hands them versions through CUDA IPC: the one sent and the
-    one they hold until they load it, both on rank 0's GPU (Qwen2.5-7B in bf16: 2 x 15.2 GB); a plan that
-    no longer fits names the setting that moves them to /dev/shm."""
-    learner = _preset("qwen2.5-7b-math.toml")
-    shape = model_shape(qwen25_7b_config())
-    args = (qwen25_7b_config(), learner, "bf16", 8, 80 * 10**9, CUDA_CONTEXT, 0, "cuda")
-    without, with_ = plan_memory(*args), plan_memory(*args, ipc_staging=True)
-    assert with_.fixed - without.fixed == 2 * shape.num_params * 2
-    assert with_.states["weight_ipc"] == 2 * shape.num_params * 2
-    assert (
-        f"(with {2 * shape.num_params * 2 / GiB:.1f} GiB of versions shared through CUDA IPC)"
-        in with_.summary()
-    )
-    budget = int(without.peak("recompute") / (1 - HEADROOM)) + GiB
-    plan_memory(*args[:4], budget, *args[5:])  # fits without them
-    with pytest.raises(ValueError, match=r"weight_broker\.group_cuda_ipc \(true: false stages versions in"):
-        plan_memory(*args[:4], budget, *args[5:], ipc_staging=True)
-
-
 def test_max_sequence_tokens_follows_the_sampler() -> None:
     from services.learner.config import LearnerServiceConfig
 
@@ -236,9 +214,8 @@ def test_max_sequence_tokens_follows_the_sampler() -> None:
 
 
 def test_a_rank_with_a_fraction_of_a_gpu_plans_within_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank given half a GPU (its samplers on the other half, taking versions through CUDA IPC) plans its
-    steps and staged versions within half of it, not the whole GPU, which the samplers use too; the GPU's
-    properties stand in for a CUDA device here."""
+    """A rank given half a GPU (its samplers on the other half) plans its steps within half of it, not the
+    whole GPU, which the samplers use too; the GPU's properties stand in for a CUDA device here."""
     from types import SimpleNamespace
 
     from services.learner.memory import GiB, device_budget

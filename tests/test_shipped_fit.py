@@ -178,7 +178,6 @@ def _plan(model: str, learner_json: str, broker_json: str, budget: int) -> Any:
         CUDA_CONTEXT if gpu else 0,
         broker.group_bucket_mb << 20 if gpu and collective else 0,
         "cuda" if gpu else "cpu",
-        gpu and collective and broker.group_cuda_ipc and 0 < learner.gpus_per_rank < 1,
     )
 
 

@@ -159,7 +159,7 @@ def test_bf16_weights_have_their_micro_batch_gradients_summed_and_reduced_in_flo
 
 
 def _step_publish_resume(
-    rank: int, model_dir: str, groups: list[Any], broker: str, checkpoints: str, gpus: int
+    rank: int, model_dir: str, groups: list[Any], broker: tuple[str, str], checkpoints: str, gpus: int
 ) -> dict[str, Any]:
     """One rank (on a GPU over NCCL in bf16 with ``gpus = 1``, else gloo and fp32 on CPU): a step, a publish
     of version 1 to a broker process (its outcome broadcast over the backend), a checkpoint, a second step;
@@ -167,7 +167,7 @@ def _step_publish_resume(
     from services.learner.batching import to_tensors
     from services.learner.publish import gathered_tensors, publish_version
     from services.learner.trainer import Trainer
-    from services.weight_broker.transports import GrpcTransport
+    from services.weight_broker.transports import TcpTransport
 
     def weights(t: Trainer) -> dict[str, torch.Tensor]:
         return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}
@@ -176,7 +176,7 @@ def _step_publish_resume(
     trainer = Trainer(cfg, model_dir)
     batch = to_tensors(groups)
     first = trainer.train_step(batch)
-    transport = GrpcTransport(broker)
+    transport = TcpTransport(*broker)
     published = publish_version(trainer.module, transport, trainer.version, rank)
     fetched: dict[str, torch.Tensor] = {}
     transport.fetch(lambda name, t: fetched.__setitem__(name, t.float().clone()), 1)
@@ -216,14 +216,14 @@ def test_one_rank_steps_publishes_checkpoints_and_resumes(
 ) -> None:
     from benchmarks.weight_sync import start_broker
 
-    broker, address, _ = start_broker(tmp_path / "broker")
+    broker, address, data_address = start_broker(tmp_path / "broker")
     try:
         out = run_ranks(
             _step_publish_resume,
             1,
             str(model_dir),
             scored_groups(model_dir, [3, 2]),
-            address,
+            (address, data_address),
             str(tmp_path / "checkpoints"),
             gpus,
         )[0]

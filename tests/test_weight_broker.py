@@ -1,4 +1,5 @@
-"""The weight broker over real gRPC and real Redis: exact round-trips, atomic publishes, retention, restarts."""
+"""The weight broker over real gRPC, its TCP data plane and real Redis: exact round-trips, atomic publishes,
+retention, restarts."""
 
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.weight_broker.announce import Announcer
+from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.protocol import publish_requests
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore
+from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore, version_dir
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports import (
     BrokerUnavailable,
-    FilesystemTransport,
-    GrpcTransport,
     RetryPolicy,
     StalePublish,
+    TcpTransport,
     VersionExists,
 )
 from vcpo.v1 import weights_pb2, weights_pb2_grpc
@@ -58,6 +59,8 @@ def source(sd: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
 
 
 class Broker:
+    """The broker in this process, as ``service.py`` wires it: its gRPC server and its TCP data plane."""
+
     def __init__(
         self, store: VersionStore, announcer: Announcer | None = None, chunk_bytes: int = 64 << 10
     ) -> None:
@@ -66,12 +69,17 @@ class Broker:
         self.server: GrpcServer = grpc_server(
             lambda s: add_to_server(self.servicer, s), port=0, host="127.0.0.1"
         )
+        self.plane = DataPlaneServer(self.servicer, port=0, host="127.0.0.1", timeout_s=10)
         self.address = f"127.0.0.1:{self.server.port}"
+        self.data_address = f"127.0.0.1:{self.plane.port}"
 
-    def client(self, **kwargs: object) -> GrpcTransport:
-        return GrpcTransport(self.address, retry=FAST, chunk_bytes=64 << 10, **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> TcpTransport:
+        return TcpTransport(
+            self.address, self.data_address, **{"retry": FAST, "chunk_bytes": 64 << 10, **kwargs}
+        )
 
     def stop(self) -> None:
+        self.plane.stop()
         self.server.stop(0)
 
 
@@ -82,15 +90,13 @@ def broker() -> Iterator[Broker]:
     b.stop()
 
 
-def fetch_all(
-    transport: GrpcTransport | FilesystemTransport, version: int | None = None
-) -> dict[str, torch.Tensor]:
+def fetch_all(transport: TcpTransport, version: int | None = None) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     transport.fetch(lambda name, t: got.__setitem__(name, t.clone()), version)
     return got
 
 
-def fetch_concurrently(make_client: Callable[[], GrpcTransport], n: int) -> list[dict[str, torch.Tensor]]:
+def fetch_concurrently(make_client: Callable[[], TcpTransport], n: int) -> list[dict[str, torch.Tensor]]:
     """``n`` fetches of the latest version at once, each with its own client; any error fails the test."""
     results: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     errors: list[BaseException] = []
@@ -125,7 +131,7 @@ def test_round_trip_of_a_tiny_model_is_bit_exact(broker: Broker, state_dict: dic
     assert client.latest() == 1
     assert_bit_exact(fetch_all(client), state_dict)  # served as the very messages received
     assert_bit_exact(fetch_all(client, 1), state_dict)
-    other_chunking = GrpcTransport(broker.address, retry=FAST, chunk_bytes=10_000)  # cut and encoded anew
+    other_chunking = broker.client(chunk_bytes=10_000)  # cut and encoded anew
     assert_bit_exact(fetch_all(other_chunking, 1), state_dict)
     [manifest] = client.versions()
     assert manifest.policy_version == 1 and all(t.checksum.startswith("xxh3_128:") for t in manifest.tensors)
@@ -354,25 +360,12 @@ def test_disk_versions_load_as_ordinary_safetensors(
 ) -> None:
     from safetensors.torch import load_file
 
-    fs = FilesystemTransport(tmp_path / "shared", retain=2, publisher=True)
-    fs.publish(3, specs_of(state_dict), source(state_dict))
-    assert_bit_exact(load_file(fs.path_of(3) / "model.safetensors"), state_dict)
-
-
-def test_filesystem_transport_round_trip_and_reader_process_view(
-    tmp_path: Path, state_dict: dict[str, torch.Tensor]
-) -> None:
-    publisher = FilesystemTransport(tmp_path / "shared", retain=2, publisher=True)
-    reader = FilesystemTransport(tmp_path / "shared", publisher=False)
-    assert reader.latest() is None
-    publisher.publish(1, specs_of(state_dict), source(state_dict))
-    assert reader.latest() == 1  # a reader sees versions another process committed
-    assert_bit_exact(fetch_all(reader), state_dict)
-    with pytest.raises(VersionExists):
-        publisher.publish(1, specs_of(state_dict), source(state_dict))
-    for v in (2, 3):
-        publisher.publish(v, specs_of(state_dict), source(state_dict))
-    assert [m.policy_version for m in reader.versions()] == [2, 3]
+    b = Broker(DiskStore(tmp_path / "store", retain=2))
+    try:
+        b.client().publish(3, specs_of(state_dict), source(state_dict))
+        assert_bit_exact(load_file(version_dir(tmp_path / "store", 3) / "model.safetensors"), state_dict)
+    finally:
+        b.stop()
 
 
 def test_publisher_checks_tensors_against_the_manifest(
@@ -386,7 +379,7 @@ def test_publisher_checks_tensors_against_the_manifest(
         list(publish_requests(1, specs, iter(wrong.items())))
     with pytest.raises(ValueError, match="the tensors ended before"):
         list(publish_requests(1, specs, iter(list(state_dict.items())[:3])))
-    # through the client, the caller sees that error, not gRPC's "Exception iterating requests!"
+    # through the client, the caller sees that error, not a broken connection
     with pytest.raises(ValueError, match=f"tensor '{first}' is float64"):
         broker.client().publish(1, specs, source(wrong))
     assert broker.client().latest() is None
@@ -395,13 +388,17 @@ def test_publisher_checks_tensors_against_the_manifest(
 def test_unreachable_broker_fails_after_bounded_retries() -> None:
     from services.common.ports import free_port
 
-    client = GrpcTransport(
-        f"127.0.0.1:{free_port()}", retry=RetryPolicy(attempts=3, initial_backoff_s=0.01, timeout_s=2)
-    )
+    retry = RetryPolicy(attempts=3, initial_backoff_s=0.01, timeout_s=2)
+    client = TcpTransport(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", retry=retry)
     with pytest.raises(
         BrokerUnavailable, match=r"latest version from 127.0.0.1:\d+ failed 3 times; last error: UNAVAILABLE"
     ):
         client.latest()
+    with pytest.raises(
+        BrokerUnavailable,
+        match=r"fetch of the latest version .* failed 3 times; last error: ConnectionRefused",
+    ):
+        fetch_all(client)
 
 
 class StagingLoader:
@@ -445,9 +442,7 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     # the broker goes away after announcing version 1 but before anyone fetched it
     b.client().publish(1, specs_of(state_dict), source(state_dict))
     b.stop()
-    follower.transport = GrpcTransport(
-        b.address, retry=RetryPolicy(attempts=2, initial_backoff_s=0.01, timeout_s=2)
-    )
+    follower.transport = b.client(retry=RetryPolicy(attempts=2, initial_backoff_s=0.01, timeout_s=2))
     assert not follower.poll()
     assert follower.loaded_version == 0 and loader.events[-1] == ("abort", 1)  # version 0 stays, whole
     assert_bit_exact(loader.active, state_dict)
@@ -456,7 +451,7 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     assert [a.admitted for a in admitted] == [True] * 4 + [False]  # keeps generating while the bound allows
     reason = follower.waiting_reason(admitted[-1])
     assert "lag bound reached" in reason and "loaded weights: version 0" in reason
-    assert "cannot get newer weights" in reason and "UNAVAILABLE" in reason
+    assert "cannot get newer weights" in reason and "ConnectionRefusedError" in reason
 
 
 def test_a_follower_with_a_filter_fetches_only_the_versions_it_wants(
@@ -537,10 +532,10 @@ def test_a_follower_fetches_a_version_whose_announcement_was_lost(
     spec = stream_specs(RunConfig(run_id=f"lost-{time.monotonic_ns()}"), StreamsConfig())["weights"]
 
     class LosesOne(Announcer):
-        def announce(self, manifest: Any, location: str | None = None) -> None:
+        def announce(self, manifest: Any) -> None:
             if manifest.policy_version == 1:
                 raise redis.ConnectionError("Connection reset by peer")
-            super().announce(manifest, location)
+            super().announce(manifest)
 
     b = Broker(MemoryStore(retain=2), LosesOne(StreamProducer(redis_client, spec), "grpc", "x"))
     loader = StagingLoader()
@@ -553,3 +548,19 @@ def test_a_follower_fetches_a_version_whose_announcement_was_lost(
         assert not follower.poll()  # nothing newer
     finally:
         b.stop()
+
+
+@pytest.mark.parametrize("removed", ["grpc", "filesystem"])
+def test_a_run_file_naming_a_removed_transport_is_told_to_use_tcp(tmp_path: Path, removed: str) -> None:
+    from services.common.config import ConfigError, load_config
+    from services.weight_broker.config import WeightBrokerServiceConfig
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[weight_broker]\ntransport = "{removed}"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(WeightBrokerServiceConfig, [run_file])
+    message = str(info.value)
+    assert f"weight_broker.transport = '{removed}' is no longer a transport" in message
+    assert 'set weight_broker.transport = "tcp"' in message and str(run_file) in message
+    run_file.write_text('[weight_broker]\ntransport = "tcp"\n')
+    assert load_config(WeightBrokerServiceConfig, [run_file]).weight_broker.transport == "tcp"

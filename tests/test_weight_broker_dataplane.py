@@ -1,4 +1,4 @@
-"""The broker's TCP data plane: the same messages and guarantees as the gRPC path, over a plain socket."""
+"""The broker's TCP data plane: the broker's publish and fetch messages and guarantees, over a plain socket."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import struct
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -14,10 +15,10 @@ from services.weight_broker import dataplane
 from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.protocol import publish_requests
 from services.weight_broker.store import MemoryStore, VersionNotFound
-from services.weight_broker.transports import StalePublish, TcpTransport, VersionExists
+from services.weight_broker.transports import StalePublish, VersionExists
 from tests.test_weight_broker import (
-    FAST,
     Broker,
+    as_protos,
     assert_bit_exact,
     fetch_all,
     fetch_concurrently,
@@ -25,35 +26,22 @@ from tests.test_weight_broker import (
     specs_of,
     state_dict,
 )
+from vcpo.v1 import weights_pb2, weights_pb2_grpc
 
 __all__ = ["state_dict"]  # the fixture, shared with test_weight_broker
 
 
-class DataBroker(Broker):
-    def __init__(self) -> None:
-        super().__init__(MemoryStore(retain=3))
-        self.plane = DataPlaneServer(self.servicer, port=0, host="127.0.0.1", timeout_s=10)
-        self.data_address = f"127.0.0.1:{self.plane.port}"
-
-    def client(self, **kwargs: object) -> TcpTransport:  # type: ignore[override]
-        return TcpTransport(self.address, self.data_address, retry=FAST, **kwargs)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        self.plane.stop()
-        super().stop()
-
-
 @pytest.fixture
-def broker() -> Iterator[DataBroker]:
-    b = DataBroker()
+def broker() -> Iterator[Broker]:
+    b = Broker(MemoryStore(retain=3))
     yield b
     b.stop()
 
 
 def test_round_trip_resume_and_rechunking_are_bit_exact(
-    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+    broker: Broker, state_dict: dict[str, torch.Tensor]
 ) -> None:
-    client = broker.client(chunk_bytes=64 << 10)
+    client = broker.client()
     result = client.publish(1, specs_of(state_dict), source(state_dict))
     assert result.policy_version == 1 and result.total_bytes == sum(t.nbytes for t in state_dict.values())
     assert client.latest() == 1  # control calls stay on gRPC
@@ -63,14 +51,16 @@ def test_round_trip_resume_and_rechunking_are_bit_exact(
     got: dict[str, torch.Tensor] = {}
     client.fetch(lambda n, t: got.__setitem__(n, t.clone()), start_tensor=names[5])
     assert_bit_exact(got, {n: state_dict[n] for n in names[5:]})
-    # the gRPC path serves what the data plane received, and the other way round
-    assert_bit_exact(fetch_all(Broker.client(broker)), state_dict)
-    Broker.client(broker).publish(2, specs_of(state_dict), source(state_dict))
+    # the broker's gRPC rpcs serve what the data plane received, and the other way round
+    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
+    fetched = list(stub.Fetch(weights_pb2.FetchRequest(policy_version=1), timeout=30))
+    assert fetched[0].manifest == client.versions()[0] and len(fetched) > len(state_dict)
+    stub.Publish(iter(as_protos(state_dict, 2)), timeout=30)
     assert_bit_exact(fetch_all(client, 2), state_dict)
     assert broker.metrics.published._value.get() == 2
 
 
-def test_versions_only_move_forward(broker: DataBroker, state_dict: dict[str, torch.Tensor]) -> None:
+def test_versions_only_move_forward(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
     client = broker.client()
     client.publish(2, specs_of(state_dict), source(state_dict))
     with pytest.raises(VersionExists, match="already"):
@@ -82,7 +72,7 @@ def test_versions_only_move_forward(broker: DataBroker, state_dict: dict[str, to
 
 
 def test_a_connection_that_breaks_off_leaves_no_version(
-    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+    broker: Broker, state_dict: dict[str, torch.Tensor]
 ) -> None:
     messages = list(publish_requests(1, specs_of(state_dict), source(state_dict)(), 64 << 10))
     with dataplane.connect(broker.data_address, 10) as sock:
@@ -103,7 +93,7 @@ def test_a_connection_that_breaks_off_leaves_no_version(
     assert_bit_exact(fetch_all(client), state_dict)
 
 
-def test_a_corrupted_chunk_is_refused(broker: DataBroker, state_dict: dict[str, torch.Tensor]) -> None:
+def test_a_corrupted_chunk_is_refused(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
     messages = [
         bytearray(m) for m in publish_requests(1, specs_of(state_dict), source(state_dict)(), 64 << 10)
     ]
@@ -115,7 +105,7 @@ def test_a_corrupted_chunk_is_refused(broker: DataBroker, state_dict: dict[str, 
 
 
 def test_four_concurrent_fetchers_get_identical_bytes(
-    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+    broker: Broker, state_dict: dict[str, torch.Tensor]
 ) -> None:
     broker.client().publish(1, specs_of(state_dict), source(state_dict))
     for r in fetch_concurrently(broker.client, 4):
@@ -123,7 +113,7 @@ def test_four_concurrent_fetchers_get_identical_bytes(
 
 
 def test_garbage_on_the_port_is_dropped_and_serving_goes_on(
-    broker: DataBroker, state_dict: dict[str, torch.Tensor]
+    broker: Broker, state_dict: dict[str, torch.Tensor]
 ) -> None:
     for junk in (b"GET / HTTP/1.1\r\n\r\n", struct.pack("!I", 5) + b"nojsn", struct.pack("!I", 2**31)):
         with socket.create_connection(("127.0.0.1", broker.plane.port), timeout=5) as sock:
@@ -138,6 +128,6 @@ def test_garbage_on_the_port_is_dropped_and_serving_goes_on(
     assert_bit_exact(fetch_all(client), state_dict)
 
 
-def test_a_data_port_in_use_is_named_with_its_setting(broker: DataBroker) -> None:
+def test_a_data_port_in_use_is_named_with_its_setting(broker: Broker) -> None:
     with pytest.raises(OSError, match=rf"127\.0\.0\.1:{broker.plane.port} \(weight_broker\.data_port\)"):
         DataPlaneServer(broker.servicer, port=broker.plane.port, host="127.0.0.1")

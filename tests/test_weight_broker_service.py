@@ -19,7 +19,7 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
 from services.weight_broker.seats import GroupRegistry, Member
 from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import GrpcTransport
+from services.weight_broker.transports import TcpTransport
 
 ROOT = Path(__file__).parent.parent
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).parent.parent
 def test_broker_process_serves_announces_and_stops_cleanly(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, data_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -43,9 +43,9 @@ def test_broker_process_serves_announces_and_stops_cleanly(
             str(port),
             "--weight_broker.metrics_port",
             str(metrics_port),
-            # Not the default 50053: that lies in Linux's ephemeral range, where any client socket may hold it.
+            # Not the default 50055: that lies in Linux's ephemeral range, where any client socket may hold it.
             "--weight_broker.data_port",
-            "0",
+            str(data_port),
             "--weight_broker.storage",
             "disk",
         ],
@@ -64,7 +64,7 @@ def test_broker_process_serves_announces_and_stops_cleanly(
             "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
             "b": torch.ones(4, dtype=torch.bfloat16),
         }
-        client = GrpcTransport(f"127.0.0.1:{port}")
+        client = TcpTransport(f"127.0.0.1:{port}", f"127.0.0.1:{data_port}")
         client.publish(1, [TensorSpec.of(n, t) for n, t in tensors.items()], lambda: iter(tensors.items()))
         got: dict[str, torch.Tensor] = {}
         client.fetch(lambda n, t: got.__setitem__(n, t.clone()))
@@ -125,7 +125,7 @@ def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
         port = endpoints["grpc_port"]
         assert check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=5)
         tensors = {"w": torch.randn(5, 3)}
-        client = GrpcTransport(f"127.0.0.1:{port}")
+        client = TcpTransport(f"127.0.0.1:{port}", f"127.0.0.1:{endpoints['data_port']}")
         client.publish(2, [TensorSpec.of("w", tensors["w"])], lambda: iter(tensors.items()))
         got: dict[str, torch.Tensor] = {}
         client.fetch(lambda n, t: got.__setitem__(n, t.clone()))

@@ -667,12 +667,10 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
         group_settle_s=0.0,  # one member: nothing to wait for
     )
     coordinator = coordinator_from_config(wb, redis_url, run_id, redis_client, torch.device("cpu"))
-    # the publishers' planes: /dev/shm asked for, CUDA IPC on by default (used only with every member on one GPU)
-    assert coordinator.planes == {"shared_memory": True, "cuda_ipc": True}
-    off = coordinator_from_config(
-        WeightBrokerConfig(group_cuda_ipc=False), redis_url, run_id, redis_client, torch.device("cpu")
-    )
-    assert off.planes == {"shared_memory": False, "cuda_ipc": False}
+    # the publishers' setting: /dev/shm asked for, off by default
+    assert coordinator.shared_memory
+    off = coordinator_from_config(WeightBrokerConfig(), redis_url, run_id, redis_client, torch.device("cpu"))
+    assert not off.shared_memory
     assert (coordinator.timeout_s, off.timeout_s, off.wait_budget_s) == (20, 120, None)
     off.close()
     # a group's steps never outlast what the learner's other ranks can wait for rank 0 (learner.collective_
@@ -695,23 +693,6 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
         a.halt.set()
         a.join(10)
         coordinator.close()
-
-
-def test_versions_given_back_for_dead_cuda_ipc_receivers_are_counted_as_group_events(
-    coordinator: GroupCoordinator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What cuda_ipc.HELD gave back since the last publish reaches the learner's
-    ``vcpo_weight_group_events_total{event="ipc_reclaimed"}`` through the coordinator, once each."""
-    from services.weight_broker import cuda_ipc
-
-    held = cuda_ipc.HeldExports()
-    held._unreported = 2  # as two reclaims leave it
-    monkeypatch.setattr(cuda_ipc, "HELD", held)
-    events: list[str] = []
-    coordinator.on_event = events.append
-    assert coordinator.publisher() is None  # no receiver: no group
-    coordinator.publisher()
-    assert events == ["ipc_reclaimed", "ipc_reclaimed"]
 
 
 def test_rank_0_waits_for_a_broadcast_in_flight_no_longer_than_its_budget(registry: GroupRegistry) -> None:
@@ -782,45 +763,6 @@ def test_every_epochs_publisher_stages_in_the_coordinators_one_buffer(registry: 
         a.join(10)
         coordinator.close()
     assert buffers[0][0]._tensor is None
-
-
-def test_cuda_ipc_that_failed_in_an_epoch_stays_off_in_the_epochs_after_it(registry: GroupRegistry) -> None:
-    """A publisher that gave up CUDA IPC (a receiver could not open its export: test_weight_group_cuda_ipc.py)
-    fails its version, and a failed version drops the epoch. The coordinator remembers it: every epoch formed
-    after it stages versions in /dev/shm (the receivers that refused are still there), which is counted once.
-    Before, each new epoch tried CUDA IPC again and failed its first version the same way."""
-    events: list[str] = []
-    coordinator = GroupCoordinator(
-        registry,
-        "127.0.0.1",
-        "gloo",
-        timeout_s=20,
-        form_timeout_s=3,
-        bucket_bytes=8192,
-        on_event=events.append,
-        cuda_ipc=True,
-    )
-    a = Receiver(registry, "sampler-0.a")
-    a.start()
-    try:
-        _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
-        first = coordinator.publisher()
-        assert first is not None and not first.ipc_refused and coordinator.planes["cuda_ipc"]
-        first.ipc_refused = True  # as the publisher's send sets it when a receiver could not open its export
-        coordinator.failed(TransferFailed("version 4: a receiver voted against it (could not open ...)"))
-        assert coordinator.planes == {"shared_memory": False, "cuda_ipc": False}
-        assert events.count("cuda_ipc_off") == 1
-        _until("a new epoch", lambda: coordinator.wait_formed(0.1), timeout_s=40)
-        second = coordinator.publisher()
-        assert second is not None and second is not first and not second.ipc_refused
-        _publish(coordinator, 5)
-        _until("version 5", lambda: 5 in a.versions())
-        coordinator.failed(TransferFailed("version 6: broadcast failed"))  # another failure: nothing to say
-        assert events.count("cuda_ipc_off") == 1
-    finally:
-        a.halt.set()
-        a.join(10)
-        coordinator.close()
 
 
 def test_epochs_keep_forming_on_a_fixed_port_range_however_many_there_are(registry: GroupRegistry) -> None:

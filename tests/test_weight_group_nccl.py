@@ -256,20 +256,30 @@ def test_an_nccl_group_that_cannot_connect_fails_its_forming_within_the_forming_
     assert sorted(b.calls for b in stand_in_nccl.built) == [[*issued, "abort"]] * 2
 
 
+@pytest.mark.parametrize(
+    ("by_rank", "sharing"),
+    [(["GPU-a", "GPU-b", "GPU-a"], "0, 2"), (["GPU-a"] * 3, "0, 1, 2")],
+    ids=["two-on-one-gpu", "all-on-one-gpu"],
+)
 def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
-    stand_in_nccl: type[StandInNCCL], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    stand_in_nccl: type[StandInNCCL],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    by_rank: list[str],
+    sharing: str,
 ) -> None:
     """NCCL refuses two ranks of a communicator on one GPU (a learner and a sampler given fractions of it):
     every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact through
-    host shared memory (the ranks are on one host), not once per receiver over a socket."""
-    gpus(monkeypatch, ["GPU-a", "GPU-b", "GPU-a"])
+    host shared memory (the ranks are on one host), not once per receiver over a socket; so too where every
+    rank is on the one GPU (a learner and all its samplers on fractions of it)."""
+    gpus(monkeypatch, by_rank)
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=60, epoch=4)
     with caplog.at_level(logging.WARNING, logger=weight_group.__name__):
         groups = form(spec)
     assert stand_in_nccl.built == []
     assert [(g.backend, g.device.type) for g in groups] == [("gloo", "cpu")] * 3
     assert (
-        "weight group epoch 4 runs on gloo, not NCCL: ranks 0, 2 share a GPU (versions go through host "
+        f"weight group epoch 4 runs on gloo, not NCCL: ranks {sharing} share a GPU (versions go through host "
         "shared memory)" in caplog.text
     )
     got: dict[int, Any] = {}

@@ -54,7 +54,7 @@ class EvaluatorService:
         self.evaluator = make_evaluator(
             cfg, self.engine, encoder, self.registry, client, NAME, "dedicated", self.environments
         )
-        self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
+        self.transport = transport_from_config(cfg.weight_broker, run)
         specs = stream_specs(run, cfg.streams)
         tail = StreamTail(client, specs["weights"], metrics=StreamMetrics(self.registry))
         # only versions some set may be due at are fetched: between evaluations the broker sends it nothing

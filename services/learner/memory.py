@@ -305,11 +305,9 @@ class MemoryPlan:
     def summary(self) -> str:
         gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
         broadcast = self.states.get("weight_broadcast", 0)
-        ipc = self.states.get("weight_ipc", 0)
         return (
             f"model states {gib(self.fixed)}"
             + (f" (with {gib(broadcast)} of weight broadcast buffers)" if broadcast else "")
-            + (f" (with {gib(ipc)} of versions shared through CUDA IPC)" if ipc else "")
             + f", one micro-batch: recompute {gib(self.recompute.peak)}, saved "
             f"{gib(self.saved.peak)} (+{gib(self.saved.retained)} per further micro-batch); device budget "
             f"{gib(self.budget)} ({int(HEADROOM * 100)}% kept free)"
@@ -342,13 +340,6 @@ def broadcast_buffer_bytes(shape: ModelShape, precision: str, bucket_bytes: int)
     return 2 * min(bucket_bytes, shape.num_params * weight_bytes(precision))
 
 
-def ipc_staging_bytes(shape: ModelShape, precision: str) -> int:
-    """Rank 0's GPU memory for versions handed to samplers on its own GPU through CUDA IPC
-    (``weight_broker.group_cuda_ipc``, weight_broker/cuda_ipc.py): the version being sent and the one the
-    samplers hold until they have loaded it."""
-    return 2 * shape.num_params * weight_bytes(precision)
-
-
 def plan_memory(
     hf_config: Any,
     learner: LearnerConfig,
@@ -358,14 +349,12 @@ def plan_memory(
     overhead: int = 0,
     broadcast_bucket_bytes: int = 0,
     device_type: str = "cpu",
-    ipc_staging: bool = False,
 ) -> MemoryPlan:
     """Estimate the configured step's memory; raise ``ValueError`` naming the keys to change when even the
     least memory-hungry allowed mode cannot fit ``budget``. ``overhead``: bytes outside torch's tensors
     (:data:`CUDA_CONTEXT` on a GPU). ``broadcast_bucket_bytes``: the weight group's bucket when rank 0
     broadcasts on this device while stepping (:func:`broadcast_buffer_bytes`; 0: it does not). ``device_type``:
-    the step's device ("cuda" or "cpu"), whose code paths the simulation follows. ``ipc_staging``: rank 0 shares
-    its GPU with samplers that take versions through CUDA IPC (:func:`ipc_staging_bytes`)."""
+    the step's device ("cuda" or "cpu"), whose code paths the simulation follows."""
     if learner.max_sequence_tokens < 2:
         raise ValueError(
             f"learner.max_sequence_tokens = {learner.max_sequence_tokens}: the learner's memory is sized for "
@@ -391,8 +380,6 @@ def plan_memory(
     states = model_state_bytes(shape, precision, world_size)
     if broadcast_bucket_bytes > 0:
         states["weight_broadcast"] = broadcast_buffer_bytes(shape, precision, broadcast_bucket_bytes)
-    if ipc_staging:
-        states["weight_ipc"] = ipc_staging_bytes(shape, precision)
     plan = MemoryPlan(
         budget=budget,
         states=states,
@@ -416,8 +403,6 @@ def plan_memory(
         if learner.logit_chunk_tokens == 0 or learner.logit_chunk_tokens > 1024:
             keys.append(f"learner.logit_chunk_tokens ({learner.logit_chunk_tokens})")
         keys.append(f"learner.num_ranks ({world_size}: more ranks hold smaller partitions)")
-        if ipc_staging:
-            keys.append("weight_broker.group_cuda_ipc (true: false stages versions in /dev/shm)")
         raise ValueError(
             f"the learner step cannot fit one rank's memory: estimated peak {plan.peak(least) / GiB:.1f} GiB "
             f"in {least} mode against {plan.usable / GiB:.1f} GiB usable ({plan.summary()}); lower or change "

@@ -99,12 +99,10 @@ class LearnerMetrics:
         )
         self.group_events = metrics.counter(
             "vcpo_weight_group_events_total",
-            "The collective transport's weight group: formed, form_failed, broadcast_failed, ipc_reclaimed (a "
-            "version a receiver that died held over CUDA IPC, given back for it), cuda_ipc_off (CUDA IPC failed "
-            "in an epoch: later ones stage versions in /dev/shm)",
+            "The collective transport's weight group: formed, form_failed, broadcast_failed",
             ["event"],
         )
-        for event in ("formed", "form_failed", "broadcast_failed", "ipc_reclaimed", "cuda_ipc_off"):
+        for event in ("formed", "form_failed", "broadcast_failed"):
             self.group_events.labels(event)
         self.group_epoch = metrics.gauge("vcpo_weight_group_epoch", "Epoch of the weight group (0: none)")
 

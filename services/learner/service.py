@@ -89,10 +89,6 @@ class LearnerRank:
             run_model(self.run),
             seed=self.run.seed,
             broadcast_bucket_bytes=cfg.weight_broker.group_bucket_mb << 20 if collective else 0,
-            # a fraction of a GPU: its samplers may be on it, taking versions through CUDA IPC
-            ipc_staging=collective
-            and cfg.weight_broker.group_cuda_ipc
-            and 0 < self.learner.gpus_per_rank < 1,
         )
         self.rank, self.world = self.trainer.rank, self.trainer.world_size
         self.ckpt_dir = checkpoint_dir(self.learner, self.run)
@@ -175,9 +171,7 @@ class LearnerRank:
         replay = self.feed.resume(feed_state)
         if replay:
             self.status.detail = f"replaying {replay} scored entries consumed after the last checkpoint"
-        self.transport = transport_from_config(
-            self.cfg.weight_broker, self.run, self.cfg.streams, publisher=True
-        )
+        self.transport = transport_from_config(self.cfg.weight_broker, self.run)
         if self.collective:
             self.coordinator = coordinator_from_config(
                 self.cfg.weight_broker,
@@ -448,8 +442,7 @@ class LearnerRank:
     def _group_event(self, event: str) -> None:
         if self.metrics is not None and self.coordinator is not None:
             self.metrics.group_events.labels(event).inc()
-            if event in ("formed", "form_failed", "broadcast_failed"):  # not ipc_reclaimed: the group stays
-                self.metrics.group_epoch.set(self.coordinator.epoch if event == "formed" else 0)
+            self.metrics.group_epoch.set(self.coordinator.epoch if event == "formed" else 0)
 
     def checkpoint(self) -> None:
         """Checkpoint weights, optimizer and the feed state (a collective), then acknowledge what it covers."""

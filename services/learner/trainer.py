@@ -203,12 +203,10 @@ class Trainer:
         model: str,
         seed: int = 0,
         broadcast_bucket_bytes: int = 0,
-        ipc_staging: bool = False,
     ) -> None:
         """``broadcast_bucket_bytes``: the weight group's bucket when rank 0 broadcasts versions in the
         background (the collective transport); on a GPU its buffers overlap the next step, and the memory
-        plan counts them (0: versions go through the broker). ``ipc_staging``: rank 0's GPU is shared with
-        samplers that may take versions through CUDA IPC; the plan counts the versions it stages there."""
+        plan counts them (0: versions go through the broker)."""
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -241,7 +239,6 @@ class Trainer:
                 CUDA_CONTEXT if device.type == "cuda" else 0,
                 broadcast_bucket_bytes if device.type == "cuda" else 0,
                 device.type,
-                ipc_staging and device.type == "cuda",
             )
             if self.rank == 0:
                 log.info("learner memory: %s", self.memory_plan.summary())

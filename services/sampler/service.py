@@ -100,7 +100,7 @@ class SamplerService:
             max_attempts=s.env_max_attempts,
             on_settled=self.environments.settled,
         )
-        self.transport = transport_from_config(cfg.weight_broker, run, cfg.streams)
+        self.transport = transport_from_config(cfg.weight_broker, run)
         # the co-tenant of this engine: the evaluator, with [evaluation] placement = "shared"
         share = EngineShare(
             cfg, self.engine, encoder, self.registry, client, self.replica_id, self.environments

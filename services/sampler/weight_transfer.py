@@ -135,8 +135,6 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         )
         if stats.extra.get("shared_memory"):
             where = " (mapped from the learner's shared memory)"
-        if stats.extra.get("cuda_ipc"):
-            where = " (opened on the learner's GPU through CUDA IPC)"
         log.info(
             "received version %d%s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
             version,

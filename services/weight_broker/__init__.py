@@ -8,14 +8,14 @@ of the broker's server (its gRPC servicer, data-plane server, metrics, seat in t
 Client side (other services may import these):
 
 - ``config``: the ``[weight_broker]`` table of a run file.
-- ``transports/``: the ``WeightTransport`` interface, its ``tcp``, ``grpc`` and ``filesystem`` transports and
+- ``transports/``: the ``WeightTransport`` interface, its ``tcp`` transport (the broker's client) and
   ``transport_from_config``.
 - ``follower``: a sampler's loop that notices newer versions and loads each whole.
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
 - ``nccl_group``: its NCCL process group, and the setting that keeps a process alive after its failure.
 - ``collective``: what travels over the weight group, and rank 0's publisher.
 - ``receiver``: the receivers (each engine worker, the broker) of what the publisher sends.
-- ``buckets``: how a version is cut for the weight group (buckets, the pieces they travel in, digests).
+- ``buckets``: how a version is cut for the weight group (buckets and the pieces they travel in).
 - ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.
 - ``members``: who the weight group's members are (their hosts, GPUs, host copies), as every rank reads it.
 - ``seats``: the weight group's receivers in its control plane (their registration in Redis, their seat in an
@@ -27,14 +27,14 @@ Shared by both sides (the client side and the broker agree through these):
 - ``tensors``: tensors as bytes, checksums, manifests, the safetensors layout.
 - ``wire``: chunk messages encoded and decoded without protobuf's copies.
 - ``protocol``: the publish and fetch streams as plain functions, both halves.
-- ``store``: versioned storage (memory, disk): the broker's, and the filesystem transport's on a shared path.
-- ``announce``: announcements of committed versions on the run's ``weights`` stream.
+- ``store``: the broker's versioned storage (memory, disk), and the refusals the transport raises.
 - ``dataplane``: the TCP data plane's frames and the client's two calls.
 
 Server side (the broker's process; nothing outside the broker imports these, except
 ``ray_actor.start_broker``, which the Ray launcher calls to place the broker):
 
 - ``servicer``: the gRPC service and the broker's metrics.
+- ``announce``: announcements of committed versions on the run's ``weights`` stream.
 - ``dataplane_server``: the TCP data plane's server, over the servicer.
 - ``member``: the broker's seat in the weight group (it stores and announces what it receives).
 - ``service``: the broker wired (store, servicer, servers, announcements, seat); ``main``, ``__main__`` and

@@ -1,8 +1,6 @@
 """Announcements of committed versions on the run's ``weights`` stream: what samplers follow.
 
-Shared by the broker (its servicer announces each version it commits, with its own address) and the
-filesystem transport (a learner publishing to a shared path announces each version itself, with the version's
-directory), so both write the same :class:`WeightAnnouncement`.
+The broker's servicer announces each version it commits, with its own address.
 """
 
 from __future__ import annotations
@@ -21,13 +19,13 @@ class Announcer:
     ):
         self.producer, self.transport, self.location = producer, transport, location
 
-    def announce(self, manifest: weights_pb2.VersionManifest, location: str | None = None) -> None:
+    def announce(self, manifest: weights_pb2.VersionManifest) -> None:
         self.producer.put(
             weights_pb2.WeightAnnouncement(
                 policy_version=manifest.policy_version,
                 manifest=manifest,
                 transport=self.transport,
-                location=location or self.location,
+                location=self.location,
                 published_unix=time.time(),
             ),
             int(manifest.policy_version),

@@ -1,11 +1,10 @@
-"""How a version is cut for the weight group (``collective.py``): buckets, the pieces they travel in, digests.
+"""How a version is cut for the weight group (``collective.py``): buckets and the pieces they travel in.
 
     bucket_layout(specs, b)   tensors packed at 64-byte offsets into buckets of at most ``b`` bytes; a tensor
                               larger than that is a bucket of its own
     pieces(n, b)              the (start, stop) byte ranges one bucket of ``n`` bytes travels in: at most ``b``
                               each, so a bucket larger than the bucket size (one big weight) needs no buffer
                               of its size on any GPU it passes through
-    digest(buf)               a CPU buffer's xxh3-64 (the bucket digests every receiver checks before the vote)
 
 Publisher and receivers derive the same layout and pieces from the version's header.
 """
@@ -16,7 +15,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from services.weight_broker.tensors import TensorSpec, dtype_name
 
@@ -73,14 +71,6 @@ def pieces(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + bucket_bytes, nbytes)) for start in range(0, nbytes, bucket_bytes)] or [
         (0, 0)
     ]
-
-
-def digest(buffer: torch.Tensor) -> int:
-    """xxh3-64 of a CPU byte buffer as a signed int64 (0 for a device buffer: not hashed, see the header)."""
-    if buffer.device.type != "cpu" or buffer.numel() == 0:
-        return 0
-    value = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,21 +12,22 @@ A version travels as:
     buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
               ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
               views of their bucket buffers (on a GPU worker: of host copies, see ``bounce``)
-    digests   int64 [buckets]: each bucket's xxh3-64 when the publisher holds its buckets on the CPU (zeros
-              when they are on a GPU, where hashing would copy every bucket to the host, or when the publisher
-              was built without digests; the header says which)
-    vote      all-reduce MIN of every rank's "I have it all, digests match": 1 commits the version on every
-              rank, anything else (or a failed collective) discards it on every rank
+    vote      all-reduce MIN of every rank's "I have it all": 1 commits the version on every rank, anything
+              else (or a failed collective) discards it on every rank
+
+The buckets carry no checksums, as vLLM's and torch's own weight broadcasts carry none: under NCCL (the GPU
+default) hashing a bucket would copy it to the host. The broker path keeps its xxh3 checksums of the bytes it
+stores and serves.
 
 Members on one host (``WeightGroup.same_host``) may skip the buckets' sockets: the publisher stages the whole
 version in a /dev/shm segment (``shared_memory.py``; its staging buffer, so nothing is copied twice), the
 header names it, and every receiver maps it copy-on-write before the vote: its tensors are views of the
 publisher's pages, one copy in memory however many receivers hold it. Ranks that share a GPU always do (NCCL
-refuses them; on one GPU, ``cuda_ipc.py`` instead); a gloo group does with ``shared_memory``. A publisher that
-cannot reserve the segment (/dev/shm too small) warns and sends buckets.
+refuses them, so their epoch runs on gloo); a gloo group does with ``shared_memory``. A publisher that cannot
+reserve the segment (/dev/shm too small) warns and sends buckets.
 
 Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
-timeout, a bad digest) leaves every engine on its previous version. A failed collective leaves the group
+timeout, a source that failed) leaves every engine on its previous version. A failed collective leaves the group
 unusable: its members close it and the control plane forms a new one (``GroupSpec.epoch``).
 """
 
@@ -52,12 +53,10 @@ from services.weight_broker.buckets import (
     TransferStats,
     bucket_layout,
     check_exhausted,
-    digest,
     flat_bytes,
     next_checked,
     pieces,
 )
-from services.weight_broker.cuda_ipc import DeviceStaging, ipc_header, ipc_refused, settle
 from services.weight_broker.shared_memory import PinnedStaging, Staging
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
@@ -82,33 +81,24 @@ class CollectivePublisher:
         self,
         group: WeightGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        digests: bool = True,
         shared_memory: bool = False,
-        cuda_ipc: bool = False,
         staging: PinnedStaging | None = None,
     ) -> None:
-        """``digests``: send each bucket's digest for every receiver to check before the vote (taken only where
-        the buckets are in host memory: hashing a GPU's would copy each to the host). ``shared_memory``: with
-        every member on this host, stage versions in /dev/shm for the receivers to map (see the module
-        docstring; ranks sharing a GPU do regardless). ``cuda_ipc``: with every member on this rank's GPU,
-        stage versions there and hand the receivers CUDA IPC handles instead (``cuda_ipc.py``). ``staging``: the
-        host staging buffer to use, kept by the caller beyond this publisher (the coordinator's, for every
-        epoch's publisher: one of the model's size, page-locked, is costly to make again for each)."""
+        """``shared_memory``: with every member on this host, stage versions in /dev/shm for the receivers to
+        map (see the module docstring; ranks sharing a GPU do regardless). ``staging``: the host staging buffer
+        to use, kept by the caller beyond this publisher (the coordinator's, for every epoch's publisher: one of
+        the model's size, page-locked, is costly to make again for each)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
             )
-        self.group, self.bucket_bytes, self.digests = group, bucket_bytes, digests
-        self.ipc_refused = False  # CUDA IPC failed (an export refused, or not opened): none are sent any more
+        self.group, self.bucket_bytes = group, bucket_bytes
         # under NCCL, every receiver ready (WeightGroup.wait_ready) before the first collective of a version;
         # gloo's collectives wait in its threads, and fail at once where a receiver died (it waits no longer)
         self.await_ready = group.backend == "nccl"
         # not instead of NCCL between GPUs, which moves the bytes device to device
         self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
         self._segments = Staging(group.cuda_index)
-        self._on_gpu = (
-            DeviceStaging(group.gpu) if cuda_ipc and group.one_gpu and group.gpu is not None else None
-        )
         self._buffers: list[torch.Tensor] = []
         self._owns_staging = staging is None
         self._staging = staging if staging is not None else PinnedStaging(group.cuda_index)
@@ -214,10 +204,8 @@ class CollectivePublisher:
         return staged, staging[: whole.nbytes]
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` to stage in: on this rank's GPU for CUDA IPC, the shared segment when the members share
-        it, else host memory, page-locked where CUDA is there (the previous version's vote has ended)."""
-        if self._on_gpu is not None:
-            return self._on_gpu.take(nbytes)
+        """``nbytes`` to stage in: the shared segment when the members share it, else host memory, page-locked
+        where CUDA is there (the previous version's vote has ended)."""
         if self.shared:
             try:
                 return self._segments.take(nbytes)  # the spare, once its reservation has ended
@@ -281,8 +269,6 @@ class CollectivePublisher:
         self._segments.release()
         if self._owns_staging:
             self._staging.release()
-        if self._on_gpu is not None:
-            self._on_gpu.release()
 
     def send(
         self,
@@ -304,25 +290,17 @@ class CollectivePublisher:
                 tensors, _ = self._stage(specs, tensors)
             except Exception as exc:
                 raise TransferFailed(f"version {version}: {exc}") from exc
-        on_gpu = self._on_gpu.current if self._on_gpu is not None and self.shared else None
-        # not if it could not be reserved
-        segment = self._segments.current if self.shared and on_gpu is None else None
-        bucket_bytes = WHOLE if segment or on_gpu is not None else self.bucket_bytes
+        segment = self._segments.current if self.shared else None  # not if it could not be reserved
+        bucket_bytes = WHOLE if segment else self.bucket_bytes
         layout = bucket_layout(specs, bucket_bytes)
         shared = {"name": segment.name, "nbytes": layout[0].nbytes} if segment else None
-        hashed = self.digests and self.group.device.type == "cpu" and shared is None and on_gpu is None
-        fields: dict[str, Any] = {"bucket_bytes": bucket_bytes, "digests": hashed}
+        fields: dict[str, Any] = {"bucket_bytes": bucket_bytes}
         if shared:
             fields["shared"] = shared
-        if on_gpu is not None:
-            try:
-                fields["cuda_ipc"] = ipc_header(on_gpu, self.group, version, layout[0].nbytes)
-            except Exception as exc:  # the driver refuses: this version fails, unannounced
-                self._on_gpu, self.ipc_refused = None, True  # the next ones go through /dev/shm
-                raise TransferFailed(f"version {version}: cannot export it over CUDA IPC: {exc}") from exc
         fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
         header = json.dumps(fields).encode()
         group, committed = self.group, False
+        source_error: Exception | None = None  # the source's, reported after the vote
         try:
             group.announce(version)
             if self.await_ready:  # in the store: no kernel on this GPU waits for a late receiver
@@ -335,13 +313,11 @@ class CollectivePublisher:
             )
             if self.await_ready:  # and once they made their buffers (a whole model's, page-locked, at first)
                 group.wait_ready(group.broadcasts, "data")
-            if shared or on_gpu is not None:  # the receivers map the segment (open the export) now
-                digests, source_error = [0], None
-            elif staged is not None and staged.device == group.device:
-                digests, source_error = self._send_staged(layout, specs, staged, hashed), None
-            else:
-                digests, source_error = self._send_buckets(layout, specs, iter(tensors), hashed)
-            group.wait(group.broadcast(torch.tensor(digests, dtype=torch.int64, device=group.device)))
+            if shared is None and staged is not None and staged.device == group.device:
+                self._send_staged(layout, specs, staged)
+            elif shared is None:
+                source_error = self._send_buckets(layout, specs, iter(tensors))
+            # else the receivers map the segment now
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
             group.abort()
@@ -351,17 +327,10 @@ class CollectivePublisher:
                 self._segments.release(spare=False)
                 # the next version's segment, reserved and populated off the learner's and the caller's time
                 self._segments.reserve_spare(layout[0].nbytes)
-            if on_gpu is not None:  # torch keeps it until every receiver let go of its views
-                settle(group, version, fields["cuda_ipc"], committed)  # and the exports no receiver took
-                self._on_gpu.release()  # type: ignore[union-attr]
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:
-            why = "could not read the shared memory" if shared else "its bucket digests differed"
-            if on_gpu is not None and (refused := ipc_refused(self.group)):
-                why = f"could not open the CUDA IPC export: {refused}; the next versions go through /dev/shm"
-                log.warning("version %d: a receiver %s", version, why)
-                self._on_gpu, self.ipc_refused = None, True
+            why = "could not read the shared memory" if shared else "could not open its host's copy"
             raise TransferFailed(f"version {version}: a receiver voted against it ({why})")
         return TransferStats(
             version,
@@ -369,7 +338,7 @@ class CollectivePublisher:
             sum(s.nbytes for s in specs),
             len(layout),
             time.monotonic() - t0,
-            {"shared_memory": 1.0 if shared else 0.0, "cuda_ipc": 1.0 if on_gpu is not None else 0.0},
+            {"shared_memory": 1.0 if shared else 0.0},
         )
 
     def _in_place(self, flat: torch.Tensor) -> bool:
@@ -383,47 +352,39 @@ class CollectivePublisher:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         return self._buffers[slot][:nbytes]
 
-    def _send_staged(
-        self, layout: list[Bucket], specs: Sequence[TensorSpec], staged: torch.Tensor, hashed: bool
-    ) -> list[int]:
+    def _send_staged(self, layout: list[Bucket], specs: Sequence[TensorSpec], staged: torch.Tensor) -> None:
         """Every bucket straight from the staging buffer, where each lies whole: its tensors are packed there
         as in the bucket (both 64-byte aligned from a 64-byte aligned start). No copy, and :data:`IN_FLIGHT`
-        pieces queued at a time (the staged version stays valid throughout), each bucket hashed while the next
-        travel: over gloo on one host the broadcast then runs at the sockets' rate (packed buckets copied
-        through a buffer one at a time left it idle between them). Returns the buckets' digests."""
+        pieces queued at a time (the staged version stays valid throughout): over gloo on one host the
+        broadcast then runs at the sockets' rate (packed buckets copied through a buffer one at a time left it
+        idle between them)."""
         [whole] = bucket_layout(specs, WHOLE)
         start = dict(whole.items)
-        digests: list[int] = []
         in_flight: deque[Any] = deque()
-        for bucket in layout:
+        for n, bucket in enumerate(layout):
             first = start[bucket.items[0][0]]
             if any(start[i] - first != offset for i, offset in bucket.items):  # bucket_layout changed?
-                raise ValueError(f"the staged version does not hold bucket {len(digests)} as one range")
+                raise ValueError(f"the staged version does not hold bucket {n} as one range")
             buf = staged[first : first + bucket.nbytes]
             for a, b in pieces(bucket.nbytes, self.bucket_bytes):
                 if len(in_flight) >= IN_FLIGHT:
                     self.group.wait(in_flight.popleft())
                 in_flight.append(self.group.broadcast(buf[a:b]))
-            digests.append(digest(buf) if hashed else 0)
         for work in in_flight:
             self.group.wait(work)
-        return digests
 
     def _send_buckets(
-        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any, hashed: bool
-    ) -> tuple[list[int], Exception | None]:
-        """Broadcast every bucket in its :func:`pieces`; returns the buckets' digests and the source's error,
-        if any.
+        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any
+    ) -> Exception | None:
+        """Broadcast every bucket in its :func:`pieces`; returns the source's error, if any.
 
         A bucket of one tensor already on the group's device goes out from the tensor's own bytes (no copy),
         and the source is not advanced until it has gone (a gathered tensor is valid only until the next is
         requested). Anything else travels through one of two piece-sized buffers, the next filled while the
         last travels: packed buckets, and a weight in host memory (staged), whatever its size, so the device
-        holds two buffers of at most the bucket size, never one of the largest weight. Digests are taken
-        while a bucket is in flight. A source that fails or breaks the header does not break the group: the
-        remaining pieces still go out (their contents void) so every receiver reaches the vote, where this
+        holds two buffers of at most the bucket size, never one of the largest weight. A source that fails or
+        breaks the header does not break the group: the remaining pieces still go out (their contents void) so every receiver reaches the vote, where this
         rank votes the version down."""
-        digests: list[int] = []
         error: Exception | None = None
         in_flight: list[Any] = [None, None]
         sent = 0  # pieces through the buffers
@@ -434,14 +395,13 @@ class CollectivePublisher:
                 try:
                     whole = flat_bytes(next_checked(bucket.items[0][0], specs, source))
                     if whole.device.type != "cpu" and self.group.device.type == "cpu":
-                        # a GPU source over gloo (``send`` without staging): its digest is of host bytes,
-                        # which a device tensor's would not be (every receiver then voted the version down)
+                        # a GPU source over gloo (``send`` without staging): gloo moves host bytes, so one
+                        # copy to the host, then broadcast in place
                         whole = whole.cpu()
                 except Exception as exc:  # reported after the vote
                     error = exc
             if whole is not None and self._in_place(whole):
                 works = [self.group.broadcast(whole[a:b]) for a, b in ranges]
-                digests.append(digest(whole) if hashed else 0)
                 for work in works:
                     self.group.wait(work)
                 continue
@@ -463,8 +423,6 @@ class CollectivePublisher:
                     except Exception as exc:  # reported after the vote
                         error = exc
                 in_flight[slot] = self.group.broadcast(buf)
-            # the bucket's bytes: the tensor's own, or (packed: one piece) the buffer's
-            digests.append(digest(whole if whole is not None else buf) if hashed else 0)
         for work in in_flight:
             if work is not None:
                 self.group.wait(work)
@@ -473,4 +431,4 @@ class CollectivePublisher:
                 check_exhausted(source)
             except ValueError as exc:
                 error = exc
-        return digests, error
+        return error

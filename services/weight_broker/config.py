@@ -2,29 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, model_validator
+from pydantic import Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
+
+# what a run file written for a removed transport is told, beside "use tcp"
+REMOVED_TRANSPORTS = {
+    "grpc": "",
+    "filesystem": '; weight_broker.storage = "disk" keeps the versions on disk under storage_dir',
+}
+
+# keys of the weight group that are gone, and what a run file that still sets one is told
+REMOVED_GROUP_KEYS = {
+    "group_digests": "was removed: the weight group's buckets are not checksummed (under NCCL, the GPU "
+    "default, they never were; the broker path keeps its own xxh3 checksums); delete the setting (run file, "
+    "--set or VCPO_WEIGHT_BROKER__GROUP_DIGESTS)",
+    "group_cuda_ipc": "was removed: members that share one GPU take each version through /dev/shm over gloo "
+    "(as they did where CUDA IPC failed); delete the setting (run file, --set or "
+    "VCPO_WEIGHT_BROKER__GROUP_CUDA_IPC)",
+}
 
 
 class WeightBrokerConfig(Section):
     """Transport, retention and memory bounds of versioned weight distribution."""
 
-    transport: Literal["tcp", "grpc", "filesystem", "collective"] = Field(
+    transport: Literal["tcp", "collective"] = Field(
         "tcp",
-        description="Through the broker with weight bytes on its TCP data plane (tcp), all on gRPC streams "
-        "(grpc), safetensors files on a shared path (filesystem), or broadcast by the learner into every "
-        "sampler engine's workers and the broker over a process group (collective: NCCL on GPU, gloo on CPU; "
-        "the broker's TCP path carries what the group did not: versions published while it forms, late "
-        "joiners' catch-up).",
+        description="Through the broker with weight bytes on its TCP data plane (tcp), or broadcast by the "
+        "learner into every sampler engine's workers and the broker over a process group (collective: NCCL on "
+        "GPU, gloo on CPU; the broker's TCP path carries what the group did not: versions published while it "
+        "forms, late joiners' catch-up).",
     )
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
-    storage_dir: str = Field(
-        "", description="Directory for disk storage or the filesystem transport; empty = <run_dir>/weights."
-    )
+    storage_dir: str = Field("", description="Directory for disk storage; empty = <run_dir>/weights.")
     chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
     rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
     publish_retry_s: float = Field(
@@ -80,12 +93,6 @@ class WeightBrokerConfig(Section):
         "(group_settle_s): members that keep changing form an epoch after this long anyway.",
     )
     group_bucket_mb: int = Field(256, ge=1, description="collective: MiB per broadcast bucket.")
-    group_digests: bool = Field(
-        True,
-        description="collective: the publisher sends each bucket's xxh3 digest and every receiver checks it "
-        "before the commit vote. Only where the publisher holds its buckets in host memory (gloo): a GPU's are "
-        "not hashed. It costs CPU on both ends (about 15% of a 1 GiB broadcast's time on 2 cores).",
-    )
     group_shared_memory: bool = Field(
         False,
         description="collective, gloo: when every member of the weight group runs on one host (one /dev/shm), "
@@ -94,16 +101,6 @@ class WeightBrokerConfig(Section):
         "never does. Needs up to 3 versions' size free in /dev/shm (the one sent, the next one's reserved "
         "segment, the one the receivers hold until they load it); without it the publisher warns and uses "
         "the sockets.",
-    )
-    group_cuda_ipc: bool = Field(
-        True,
-        description="collective: when every member of the weight group is on one GPU (a learner and its "
-        "samplers given fractions of it), the publisher stages each version on that GPU and every receiver "
-        "opens it through a CUDA IPC handle, so the engines load it device to device instead of from /dev/shm "
-        "(on an H200: 2 GiB held by every model in 3 ms instead of 0.6 s). Costs up to two versions of GPU "
-        "memory beside the learner's model (the one sent, the one the samplers hold until they load it), "
-        "which the learner's memory plan counts when it holds a fraction of a GPU. A receiver that cannot "
-        "open the handle votes the version down, and the next ones go through /dev/shm.",
     )
     group_member_ttl_s: float = Field(
         10.0, gt=0, description="collective: a member whose heartbeat is this old has left the group."
@@ -114,6 +111,24 @@ class WeightBrokerConfig(Section):
         description="Custom Ray resources the broker's actor asks for, e.g. {vcpo_broker = 1}: it runs only "
         "on a node that offers them (the Helm chart's head pod, whose IP it advertises).",
     )
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _removed_transport(cls, value: Any) -> Any:
+        if value in REMOVED_TRANSPORTS:
+            raise ValueError(
+                f"weight_broker.transport = {value!r} is no longer a transport: set weight_broker.transport = "
+                f'"tcp" (the same bytes through the broker, over its TCP socket){REMOVED_TRANSPORTS[value]}'
+            )
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_group_keys(cls, data: Any) -> Any:
+        removed = [key for key in REMOVED_GROUP_KEYS if isinstance(data, dict) and key in data]
+        if removed:
+            raise ValueError("; ".join(f"weight_broker.{key} {REMOVED_GROUP_KEYS[key]}" for key in removed))
+        return data
 
     @model_validator(mode="after")
     def _settle_bounded(self) -> WeightBrokerConfig:

@@ -41,7 +41,6 @@ from typing import Any
 import redis
 import torch
 
-from services.weight_broker import cuda_ipc
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher
 from services.weight_broker.group_store import give_up
@@ -87,9 +86,7 @@ class GroupCoordinator:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | None = None,
         on_event: Callable[[str], None] | None = None,
-        digests: bool = True,
         shared_memory: bool = False,
-        cuda_ipc: bool = False,
         wait_budget_s: float | None = None,
         settle_s: float = 0.0,
         settle_max_s: float = 30.0,
@@ -115,10 +112,10 @@ class GroupCoordinator:
         self._unsettled_since: float | None = None
         self.wait_budget_s = wait_budget_s
         self.registry, self.host, self.backend = registry, host, backend
-        self.port, self.port_range, self.device, self.digests = port, port_range, device, digests
+        self.port, self.port_range, self.device = port, port_range, device
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.planes = {"shared_memory": shared_memory, "cuda_ipc": cuda_ipc}  # its publishers' keywords
-        # formed|form_failed|broadcast_failed|ipc_reclaimed|cuda_ipc_off
+        self.shared_memory = shared_memory  # its publishers' setting
+        # formed|form_failed|broadcast_failed
         self.on_event = on_event or (lambda event: None)
         self.epoch = 0  # of the formed group (0: none yet)
         self._made = 0  # the last epoch number taken (formed or not)
@@ -147,8 +144,6 @@ class GroupCoordinator:
         """``ready``: with its broadcast in flight ended (within ``wait_budget_s``); None where it failed, or was
         still going then (aborted): counted, the epoch dropped, the caller's version goes through the broker."""
         self._reap()
-        for _ in range(cuda_ipc.HELD.report()):  # versions a dead receiver held, freed on its behalf
-            self.on_event("ipc_reclaimed")
         formed = self._formed
         # a background broadcast failed (a vote against it, or a collective that closed the group)
         failure = formed.publisher.failure() if formed is not None else None
@@ -254,10 +249,6 @@ class GroupCoordinator:
             self.failures += 1
             self.on_event("broadcast_failed")
         formed.group.close()
-        if formed.publisher.ipc_refused and self.planes["cuda_ipc"]:  # for good: receivers stay as they are
-            self.planes["cuda_ipc"] = False
-            log.warning("CUDA IPC failed in epoch %d: later epochs stage versions in /dev/shm", self.epoch)
-            self.on_event("cuda_ipc_off")
 
     def _reap(self) -> None:
         forming = self._forming
@@ -360,7 +351,7 @@ class GroupCoordinator:
         if self._staging is None:
             self._staging = PinnedStaging(group.cuda_index)
         publisher = CollectivePublisher(
-            group, self.bucket_bytes, self.digests, staging=self._staging, **self.planes
+            group, self.bucket_bytes, shared_memory=self.shared_memory, staging=self._staging
         )
         return _Formed(group, publisher, members)
 
@@ -400,9 +391,7 @@ def coordinator_from_config(
         bucket_bytes=wb.group_bucket_mb << 20,
         device=device if backend == "nccl" else None,
         on_event=on_event,
-        digests=wb.group_digests,
         shared_memory=wb.group_shared_memory,
-        cuda_ipc=wb.group_cuda_ipc,
         wait_budget_s=wait_budget_s,
         settle_s=wb.group_settle_s,
         settle_max_s=wb.group_settle_max_s,

@@ -16,8 +16,8 @@ GPU workers by default) keep one between them instead:
                open the leader's file, and once the vote commits they map it copy-on-write: their tensors
                are views of the leader's pages (an engine's loader that writes one copies that page only)
 
-The leader votes only after every byte is in the segment and its digests match, so the bytes every receiver
-of the host loads are checked. After the vote the leader unlinks the name (the others hold the file open),
+The leader votes only after every byte is in the segment, so a version committed on the host is whole in the
+file every receiver of the host loads. After the vote the leader unlinks the name (the others hold the file open),
 keeps its segment page-locked until the next version (its engine loads from it), and reserves the next one's
 in the background. A receiver that cannot open the file votes the version down, as one that cannot map the
 publisher's segment does.

@@ -1,12 +1,11 @@
-"""The publish and fetch protocols as plain functions, shared by the gRPC servicer and the transports.
+"""The publish and fetch protocols as plain functions, shared by the broker's servicer and the transport.
 
     learner:  publish_requests(specs, tensors) ─► PublishRequest stream ─► apply_publish(store) ─► version
     sampler:  fetch_responses(store) ─► FetchResponse stream ─► receive_fetch(sink) ─► sink(name, tensor) × n
 
-Over gRPC the two halves run in different processes; with the shared-filesystem transport both halves run
-in the client against a :class:`DiskStore` on the shared path. Either way the bytes are checked the same way:
-each tensor's checksum when its last chunk arrives, the version checksum at commit, and again per tensor on
-the fetching side before the sink sees it.
+The two halves run in different processes, the broker's and its client's. The bytes are checked each tensor's
+checksum when its last chunk arrives, the version checksum at commit, and again per tensor on the fetching
+side before the sink sees it.
 """
 
 from __future__ import annotations

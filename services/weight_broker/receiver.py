@@ -5,27 +5,16 @@ its engine before every rank voted to commit the version."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
 import torch
 
-from services.weight_broker.buckets import (
-    Bucket,
-    TransferStats,
-    bucket_layout,
-    bucket_offsets,
-    digest,
-    pieces,
-)
-from services.weight_broker.cuda_ipc import receive_export
+from services.weight_broker.buckets import Bucket, TransferStats, bucket_layout, bucket_offsets, pieces
 from services.weight_broker.host_copy import HostCopy
 from services.weight_broker.shared_memory import HostBuffers, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup, first_line
-
-log = logging.getLogger(__name__)
 
 
 class CollectiveReceiver:
@@ -71,25 +60,18 @@ class CollectiveReceiver:
                 raise ValueError(
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
-            hashed = bool(header.get("digests", True))  # the publisher hashes the buckets it holds on the CPU
-            read, mine = True, None  # mine None: no digests of its own to check
-            if "cuda_ipc" in header:
-                buffers, mine = receive_export(group, layout, header["cuda_ipc"], version), [0]
-                read = bool(buffers)
-                self._go()
-            elif "shared" in header:
-                buffers, mine = receive_segment(layout, header["shared"]), [0]
+            read = True  # whether this receiver holds the whole version (its vote)
+            if "shared" in header:
+                buffers = receive_segment(layout, header["shared"])
                 read = bool(buffers)
                 self._go()
             elif (host_copy := self._host_copy(layout)) is None:
-                buffers, mine = (self._bounced if self.bounce else self._direct)(layout, piece, hashed)
+                buffers = (self._bounced if self.bounce else self._direct)(layout, piece)
             elif host_copy.leader:
-                buffers, mine = self._through_buffers(layout, piece, host_copy.views, hashed)
-            else:  # keeps nothing: what this host loads is the leader's copy, whose digests it checks
-                buffers, _ = self._through_buffers(layout, piece, None, False)
+                buffers = self._through_buffers(layout, piece, host_copy.views)
+            else:  # keeps nothing: what this host loads is the leader's copy, which it must be able to open
+                buffers = self._through_buffers(layout, piece, None)
                 read = host_copy.opened
-            theirs = torch.zeros(n_buckets, dtype=torch.int64, device=group.device)
-            group.wait(group.broadcast(theirs))
         except TransferFailed as exc:  # the group's: marked for every rank already
             group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
@@ -97,11 +79,8 @@ class CollectiveReceiver:
             # marked for the others before closing: the publisher and the other receivers would otherwise wait
             # in the next bucket until the group's timeout (an NCCL peer is not woken by this rank's abort)
             raise group.part_failed(f"version {version}: receiving failed: {first_line(exc)}") from exc
-        good = read and (mine is None or theirs.cpu().tolist() == mine)
-        if read and not good:
-            log.error("version %d: bucket digests differ from the publisher's: voting against it", version)
         try:
-            committed = group.all_ok(good)
+            committed = group.all_ok(read)
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
@@ -109,8 +88,8 @@ class CollectiveReceiver:
             if host_copy is not None:
                 host_copy.failed()
             raise TransferFailed(
-                f"version {version}: not committed (the publisher's source failed, or a "
-                "member's bucket digests differed)"
+                f"version {version}: not committed (the publisher's source failed, or a member could not "
+                "read the version)"
             )
         if host_copy is not None:
             buffers = host_copy.committed(layout) or buffers  # the others: the leader's copy, mapped
@@ -123,7 +102,6 @@ class CollectiveReceiver:
         nbytes = sum(s.nbytes for s in specs)
         extra = {
             "shared_memory": 1.0 if "shared" in header else 0.0,
-            "cuda_ipc": 1.0 if "cuda_ipc" in header else 0.0,
             "host_copy": 0.0 if host_copy is None else 1.0 if host_copy.leader else 2.0,
         }
         stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
@@ -144,37 +122,32 @@ class CollectiveReceiver:
         group.host_copy = group.host_copy or HostCopy(group)
         return group.host_copy if group.host_copy.begin(layout) else None
 
-    def _direct(self, layout: list[Bucket], piece: int, hashed: bool) -> tuple[list[torch.Tensor], list[int]]:
+    def _direct(self, layout: list[Bucket], piece: int) -> list[torch.Tensor]:
         """Every bucket into its own buffer on the group's device, its pieces all queued at once (gloo runs
-        them in order), each bucket hashed while the next arrives."""
+        them in order)."""
         group = self.group
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
         self._go()
-        works = [[group.broadcast(buf[a:b]) for a, b in pieces(buf.numel(), piece)] for buf in buffers]
-        mine: list[int] = []
-        for bucket_works, buf in zip(works, buffers, strict=True):
-            for work in bucket_works:
-                group.wait(work)
-            mine.append(digest(buf.cpu()) if hashed else 0)
-        return buffers, mine
+        works = [group.broadcast(buf[a:b]) for buf in buffers for a, b in pieces(buf.numel(), piece)]
+        for work in works:
+            group.wait(work)
+        return buffers
 
-    def _bounced(
-        self, layout: list[Bucket], piece: int, hashed: bool
-    ) -> tuple[list[torch.Tensor], list[int]]:
+    def _bounced(self, layout: list[Bucket], piece: int) -> list[torch.Tensor]:
         """Every bucket through the device buffers into its place in one host buffer of the version's size
         (the group's :class:`HostBuffers`: page-locked under CUDA, the spare once the engine lets go of it)."""
         offsets, total = bucket_offsets(layout)
         self.group.host_buffers = self.group.host_buffers or HostBuffers(self.group.cuda_index)
         whole = self.group.host_buffers.take(total, f"a {total}-byte host copy of a version")
         host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
-        return self._through_buffers(layout, piece, host, hashed)
+        return self._through_buffers(layout, piece, host)
 
     def _through_buffers(
-        self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None, hashed: bool
-    ) -> tuple[list[torch.Tensor], list[int]]:
+        self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
         """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
-        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). Returns ``outs`` and their
-        digests.
+        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). Returns ``outs`` (empty
+        for None).
 
         On CUDA each copy out runs on a stream of its own while the next piece arrives in the other buffer,
         whose broadcast waits only for that buffer's last copy out (a copy on the current stream, which the
@@ -213,6 +186,4 @@ class CollectiveReceiver:
         # the copies out, each after its broadcast (not the whole device: an engine's forward runs there)
         if copier is not None:
             copier.synchronize()
-        if outs is None:
-            return [], []
-        return outs, [digest(out) if hashed else 0 for out in outs]  # the bytes this member keeps
+        return [] if outs is None else outs

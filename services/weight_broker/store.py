@@ -11,8 +11,7 @@ Two stores behind one interface, chosen by ``[weight_broker] storage``:
   chunks, never a copy of the model each.
 - :class:`DiskStore` keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
   ``manifest.json``, written under a temporary name and renamed on commit (atomic), read back by ``pread``.
-  It survives restarts, and it is the layout of the shared-filesystem transport, so a sampler or vLLM can
-  load a version directory directly.
+  It survives restarts, and vLLM or ``safetensors`` can load a version directory as it is.
 
 Retention keeps the newest ``retain`` versions; a fetch in progress keeps reading a version dropped under
 it (the buffer stays referenced; the unlinked file stays open).
@@ -205,7 +204,6 @@ class VersionStore(ABC):
         _validate(manifest)
         v = int(manifest.policy_version)
         with self._lock:
-            self._refresh_locked()
             latest = max(self._versions, default=None)
             if v in self._versions:
                 raise PublishRejected("duplicate", f"version {v} is already published")
@@ -226,7 +224,6 @@ class VersionStore(ABC):
 
     def get(self, version: int | None = None) -> StoredVersion:
         with self._lock:
-            self._refresh_locked()
             if not self._versions:
                 raise VersionNotFound("no version has been published yet")
             v = max(self._versions) if version is None else version
@@ -236,12 +233,10 @@ class VersionStore(ABC):
 
     def latest(self) -> int | None:
         with self._lock:
-            self._refresh_locked()
             return max(self._versions, default=None)
 
     def manifests(self) -> list[weights_pb2.VersionManifest]:
         with self._lock:
-            self._refresh_locked()
             return [self._versions[v].manifest for v in sorted(self._versions)]
 
     def stored_bytes(self) -> int:
@@ -259,10 +254,6 @@ class VersionStore(ABC):
         with self._lock:
             if self._in_progress == version:
                 self._in_progress = None
-
-    def _refresh_locked(self) -> None:
-        """Pick up versions other processes committed (the shared-filesystem case); a no-op in memory."""
-        return
 
     @abstractmethod
     def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter: ...
@@ -417,48 +408,28 @@ class _DiskWriter(VersionWriter):
 
 
 class DiskStore(VersionStore):
-    """Versions as ``v<version>/`` directories under ``root``; survives restarts; shareable between processes."""
+    """Versions as ``v<version>/`` directories under ``root``, the broker's alone; survives restarts: a new
+    store takes the committed versions it finds and removes the partial ones a crashed broker left."""
 
-    def __init__(self, root: str | Path, retain: int, owner: bool = True) -> None:
-        """``owner``: this process is the directory's only publisher (the broker, or the learner with the
-        filesystem transport): it removes partial versions a crashed predecessor left and prunes retention.
-        Readers (samplers on a shared volume) pass ``owner=False``."""
+    def __init__(self, root: str | Path, retain: int) -> None:
         super().__init__(retain)
-        self.root, self.owner = Path(root), owner
+        self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        if owner:
-            for leftover in self.root.glob(".v*.partial-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
-        with self._lock:
-            self._refresh_locked()
-            for old in sorted(self._versions)[: -self.retain]:
-                self._drop(self._versions.pop(old))
-
-    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
-        if not self.owner:
-            raise PublishRejected("invalid", f"{self.root} is opened read-only (owner=False)")
-        return _DiskWriter(self, manifest)
-
-    def _refresh_locked(self) -> None:
-        present = {}
+        for leftover in self.root.glob(".v*.partial-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         for path in self.root.glob("v*"):
             if path.name[1:].isdigit() and (path / MANIFEST).exists():
-                present[int(path.name[1:])] = path
-        for v in list(self._versions):
-            if v not in present:  # pruned by another process
-                del self._versions[v]
-        for v, path in present.items():
-            if v not in self._versions:
                 manifest = json_format.Parse((path / MANIFEST).read_text(), weights_pb2.VersionManifest())
-                try:
-                    self._versions[v] = _DiskVersion(path, manifest)
-                except FileNotFoundError:  # pruned between the glob and the open
-                    continue
+                self._versions[int(path.name[1:])] = _DiskVersion(path, manifest)
+        for old in sorted(self._versions)[: -self.retain]:
+            self._drop(self._versions.pop(old))
+
+    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
+        return _DiskWriter(self, manifest)
 
     def _drop(self, stored: StoredVersion) -> None:
         assert isinstance(stored, _DiskVersion)
-        if self.owner:
-            shutil.rmtree(stored.path, ignore_errors=True)
+        shutil.rmtree(stored.path, ignore_errors=True)
 
 
 def make_store(storage: str, retain: int, root: str | Path | None = None) -> VersionStore:

@@ -5,7 +5,7 @@ what a version's bytes are. A version is an ordered list of tensors in Hugging F
 checksum is ``xxh3_128:<hex>`` of its raw little-endian bytes, and the version checksum is the same hash
 over the lines ``name\\0tensor_checksum\\n`` in transfer order.
 
-On disk (the broker's disk store and the shared-filesystem transport) a version is a directory holding one
+On disk (the broker's disk store) a version is a directory holding one
 ``model.safetensors`` (the standard format: 8-byte header length, JSON header with offsets, raw data) and
 ``manifest.json``; vLLM and ``safetensors.torch.load_file`` read the directory as it is.
 """

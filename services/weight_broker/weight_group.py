@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from services.common.pids import process_identity
 from services.weight_broker.group_store import FAILED, give_up
 from services.weight_broker.group_store import AnnouncementWatch as AnnouncementWatch
 from services.weight_broker.group_store import GroupSpec as GroupSpec
@@ -86,7 +85,6 @@ class WeightGroup:
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
             # before arriving: every rank's is there once all have arrived
             prefixed.set(f"host/{rank}", host_identity())
-            prefixed.set(f"process/{rank}", process_identity())  # whether it ended, for cuda_ipc.HeldExports
             keeps = spec.backend == "nccl" if host_copies is None else host_copies
             prefixed.set(f"host_copies/{rank}", "1" if keeps and rank > 0 else "0")
             if spec.backend == "nccl":
@@ -119,8 +117,8 @@ class WeightGroup:
         self.broadcasts = 0  # versions whose broadcast started on this rank (every rank counts alike)
         # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
         self.same_host = same_host(prefixed, spec.world_size)
-        # this member's GPU under NCCL, kept where the epoch falls back to gloo; whether every rank is on it
-        self.gpu, self.one_gpu = (self.device if spec.backend == "nccl" else None), False
+        # this member's GPU under NCCL, kept where the epoch falls back to gloo (its host buffers' page-locking)
+        self.gpu = self.device if spec.backend == "nccl" else None
         if spec.backend == "nccl":
             try:
                 shared = shared_gpus(prefixed, spec.world_size)
@@ -131,7 +129,6 @@ class WeightGroup:
                 # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
                 # read the same identities, so every rank falls back to gloo (through host memory) alike
                 self.backend, self.device = "gloo", torch.device("cpu")
-                self.one_gpu = len(shared) == 1 and len(shared[0]) == spec.world_size
                 if rank == 0:
                     log.warning(
                         "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU (versions go "

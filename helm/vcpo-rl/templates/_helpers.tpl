@@ -247,7 +247,6 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "group_timeout_s" (float64 $v.weightBroker.group.timeoutSeconds)
     "group_form_timeout_s" (float64 $v.weightBroker.group.formTimeoutSeconds)
     "group_bucket_mb" (int $v.weightBroker.group.bucketMiB)
-    "group_digests" $v.weightBroker.group.digests
     "grpc_port" (int $p.brokerGrpc)
     "data_port" (int $p.brokerData)
     "metrics_port" (int $p.brokerMetrics)

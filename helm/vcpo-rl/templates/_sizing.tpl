@@ -35,12 +35,11 @@ the value to raise, instead of being OOM-killed at its first weight update (docs
                                                                       the same, so each is checked for it
   head pod                                   (retain + 1) W + 8Gi     the broker's retained versions and the
                                                                       one being published, in memory
-                                                                      (storage = memory, transport tcp or
-                                                                      grpc); the launcher and Ray's control
-                                                                      plane
-  shared volume, if the chart creates it     (retain + 1) W           the versions, with storage = disk or
-                                                                      transport = filesystem (checkpoints
-                                                                      and the hub cache come on top)
+                                                                      (storage = memory); the launcher and
+                                                                      Ray's control plane
+  shared volume, if the chart creates it     (retain + 1) W           the versions, with storage = disk
+                                                                      (checkpoints and the hub cache come
+                                                                      on top)
 
 Every minimum is rounded up to whole Gi.
 */}}
@@ -112,7 +111,7 @@ group's backend: auto gives NCCL with a GPU learner): over gloo every worker kee
 {{- $received := ternary 2 (ternary (max 1 $gpus) 0 $collective) $hostCopy -}}
 {{- $engine := add (include "vcpo-rl.sizing.engineGi" .) (mul (include "vcpo-rl.sizing.perGpuGi" .) (max 1 $gpus)) -}}
 {{- $retained := add1 (int $wb.retain_versions) -}}
-{{- $inMemory := and (eq $wb.storage "memory") (ne $wb.transport "filesystem") -}}
+{{- $inMemory := eq $wb.storage "memory" -}}
 {{- $head := int (include "vcpo-rl.sizing.headGi" .) -}}
 {{- dict
   "weightsGi" $w

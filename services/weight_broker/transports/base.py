@@ -37,7 +37,7 @@ TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 class BrokerUnavailable(ConnectionError):
-    """The broker (or shared path) could not be reached within the retry budget."""
+    """The broker could not be reached within the retry budget."""
 
 
 class VersionExists(Exception):
@@ -71,7 +71,7 @@ class WeightTransport(ABC):
 
     retry: RetryPolicy
     chunk_bytes: int
-    where: str  # for messages: the broker address or the shared path
+    where: str  # for messages: the broker's addresses
 
     def publish(self, version: int, specs: Sequence[TensorSpec], tensors: TensorSource) -> PublishResult:
         """Publish ``version``; transient failures are retried, calling ``tensors()`` again each time."""

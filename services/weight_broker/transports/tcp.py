@@ -1,9 +1,11 @@
-"""The broker with weight bytes over its TCP data plane: about twice Python gRPC's throughput.
+"""The broker's client: weight bytes over its TCP data plane, control calls (latest, list) over gRPC.
 
-Publish and fetch send the gRPC service's own messages, length-framed on a plain socket
-(:mod:`services.weight_broker.dataplane`), so the checksums, the all-or-nothing commit and the broker's
-bookkeeping are the gRPC path's. Control calls (latest, list) stay on gRPC at ``address``; the bytes go to
-``data_address``.
+Publish and fetch send the broker's own protobuf messages (``weights.proto``), length-framed on a plain
+socket (:mod:`services.weight_broker.dataplane`): Python gRPC moves large messages at about half a loopback
+socket's rate, so the one bulk flow skips it. The checksums, the all-or-nothing commit and the broker's
+bookkeeping are the servicer's (``publish_messages``, ``fetch_messages``). The broker's refusals come back as
+the interface's errors: a duplicate as :class:`VersionExists`, a stale version as :class:`StalePublish`, an
+unknown version as ``VersionNotFound``.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+import grpc
 import torch
 
 from services.weight_broker import dataplane
-from services.weight_broker.protocol import publish_parts
+from services.weight_broker.protocol import BrokenStream, IntegrityError, publish_parts
 from services.weight_broker.store import PublishRejected
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports.base import (
@@ -23,12 +26,31 @@ from services.weight_broker.transports.base import (
     RetryPolicy,
     StalePublish,
     VersionExists,
+    WeightTransport,
+    retrying,
 )
-from services.weight_broker.transports.grpc import GrpcTransport
 from services.weight_broker.wire import Message
+from vcpo.v1 import weights_pb2, weights_pb2_grpc
+
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 
 
-class TcpTransport(GrpcTransport):
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code() in _TRANSIENT_CODES
+    if isinstance(exc, PublishRejected):  # another publish still in progress, bytes corrupted in transit
+        return exc.reason in ("in_progress", "integrity")
+    # a corrupted or broken-off fetch stream, a connection refused, reset or timed out
+    return isinstance(exc, IntegrityError | BrokenStream | OSError | TimeoutError)
+
+
+class TcpTransport(WeightTransport):
     """The broker with weight bytes over its TCP data plane at ``data_address``, control calls over gRPC at
     ``address`` (see the module docstring)."""
 
@@ -40,9 +62,11 @@ class TcpTransport(GrpcTransport):
         chunk_bytes: int = 4 << 20,
         run_id: str = "",
     ) -> None:
-        super().__init__(address, retry, chunk_bytes, run_id)
-        self.data_address = data_address
+        self.address, self.data_address = address, data_address
         self.where = f"{address} (data plane {data_address})"
+        self.retry, self.chunk_bytes, self.run_id = retry, chunk_bytes, run_id
+        self._channel = grpc.insecure_channel(address)
+        self._stub = weights_pb2_grpc.WeightBrokerStub(self._channel)
 
     def publish_once(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
@@ -65,6 +89,25 @@ class TcpTransport(GrpcTransport):
         )
 
     def is_transient(self, exc: BaseException) -> bool:
-        if isinstance(exc, PublishRejected):
-            return exc.reason in ("in_progress", "integrity")
-        return isinstance(exc, OSError | TimeoutError) or super().is_transient(exc)
+        return _transient(exc)
+
+    def latest(self) -> int | None:
+        def once() -> int | None:
+            reply = self._stub.GetLatest(
+                weights_pb2.GetLatestRequest(), timeout=min(self.retry.timeout_s, 10)
+            )
+            return int(reply.policy_version) if reply.available else None
+
+        return retrying(f"latest version from {self.address}", self.retry, once, _transient)
+
+    def versions(self) -> list[weights_pb2.VersionManifest]:
+        def once() -> list[weights_pb2.VersionManifest]:
+            reply = self._stub.ListVersions(
+                weights_pb2.ListVersionsRequest(), timeout=min(self.retry.timeout_s, 10)
+            )
+            return list(reply.versions)
+
+        return retrying(f"version list from {self.address}", self.retry, once, _transient)
+
+    def close(self) -> None:
+        self._channel.close()
