@@ -215,17 +215,20 @@ def test_resolved_config_is_written_as_json(tmp_path: Path) -> None:
         load_config(SystemConfig, [broken], env={})
 
 
-def test_config_modules_import_nothing_heavy() -> None:
+def modules_imported_by(code: str, watched: tuple[str, ...], cwd: Path | None = None) -> str:
+    """Which of ``watched`` a fresh interpreter holds after running ``code``, comma-separated ("" for none);
+    ``code`` may also print names of its own first (on the same line, ending with a comma)."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, deploy.config, services.common.config\n"
-        "heavy = [m for m in ('torch', 'vllm', 'deepspeed', 'ray', 'transformers') if m in sys.modules]\n"
-        "print(','.join(heavy))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    probe = f"{code}\nimport sys\nprint(','.join(m for m in {watched!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=cwd)
+    return out.stdout.strip()
+
+
+def test_config_modules_import_nothing_heavy() -> None:
+    code = "import deploy.config, services.common.config"
+    assert modules_imported_by(code, ("torch", "vllm", "deepspeed", "ray", "transformers")) == ""
 
 
 def test_placement_settings_default_to_the_single_machine_behaviour() -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +18,10 @@ from services.learner import objectives
 from services.learner.config import LearnerConfig
 from services.learner.objectives import NAME_PATTERN, Objective
 from services.learner.vcpo import METRIC_KEYS, ObjectiveConfig, _rule_output
+from tests.test_config import modules_imported_by
 
 ROOT = Path(__file__).parent.parent
+HEAVY = ("torch", "vllm", "deepspeed")  # what validating a config must not import
 PACKAGE = Path(objectives.__file__).parent
 SHIPPED = ("grpo", "reinforce", "rloo", "vcpo")
 
@@ -56,27 +56,17 @@ def test_an_unknown_objective_is_refused_naming_it_and_the_choices() -> None:
 
 def test_the_registry_names_need_no_torch() -> None:
     code = (
-        "import sys, services.learner.config\n"
-        "from services.learner.objectives import NAMES\n"
-        "assert NAMES, NAMES\n"
-        "print(','.join(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))"
+        "import services.learner.config\nfrom services.learner.objectives import NAMES\nassert NAMES, NAMES"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    assert modules_imported_by(code, HEAVY) == ""
 
 
 def test_reading_every_objectives_declaration_needs_no_torch() -> None:
     """The config's validation reads a declaration (a multi-rank config asks where the zero-signal rule
     looks; a settings table is checked against the settings model): every module imports torch only inside
     its rule, so validating stays torch-free."""
-    code = (
-        "import sys\n"
-        "from services.learner import objectives\n"
-        "specs = [objectives.get(n) for n in objectives.NAMES]\n"
-        "print(','.join(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    code = "from services.learner import objectives\nspecs = [objectives.get(n) for n in objectives.NAMES]"
+    assert modules_imported_by(code, HEAVY) == ""
 
 
 def test_validating_a_config_without_objective_settings_imports_no_objective() -> None:
@@ -92,10 +82,9 @@ def test_validating_a_config_without_objective_settings_imports_no_objective() -
         "loaded = [m for m in sys.modules if m.startswith('services.learner.objectives.')]\n"
         "cfg = load_config(SystemConfig, ['deploy/presets/local.toml'], env={})\n"
         "assert cfg.learner.num_ranks == 2\n"
-        "print(','.join(loaded + [m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules]))"
+        "print(''.join(m + ',' for m in loaded), end='')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == ""
+    assert modules_imported_by(code, HEAVY, cwd=ROOT) == ""
 
 
 def test_the_helm_schema_checks_the_form_of_an_objective_name_not_a_list() -> None:
