@@ -39,11 +39,18 @@ Headline figures (the JSON object on the last line), at the largest size measure
     collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host; the
                           receivers map the publisher's segment), collective_shm_N_over_1 its N receivers'
                           seconds over one's, learner_blocked_s_per_version_shm its staged publish's wait
-    collective_N_over_1   N receivers' seconds over one's (target <= 1.3: flat in receivers)
+    collective_N_over_1   N receivers' seconds over one's (no target: on one host every receiver's loopback
+                          bytes cost the same cores; flatness in receivers is NCCL's across nodes)
+
+    generation_stall_over_transfer   the seconds a vLLM engine (the tiny model, kept busy) produced no tokens
+                          while it received a --stall-mib version through the weight group, over the receive's
+                          seconds (target <= 0.2); generation_stall_inline_over_transfer: the same with the
+                          receive inside the sampler loop's turn, side by side (benchmarks/_generation_stall.py)
 
 Sizes are MiB (2**20 bytes); throughputs are GB/s (10**9 bytes/s).
 
     python benchmarks/weight_sync.py [--quick] [--sizes 64 256 1024] [--fetchers 4] [--repeats 1]
+                                     [--stall-mib 1024]
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 # the model, the socket receiver, the fetchers and the collective receivers: the processes this script times
+from benchmarks._generation_stall import run_stall
 from benchmarks._weight_sync_workers import (
     PUBLISHES,
     MiB,
@@ -81,8 +89,8 @@ from services.weight_broker.transports import TcpTransport
 
 TARGET_BROKER_OVER_SOCKET = 0.5
 TARGET_PEAK_RSS_OVER_MODEL = 2.5
-TARGET_COLLECTIVE_OVER_SOCKET = 0.8
-TARGET_COLLECTIVE_N_OVER_1 = 1.3
+TARGET_COLLECTIVE_OVER_SOCKET = 0.7
+TARGET_GENERATION_STALL_OVER_TRANSFER = 0.2
 
 
 # ----------------------------------------------------------------------------------------------- broker
@@ -242,6 +250,11 @@ def main() -> None:
         "quick: 0.1)",
     )
     parser.add_argument(
+        "--stall-mib",
+        type=int,
+        help="the version an engine receives while generating (default 1024; quick: 128; 0: not measured)",
+    )
+    parser.add_argument(
         "--default-allocator",
         action="store_true",
         help="run the broker and fetchers without the allocator settings services get (services/common/memory.py)",
@@ -273,6 +286,9 @@ def main() -> None:
                 }
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
+    stall_mib = args.stall_mib if args.stall_mib is not None else (128 if args.quick else 1024)
+    stall = run_stall(build_model(stall_mib * MiB), step_s=args.step_s * 2) if stall_mib else {}
+    print(f"# {stall_mib} MiB received while generating done", file=sys.stderr, flush=True)
 
     n = fetchers
     allocator = "default glibc allocator" if args.default_allocator else "service allocator settings"
@@ -341,6 +357,18 @@ def main() -> None:
         + ", ".join(f"{n} receiver(s) {c['seconds']:.2f} s" for n, c in shm.items())
     )
 
+    if stall:
+        print(
+            f"a vLLM engine generating while it receives a {stall_mib} MiB version (gloo): the receive's seconds, "
+            "the seconds it produced no tokens in them, and its tokens/s then"
+        )
+        for mode, r in stall.items():
+            print(
+                f"  {mode:<6} receive {r['window_s']:.2f} s, stalled {r['stall_s']:.2f} s "
+                f"({r['stall_over_transfer']:.2f}), {r['tokens_per_s']:.0f} tokens/s "
+                f"({r['tokens_per_s_before']:.0f} before it)"
+            )
+
     largest = max(r["size_mib"] for r in rows)
     big = next(r for r in rows if r["size_mib"] == largest)
 
@@ -370,7 +398,20 @@ def main() -> None:
         "learner_blocked_s_without_staging": round(coll[one]["blocked_s"], 3),
         "broker_learner_blocked_s_per_version": round(big["publish_s"], 3),
         "target_collective_over_socket": TARGET_COLLECTIVE_OVER_SOCKET,
-        "target_collective_n_over_1": TARGET_COLLECTIVE_N_OVER_1,
+        **(
+            {
+                "generation_stall_over_transfer": round(stall["thread"]["stall_over_transfer"], 3),
+                "generation_stall_inline_over_transfer": round(stall["inline"]["stall_over_transfer"], 3),
+                "generation_stall_receive_s": round(stall["thread"]["window_s"], 3),
+                "generation_stall_inline_receive_s": round(stall["inline"]["window_s"], 3),
+                "generation_stall_mib": stall_mib,
+                "meets_generation_stall_over_transfer": stall["thread"]["stall_over_transfer"]
+                <= TARGET_GENERATION_STALL_OVER_TRANSFER,
+            }
+            if stall
+            else {}
+        ),
+        "target_generation_stall_over_transfer": TARGET_GENERATION_STALL_OVER_TRANSFER,
         "broker_over_socket": round(ratio, 3),
         "broker_over_socket_basis": "min(steady publish, single fetch) / socket, largest size",
         "publish_over_socket": round(big["publish_gbps"] / big["socket_gbps"], 3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,6 +184,15 @@ class LearnerStandIn:
         return groups
 
 
+SLOW_S = 2.0
+
+
+def _after(seconds: float) -> Iterator[Any]:
+    """Nothing, ``seconds`` later (chained into a source, it stalls it)."""
+    time.sleep(seconds)
+    yield from ()
+
+
 def broadcast_versions(
     spec: dict[str, Any],
     weights_file: str,
@@ -191,7 +201,8 @@ def broadcast_versions(
     shared_memory: bool = False,
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
-    ``(version, how)`` of ``plan``: "whole", or "cut" (the source dies part-way through the version).
+    ``(version, how)`` of ``plan``: "whole", "slow" (the source stalls ``SLOW_S`` half-way), or "cut" (the
+    source dies part-way through the version).
     ``shared_memory``: staged in /dev/shm for the engine's workers to copy out (reported with each version)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.tensors import TensorSpec
@@ -203,7 +214,10 @@ def broadcast_versions(
     for version, how in plan:
         items = list(weights[version].items())
         specs = [TensorSpec.of(n, t) for n, t in items]
-        source = iter(items if how == "whole" else items[: len(items) // 2])
+        source = iter(items if how != "cut" else items[: len(items) // 2])
+        if how == "slow":  # the source stalls half-way, as a learner gathering shards does
+            half = len(items) // 2
+            source = itertools.chain(items[:half], _after(SLOW_S), items[half:])
         try:
             stats = publisher.send(version, specs, source)
             out.put((version, "sent", stats.bytes, stats.extra["shared_memory"] == 1.0))

@@ -105,6 +105,9 @@ def test_weight_sync_benchmark_quick_mode_prints_its_figures() -> None:
     assert figures["collective_staged_over_socket"] > 0
     assert figures["collective_shm_over_socket"] > 0 and figures["collective_shm_2_over_1"] > 0
     assert figures["learner_blocked_s_per_version"] > 0
+    # an engine generating while it receives: the receive inside the loop's turn stalls it throughout
+    assert figures["generation_stall_inline_over_transfer"] > 0.9
+    assert 0 <= figures["generation_stall_over_transfer"] < figures["generation_stall_inline_over_transfer"]
 
 
 @pytest.mark.slow

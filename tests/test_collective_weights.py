@@ -16,7 +16,7 @@ import torch
 from services.common.ports import free_port
 from services.weight_broker.buckets import ALIGN, bucket_layout, bucket_offsets, pieces
 from services.weight_broker.collective import CollectivePublisher
-from services.weight_broker.receiver import CollectiveReceiver
+from services.weight_broker.receiver import Background, CollectiveReceiver
 from services.weight_broker.shared_memory import held_host_bytes
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
@@ -549,6 +549,74 @@ def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
         out.put((version, pinned and held and exact))
     group.close()  # the spare unlocked and unmapped
     out.put(held_host_bytes())
+
+
+def test_a_receive_in_the_background_says_when_it_ended_and_why_it_failed() -> None:
+    """What a sampler's worker runs on a thread of its own (the engine's loop goes on meanwhile): "running"
+    until the version is whole, then nothing; a version whose source broke part-way, its error as text."""
+    from tests.test_weight_group_nccl import form
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+    try:
+        got: list[Any] = []
+        work = Background("receive", lambda: got.append(CollectiveReceiver(groups[1]).receive()), None)
+        time.sleep(0.2)
+        assert work.running and work.state() == "running"  # waiting for the publisher
+        tensors = version_tensors(45)
+        publisher.send(45, specs_of(tensors), iter(tensors))
+        assert work.wait(60) and work.state() is None
+        [(version, received, _)] = got
+        assert version == 45 and is_version(45, received)
+
+        work = Background("receive", lambda: CollectiveReceiver(groups[1]).receive(), None)
+        with pytest.raises(TransferFailed):
+            publisher.send(46, specs_of(tensors), iter(tensors[:-1]))
+        assert work.wait(60)
+        assert (work.state() or "").startswith("TransferFailed: version 46: not committed"), work.state()
+    finally:
+        for group in groups:
+            group.close()
+
+
+def _busy_cuda_receiver(spec: GroupSpec, out: Any) -> None:
+    """A GPU worker's receive on a thread and CUDA stream of its own while the default stream computes, as an
+    engine's forward does: both progress, and the version arrives exact."""
+    cuda = torch.device("cuda", 0)
+    group = WeightGroup(spec, 1, device=cuda)  # gloo moves CUDA tensors through the host
+    got: list[Any] = []
+    work = Background("receive", lambda: got.append(CollectiveReceiver(group).receive()), cuda)
+    x, steps = torch.randn(2048, 2048, device=cuda), 0
+    while work.running:
+        x = torch.tanh(x @ x) / 8  # the default stream, never waited on by the receive
+        torch.cuda.current_stream(cuda).synchronize()
+        steps += 1
+    version, tensors, _ = got[0] if got else (None, [], None)
+    out.put((version, work.state(), steps, is_version(version, tensors) if got else False))
+    del tensors
+    got.clear()
+    group.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_receive_in_the_background_leaves_the_default_stream_computing() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_busy_cuda_receiver, args=(spec, out))
+    proc.start()
+    group = WeightGroup(spec, 0)
+    try:
+        time.sleep(1.0)  # the receiver's default stream computes while it waits for the version too
+        tensors = version_tensors(47)
+        CollectivePublisher(group, bucket_bytes=8192).send(47, specs_of(tensors), iter(tensors))
+        version, state, steps, exact = out.get(timeout=60)
+        assert (version, state, exact) == (47, None, True) and steps > 1
+    finally:
+        proc.join(timeout=30)
+        group.close()
 
 
 @pytest.mark.gpu

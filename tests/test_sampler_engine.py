@@ -21,6 +21,7 @@ from services.sampler.engine import (
     WorkerCallFailed,
 )
 from tests.sampler_helpers import (
+    SLOW_S,
     TOKEN_ATOL,
     assert_logprobs_match,
     broadcasting,
@@ -427,7 +428,7 @@ def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_w
     result, said = run_probe("tests.sampler_tp_probe", tiny_model_dir, 51, 52, 53)
     _assert_weight_group_failures_survivable(result["nccl_dump_env"], workers=2)
     assert result["join_error"].startswith(
-        "WorkerCallFailed: init_weight_transfer_engine failed in worker(s) 0, 1 of 2: TransferFailed"
+        "WorkerCallFailed: joining the weight group failed in worker(s) 0, 1 of 2: TransferFailed"
     )
     assert result["pause_error"] == "" and len(result["after_failed_join"]["tokens"]) == 8
     # every worker received every version; one staged this host's copy, the other mapped it
@@ -610,6 +611,40 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
                 assert_matches(
                     tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
                 )
+
+
+def test_an_engine_generates_while_a_version_is_received_and_then_serves_it_exactly(
+    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The receive runs on the worker's own thread: the call that starts it returns at once, and the engine
+    steps and produces tokens under its loaded version all the while the broadcast is under way (here the
+    learner's source stalls half-way for ``SLOW_S``). Once the workers report it whole, the version applied
+    serves exactly its weights; the tokens produced during the receive were exactly the old version's."""
+    plan = [next(versions) for _ in range(2)]
+    weights = {v: version_weights(tiny_model_dir, 70 + i) for i, v in enumerate(plan)}
+    weights_file = tmp_path / "versions.pt"
+    torch.save(weights, weights_file)
+    sampling = Sampling(temperature=1.0, max_tokens=4, seed=11)
+    prompts = prompts_of(vllm_engine)
+    with broadcasting(weights_file, [(plan[0], "whole"), (plan[1], "slow")]) as (spec, out):
+        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+        vllm_engine.receive_collective(plan[0])
+        assert out.get(timeout=60)[:2] == (plan[0], "sent")
+        t0 = time.monotonic()
+        vllm_engine.begin_receive(plan[1])
+        assert time.monotonic() - t0 < 1.0 and vllm_engine.collective_staged is None
+        during: list[Any] = []
+        while not vllm_engine.weight_work_done():
+            during.extend(generate(vllm_engine, prompts, sampling).values())
+        received_s = time.monotonic() - t0
+        assert received_s >= SLOW_S and vllm_engine.collective_staged == plan[1]
+        assert out.get(timeout=60)[:2] == (plan[1], "sent")
+        # many rounds of generation under the loaded version while the version arrived
+        assert len(during) >= 3 * len(prompts), (len(during), received_s)
+        assert_matches(tiny_model_dir, weights[plan[0]], during[: 2 * len(prompts)])
+        assert vllm_engine.loaded_version == plan[0]
+        vllm_engine.apply_collective(plan[1])
+        assert_matches(tiny_model_dir, weights[plan[1]], generate(vllm_engine, prompts, sampling).values())
 
 
 def test_an_engine_worker_loads_versions_mapped_from_its_hosts_one_copy(

@@ -495,6 +495,9 @@ class GroupEngine(GenerationEngine):
         self.group: WeightGroup | None = None
         self.collective_staged: int | None = None
         self._received: list[tuple[str, torch.Tensor]] = []
+        self._work: threading.Thread | None = None
+        self._error: Exception | None = None
+        self._staging: int | None = None
 
     def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None: ...
 
@@ -512,22 +515,44 @@ class GroupEngine(GenerationEngine):
     def _load_initial(self) -> None:
         self.model = {}
 
-    def join_weight_group(self, init: dict[str, Any]) -> None:
+    def begin_join(self, init: dict[str, Any]) -> None:  # the workers join on a thread of their own
         if self.group is not None:
             self.group.close()
         fields = {k: v for k, v in init.items() if k != "rank_offset"}
-        self.group = WeightGroup(GroupSpec(**fields), int(init["rank_offset"]))
+        self._begin(
+            lambda: setattr(self, "group", WeightGroup(GroupSpec(**fields), int(init["rank_offset"])))
+        )
 
-    def stage_collective(self, version: int) -> float:
+    def begin_receive(self, version: int) -> None:
         assert self.group is not None
-        try:
-            got, self._received, stats = CollectiveReceiver(self.group).receive()
-        except TransferFailed:
-            self.collective_staged = None
-            raise
-        assert got == version
-        self.collective_staged = version
-        return stats.seconds
+        self.collective_staged = None
+
+        def receive() -> None:
+            got, self._received, _ = CollectiveReceiver(self.group).receive()  # type: ignore[arg-type]
+            assert got == version
+            self._staging = version
+
+        self._begin(receive)
+
+    def _begin(self, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:
+                self._error = exc
+
+        self._error, self._staging = None, None
+        self._work = threading.Thread(target=run, daemon=True)
+        self._work.start()
+
+    def weight_work_done(self) -> bool:
+        if self._work is None or self._work.is_alive():
+            return self._work is None
+        self._work = None
+        if self._error is not None:
+            raise self._error
+        self.collective_staged = self._staging
+        return True
 
     def apply_collective(self, version: int) -> float:
         assert self.collective_staged == version
@@ -539,6 +564,9 @@ class GroupEngine(GenerationEngine):
             self.group.part_failed(f"it left the group: {why}")
         if self.group is not None:
             self.group.close()
+        if self._work is not None:  # a receive under way fails once its group is closed
+            self._work.join(10)
+            self._work = None
 
 
 class BrokerPath(WeightTransport):
@@ -828,17 +856,17 @@ def test_a_broadcast_version_whose_load_failed_is_fetched_from_the_broker_though
 
 
 def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group() -> None:
-    """A join that failed in some worker, a stage that failed outside the group's collectives, a superseded
-    epoch: the workers leave their groups too (the first two telling every rank why). They stayed in them:
+    """A join that failed in some worker, a receive that failed to start or failed in a worker's thread, a
+    superseded epoch: the workers leave their groups too (the first two telling every rank why). They stayed in them:
     the learner's next broadcast then waited for them until the group's timeout."""
     from types import SimpleNamespace
 
     left: list[str | None] = []
 
     def join(init: dict[str, Any]) -> None:
-        raise RuntimeError("join_weight_group failed in worker(s) 1 of 2: connect timed out")
+        raise RuntimeError("init_weight_transfer_engine failed in worker(s) 1 of 2: no such host")
 
-    def stage(version: int) -> float:
+    def stage(version: int) -> None:
         raise RuntimeError(
             f"update_weights failed in worker(s) 0 of 2: version {version} is not the announced"
         )
@@ -846,8 +874,8 @@ def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group
     engine = SimpleNamespace(
         loaded_version=1,
         collective_staged=None,
-        join_weight_group=join,
-        stage_collective=stage,
+        begin_join=join,
+        begin_receive=stage,
         leave_weight_group=left.append,
     )
     seat = Seat(GroupSpec("127.0.0.1", 1, 3, epoch=4), 1, 8192)
@@ -864,7 +892,7 @@ def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group
     assert sync.watch is None and left == [sync.error] and "could not join weight group epoch 4" in sync.error
 
     watch = SimpleNamespace(next=lambda timeout: 7)
-    sync.watch, sync.epoch, engine.join_weight_group = watch, 4, lambda init: None  # type: ignore[assignment]
+    sync.watch, sync.epoch = watch, 4  # type: ignore[assignment]
     sync.pump()
     assert sync.watch is None and left[1] == sync.error and "version 7 is not the announced" in str(left[1])
 
@@ -882,6 +910,24 @@ def test_a_sampler_that_gives_up_on_its_epoch_takes_its_workers_out_of_the_group
     seats.superseded = lambda epoch: False
     sync.pump()
     assert sync.watch is None and left[3] is None and "store is unreachable" in sync.error
+
+    # a receive that began and then failed in a worker (its own thread): the sampler learns it at a later
+    # turn, between engine steps, and leaves telling every rank
+    def broken() -> bool:
+        raise RuntimeError("receive failed in worker(s) 1 of 2: out of memory")
+
+    engine.begin_receive, engine.weight_work_done = lambda version: None, broken
+    sync.watch, sync.epoch, sync._last_look = watch, 4, 0.0  # type: ignore[assignment]
+    sync.pump()
+    assert sync._busy is not None and sync.watch is watch and len(left) == 4  # under way: the loop goes on
+    sync._last_look = 0.0
+    sync.pump()
+    assert (
+        sync._busy is None
+        and sync.watch is None
+        and "version 7" in str(left[4])
+        and "out of memory" in str(left[4])
+    )
 
 
 def test_epoch_numbers_never_go_back_though_the_counter_does(registry: GroupRegistry) -> None:

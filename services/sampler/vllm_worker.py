@@ -87,6 +87,13 @@ class VcpoWorkerExtension:
         if engine is not None and hasattr(engine, "leave"):
             engine.leave(why)
 
+    def vcpo_weight_work(self) -> str | None:
+        """Where this worker's weight-group work (a join, a receive) stands: None once it ended well (or where
+        there is none), "running", or its error. Called without ``vcpo_call``: it never raises."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        work = getattr(engine, "work", None)
+        return None if work is None else work.state()
+
     def vcpo_end_failed_weight_update(self) -> None:
         """After a weight update failed in any worker: vLLM's worker clears its "update session active" mark
         only after a load that succeeded, or where its own ``update_weights`` raised, and refuses every later

@@ -9,6 +9,12 @@ to commit it, so a broadcast that fails part-way leaves the model as it was. ``f
 loads the version in place with vLLM's own ``reload_weights`` (the broker path's loader, whose log-probs are
 tested against Hugging Face's).
 
+Joining the group and receiving a version run on a thread of the worker's own (``receiver.Background``, on
+a CUDA stream of its own), and the worker call that starts them returns at once: vLLM's engine core runs a
+worker call inline in its busy loop (with one GPU, on the thread that runs the model), so a receive inside
+the call held every engine in the group still from a version's first byte to its commit. The sampler asks
+``vcpo_weight_work`` between steps and loads the version at the apply that follows its ``quiesce``.
+
 Each worker receives the whole version and loads its tensor-parallel share of it, as vLLM's NCCL engine does.
 Its rank in the group is ``rank_offset`` plus its rank in the engine (data-parallel index × the engine's
 world size + its parallel rank).
@@ -17,6 +23,7 @@ world size + its parallel rank).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +35,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from services.sampler.kernel_tensors import finish_interrupted_reload, hold
-from services.weight_broker.receiver import CollectiveReceiver
+from services.weight_broker.receiver import Background, CollectiveReceiver
 from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
 log = logging.getLogger(__name__)
 
 BACKEND = "vcpo_collective"
+# how long leaving waits for the background work to end once its group is closed (a closed group ends a
+# pending collective at once; a thread still there after this is left to finish on its own)
+LEAVE_WAIT_S = 10.0
 
 
 def register() -> None:
@@ -76,9 +86,13 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         super().__init__(*args, **kwargs)
         self.group: WeightGroup | None = None
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.work: Background | None = None  # the last join or receive started
+        self._ticket: object | None = None  # the join under way (``init_transfer_engine``)
+        self._lock = threading.Lock()  # the join's thread sets ``group``; leaving takes it
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
-        """Join the weight group (leaving any earlier one): blocks until every member has joined."""
+        """Start joining the weight group (leaving any earlier one) in the background: the group forms once
+        every member has joined (``vcpo_weight_work`` says when)."""
         self.shutdown()
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
@@ -91,17 +105,28 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             init_info.timeout_s,
             init_info.form_timeout_s,
         )
-        self.group = WeightGroup(
-            spec, rank, self.device if spec.backend == "nccl" else None, host_copies=init_info.host_copies
-        )
-        log.info(
-            "joined weight group %s:%d epoch %d as rank %d of %d",
-            spec.host,
-            spec.port,
-            spec.epoch,
-            rank,
-            spec.world_size,
-        )
+        device = self.device if spec.backend == "nccl" else None
+        ticket = self._ticket = object()  # a join this engine left before it formed keeps no group
+
+        def join() -> None:
+            group = WeightGroup(spec, rank, device, host_copies=init_info.host_copies)
+            with self._lock:
+                left = self._ticket is not ticket
+                if not left:
+                    self.group = group
+            if left:
+                group.close()
+                raise RuntimeError(f"weight group epoch {spec.epoch} was left while it formed")
+            log.info(
+                "joined weight group %s:%d epoch %d as rank %d of %d",
+                spec.host,
+                spec.port,
+                spec.epoch,
+                rank,
+                spec.world_size,
+            )
+
+        self.work = Background("join", join, device)
 
     def start_weight_update(self) -> None:
         self._staged = None
@@ -111,11 +136,11 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         self._staged = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # the base class synchronizes torch.accelerator, which raises on a machine that has none
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, update_info: CollectiveUpdateInfo) -> None:
-        """Receive the version being broadcast; nothing is loaded yet (``finish_weight_update`` loads it)."""
+        """Start receiving the announced version in the background (``vcpo_weight_work`` says when it is
+        whole); nothing is loaded yet (``finish_weight_update`` loads it)."""
+        info = self.parse_update_info(update_info)
+        if self.work is not None and self.work.running:
+            raise RuntimeError(f"the weight group's {self.work.what} is still under way")
         if self.group is None or self.group.closed:
             raise RuntimeError(
                 "not in a weight group: init_weight_transfer_engine first (or again, after a failure)"
@@ -123,9 +148,14 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         # a newer version replaces one staged and not yet loaded: let that go first, so the host never holds
         # two (its host copy is the spare this one is received into; a failure drops both either way)
         self._staged = None
-        version, tensors, stats = CollectiveReceiver(self.group).receive()
+        group = self.group
+        self.work = Background("receive", lambda: self.receive_weights(group, info), group.gpu)
+
+    def receive_weights(self, group: WeightGroup, update_info: CollectiveUpdateInfo) -> None:
+        """Receive the version being broadcast into this worker's staging (the background work)."""
+        version, tensors, stats = CollectiveReceiver(group).receive()
         if version != update_info.version:  # marked for every rank: none waits in the next broadcast for it
-            raise self.group.part_failed(
+            raise group.part_failed(
                 f"the weight group delivered version {version}, the control plane announced "
                 f"{update_info.version}"
             )
@@ -148,6 +178,8 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
     def finish_weight_update(self) -> None:
         """Load the received version in place; vLLM's reload state is finished even if loading fails, and every
         layer is back on its own tensors (``kernel_tensors.py``)."""
+        if self.work is not None:
+            self.work.wait()  # the sampler applies after it ended; whatever it staged is whole then
         if self._staged is None:
             raise RuntimeError("finish_weight_update without a received version")
         _, tensors = self._staged
@@ -173,6 +205,9 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        with self._lock:  # a join still forming closes its own group once formed
+            work, group, self.group, self.work, self._ticket = self.work, self.group, None, None, None
+        if group is not None:
+            group.close()  # a receive under way fails at once
+        if work is not None and work.what == "receive" and not work.wait(LEAVE_WAIT_S):
+            log.warning("a receive was still running %gs after its weight group was closed", LEAVE_WAIT_S)

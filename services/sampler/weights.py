@@ -166,10 +166,12 @@ class CollectiveWeightSync(WeightSync):
     engine's workers between engine steps, and applied at the loop's safe points like fetched ones.
 
         seat thread:  registration heartbeat; an epoch naming this engine ─► every member arrived ─► take()
-        sampler loop: pump(): join a formed epoch (engine.join_weight_group), leave a superseded or broken one;
-                      an announced version ─► engine.stage_collective(v)   the broadcast cannot wait: received
-                                                                           now, the model untouched
-                      ready() ─► apply(v)                                  in the weight_update mode's time
+        sampler loop: pump(): join a formed epoch (engine.begin_join), leave a superseded or broken one;
+                      an announced version ─► engine.begin_receive(v)   the broadcast cannot wait: received
+                                                                        now, on the workers' own threads,
+                                                                        the engine stepping, the model untouched
+                      engine.weight_work_done() ─► staged             asked at later turns
+                      ready() ─► apply(v)                               in the weight_update mode's time
         fetch thread: the broker's path for what the group did not carry (published while it formed, or after
                       a failed broadcast, or before this replica joined); versions the group delivered are
                       not fetched again, unless their load failed
@@ -198,6 +200,8 @@ class CollectiveWeightSync(WeightSync):
         self.received_total = 0
         self._receive_seconds = 0.0
         self._last_look = 0.0
+        # the join or receive the engine's workers are doing: (seat or version, when it began); None: none
+        self._busy: tuple[Seat | int, float] | None = None
         self._seated = False  # registered for the group (start)
         self._seat_tried = float("-inf")
 
@@ -239,15 +243,21 @@ class CollectiveWeightSync(WeightSync):
     def pump(self) -> None:
         if not self._seated and self.engine.loaded_version is not None:
             self._seat()
+        now = time.monotonic()
+        if self._busy is not None:
+            if now - self._last_look >= self.announce_poll_s:
+                self._last_look = now
+                self._settle()
+            return
         seat = self.seat.take()
         if seat is not None:
             self._join(seat)
+            return
         if self.watch is None:
             return
         if self.seat.superseded(self.epoch):
             self._leave(f"epoch {self.epoch} was superseded by {self.seat.newest_epoch}", failed=False)
             return
-        now = time.monotonic()
         if now - self._last_look < self.announce_poll_s:
             return
         self._last_look = now
@@ -259,32 +269,56 @@ class CollectiveWeightSync(WeightSync):
         if version is None:
             return
         try:
-            self._receive_seconds = self.engine.stage_collective(version)  # type: ignore[attr-defined]
+            self.engine.begin_receive(version)  # type: ignore[attr-defined]
         except Exception as exc:
             self._leave(f"version {version}: {type(exc).__name__}: {exc}")
             return
-        self.received = version
-        self.received_total += 1
+        self._busy = (version, time.monotonic())
+
+    def _settle(self) -> None:
+        """The join or receive under way: once it has ended, what it brought (a group, a staged version)."""
+        assert self._busy is not None
+        what, t0 = self._busy
+        try:
+            if not self.engine.weight_work_done():  # type: ignore[attr-defined]
+                return
+        except Exception as exc:
+            self._busy = None
+            if isinstance(what, int):
+                self._leave(f"version {what}: {type(exc).__name__}: {exc}")
+            else:
+                self._join_failed(what, f"{type(exc).__name__}: {exc}", t0)
+            return
+        self._busy = None
+        if isinstance(what, int):
+            self._receive_seconds = time.monotonic() - t0
+            self.received = what
+            self.received_total += 1
+        else:
+            self.watch = AnnouncementWatch.of(what.spec)
+            self.epoch = what.spec.epoch
+            log.info("joined weight group epoch %d as ranks from %d", self.epoch, what.rank_offset)
 
     def _join(self, seat: Seat) -> None:
         log.info("joining weight group epoch %d", seat.spec.epoch)
-        t0 = time.monotonic()
+        self.watch, t0 = None, time.monotonic()
         try:
-            self.engine.join_weight_group(seat.init_info())  # type: ignore[attr-defined]
-            self.watch = AnnouncementWatch.of(seat.spec)
+            self.engine.begin_join(seat.init_info())  # type: ignore[attr-defined]
         except Exception as exc:
-            self.watch = None
-            self.error = (
-                f"could not join weight group epoch {seat.spec.epoch} (tried for "
-                f"{time.monotonic() - t0:.1f}s): {type(exc).__name__}: {exc}"
-            )
-            self.broadcast_failures += 1
-            self.on_failure()
-            log.warning("%s; weights come through the broker", self.error)
-            self._quit_group(self.error)  # where some workers (or all) joined
+            self._join_failed(seat, f"{type(exc).__name__}: {exc}", t0)
             return
-        self.epoch = seat.spec.epoch
-        log.info("joined weight group epoch %d as ranks from %d", self.epoch, seat.rank_offset)
+        self._busy = (seat, t0)
+
+    def _join_failed(self, seat: Seat, why: str, t0: float) -> None:
+        self.watch = None
+        self.error = (
+            f"could not join weight group epoch {seat.spec.epoch} (tried for "
+            f"{time.monotonic() - t0:.1f}s): {why}"
+        )
+        self.broadcast_failures += 1
+        self.on_failure()
+        log.warning("%s; weights come through the broker", self.error)
+        self._quit_group(self.error)  # where some workers (or all) joined
 
     def _leave(self, why: str, failed: bool = True, tell: bool = True) -> None:
         self.watch = None

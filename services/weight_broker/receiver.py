@@ -1,11 +1,15 @@
 """The collective transport's receiving side: each sampler engine's worker (ranks 1..N of the weight group)
 takes every version rank 0 broadcasts (``collective.py`` says how a version travels). Nothing is handed to
-its engine before every rank voted to commit the version."""
+its engine before every rank voted to commit the version. A worker receives in the :class:`Background`, so
+that its engine goes on generating meanwhile."""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +19,8 @@ from services.weight_broker.host_copy import HostCopy
 from services.weight_broker.shared_memory import HostBuffers, receive_segment
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup, first_line
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveReceiver:
@@ -187,3 +193,44 @@ class CollectiveReceiver:
         if copier is not None:
             copier.synchronize()
         return [] if outs is None else outs
+
+
+class Background:
+    """One piece of the weight group's work (joining it, receiving a version) on a thread of its own, so that
+    the engine's loop, which runs the worker call that started it, goes on stepping. On a GPU it runs on a
+    CUDA stream of its own: its collectives wait for nothing the engine's forward queued."""
+
+    def __init__(self, what: str, work: Callable[[], None], device: torch.device | None) -> None:
+        self.what = what
+        self.error: str | None = None  # the work's error, as text
+        self._thread = threading.Thread(
+            target=self._run, args=(work, device), name=f"vcpo-{what}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None], device: torch.device | None) -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    work()
+                stream.synchronize()  # what it received is whole before anyone reads it on another stream
+            else:
+                work()
+        except BaseException as exc:
+            log.warning("weight group %s failed: %s", self.what, exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the work to end; False if it is still running after ``timeout_s``."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def state(self) -> str | None:
+        """None once the work ended well; "running"; or its error."""
+        return "running" if self.running else self.error

@@ -219,7 +219,8 @@ class WeightGroup:
         """A receiver, in its receive: ready for broadcast ``seq`` (1, 2, ... in this group); ``stage``: for its
         part after the header ("data": its buffers made). Under CUDA, once what this thread queued on its GPU
         has run: its collectives start only after that (an engine's forward still running would otherwise hold
-        rank 0's kernel, which rank 0 issues on this word, and every device-wide synchronize of its step)."""
+        rank 0's kernel, which rank 0 issues on this word, and every device-wide synchronize of its step). A
+        worker receives on a stream of its own (``receiver.Background``): its engine's forward is not waited for."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._announcements.add(f"ready/{seq}/{stage}", 1)
