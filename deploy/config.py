@@ -171,6 +171,13 @@ class SystemConfig(ServiceConfig):
                 f"{s.tensor_parallel_size}: the dedicated evaluator's engine has the samplers' engine settings, "
                 "so it needs as many GPUs as a sampler replica"
             )
+        if ev.sets and ev.placement == "dedicated" and self.weight_broker.transport == "collective":
+            raise ValueError(
+                'evaluation.placement = "dedicated" with weight_broker.transport = "collective": the dedicated '
+                "evaluator fetches its versions from the broker, which is not in the weight group and so holds "
+                'only the versions published through it; use evaluation.placement = "shared" (the samplers '
+                'evaluate) or weight_broker.transport = "tcp"'
+            )
         self._scorers_exist()
         return self
 

@@ -719,6 +719,27 @@ def test_a_dedicated_evaluator_on_gpus_needs_as_many_as_a_sampler_engine() -> No
     load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[*tp2, ("evaluation.sets", [], "-")])
 
 
+def test_a_dedicated_evaluator_is_refused_with_the_collective_transport() -> None:
+    """The dedicated evaluator fetches its versions from the broker, which is not in the weight group: under
+    the collective transport it holds only what went through it (versions published while a group forms, and
+    catch-ups), so the evaluator would evaluate almost nothing, silently. Refused, naming both ways out."""
+    dedicated = ("evaluation.placement", "dedicated", "-")
+    with pytest.raises(
+        ConfigError, match=r'evaluation\.placement = "shared".*weight_broker\.transport = "tcp"'
+    ):
+        load_config(
+            SystemConfig,
+            ["deploy/presets/local.toml"],
+            overrides=[dedicated, ("weight_broker.transport", "collective", "-")],
+        )
+    load_config(SystemConfig, ["deploy/presets/local.toml"], overrides=[dedicated])  # tcp: every version
+    load_config(
+        SystemConfig,
+        ["deploy/presets/local.toml"],
+        overrides=[("weight_broker.transport", "collective", "-")],
+    )
+
+
 @pytest.mark.slow
 def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_due_ones(
     redis_client: redis.Redis, redis_url: str, tiny_model_dir: Path, tmp_path: Path, vllm_engine: Any

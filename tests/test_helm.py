@@ -880,7 +880,8 @@ def test_environment_tls_and_token_secrets_reach_the_run_file_and_the_pods_that_
             "--set-json",
             f"evaluation.sets={json.dumps(held)}",
         ),
-        *("--set", "evaluation.placement=dedicated", "--set", "tls.envCaSecret=env-ca"),
+        *("--set", "evaluation.placement=dedicated", "--set", "weightBroker.transport=tcp"),
+        *("--set", "tls.envCaSecret=env-ca"),
     )
     text, cfg = run_config(docs, tmp_path)
     found = {e.name: (e.tls, e.auth_token_file, e.auth_token_env) for e in cfg.sampler.environments}
@@ -1022,7 +1023,11 @@ def test_an_evaluator_group_exists_only_for_a_dedicated_evaluator_with_sets(tmp_
     )  # no sets: nothing to evaluate
     # sets given through extraConfig count too: the group follows the merged run file
     extra = '[[evaluation.sets]]\nname = "gsm8k"\ndataset = "/data/gsm8k_test.parquet"\n'
-    docs = render("--set", "evaluation.placement=dedicated", "--set-string", f"extraConfig={extra}")
+    dedicated = ("--set", "evaluation.placement=dedicated", "--set-string", f"extraConfig={extra}")
+    # with the collective transport the broker, outside the weight group, would hold too few versions for it
+    out = helm("template", "r", str(CHART), "--namespace", "rl", *dedicated)
+    assert out.returncode != 0 and "set evaluation.placement = shared" in errors(out), errors(out)
+    docs = render(*dedicated, "--set", "weightBroker.transport=tcp")
     assert "evaluator" in {g["groupName"] for g in cluster(docs)["workerGroupSpecs"]}
     _, cfg = run_config(docs, tmp_path)
     assert [s.name for s in cfg.evaluation.sets] == ["gsm8k"] and cfg.evaluation.placement == "dedicated"

@@ -270,15 +270,17 @@ def test_the_charts_learner_check_is_the_fixed_part_of_the_learners_estimate() -
         "--set",
         f"modelSize.parameters={params / 1e9}",
     ]
-    out = helm("template", "r", str(CHART), "-f", values, *flags)
-    assert out.returncode != 0
-    m = re.search(r"on learner\.ranks = 1 takes ([\d.]+)GB per GPU", errors(out))
-    assert m, errors(out)
     shape = ModelShape(params, 0)  # the chart knows no weight's size: ZeRO-3's live-parameter floor
-    fixed = sum(model_state_bytes(shape, "bf16", 1).values())
-    fixed += broadcast_buffer_bytes(shape, "bf16", 256 << 20) + CUDA_CONTEXT
-    assert float(m.group(1)) == pytest.approx(fixed / GB, abs=0.05)
-    assert "raise learner.ranks" in errors(out) and "gpuNodes.gpuMemoryGB = 80GB" in errors(out)
+    fixed = sum(model_state_bytes(shape, "bf16", 1).values()) + CUDA_CONTEXT
+    # the file's tcp transport, then the collective one, whose broadcast buffer the learner holds too
+    collective = ["--set", "weightBroker.transport=collective,evaluation.placement=shared"]
+    for extra, buffer in (([], 0), (collective, broadcast_buffer_bytes(shape, "bf16", 256 << 20))):
+        out = helm("template", "r", str(CHART), "-f", values, *flags, *extra)
+        assert out.returncode != 0
+        m = re.search(r"on learner\.ranks = 1 takes ([\d.]+)GB per GPU", errors(out))
+        assert m, errors(out)
+        assert float(m.group(1)) == pytest.approx((fixed + buffer) / GB, abs=0.05)
+        assert "raise learner.ranks" in errors(out) and "gpuNodes.gpuMemoryGB = 80GB" in errors(out)
     assert helm("template", "r", str(CHART), "-f", values).returncode == 0  # as shipped: 4 ranks
 
 

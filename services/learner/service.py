@@ -106,8 +106,8 @@ class LearnerRank:
         self._offered: list[Offered] = []  # consumed by rank 0 since the last step's audit line
         self._broker_checked = time.monotonic()  # when rank 0 last asked the broker for its latest version
         self._superseded = -1  # versions up to this one are on the broker already (see start)
-        # the newest version published through the broker's own path (under NCCL a broker without a GPU is
-        # not in the weight group, so it holds only these: never a sign it lost the group's newer ones)
+        # the newest version published through the broker's own path (the broker is not in the weight group,
+        # so it holds only these: never a sign it lost the group's newer ones)
         self._given_broker = -1
         # rank 0: the weight group's members when the current version went into it (they hold it, unless its
         # broadcast failed), and when receivers that joined since were last looked for (_joiner_behind)
@@ -373,8 +373,8 @@ class LearnerRank:
     def _joiner_behind(self, every_s: float = 2.0) -> bool:
         """Rank 0, while it waits for groups (at most every ``every_s``): whether a receiver that did not get
         the current version from the weight group (a sampler that started or restarted since it went out, or
-        one the group left out) needs it while the broker does not hold it. Under NCCL a broker without a GPU
-        is not in the group and holds only what went through its own path: such a sampler catches up to an
+        one the group left out) needs it while the broker does not hold it. The broker is not in the group and
+        holds only what went through its own path: such a sampler catches up to an
         older version, whose groups the feed drops as too old, and where no other sampler serves the current
         version (one sampler, or every one restarted) no step comes to publish a newer one, so the run would
         wait for good. The current version then goes through the broker, once."""
@@ -393,7 +393,7 @@ class LearnerRank:
             return False
         latest = self._broker_latest()
         if latest == -1 or (latest is not None and latest >= self.trainer.version):
-            return False  # the broker holds it (it is in the group, on gloo), or cannot say now
+            return False  # the broker holds it, or cannot say now
         log.warning(
             "%s joined after version %d went into the weight group, which the broker does not hold (it "
             "holds %s): republishing it through the broker",
@@ -408,7 +408,7 @@ class LearnerRank:
         learner gave it, as after a restart with memory storage: it holds none, or none as new as the last one
         published through its path. Samplers that start then could get no weights until the next step; the
         learner republishes the current version through the broker at once instead. Versions the weight group
-        carried are not asked for: a broker outside the group (under NCCL, without a GPU) never had them. A
+        carried are not asked for: the broker, outside the group, never had them. A
         broker that does not answer is not asked again until ``every_s`` has passed (its clients retry on
         their own)."""
         now = time.monotonic()

@@ -14,7 +14,7 @@ Client side (other services may import these):
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
 - ``nccl_group``: its NCCL process group, and the setting that keeps a process alive after its failure.
 - ``collective``: what travels over the weight group, and rank 0's publisher.
-- ``receiver``: the receivers (each engine worker, the broker) of what the publisher sends, and the thread
+- ``receiver``: the receivers (each engine worker) of what the publisher sends, and the thread
   a worker receives on while its engine generates.
 - ``buckets``: how a version is cut for the weight group (buckets and the pieces they travel in).
 - ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.
@@ -37,7 +37,6 @@ Server side (the broker's process; nothing outside the broker imports these, exc
 - ``servicer``: the gRPC service and the broker's metrics.
 - ``announce``: announcements of committed versions on the run's ``weights`` stream.
 - ``dataplane_server``: the TCP data plane's server, over the servicer.
-- ``member``: the broker's seat in the weight group (it stores and announces what it receives).
-- ``service``: the broker wired (store, servicer, servers, announcements, seat); ``main``, ``__main__`` and
+- ``service``: the broker wired (store, servicer, servers, announcements); ``main``, ``__main__`` and
   ``ray_actor`` start it as a process or a Ray actor.
 """

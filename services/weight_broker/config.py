@@ -31,9 +31,9 @@ class WeightBrokerConfig(Section):
     transport: Literal["tcp", "collective"] = Field(
         "tcp",
         description="Through the broker with weight bytes on its TCP data plane (tcp), or broadcast by the "
-        "learner into every sampler engine's workers and the broker over a process group (collective: NCCL on "
-        "GPU, gloo on CPU; the broker's TCP path carries what the group did not: versions published while it "
-        "forms, late joiners' catch-up).",
+        "learner into every sampler engine's workers over a process group (collective: NCCL on GPU, gloo on "
+        "CPU; the broker is not in it, and its TCP path carries what the group did not: versions published "
+        "while it forms, late joiners' catch-up).",
     )
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")

@@ -1,6 +1,6 @@
 """The collective transport's control plane: who is in the weight group, and when it is formed again.
 
-    receivers (each sampler engine, the broker)          Redis (the run's)                learner rank 0
+    receivers (each sampler engine)                      Redis (the run's)                learner rank 0
     MemberSeat ── heartbeat every ttl/3 ─────────► vcpo:<run>:wg:member:<id> (expires)
                                                    vcpo:<run>:wg:members (set) ◄─── live(): who is there
                                                    vcpo:<run>:wg:epoch (counter)

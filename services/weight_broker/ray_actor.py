@@ -32,9 +32,7 @@ class WeightBrokerActor:
         record_start_quietly(cfg.run.redis_url, cfg.run.run_id, "weight_broker", "weight_broker")
         host = advertised_host(cfg.weight_broker, local_ray, ray.util.get_node_ip_address())
         wb = cfg.weight_broker.model_copy(update={"advertise_host": host})
-        # Ray leaves CUDA_VISIBLE_DEVICES unset for an actor given no GPU: it sees the node's GPUs, which are
-        # the learner's and the samplers'
-        self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}), gpu=bool(ray.get_gpu_ids()))
+        self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}))
 
     def endpoints(self) -> dict[str, Any]:
         """The bound ports (free ones when the config asked for 0), this node's address and the host the

@@ -1,6 +1,6 @@
 """The weight group's receivers in the control plane: their registration in Redis and their seat in an epoch.
 
-    receivers (each sampler engine, the broker)          Redis (the run's)
+    receivers (each sampler engine)                      Redis (the run's)
     MemberSeat ── heartbeat every ttl/3 ─────────► vcpo:<run>:wg:member:<id> (expires)
                                                    vcpo:<run>:wg:members (set)   (GroupRegistry.live)
     MemberSeat ◄── a spec naming this member ───── vcpo:<run>:wg:spec            (GroupRegistry.write_spec)
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Member:
-    """A receiver: ``workers`` ranks (an engine's tensor-parallel workers; 1 for the broker) that can use
+    """A receiver: ``workers`` ranks (an engine's tensor-parallel workers) that can use
     ``devices`` ("cuda": NCCL or gloo; "cpu": gloo only)."""
 
     id: str

@@ -6,7 +6,6 @@ Used by the plain entry point (``python -m services.weight_broker``) and the Ray
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from services.common.observability import Metrics, grpc_server, serve_metrics
@@ -16,8 +15,6 @@ from services.common.streams.specs import connect, stream_specs
 from services.weight_broker.announce import Announcer
 from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.member import serve_seat
-from services.weight_broker.seats import GroupRegistry, Member, MemberSeat
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_broker.store import make_store
 
@@ -28,11 +25,10 @@ class BrokerService:
     """A running broker; ``close()`` stops it. Ports of 0 in the config are bound to free ones (see
     :meth:`endpoints`)."""
 
-    def __init__(self, cfg: WeightBrokerServiceConfig, gpu: bool | None = None) -> None:
-        """``gpu``: whether this process was given a GPU (default: whether CUDA shows it one). Under NCCL the
-        broker is a member of the weight group only with a GPU of its own: one it was not given is another
-        service's, and joining there would make a CUDA context on it and push the whole epoch onto gloo (a
-        GPU shared by two ranks)."""
+    def __init__(self, cfg: WeightBrokerServiceConfig) -> None:
+        """The broker is never a member of the weight group: under ``transport = "collective"`` it holds what
+        the learner publishes through it (versions published while a group forms, and those a late or
+        restarted receiver needs), on GPUs and CPUs alike."""
         wb, run = cfg.weight_broker, cfg.run
         self.host = broker_host(wb)  # what announcements and endpoints() name
         self.metrics = Metrics("weight_broker")
@@ -49,22 +45,6 @@ class BrokerService:
             self.servicer.announcer = Announcer(producer, "grpc", f"{self.host}:{self.server.port}")
         else:
             log.warning("run.redis_url is empty: versions will not be announced on the weights stream")
-        self._stop = threading.Event()
-        self._member: threading.Thread | None = None
-        if wb.transport == "collective" and run.redis_url:  # one more receiver of the learner's broadcasts
-            member = Member.here("broker", 1, "broker", gpu)
-            if member.devices == "cpu":
-                log.info("the broker has no GPU: under NCCL it is not a member of the weight group")
-            seat = MemberSeat(
-                GroupRegistry(connect(run.redis_url), run.run_id, wb.group_member_ttl_s), member
-            )
-            self._member = threading.Thread(
-                target=serve_seat,
-                args=(self.servicer, seat, self._stop),
-                name="weight-group-member",
-                daemon=True,
-            )
-            self._member.start()
         self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)
         self.http = serve_metrics(self.metrics, port=wb.metrics_port)
         log.info(
@@ -84,9 +64,6 @@ class BrokerService:
         }
 
     def close(self) -> None:
-        self._stop.set()
-        if self._member is not None:
-            self._member.join(timeout=10)
         self.server.stop(grace=5)
         self.plane.stop()
         self.http.close()

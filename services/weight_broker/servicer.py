@@ -135,8 +135,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         return stored, seconds
 
     def published(self, stored: StoredVersion, seconds: float) -> None:
-        """Count a committed version and announce it on the weights stream (a publish, or a broadcast the
-        broker received as a member of the weight group)."""
+        """Count a committed version and announce it on the weights stream."""
         m = stored.manifest
         self.metrics.published.inc()
         self.metrics.received.inc(m.total_bytes)

@@ -143,7 +143,7 @@ class WeightGroup:
         else:
             # connecting (every rank's address through the store) is bounded by the forming timeout, as the
             # arrival is: a member that arrived and then died would otherwise hold every other rank here for
-            # the whole collective timeout (a chaos run saw a sampler's join wait 120 s for a killed broker)
+            # the whole collective timeout (a chaos run saw a sampler's join wait 120 s for a killed member)
             try:
                 self._pg = dist.ProcessGroupGloo(
                     prefixed,
@@ -334,7 +334,7 @@ class WeightGroup:
         as another rank has declared it failed in the store: rank 0 after a failed broadcast, or a receiver
         whose own part failed (a peer died). Without it a rank waiting for bytes that will never come waits
         out the whole timeout, since neither a closed gloo group nor a dead peer wakes every rank: a chaos run
-        saw rank 0 wait 120 s in a commit vote whose failure the broker had seen at once. A rank whose
+        saw rank 0 wait 120 s in a commit vote whose failure a receiver had seen at once. A rank whose
         collective fails marks it so, and raises the first mark (the cause, where another rank's failure broke
         this one's links)."""
         nap, last = 5e-5, time.monotonic()
@@ -442,5 +442,5 @@ class WeightGroup:
             log.debug("weight group shutdown raised", exc_info=True)
         # Never destroy a closed group here: ~ProcessGroupGloo joins its worker threads, which may still wait on
         # a peer that died, and whichever thread dropped the group last would run that destructor (a chaos run
-        # saw the broker's receiving thread stuck 75 s in it). The reaper thread destroys it (retired.py).
+        # saw a receiving thread stuck 75 s in it). The reaper thread destroys it (retired.py).
         self._pg, self._works = retire(self._pg, self.spec.epoch, self._works), []

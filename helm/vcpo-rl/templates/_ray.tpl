@@ -301,6 +301,9 @@ workerGroupSpecs:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.rewardGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.rewardMetrics)) }}
       {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "reward" "container" "ray-worker" "resources" $v.reward.resources "gpus" 0 "ports" $ports "env" (list) "scheduling" $v.reward "grace" 0) | nindent 6 }}
 {{- if include "vcpo-rl.dedicatedEvaluator" . }}
+{{- if eq ((include "vcpo-rl.runToml" . | fromToml).weight_broker.transport | default "") "collective" }}
+{{- fail "evaluation.placement = dedicated with weightBroker.transport = collective: the dedicated evaluator fetches its versions from the broker, which is not in the weight group and holds only the versions published through it; set evaluation.placement = shared (the samplers evaluate) or weightBroker.transport = tcp" }}
+{{- end }}
   - groupName: evaluator
     replicas: 1
     minReplicas: 1
