@@ -97,7 +97,7 @@ def test_a_sampler_that_joined_after_the_current_version_went_into_the_group_get
         registry.heartbeat(Member("sampler-1.b", devices="cuda"))  # a sampler restarted: a new member
         assert rank._joiner_behind(every_s=0.0)
         assert not rank._joiner_behind(every_s=60.0)  # looked a moment ago
-        rank.transport.latest_version = 7  # the broker holds it (on gloo it is in the group)
+        rank.transport.latest_version = 7  # the broker holds it (a catch-up republished it)
         assert not rank._joiner_behind(every_s=0.0)
         rank.transport.latest_version, rank._given_broker = 3, 7  # what the republish does
         assert not rank._joiner_behind(every_s=0.0)
