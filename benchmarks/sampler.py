@@ -178,7 +178,7 @@ class Bench:
         self.broker = grpc_server(lambda s: add_to_server(servicer, s), port=0, host="127.0.0.1")
         self.plane = DataPlaneServer(servicer, port=0, host="127.0.0.1")
         address = f"127.0.0.1:{self.broker.port}"
-        servicer.announcer = Announcer(StreamProducer(self.client, self.specs["weights"]), "grpc", address)
+        servicer.announcer = Announcer(StreamProducer(self.client, self.specs["weights"]), address)
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(str(path)))

@@ -54,7 +54,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     from tests.test_weight_broker import Broker
 
     weights = stream_specs(run, StreamsConfig())["weights"]
-    return Broker(MemoryStore(retain=retain), Announcer(StreamProducer(client, weights), "grpc", ""))
+    return Broker(MemoryStore(retain=retain), Announcer(StreamProducer(client, weights), ""))
 
 
 def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = None, **sampler: Any) -> Any:

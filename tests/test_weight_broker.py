@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import redis
 import torch
@@ -20,11 +19,19 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
+from services.weight_broker import dataplane
 from services.weight_broker.announce import Announcer
 from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.protocol import publish_requests
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import DiskStore, MemoryStore, VersionNotFound, VersionStore, version_dir
+from services.weight_broker.store import (
+    DiskStore,
+    MemoryStore,
+    PublishRejected,
+    VersionNotFound,
+    VersionStore,
+    version_dir,
+)
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.transports import (
     BrokerUnavailable,
@@ -33,7 +40,7 @@ from services.weight_broker.transports import (
     TcpTransport,
     VersionExists,
 )
-from vcpo.v1 import weights_pb2, weights_pb2_grpc
+from vcpo.v1 import weights_pb2
 
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=30)
 
@@ -151,9 +158,15 @@ def test_versions_only_move_forward(broker: Broker, state_dict: dict[str, torch.
 
 
 def as_protos(sd: dict[str, torch.Tensor], version: int) -> list[weights_pb2.PublishRequest]:
-    """The publish stream as ordinary protobuf messages: what a client built on the generated stub sends."""
+    """The publish stream as ordinary protobuf messages: what any protobuf client frames on the data plane."""
     raw = publish_requests(version, specs_of(sd), iter(sd.items()), 64 << 10)
     return [weights_pb2.PublishRequest.FromString(r) for r in raw]
+
+
+def publish_raw(broker: Broker, requests: Iterable[weights_pb2.PublishRequest]) -> dict[str, Any]:
+    """``requests`` sent as they are on the data plane, each one frame; the broker's answer (``ok``, or the
+    ``reason`` and ``message`` of a refusal)."""
+    return dataplane.publish(broker.data_address, ((r.SerializeToString(),) for r in requests), 30)
 
 
 def _broken_off(sd: dict[str, torch.Tensor], version: int) -> Iterator[weights_pb2.PublishRequest]:
@@ -165,16 +178,12 @@ def _broken_off(sd: dict[str, torch.Tensor], version: int) -> Iterator[weights_p
 
 
 def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
-    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-    with pytest.raises(grpc.RpcError):
-        stub.Publish(_broken_off(state_dict, 1), timeout=30)
+    with pytest.raises(RuntimeError, match="learner died"):
+        publish_raw(broker, _broken_off(state_dict, 1))
     # a stream that ends without its commit is refused too
     without_commit = as_protos(state_dict, 1)[:-1]
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Publish(iter(without_commit), timeout=30)
-    assert (
-        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without a commit" in info.value.details()
-    )
+    answer = publish_raw(broker, without_commit)
+    assert answer["reason"] == "invalid" and "without a commit" in answer["message"], answer
     client = broker.client()
     assert client.latest() is None and client.versions() == []
     # nothing is left in progress: the same version publishes cleanly afterwards
@@ -185,9 +194,10 @@ def test_interrupted_publish_leaves_no_version(broker: Broker, state_dict: dict[
 def test_a_publish_the_store_could_not_take_is_counted_and_the_next_one_is_stored(
     state_dict: dict[str, torch.Tensor],
 ) -> None:
-    """A full disk under the broker mid-publish (the learner's own publish, over gRPC): counted as
-    ``rejected{reason="store_error"}`` (it was only the learner's retry), and the store takes the next
-    version. A learner whose stream broke is not counted so."""
+    """A full disk under the broker mid-publish: answered as ``store_error`` naming the disk's error (the
+    connection used to just close, and the learner saw a broken stream), counted as
+    ``rejected{reason="store_error"}``, and the store takes the next version. A learner whose stream broke is
+    not counted so."""
 
     class FullOnce(MemoryStore):
         def begin(self, manifest: Any) -> Any:
@@ -202,12 +212,14 @@ def test_a_publish_the_store_could_not_take_is_counted_and_the_next_one_is_store
 
     broker = Broker(FullOnce(retain=3))
     try:
-        stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-        with pytest.raises(grpc.RpcError, match="No space left on device"):
-            stub.Publish(iter(as_protos(state_dict, 3)), timeout=30)
-        with pytest.raises(grpc.RpcError):
-            stub.Publish(_broken_off(state_dict, 4), timeout=30)
+        answer = publish_raw(broker, as_protos(state_dict, 3))
+        assert answer["reason"] == "store_error" and "No space left on device" in answer["message"], answer
+        with pytest.raises(RuntimeError, match="learner died"):
+            publish_raw(broker, _broken_off(state_dict, 4))
         assert broker.metrics.rejected.labels("store_error")._value.get() == 1
+        with pytest.raises(PublishRejected, match="No space left on device") as info:  # the learner's client
+            broker.client().publish_once(3, specs_of(state_dict), source(state_dict)())
+        assert info.value.reason == "store_error" and broker.client().is_transient(info.value)
         client = broker.client()
         client.publish(5, specs_of(state_dict), source(state_dict))
         assert client.latest() == 5
@@ -241,9 +253,8 @@ def test_a_disk_store_whose_disk_filled_mid_publish_takes_the_next_version(
 
     broker = Broker(FullOnce(tmp_path, retain=3))
     try:
-        stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-        with pytest.raises(grpc.RpcError, match="No space left on device"):
-            stub.Publish(iter(as_protos(state_dict, 3)), timeout=30)
+        answer = publish_raw(broker, as_protos(state_dict, 3))
+        assert answer["reason"] == "store_error" and "No space left on device" in answer["message"], answer
         assert broker.metrics.rejected.labels("store_error")._value.get() == 1
         client = broker.client()
         client.publish(4, specs_of(state_dict), source(state_dict))
@@ -257,11 +268,9 @@ def test_corrupted_chunk_is_detected(broker: Broker, state_dict: dict[str, torch
     requests = as_protos(state_dict, 1)
     chunk = requests[3].chunk
     chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]  # one flipped byte in transit
-    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Publish(iter(requests), timeout=30)
-    assert info.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "checksum" in info.value.details() and requests[3].chunk.tensor_name in info.value.details()
+    answer = publish_raw(broker, requests)
+    assert answer["reason"] == "integrity", answer
+    assert "checksum" in answer["message"] and requests[3].chunk.tensor_name in answer["message"]
     assert broker.client().latest() is None
     assert broker.metrics.rejected.labels("integrity")._value.get() == 1
 
@@ -321,13 +330,13 @@ def test_announcement_arrives_on_the_weights_stream(
     redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
 ) -> None:
     spec = stream_specs(RunConfig(run_id="wb"), StreamsConfig())["weights"]
-    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "broker:1234"))
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "broker:1234"))
     try:
         b.client().publish(7, specs_of(state_dict), source(state_dict))
         [entry] = StreamTail(redis_client, spec).read()
         a = entry.message
         assert entry.policy_version == 7 and a.policy_version == 7
-        assert a.transport == "grpc" and a.location == "broker:1234"
+        assert a.location == "broker:1234"
         assert a.manifest.total_bytes == sum(t.nbytes for t in state_dict.values())
         assert [t.name for t in a.manifest.tensors] == list(state_dict)
         assert a.manifest.checksum == b.client().versions()[0].checksum
@@ -430,7 +439,7 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     from services.weight_broker.follower import WeightFollower
 
     spec = stream_specs(RunConfig(run_id="follow"), StreamsConfig())["weights"]
-    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "x"))
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "x"))
     loader = StagingLoader()
     follower = WeightFollower(b.client(), loader, StreamTail(redis_client, spec))
     assert not follower.poll() and follower.loaded_version is None  # nothing published yet
@@ -460,7 +469,7 @@ def test_a_follower_with_a_filter_fetches_only_the_versions_it_wants(
     from services.weight_broker.follower import WeightFollower
 
     spec = stream_specs(RunConfig(run_id="filter"), StreamsConfig())["weights"]
-    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "grpc", "x"))
+    b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "x"))
     asked: list[int] = []
 
     def wanted(version: int) -> bool:
@@ -482,13 +491,15 @@ def test_a_follower_with_a_filter_fetches_only_the_versions_it_wants(
         b.stop()
 
 
-def test_generated_stub_clients_interoperate(broker: Broker, state_dict: dict[str, torch.Tensor]) -> None:
-    """A plain protobuf client (any language) publishes and fetches through the hand-encoded chunk path."""
-    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-    reply = stub.Publish(iter(as_protos(state_dict, 2)), timeout=30)
-    assert reply.policy_version == 2
-    assert_bit_exact(fetch_all(broker.client()), state_dict)  # our client reads what the stub wrote
-    responses = list(stub.Fetch(weights_pb2.FetchRequest(), timeout=30))  # the stub reads what we send
+def test_plain_protobuf_messages_interoperate_on_the_data_plane(
+    broker: Broker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """A publish of ordinary protobuf messages (any language's), framed on the data plane, is what the
+    hand-encoded chunk path reads, and what it sends back parses as ordinary FetchResponses."""
+    assert publish_raw(broker, as_protos(state_dict, 2))["policy_version"] == 2
+    assert_bit_exact(fetch_all(broker.client()), state_dict)  # our client reads what the plain messages wrote
+    raw = list(dataplane.fetch(broker.data_address, None, "", 0, 30))
+    responses = [weights_pb2.FetchResponse.FromString(bytes(m)) for m in raw]
     assert responses[0].manifest.policy_version == 2
     first = responses[1].chunk
     name = next(iter(state_dict))
@@ -537,7 +548,7 @@ def test_a_follower_fetches_a_version_whose_announcement_was_lost(
                 raise redis.ConnectionError("Connection reset by peer")
             super().announce(manifest)
 
-    b = Broker(MemoryStore(retain=2), LosesOne(StreamProducer(redis_client, spec), "grpc", "x"))
+    b = Broker(MemoryStore(retain=2), LosesOne(StreamProducer(redis_client, spec), "x"))
     loader = StagingLoader()
     follower = WeightFollower(b.client(), loader, StreamTail(redis_client, spec), latest_every_s=0.0)
     try:

@@ -7,7 +7,6 @@ import struct
 import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 import torch
 
@@ -22,11 +21,12 @@ from tests.test_weight_broker import (
     assert_bit_exact,
     fetch_all,
     fetch_concurrently,
+    publish_raw,
     source,
     specs_of,
     state_dict,
 )
-from vcpo.v1 import weights_pb2, weights_pb2_grpc
+from vcpo.v1 import weights_pb2
 
 __all__ = ["state_dict"]  # the fixture, shared with test_weight_broker
 
@@ -51,11 +51,11 @@ def test_round_trip_resume_and_rechunking_are_bit_exact(
     got: dict[str, torch.Tensor] = {}
     client.fetch(lambda n, t: got.__setitem__(n, t.clone()), start_tensor=names[5])
     assert_bit_exact(got, {n: state_dict[n] for n in names[5:]})
-    # the broker's gRPC rpcs serve what the data plane received, and the other way round
-    stub = weights_pb2_grpc.WeightBrokerStub(grpc.insecure_channel(broker.address))
-    fetched = list(stub.Fetch(weights_pb2.FetchRequest(policy_version=1), timeout=30))
+    # plain protobuf messages framed on the data plane: what it serves parses, and what it is sent is read
+    raw = list(dataplane.fetch(broker.data_address, 1, "", 0, 30))
+    fetched = [weights_pb2.FetchResponse.FromString(bytes(m)) for m in raw]
     assert fetched[0].manifest == client.versions()[0] and len(fetched) > len(state_dict)
-    stub.Publish(iter(as_protos(state_dict, 2)), timeout=30)
+    publish_raw(broker, as_protos(state_dict, 2))
     assert_bit_exact(fetch_all(client, 2), state_dict)
     assert broker.metrics.published._value.get() == 2
 

@@ -101,7 +101,6 @@ def make_announcement(version: int = 1) -> weights_pb2.WeightAnnouncement:
         manifest=weights_pb2.VersionManifest(
             policy_version=version, run_id="test", tensors=tensors, total_bytes=524288, checksum="sha256:22"
         ),
-        transport="grpc",
         location="127.0.0.1:50052",
         published_unix=time.time(),
     )

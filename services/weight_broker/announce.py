@@ -14,17 +14,14 @@ from vcpo.v1 import weights_pb2
 class Announcer:
     """Writes a WeightAnnouncement for each committed version to the run's `weights` stream."""
 
-    def __init__(
-        self, producer: StreamProducer[weights_pb2.WeightAnnouncement], transport: str, location: str
-    ):
-        self.producer, self.transport, self.location = producer, transport, location
+    def __init__(self, producer: StreamProducer[weights_pb2.WeightAnnouncement], location: str):
+        self.producer, self.location = producer, location
 
     def announce(self, manifest: weights_pb2.VersionManifest) -> None:
         self.producer.put(
             weights_pb2.WeightAnnouncement(
                 policy_version=manifest.policy_version,
                 manifest=manifest,
-                transport=self.transport,
                 location=self.location,
                 published_unix=time.time(),
             ),

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.weight_broker.dataplane import frames, recv_json, send_end, send_frame, send_json, tune
 from services.weight_broker.protocol import BrokenStream
-from services.weight_broker.servicer import WeightBrokerServicer
+from services.weight_broker.servicer import WeightBrokerServicer, is_store_error
 from services.weight_broker.store import PublishRejected, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,14 @@ class _Handler(socketserver.BaseRequestHandler):
     def _publish(self, sock: socket.socket) -> None:
         try:
             reply = self.server.servicer.publish_messages(frames(sock))
-        except PublishRejected as exc:
-            # refused, perhaps at the manifest: answer at once, then read and drop what the client still had
-            # in flight until it sees the answer and closes (closing with unread data would reset the
-            # connection and could lose the answer)
-            send_json(sock, {"ok": False, "reason": exc.reason, "message": str(exc)})
+        except (PublishRejected, OSError) as exc:
+            if isinstance(exc, OSError) and not is_store_error(exc):
+                raise  # the connection's own failure: nobody to answer
+            # refused, perhaps at the manifest, or the store's disk failed (counted): answer at once, then read
+            # and drop what the client still had in flight until it sees the answer and closes (closing with
+            # unread data would reset the connection and could lose the answer)
+            reason = exc.reason if isinstance(exc, PublishRejected) else "store_error"
+            send_json(sock, {"ok": False, "reason": reason, "message": str(exc)})
             sock.shutdown(socket.SHUT_WR)
             while sock.recv(1 << 20):
                 pass

@@ -42,7 +42,7 @@ class BrokerService:
         ):  # announce each version on the run's `weights` stream, with the address actually bound
             weights = stream_specs(run, cfg.streams)["weights"]
             producer = StreamProducer(connect(run.redis_url), weights, StreamMetrics(self.metrics))
-            self.servicer.announcer = Announcer(producer, "grpc", f"{self.host}:{self.server.port}")
+            self.servicer.announcer = Announcer(producer, f"{self.host}:{self.server.port}")
         else:
             log.warning("run.redis_url is empty: versions will not be announced on the weights stream")
         self.plane = DataPlaneServer(self.servicer, port=wb.data_port, timeout_s=wb.rpc_timeout_s)

@@ -1,8 +1,8 @@
-"""The broker's gRPC face: publish, fetch, latest, list, status; announcements on the `weights` stream.
+"""The broker's service: publishes and fetches (for the TCP data plane, ``dataplane_server.py``), its gRPC
+control calls (latest, list, status), its metrics, and announcements on the `weights` stream.
 
-Errors map to gRPC codes a client can act on: a stale publish is FAILED_PRECONDITION, a duplicate
-ALREADY_EXISTS, a publish while another is in progress ABORTED, bad bytes DATA_LOSS, a malformed stream
-INVALID_ARGUMENT, an unknown version NOT_FOUND. The messages say which version and why.
+A refused publish names its reason (``PublishRejected.reason``: ``stale``, ``duplicate``, ``in_progress``,
+``integrity``, ``invalid``, ``store_error``) and says which version and why.
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ from services.weight_broker.wire import Message
 from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-REJECT_CODES = {
-    "stale": grpc.StatusCode.FAILED_PRECONDITION,
-    "duplicate": grpc.StatusCode.ALREADY_EXISTS,
-    "in_progress": grpc.StatusCode.ABORTED,
-    "integrity": grpc.StatusCode.DATA_LOSS,
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-}
 
 
 class BrokerMetrics:
@@ -95,17 +87,8 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
             metrics.latest.set(latest)
         metrics.stored.set(store.stored_bytes())
 
-    def Publish(
-        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
-    ) -> weights_pb2.PublishResponse:
-        try:
-            return self.publish_messages(request_iterator)
-        except PublishRejected as exc:
-            context.abort(REJECT_CODES[exc.reason], str(exc))
-            raise  # abort raises; this keeps type checkers informed
-
     def publish_messages(self, messages: Iterator[Message]) -> weights_pb2.PublishResponse:
-        """Commit one publish stream (serialized PublishRequests, from gRPC or the data plane); raises
+        """Commit one publish stream (serialized PublishRequests, from the data plane); raises
         PublishRejected (counted) when it is refused."""
         stored, seconds = self.commit(lambda: apply_publish(self.store, messages), time.monotonic())
         return weights_pb2.PublishResponse(
@@ -156,20 +139,10 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
                 self.metrics.announce_failures.inc()
                 log.exception("could not announce version %d on the weights stream", m.policy_version)
 
-    def Fetch(self, request: weights_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        version = request.policy_version if request.HasField("policy_version") else None
-        try:
-            messages = self.fetch_messages(version, request.start_tensor, request.max_chunk_bytes)
-        except VersionNotFound as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            raise
-        for m in messages:  # messages kept from the data plane are read-only views; gRPC sends bytes
-            yield m if isinstance(m, bytes) else bytes(m)
-
     def fetch_messages(
         self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0
     ) -> Iterator[Message]:
-        """The serialized FetchResponses of one fetch (gRPC or the data plane), counted; raises
+        """The serialized FetchResponses of one fetch (for the data plane), counted; raises
         VersionNotFound (counted) at once when the version is not retained."""
         try:
             responses = fetch_responses(
@@ -221,34 +194,8 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         )
 
 
-def _raw(message: bytes) -> bytes:
-    return message
-
-
 def add_to_server(servicer: WeightBrokerServicer, server: grpc.Server) -> list[str]:
-    """Register vcpo.v1.WeightBroker, with Publish requests and Fetch responses passed as serialized bytes
-    (chunks are encoded and decoded by :mod:`wire`; the wire format is unchanged), and vcpo.v1.Status."""
-    pb = weights_pb2
-    handlers = {
-        "Publish": grpc.stream_unary_rpc_method_handler(
-            servicer.Publish,
-            request_deserializer=_raw,
-            response_serializer=pb.PublishResponse.SerializeToString,
-        ),
-        "Fetch": grpc.unary_stream_rpc_method_handler(
-            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=_raw
-        ),
-        "GetLatest": grpc.unary_unary_rpc_method_handler(
-            servicer.GetLatest,
-            request_deserializer=pb.GetLatestRequest.FromString,
-            response_serializer=pb.GetLatestResponse.SerializeToString,
-        ),
-        "ListVersions": grpc.unary_unary_rpc_method_handler(
-            servicer.ListVersions,
-            request_deserializer=pb.ListVersionsRequest.FromString,
-            response_serializer=pb.ListVersionsResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("vcpo.v1.WeightBroker", handlers),))
+    """Register vcpo.v1.WeightBroker (the control calls) and vcpo.v1.Status."""
+    weights_pb2_grpc.add_WeightBrokerServicer_to_server(servicer, server)
     common_pb2_grpc.add_StatusServicer_to_server(servicer, server)
     return ["vcpo.v1.WeightBroker", "vcpo.v1.Status"]

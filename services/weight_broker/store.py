@@ -39,7 +39,8 @@ WEIGHTS = "model.safetensors"
 
 
 class PublishRejected(Exception):
-    """A publish the store refuses; ``reason`` is one of stale, duplicate, in_progress, invalid, integrity."""
+    """A publish the store refuses; ``reason`` is one of stale, duplicate, in_progress, invalid, integrity (and,
+    as the data plane answers it, store_error: the broker's storage failed)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

@@ -44,8 +44,8 @@ _TRANSIENT_CODES = {
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code() in _TRANSIENT_CODES
-    if isinstance(exc, PublishRejected):  # another publish still in progress, bytes corrupted in transit
-        return exc.reason in ("in_progress", "integrity")
+    if isinstance(exc, PublishRejected):  # another publish in progress, corrupted bytes, the broker's disk
+        return exc.reason in ("in_progress", "integrity", "store_error")
     # a corrupted or broken-off fetch stream, a connection refused, reset or timed out
     return isinstance(exc, IntegrityError | BrokenStream | OSError | TimeoutError)
 
