@@ -266,21 +266,6 @@ class WeightGroup:
         except Exception:
             return None
 
-    def claim(self, key: str, who: str) -> str | None:
-        """Set ``key`` to ``who`` unless a rank set it first; returns who holds it now (None: the store is
-        gone). Two ranks racing for one key both read the same winner."""
-        try:
-            return bytes(self._announcements.compare_set(key, "", who)).decode()
-        except Exception:
-            return None
-
-    def drop_key(self, key: str) -> None:
-        """Remove ``key`` from this epoch's store (nothing if it is not there, or the store is gone)."""
-        try:
-            self._announcements.delete_key(key)
-        except Exception:
-            log.debug("could not remove %s from the weight group's store", key, exc_info=True)
-
     def wait_key(self, key: str, poll_s: float = 0.005) -> str:
         """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
         marks the collective failed (:class:`TransferFailed`, the group closed)."""
