@@ -191,7 +191,7 @@ class Waits:
         while time.monotonic() < deadline:
             try:
                 value = ready()
-            except GetTimeoutError:  # until 2026-11-27 this ended the whole start at once
+            except GetTimeoutError:  # not ready yet: the start goes on waiting, up to the deadline
                 value = None
             if value is not None:
                 return value

@@ -64,8 +64,8 @@ class StagingFile:
             save_file({name: t.contiguous() for name, t in tensors}, str(directory / "model.safetensors"))
         except (OSError, SafetensorError) as exc:
             self._drop_file()
-            # until 2026-11-27 the engine was then "restored": after a version from the weight group, whose
-            # tensors this process never held, to the initial weights
+            # nothing was loaded, so nothing is restored (after a version from the weight group, whose tensors
+            # this process never held, a restore would load the initial weights)
             raise LoadNotStarted(
                 f"could not write the file the engine's workers load from in {self._staging_root} ({exc}); "
                 "give /dev/shm room for one more version (rayCluster.shmSize) or set VCPO_WEIGHT_STAGING"
