@@ -67,8 +67,6 @@ def _method(service: str, module: object, name: str) -> object:
 @pytest.mark.parametrize(
     ("module", "service", "method", "client_streaming", "server_streaming"),
     [
-        (weights_pb2, "WeightBroker", "Publish", True, False),
-        (weights_pb2, "WeightBroker", "Fetch", False, True),
         (weights_pb2, "WeightBroker", "GetLatest", False, False),
         (weights_pb2, "WeightBroker", "ListVersions", False, False),
         (reward_pb2, "RewardService", "Score", False, False),
@@ -87,6 +85,12 @@ def test_services_have_their_methods(
 ) -> None:
     m = _method(service, module, method)
     assert (m.client_streaming, m.server_streaming) == (client_streaming, server_streaming)  # type: ignore[attr-defined]
+
+
+def test_the_broker_serves_only_its_control_calls_over_grpc() -> None:
+    """Weight bytes travel on the broker's TCP data plane as framed PublishRequest and FetchResponse messages."""
+    methods = weights_pb2.DESCRIPTOR.services_by_name["WeightBroker"].methods_by_name
+    assert set(methods) == {"GetLatest", "ListVersions"}
 
 
 def test_fetch_distinguishes_version_zero_from_latest() -> None:
