@@ -31,6 +31,7 @@ import tempfile
 import time
 from itertools import pairwise
 from typing import Any
+from unittest import mock
 
 REQUESTS = 16  # kept in the engine at all times
 MODES = ("warm-up", "inline", "thread")
@@ -141,16 +142,8 @@ def run_stall(named: list[tuple[str, Any]], step_s: float = 2.0) -> dict[str, di
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1)),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
-        saved = {k: os.environ.get(k) for k in threads}
-        os.environ.update(threads)  # the spawned process starts with them
-        try:
+        with mock.patch.dict(os.environ, threads):  # the spawned process starts with them
             proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         try:
 
             def expect(what: str) -> Any:
