@@ -14,10 +14,11 @@ What it decides:
 - the collective: receivers join a gloo weight group; version 1 is untimed, version 2 is timed from the
   publisher's call until the last receiver holds it, versions 3 and 4 go in the background from a staging
   buffer (the 4th is the one reported; the 3rd allocates the buffer); each timed one after a pause, as a
-  learner's step, in which the publisher reserves its next shared memory segment;
-- the collective on devices (weight_sync_gpu.py): the same, each receiver on a device of its own or a shared
-  one, also timed until it has loaded each version into its model there; every version differs from the last,
-  and every model must equal it byte for byte.
+  learner's step;
+- the collective on devices (weight_sync_gpu.py): the same, each receiver taking each version into buffers on
+  its group's device (its GPU, or host memory where the epoch runs on gloo with CPU buffers), then timed until
+  it has loaded the version into its model's parameters there; every version differs from the last, and every
+  model must equal it byte for byte.
 """
 
 from __future__ import annotations
@@ -246,18 +247,13 @@ def run_collective(
     named: list[tuple[str, torch.Tensor]],
     receivers: int,
     bucket_mib: int,
-    shared_memory: bool = False,
     step_s: float = 1.0,
 ) -> dict[str, float]:
     """Seconds from the start of a publish until all ``receivers`` processes hold the version (the second
     version: the first is untimed), how long the publisher was blocked in it, and how long it was blocked by a
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer), and the
     seconds from the start of that one until they held it (``staged_seconds``: the learner's publish).
-    ``shared_memory``: the receivers copy each version out of the publisher's /dev/shm segment instead
-    (weight_broker.group_shared_memory; the publisher must confirm it used it for every version). ``step_s``:
-    the pause before each timed version, as a learner's step between versions: the publisher reserves the
-    next version's shared memory segment in the background then (on this machine that takes about 0.6 s per
-    GiB, which back-to-back versions would wait for)."""
+    ``step_s``: the pause before each timed version, as a learner's step between versions."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -277,7 +273,7 @@ def run_collective(
         p.start()
     try:
         group = WeightGroup(GroupSpec(**spec), 0)
-        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB)
         specs = [TensorSpec.of(name, t) for name, t in named]
         publisher.send(1, specs, iter(named))
         _collect(results, receivers, procs, timeout_s=600)
@@ -288,15 +284,12 @@ def run_collective(
         out = _collect(results, receivers, procs, timeout_s=600)
         # in the background from a staging buffer (versions 3 and 4: the first allocates the buffer)
         staged_blocked, staged_out, staged_t0 = [], [], 0.0
-        planes = {stats.extra["shared_memory"]}
         for version in (3, 4):
             time.sleep(step_s)
             staged_t0 = time.monotonic()
             staged_blocked.append(publisher.send_background(version, specs, iter(named)))
-            planes.add(publisher.wait().extra["shared_memory"])  # type: ignore[union-attr]
+            publisher.wait()
             staged_out = _collect(results, receivers, procs, timeout_s=600)
-        if planes != {1.0 if shared_memory else 0.0}:
-            raise SystemExit(f"the publisher did not {'' if shared_memory else 'not '}use shared memory")
         publisher.close()
         group.close()
     finally:
@@ -318,16 +311,14 @@ def run_collective(
 # ------------------------------------------------------------------------------------ collective, on devices
 
 
-def _loading_receiver(
-    spec: dict[str, Any], rank: int, device: str, versions: int, lock: bool, results: Any
-) -> None:
-    """A sampler engine's worker on ``device``, as ``vcpo_collective`` runs it: joins the weight group (NCCL
-    members pass their GPU; ranks sharing one fall back to gloo and /dev/shm), takes each version as it is
-    broadcast, then loads it into its own copy of the model on ``device`` (allocated at the first, untimed
-    version), as the engine's load does. Reports when it held the version and when its model did. ``lock``
-    (CUDA): page-lock the mapped /dev/shm segment read-only before loading from it (an experiment: the
-    sampler loads from the mapping as it is); a driver that refuses is reported, and the load goes on
-    unlocked."""
+def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: int, results: Any) -> None:
+    """A sampler engine's worker on ``device``, as ``vcpo_collective`` runs it: joins the weight group with its
+    device (its GPU under NCCL, into whose buffers each version arrives; ranks sharing a GPU fall back to gloo
+    with buffers in host memory; a gloo group given a GPU moves each bucket through the host into buffers on
+    it), takes each version as it is broadcast, then loads it into its own model's parameters on ``device``
+    (allocated at the first, untimed version): ``param.data.copy_(tensor)`` for each tensor, as vLLM's
+    default weight loader does. Reports when it held the version (its device synchronized) and when its model
+    did, and whether the version arrived on ``device``."""
     from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -335,21 +326,27 @@ def _loading_receiver(
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        group = WeightGroup(GroupSpec(**spec), rank, dev if spec["backend"] == "nccl" else None)
-        receiver = CollectiveReceiver(group)
-        model: list[torch.Tensor] = []
-        for _ in range(versions):
-            version, tensors, _ = receiver.receive()
-            received = time.monotonic()  # committed by every member, in this worker's host memory or mapped
-            model = model or [torch.empty(t.shape, dtype=t.dtype, device=dev) for _, t in tensors]
-            locked, lock_error = _lock_mapping(tensors) if lock and dev.type == "cuda" else (0, 0)
-            for weight, (_, tensor) in zip(model, tensors, strict=True):
-                weight.copy_(tensor, non_blocking=True)
+
+        def synchronize() -> None:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
+
+        group = WeightGroup(GroupSpec(**spec), rank, dev)
+        receiver = CollectiveReceiver(group)
+        model: list[torch.nn.Parameter] = []
+        for _ in range(versions):
+            version, tensors, _ = receiver.receive()
+            synchronize()
+            received = time.monotonic()  # committed by every member, whole in the group's buffers
+            on_device = all(t.device == dev for _, t in tensors)
+            model = model or [
+                torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=dev), requires_grad=False)
+                for _, t in tensors
+            ]
+            for param, (_, tensor) in zip(model, tensors, strict=True):
+                param.data.copy_(tensor)
+            synchronize()
             done = time.monotonic()
-            if locked:
-                torch.cuda.cudart().cudaHostUnregister(locked)
             names = [name for name, _ in tensors]
             del tensors
             results.put(
@@ -358,10 +355,9 @@ def _loading_receiver(
                     "version": version,
                     "received": received,
                     "done": done,
-                    "digest": digest_of(list(zip(names, model, strict=True))),
-                    "bytes": sum(t.numel() * t.element_size() for t in model),
-                    "locked": bool(locked),
-                    "lock_error": lock_error,
+                    "digest": digest_of([(n, p.data) for n, p in zip(names, model, strict=True)]),
+                    "bytes": sum(p.numel() * p.element_size() for p in model),
+                    "on_device": on_device,
                 }
             )
         group.close()
@@ -370,34 +366,17 @@ def _loading_receiver(
         raise
 
 
-def _lock_mapping(tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """Page-lock the host memory behind ``tensors`` (views of one mapped segment), read-only and portable; its
-    address (0 if the driver refused) and the CUDA error."""
-    storage = tensors[0][1].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for _, t in tensors):
-        raise ValueError("the version's tensors are not views of one mapping")
-    portable, read_only = 1, 8  # cudaHostRegisterPortable | cudaHostRegisterReadOnly: no copy-on-write break
-    err = int(
-        torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), portable | read_only)
-    )
-    return (0, err) if err else (storage.data_ptr(), 0)
-
-
 def run_loading(
-    named: list[tuple[str, torch.Tensor]],
-    devices: list[str],
-    backend: str,
-    bucket_mib: int,
-    shared_memory: bool = False,
-    lock: bool = False,
+    named: list[tuple[str, torch.Tensor]], devices: list[str], backend: str, bucket_mib: int
 ) -> dict[str, float]:
-    """The publisher (this process, its tensors where ``named`` lives) broadcasts 4 versions to one receiver
-    process per entry of ``devices``, each loading into its model there. Version 2 (``send``) is timed from
-    the start of the publish until every receiver held it (``received_s``) and until every model did
-    (``seconds``); ``load_gbps`` is the slowest receiver's load. Versions 3 and 4 go in the background from
-    the staging buffer; ``blocked_s`` is the 4th's wait (the 3rd allocates the buffer). Each version differs
-    in its first element, and every receiver's model must equal it byte for byte. ``lock``: the receivers
-    page-lock their mapping of a /dev/shm version before loading (``locked``: all could)."""
+    """The publisher (this process, its tensors where ``named`` lives; its group's buffers there under NCCL,
+    in host memory under gloo) broadcasts 4 versions to one receiver process per entry of ``devices``, each
+    loading into its model there. Version 2 (``send``) is timed from the start of the publish until every
+    receiver held it (``received_s``) and until every model did (``seconds``); ``load_gbps`` is the slowest
+    receiver's load. Versions 3 and 4 go in the background from the staging buffer; ``blocked_s`` is the 4th's
+    wait (the 3rd allocates the buffer). Each version differs in its first element, and every receiver's model
+    must equal it byte for byte. ``on_device``: 1.0 if every receiver received every version into buffers on
+    its own device, 0.0 if any did elsewhere (host memory, where ranks sharing a GPU fell back to gloo)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
@@ -411,16 +390,17 @@ def run_loading(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_loading_receiver, args=(spec, r + 1, device, 4, lock, results))
+        ctx.Process(target=_loading_receiver, args=(spec, r + 1, device, 4, results))
         for r, device in enumerate(devices)
     ]
     for p in procs:
         p.start()
     figures: dict[str, float] = {}
+    on_device = True
     try:
         here = named[0][1].device
         group = WeightGroup(GroupSpec(**spec), 0, here if backend == "nccl" else None)
-        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB, shared_memory=shared_memory)
+        publisher = CollectivePublisher(group, bucket_bytes=bucket_mib * MiB)
         specs = [TensorSpec.of(name, t) for name, t in named]
         for version in range(1, 5):
             named[0][1].view(-1)[0] = float(version)  # every version's bytes differ from the last
@@ -437,16 +417,15 @@ def run_loading(
                 raise RuntimeError(f"receivers failed: {errors}")
             if any(r["digest"] != expected or r["bytes"] != stats.bytes for r in out):
                 raise SystemExit(f"version {version}: a receiver's model differs from the published one")
+            on_device = on_device and all(r["on_device"] for r in out)
             if version == 2:
                 figures["seconds"] = max(r["done"] for r in out) - t0
                 figures["received_s"] = max(r["received"] for r in out) - t0
                 figures["load_gbps"] = min(stats.bytes / (r["done"] - r["received"]) / 1e9 for r in out)
-                figures["shared_memory"] = stats.extra["shared_memory"]
                 figures["bytes"] = float(stats.bytes)
-                figures["locked"] = float(all(r["locked"] for r in out))
-                figures["lock_error"] = float(max(r["lock_error"] for r in out))
         publisher.close()
         group.close()
     finally:
         _reap(procs)
+    figures["on_device"] = float(on_device)
     return figures

@@ -33,12 +33,9 @@ Headline figures (the JSON object on the last line), at the largest size measure
                           commits, so two are held at once), the single fetch and the fan-out (target <= 2.5)
 
     collective_over_socket   the collective transport (gloo) to one receiver process, from the start of a
-                          publish until it holds the version, against the socket (target >= 0.8);
+                          publish until it holds the version, against the socket (target >= 0.7);
                           collective_staged_over_socket: as the learner publishes, copied into the staging
                           buffer (the learner's wait) and broadcast from it in the background
-    collective_shm_over_socket   the same through /dev/shm (group_shared_memory = true: one host; the
-                          receivers map the publisher's segment), collective_shm_N_over_1 its N receivers'
-                          seconds over one's, learner_blocked_s_per_version_shm its staged publish's wait
     collective_N_over_1   N receivers' seconds over one's (no target: on one host every receiver's loopback
                           bytes cost the same cores; flatness in receivers is NCCL's across nodes)
 
@@ -215,9 +212,9 @@ def run_size(
     return row
 
 
-def timed(named: list[tuple[str, torch.Tensor]], n: int, args: Any, **kw: Any) -> dict[str, float]:
+def timed(named: list[tuple[str, torch.Tensor]], n: int, args: Any) -> dict[str, float]:
     """:func:`run_collective` to ``n`` receivers, ``args.repeats`` times: the median of each figure."""
-    runs = [run_collective(named, n, args.bucket_mib, step_s=args.step_s, **kw) for _ in range(args.repeats)]
+    runs = [run_collective(named, n, args.bucket_mib, step_s=args.step_s) for _ in range(args.repeats)]
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
@@ -271,7 +268,6 @@ def main() -> None:
 
     rows = []
     collective: dict[int, dict[int, dict[str, float]]] = {}
-    shm: dict[int, dict[str, float]] = {}
     for size in sizes:
         named = build_model(size * MiB)
         socket = socket_gbps(named, args.socket_repeats)
@@ -279,11 +275,6 @@ def main() -> None:
         print(f"# {size} MiB through the broker done", file=sys.stderr, flush=True)
         if size == sizes[-1] or not args.quick:
             collective[size] = {n: timed(named, n, args) for n in args.receivers}
-            if size == sizes[-1]:  # beside it: every receiver copies the version out of /dev/shm
-                shm = {
-                    n: timed(named, n, args, shared_memory=True)
-                    for n in (args.receivers[0], args.receivers[-1])
-                }
             print(f"# {size} MiB collective done", file=sys.stderr, flush=True)
         del named
     stall_mib = args.stall_mib if args.stall_mib is not None else (128 if args.quick else 1024)
@@ -352,10 +343,6 @@ def main() -> None:
             f"{first['staged_seconds']:>16.2f} {r['publish_s'] + r['fetch_s']:>8.2f} {r['publish_s'] + r['fanout_s']:>9.2f}"
         )
     print("all collective receivers' digests equal the publisher's")
-    print(
-        "through shared memory (weight_broker.group_shared_memory = true): "
-        + ", ".join(f"{n} receiver(s) {c['seconds']:.2f} s" for n, c in shm.items())
-    )
 
     if stall:
         print(
@@ -387,14 +374,11 @@ def main() -> None:
             big["bytes"] / coll[one]["staged_seconds"] / 1e9 / big["socket_gbps"], 3
         ),
         f"collective_{many}_over_{one}": round(coll[many]["seconds"] / coll[one]["seconds"], 3),
-        "collective_shm_over_socket": round(big["bytes"] / shm[one]["seconds"] / 1e9 / big["socket_gbps"], 3),
-        f"collective_shm_{many}_over_{one}": round(shm[many]["seconds"] / shm[one]["seconds"], 3),
         f"broker_{many}_over_{one}": round(
             (big["publish_s"] + big["fanout_s"]) / (big["publish_s"] + big["fetch_s"]), 3
         ),
         "collective_seconds": {str(n): round(c["seconds"], 3) for n, c in coll.items()},
         "learner_blocked_s_per_version": round(coll[one]["staged_blocked_s"], 3),
-        "learner_blocked_s_per_version_shm": round(shm[one]["staged_blocked_s"], 3),
         "learner_blocked_s_without_staging": round(coll[one]["blocked_s"], 3),
         "broker_learner_blocked_s_per_version": round(big["publish_s"], 3),
         "target_collective_over_socket": TARGET_COLLECTIVE_OVER_SOCKET,

@@ -3,35 +3,39 @@ version, beside what the hardware moves in one process.
 
 The publisher is this process (the learner's rank 0), its model (float32, laid out like a transformer, as in
 weight_sync.py) on ``cuda:0``. Each receiver is a process standing for one sampler engine's worker: it joins
-the weight group as ``vcpo_collective`` does, receives each version, and loads it into its own copy of the
-model on its device (a copy per tensor, as the engine's load does). Paths, by the GPUs there are:
+the weight group with its device as ``vcpo_collective`` does, receives each version into buffers on the
+group's device, and loads it into its own model's parameters on its GPU (``param.data.copy_`` per tensor, as
+vLLM's default weight loader does in the engine's ``reload_weights``). Paths, by the GPUs there are:
 
-    shared_gpu   every receiver on cuda:0 beside the publisher, as when a learner and samplers are given
-                 fractions of one GPU: the NCCL epoch falls back to gloo, the version goes through a
-                 page-locked /dev/shm segment the receivers map, and each loads it from there (always run)
-    shared_gpu_locked   the same, each receiver page-locking its mapping of the segment (read-only) before
-                 it loads from it, the page-locking inside its load's time: whether the sampler should (it
-                 does not: its loads read the mapping as it is); a driver that refuses is printed
-    nccl         receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0,
-                 each receiver through its GPU bounce buffers into the host copy it keeps with the others on
-                 this host, then loaded (two or more GPUs)
+    shared_gpu     every receiver on cuda:0 beside the publisher, as when a learner and samplers are given
+                   fractions of one GPU: NCCL refuses two ranks on one GPU, so the epoch falls back to gloo
+                   with buffers in host memory, and each receiver loads host to device (always run)
+    gloo_into_gpu  one receiver on cuda:0 in a gloo group given that GPU: gloo moves each bucket through the
+                   host into buffers on the receiver's GPU, which it loads device to device (always run: the
+                   receive into a GPU where there is only one; no deployment runs it)
+    nccl           receivers on cuda:1.. (one each; at most the GPUs there are, less one): NCCL from cuda:0
+                   into buffers on each receiver's GPU, loaded device to device (two or more GPUs)
 
-Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out). Version 2 is timed from the start
-of the publish until every model holds it; versions 3 and 4 go in the background from the staging buffer and
-the publisher's wait for the 4th is reported. Every receiver's model must equal each version byte for byte.
-The hardware's figures, in this process: the model's bytes device to page-locked host and back
-(``host_round_trip_gbps``: the shared-GPU path's floor is one such round trip) and device to device; and
-device to a receiver's own host copy (a GPU worker that keeps one: alone on its host, or /dev/shm too small)
-in new memory, mapped and page-locked for it (``host_copy_fresh_gbps``), and in the spare the last version
-left (``host_copy_spare_gbps``, ``host_copy_spare_over_fresh``).
+Each path runs with 1, 2 and 4 receivers (fewer where the GPUs run out; ``gloo_into_gpu`` with 1). Version 2 is
+timed from the start of the publish until every model holds it; versions 3 and 4 go in the background from the
+staging buffer and the publisher's wait for the 4th is reported. Every receiver's model must equal each
+version byte for byte, and every version must arrive on the device the path says (the GPU, or host memory for
+``shared_gpu``). The hardware's figures, in this process: the model's bytes device to page-locked host and back
+(``host_round_trip_gbps``) and device to device in one copy (``device_copy_gbps``).
 
-``--device cpu`` runs the same processes on CPU (``shm``: gloo, the version through /dev/shm; ``sockets``:
-gloo over loopback) so this script is tested where no GPU is; its figures say nothing about GPUs.
+``--device cpu`` runs the same processes on CPU (``sockets``: gloo over loopback) so this script is tested
+where no GPU is; its figures say nothing about GPUs.
 
 Headline figures (the JSON object on the last line), at 1 receiver unless named; GB/s are 10**9 bytes/s:
 
+    receive_into_gpu_gbps  model bytes / seconds from the start of a publish until the receiver held it whole
+                           in buffers on its GPU: ``nccl``'s with two GPUs or more, else ``gloo_into_gpu``'s
+                           (``receive_into_gpu_path`` names it)
+    load_gbps              that path's load: model bytes / seconds the receiver took to copy them from its
+                           receive buffers into its model's parameters, device to device;
+                           load_over_device_copy: over device_copy_gbps
     <path>_gbps            model bytes / seconds from the start of a publish until the receiver's model holds
-                           it; <path>_received_gbps: until it held it in host memory (before its load)
+                           it; <path>_received_gbps: until it held it in its group's buffers (before its load)
     <path>_load_gbps       the slowest receiver's load into its model
     <path>_N_over_1        N receivers' seconds over one's (target <= 1.3: flat in receivers)
     <path>_blocked_s       the publisher's wait for a background broadcast (the learner's step overlaps the rest)
@@ -54,7 +58,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks._weight_sync_workers import MiB, build_model, run_loading
-from services.weight_broker.shared_memory import HostBuffers
 
 
 def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, float]:
@@ -79,54 +82,51 @@ def hardware(nbytes: int, device: torch.device, repeats: int = 3) -> dict[str, f
     d2h = best(lambda: host.copy_(source, non_blocking=True))
     h2d = best(lambda: source.copy_(host, non_blocking=True))
     d2d = best(lambda: other.copy_(source))
-
-    # a receiver that keeps its own host copy: the version into a new mapping (mapped, page-locked, faulted in)
-    # or into the spare its last version left (HostBuffers)
-    def into(buffers: HostBuffers) -> None:
-        buffers.take(nbytes, "the benchmark's host copy").copy_(source)  # dropped at once: the spare
-
-    fresh = best(lambda: into(HostBuffers()))  # each one's spare freed when it goes
-    kept = HostBuffers()
-    into(kept)
-    spare = best(lambda: into(kept))
-    kept.release()
     return {
         "device_to_host_gbps": d2h,
         "host_to_device_gbps": h2d,
         "host_round_trip_gbps": 1 / (1 / d2h + 1 / h2d),
         "device_copy_gbps": d2d,
-        "host_copy_fresh_gbps": fresh,
-        "host_copy_spare_gbps": spare,
-        "host_copy_spare_over_fresh": spare / fresh,
     }
 
 
 class Run(NamedTuple):
-    """One path: its group's backend, whether it asks for /dev/shm (``group_shared_memory``), whether its
-    receivers page-lock their mapping, the receivers' devices for each count, and whether the version must
-    go through /dev/shm (asked for, or ranks sharing a GPU)."""
+    """One path: its group's backend (an NCCL epoch whose ranks share a GPU falls back to gloo), the receivers'
+    devices for each count, and whether each version must arrive in buffers on the receivers' own devices
+    (else in host memory: the fallback's)."""
 
     backend: str
-    shared_memory: bool
-    lock: bool
     devices: list[list[str]]
-    through_shm: bool
+    into_device: bool
 
 
 def paths(device: torch.device, receivers: list[int]) -> dict[str, Run]:
     """The paths this machine runs, by name."""
     if device.type == "cpu":
-        cpu = [["cpu"] * n for n in receivers]
-        return {"shm": Run("gloo", True, False, cpu, True), "sockets": Run("gloo", False, False, cpu, False)}
-    shared = [[str(device)] * n for n in receivers]
+        return {"sockets": Run("gloo", [["cpu"] * n for n in receivers], True)}
     out = {
-        "shared_gpu": Run("nccl", False, False, shared, True),
-        "shared_gpu_locked": Run("nccl", False, True, shared, True),
+        "shared_gpu": Run("nccl", [[str(device)] * n for n in receivers], False),
+        "gloo_into_gpu": Run("gloo", [[str(device)]], True),
     }
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != (device.index or 0)]
     if others:
-        out["nccl"] = Run("nccl", False, False, [others[:n] for n in receivers if n <= len(others)], False)
+        out["nccl"] = Run("nccl", [others[:n] for n in receivers if n <= len(others)], True)
     return out
+
+
+def receive_into_gpu(figures: dict[str, Any]) -> dict[str, Any]:
+    """The headline receive into a GPU and load, from the paths ``figures`` holds: NCCL's where it ran (two
+    GPUs or more), else gloo's into the one GPU; nothing where neither ran (CPU, or ``--paths``)."""
+    path = next((p for p in ("nccl", "gloo_into_gpu") if f"{p}_received_gbps" in figures), None)
+    if path is None:
+        return {}
+    load = figures[f"{path}_load_gbps"]
+    return {
+        "receive_into_gpu_path": path,
+        "receive_into_gpu_gbps": figures[f"{path}_received_gbps"],
+        "load_gbps": load,
+        "load_over_device_copy": load / figures["device_copy_gbps"],
+    }
 
 
 def report(
@@ -138,7 +138,7 @@ def report(
     nbytes = figures["model_bytes"]
     seconds[n] = row["seconds"]
     print(
-        f"{path:<11} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "
+        f"{path:<13} {n:>9} {row['received_s']:>8.3f} {row['seconds']:>9.3f} "
         f"{nbytes / row['seconds'] / 1e9:>7.2f} {row['load_gbps']:>10.2f} {row['blocked_s']:>10.3f}",
         flush=True,
     )
@@ -185,12 +185,10 @@ def main() -> None:
     print(
         f"{args.size_mib} MiB model ({len(named)} tensors) on {device}: device to host "
         f"{figures['device_to_host_gbps']:.1f} GB/s, host to device {figures['host_to_device_gbps']:.1f}, "
-        f"round trip {figures['host_round_trip_gbps']:.1f}, device copy {figures['device_copy_gbps']:.1f}; "
-        f"to a receiver's own host copy {figures['host_copy_fresh_gbps']:.1f} in new memory, "
-        f"{figures['host_copy_spare_gbps']:.1f} in the last version's (x{figures['host_copy_spare_over_fresh']:.1f})"
+        f"round trip {figures['host_round_trip_gbps']:.1f}, device copy {figures['device_copy_gbps']:.1f}"
     )
     print(
-        f"{'path':<11} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
+        f"{'path':<13} {'receivers':>9} {'held s':>8} {'loaded s':>9} {'GB/s':>7} {'load GB/s':>10} {'blocked s':>10}"
     )
     runs = paths(device, args.receivers)
     unknown = sorted(set(args.paths or []) - set(runs))
@@ -202,25 +200,20 @@ def main() -> None:
         seconds: dict[int, float] = {}
         for devices in run.devices:
             n = len(devices)
-            row = run_loading(
-                named,
-                devices,
-                run.backend,
-                args.bucket_mib,
-                shared_memory=run.shared_memory,
-                lock=run.lock,
-            )
-            if run.lock and not row["locked"]:
-                print(
-                    f"{path}: the driver refused to page-lock the mapping (CUDA error {row['lock_error']:.0f})"
-                )
-            if row["shared_memory"] != (1.0 if run.through_shm else 0.0):
-                raise SystemExit(
-                    f"{path}: the publisher {'did not use' if run.through_shm else 'used'} /dev/shm"
-                )
+            row = run_loading(named, devices, run.backend, args.bucket_mib)
+            if row["on_device"] != float(run.into_device):
+                where = "host memory" if run.into_device else "their own devices"
+                raise SystemExit(f"{path}: {n} receiver(s) received versions in {where}")
             report(figures, path, n, row, seconds)
     if "shared_gpu_gbps" in figures:
         figures["shared_gpu_over_round_trip"] = figures["shared_gpu_gbps"] / figures["host_round_trip_gbps"]
+    figures.update(receive_into_gpu(figures))
+    if "receive_into_gpu_gbps" in figures:
+        print(
+            f"into a GPU ({figures['receive_into_gpu_path']}): received {figures['receive_into_gpu_gbps']:.2f} "
+            f"GB/s, loaded {figures['load_gbps']:.2f} GB/s ({figures['load_over_device_copy']:.3f} of a device "
+            "copy)"
+        )
     print("every receiver's model equals every version it was sent")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
 

@@ -198,18 +198,16 @@ def broadcast_versions(
     weights_file: str,
     plan: list[tuple[int, str]],
     out: Any,
-    shared_memory: bool = False,
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
     ``(version, how)`` of ``plan``: "whole", "slow" (the source stalls ``SLOW_S`` half-way), or "cut" (the
-    source dies part-way through the version).
-    ``shared_memory``: staged in /dev/shm for the engine's workers to copy out (reported with each version)."""
+    source dies part-way through the version)."""
     from services.weight_broker.collective import CollectivePublisher
     from services.weight_broker.tensors import TensorSpec
     from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 0)
-    publisher = CollectivePublisher(group, bucket_bytes=1 << 20, shared_memory=shared_memory)
+    publisher = CollectivePublisher(group, bucket_bytes=1 << 20)
     weights = torch.load(weights_file)
     for version, how in plan:
         items = list(weights[version].items())
@@ -220,23 +218,10 @@ def broadcast_versions(
             source = itertools.chain(items[:half], _after(SLOW_S), items[half:])
         try:
             stats = publisher.send(version, specs, source)
-            out.put((version, "sent", stats.bytes, stats.extra["shared_memory"] == 1.0))
+            out.put((version, "sent", stats.bytes))
         except TransferFailed as exc:
             out.put((version, "failed", str(exc)))
     publisher.close()
-    group.close()
-
-
-def keep_host_copies(spec: dict[str, Any], versions: int, out: Any) -> None:
-    """A receiver that keeps versions in host memory as a GPU worker does, in its own process: rank 1 of the
-    weight group, the lowest of its host's, so it stages the host's copy of each version (reported)."""
-    from services.weight_broker.receiver import CollectiveReceiver
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
-
-    group = WeightGroup(GroupSpec(**spec), 1, host_copies=True)
-    for _ in range(versions):
-        version, _, stats = CollectiveReceiver(group, bounce=True).receive()
-        out.put((version, "host copy", stats.extra["host_copy"]))
     group.close()
 
 
@@ -247,36 +232,28 @@ def broadcasting(
     *,
     epoch: int = 1,
     timeout_s: float = 60.0,
-    shared_memory: bool = False,
-    host_copy: bool = False,
     receivers: int = 1,
 ) -> Iterator[tuple[dict[str, Any], Any]]:
     """:func:`broadcast_versions` in a spawned process, rank 0 of a gloo weight group on a free port with
     ``receivers`` more members: yields ``(spec, queue of its reports)`` for the engine's workers to join as
-    ranks 1..; on exit the process is joined, and killed if it is still there after 60 s. ``host_copy``: one
-    member more, rank 1 (:func:`keep_host_copies`), which stages each version's host copy, for the engine to
-    join from rank 2 keeping host copies too (it then maps that copy)."""
+    ranks 1..; on exit the process is joined, and killed if it is still there after 60 s."""
     from services.common.ports import free_port
 
     spec = {
         "host": "127.0.0.1",
         "port": free_port(),
-        "world_size": 1 + receivers + (1 if host_copy else 0),
+        "world_size": 1 + receivers,
         "backend": "gloo",
         "epoch": epoch,
         "timeout_s": timeout_s,
     }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=broadcast_versions, args=(spec, str(weights_file), plan, out, shared_memory))]
-    if host_copy:
-        procs.append(ctx.Process(target=keep_host_copies, args=(spec, len(plan), out)))
-    for p in procs:
-        p.start()
+    learner = ctx.Process(target=broadcast_versions, args=(spec, str(weights_file), plan, out))
+    learner.start()
     try:
         yield spec, out
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        learner.join(timeout=60)
+        if learner.is_alive():
+            learner.kill()

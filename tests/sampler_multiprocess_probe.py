@@ -90,7 +90,7 @@ def failed_load(engine: Any, weights: dict[str, Any]) -> dict[str, Any]:
 
 def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str) -> dict[str, Any]:
     """A version broadcast by a learner process through the weight group into the workers' registered
-    ``vcpo_collective`` engine (each in its own process here, as on GPU machines), through /dev/shm: what
+    ``vcpo_collective`` engine (each in its own process here, as on GPU machines), over gloo's sockets: what
     a learner and a sampler sharing a GPU use."""
     import torch
 
@@ -100,7 +100,7 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     path = os.path.join(tmp, "collective.pt")
     torch.save({version: weights}, path)
     plan = [(version, "whole")]
-    with broadcasting(path, plan, epoch=0, timeout_s=120.0, shared_memory=True) as (spec, out):
+    with broadcasting(path, plan, epoch=0, timeout_s=120.0) as (spec, out):
         engine.join_weight_group({**spec, "rank_offset": 1})
         seconds = engine.receive_collective(version)
         sent = out.get(timeout=120)

@@ -5,8 +5,8 @@ first failure; a worker's failure must not leave a reply behind for the next cal
 
 - a join that fails in both workers (a group that never forms) raises its own error, and the calls after it
   (a pause and resume as for a swap, a generation) get their own replies;
-- a version broadcast through the weight group into both workers (ranks 1 and 2, keeping one host copy
-  between them, as a GPU host's workers do), served;
+- a version broadcast through the weight group into both workers (ranks 1 and 2, each into buffers on its
+  own device, as a GPU host's workers do), served;
 - a broadcast version that loads in one worker and fails in the other (one row-parallel weight a column
   short: worker 0's half fits, worker 1's does not) raises that error; the next version is received,
   loaded and served."""
@@ -57,7 +57,7 @@ def main() -> None:
             torch.save({seed_a: a, seed_b: broken, seed_c: c}, path)
             plan = [(seed_a, "whole"), (seed_b, "whole"), (seed_c, "whole")]
             with broadcasting(path, plan, epoch=0, timeout_s=120.0, receivers=2) as (spec, sent):
-                engine.join_weight_group({**spec, "rank_offset": 1, "host_copies": True})
+                engine.join_weight_group({**spec, "rank_offset": 1})
                 engine.receive_collective(seed_a)
                 out["first"] = {"sent": list(sent.get(timeout=120)), **greedy(engine, prompt)}
                 engine.stage_collective(seed_b)

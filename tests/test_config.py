@@ -379,7 +379,8 @@ def test_a_learner_started_on_its_own_is_checked_like_a_whole_run() -> None:
     ("key", "told"),
     [
         ("group_digests", "the weight group's buckets are not checksummed"),
-        ("group_cuda_ipc", "members that share one GPU take each version through /dev/shm over gloo"),
+        ("group_cuda_ipc", "members that share one GPU take each version over gloo"),
+        ("group_shared_memory", "each receiver takes a version into buffers on its own device"),
     ],
 )
 def test_a_run_file_setting_a_removed_weight_group_key_is_told_it_was_removed_and_what_to_do(

@@ -140,12 +140,7 @@ def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any],
         from services.weight_broker.weight_group import GroupSpec, WeightGroup
 
         module = _zero3_module(rank, port, model_dir)
-        shared = spec.pop("shared_memory", False)  # weight_broker.group_shared_memory
-        publisher = (
-            CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000, shared_memory=shared)
-            if rank == 0
-            else None
-        )
+        publisher = CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000) if rank == 0 else None
         stats = GatherStats()
         try:
             result = publish_collective(module, publisher, 1, rank, BUCKET, stats)
@@ -161,29 +156,24 @@ def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
     from services.weight_broker.receiver import CollectiveReceiver
     from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
 
-    spec.pop("shared_memory", None)  # the publisher's setting; the header tells the receivers
     group = WeightGroup(GroupSpec(**spec), 1)
     if behaviour == "die-after-header":
         group.ready(1)  # as a receiver says it is in its receive
         group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
         os._exit(3)
     try:
-        version, tensors, stats = CollectiveReceiver(group).receive()
+        version, tensors, _ = CollectiveReceiver(group).receive()
         # numpy arrays travel by value (a tensor would be a handle into this process, gone once it exits)
         arrays = [(n, t.numpy().copy()) for n, t in tensors]
-        out.put(("receiver", version, arrays, stats.extra["shared_memory"] == 1.0))
+        out.put(("receiver", version, arrays))
     except TransferFailed as exc:
         out.put(("receiver", "failed", str(exc)))
 
 
-def run_collective(
-    model_dir: Path, behaviour: str, shared_memory: bool = False
-) -> tuple[list[tuple[Any, ...]], Any]:
+def run_collective(model_dir: Path, behaviour: str) -> tuple[list[tuple[Any, ...]], Any]:
     ctx = mp.get_context("spawn")
     got = ctx.Queue()
     spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 20.0}
-    if shared_memory:
-        spec["shared_memory"] = True
     receiver = ctx.Process(target=_weight_receiver, args=(spec, behaviour, got))
     receiver.start()
     results = _spawn_ranks(_collective_rank, str(model_dir), spec)
@@ -193,20 +183,15 @@ def run_collective(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["sockets", "shared-memory"])
-def test_zero3_ranks_broadcast_a_version_into_the_weight_group_bit_exact(
-    model_dir: Path, shared_memory: bool
-) -> None:
-    """Gathered bucket by bucket on both ranks, into the receiver bit-exact: over the group's sockets, or
-    staged in /dev/shm for the receiver to map (weight_broker.group_shared_memory, ranks on one host)."""
+def test_zero3_ranks_broadcast_a_version_into_the_weight_group_bit_exact(model_dir: Path) -> None:
+    """Gathered bucket by bucket on both ranks, into the receiver bit-exact over the group's sockets."""
     from transformers import AutoModelForCausalLM
 
-    results, received = run_collective(model_dir, "ok", shared_memory)
+    results, received = run_collective(model_dir, "ok")
     assert [r[:3] for r in results] == [(0, "ok", 1), (1, "ok", None)], results
     assert all(buckets > 3 for *_, buckets, _ in results)  # gathered a bucket at a time on both ranks
     reference = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-    _, version, tensors, mapped = received
-    assert mapped is shared_memory
+    _, version, tensors = received
     assert version == 1 and [n for n, _ in tensors] == list(reference)  # Hugging Face names, in order
     for name, array in tensors:
         assert torch.equal(torch.from_numpy(array), reference[name].detach()), name

@@ -400,7 +400,6 @@ def test_an_engine_core_in_another_process_swaps_exactly_and_rolls_back(tiny_mod
     # vcpo_collective backend (registered by the worker extension's import) and serves the broadcast version
     coll = result["collective"]
     assert coll["sent"][1] == "sent" and coll["serving"] is True
-    assert coll["sent"][3] is True  # the workers copied it out of the learner's /dev/shm segment
     expected = hf_logprobs(
         hf_model(tiny_model_dir, version_weights(tiny_model_dir, 17)), coll["prompt"], coll["tokens"]
     )
@@ -422,7 +421,8 @@ def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_w
     """Two workers under vLLM's multi-process executor (every GPU engine with tensor parallelism), which
     stops reading replies at the first failure: a join failing in both workers raises its own error and the
     swap's pause after it works (it used to raise the join's error and leave the engine paused: the run hung);
-    both workers take broadcast versions as ranks 1 and 2 through one host copy, and serve them exactly; a
+    both workers take broadcast versions as ranks 1 and 2, each into its own device's buffers, and serve them
+    exactly; a
     version failing to load in one worker only raises that worker's error, and the next version serves
     exactly."""
     result, said = run_probe("tests.sampler_tp_probe", tiny_model_dir, 51, 52, 53)
@@ -431,10 +431,9 @@ def test_an_engine_with_tensor_parallelism_takes_each_call_s_own_reply_after_a_w
         "WorkerCallFailed: joining the weight group failed in worker(s) 0, 1 of 2: TransferFailed"
     )
     assert result["pause_error"] == "" and len(result["after_failed_join"]["tokens"]) == 8
-    # every worker received every version; one staged this host's copy, the other mapped it
+    # every worker received every version, into buffers on its device
     for version in (51, 52, 53):
-        assert f"received version {version} (this host's copy, staged here)" in said
-        assert f"received version {version} (mapped from this host's copy)" in said
+        assert said.count(f"received version {version} into cpu: ") == 2, said[-4000:]
     for key, version in (("first", 51), ("second", 53)):
         got = result[key]
         assert got["sent"][:2] == [version, "sent"]
@@ -575,8 +574,8 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     """A run applies version after version from the weight group, with generation between stage and apply
     (the sampler keeps generating under its loaded version while the next one is received): every apply serves
     exactly its version's weights, and every generation before an apply its loaded version's. The first two
-    versions come through /dev/shm (weight_broker.group_shared_memory), the last two, in the next epoch, over
-    the sockets."""
+    versions come through one epoch of the weight group, the last two through the next (as after a
+    re-forming)."""
 
     sampling = Sampling(temperature=1.0, max_tokens=8, seed=5)
     tok = vllm_engine.tokenizer
@@ -590,9 +589,9 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     weights_file = tmp_path / "versions.pt"
     torch.save(weights, weights_file)
     serving: int | None = None
-    for epoch, (half, shared) in enumerate(((plan[:2], True), (plan[2:], False)), 1):  # as after a re-forming
+    for epoch, half in enumerate((plan[:2], plan[2:]), 1):  # as after a re-forming
         plan_half = [(v, "whole") for v in half]
-        with broadcasting(weights_file, plan_half, epoch=epoch, shared_memory=shared) as (spec, out):
+        with broadcasting(weights_file, plan_half, epoch=epoch) as (spec, out):
             vllm_engine.join_weight_group({**spec, "rank_offset": 1})
             for version in half:
                 vllm_engine.stage_collective(version)
@@ -600,7 +599,6 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
                     version,
                     "sent",
                     sum(t.nbytes for t in weights[version].values()),
-                    shared,
                 )
                 if serving is not None:  # received, not yet applied: still the loaded version
                     assert_matches(
@@ -645,35 +643,6 @@ def test_an_engine_generates_while_a_version_is_received_and_then_serves_it_exac
         assert vllm_engine.loaded_version == plan[0]
         vllm_engine.apply_collective(plan[1])
         assert_matches(tiny_model_dir, weights[plan[1]], generate(vllm_engine, prompts, sampling).values())
-
-
-def test_an_engine_worker_loads_versions_mapped_from_its_hosts_one_copy(
-    vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """GPU workers on one host keep one host copy of each version between them: another receiver (rank 1)
-    stages it in /dev/shm, and the engine's worker (rank 2) keeps nothing of its own and loads each version
-    from a copy-on-write mapping of that file. It serves exactly each version's weights, prefix cache
-    included, the second version from a new file."""
-
-    sampling = Sampling(temperature=1.0, max_tokens=8, seed=7)
-    tok = vllm_engine.tokenizer
-    prompts = [tok.encode("Multiply and answer with the product only. " * 8 + q) for q in ("6*7=", "3*9=")]
-    assert min(len(p) for p in prompts) > 128  # longer than a KV block: the prefix cache holds them
-    plan = [next(versions) for _ in range(2)]
-    weights = {v: version_weights(tiny_model_dir, 50 + i) for i, v in enumerate(plan)}
-    weights_file = tmp_path / "versions.pt"
-    torch.save(weights, weights_file)
-    with broadcasting(weights_file, [(v, "whole") for v in plan], host_copy=True) as (spec, out):
-        vllm_engine.join_weight_group({**spec, "rank_offset": 2, "host_copies": True})
-        for version in plan:
-            vllm_engine.stage_collective(version)
-            reports = sorted((out.get(timeout=60)[:3] for _ in range(2)), key=lambda r: str(r[1]))
-            size = sum(t.nbytes for t in weights[version].values())
-            assert reports == [(version, "host copy", 1.0), (version, "sent", size)]  # rank 1 staged it
-            vllm_engine.apply_collective(version)
-            assert_matches(
-                tiny_model_dir, weights[version], generate(vllm_engine, prompts, sampling).values()
-            )
 
 
 def test_an_engine_that_gives_up_on_its_epoch_fails_the_next_broadcast_at_once(

@@ -314,3 +314,31 @@ def test_a_version_replaced_while_its_file_is_written_gives_way_to_the_newer_one
     assert [e[0] for e in events] == ["write", "write", "pause", "vcpo_reload_weights", "wake"]
     assert list(tmp_path.iterdir()) == []
     sampler.shutdown()
+
+
+def test_a_worker_without_room_for_a_version_is_told_apart_from_the_failures_it_causes(
+    gpu_layout: tuple[VllmEngine, Core, list[Any]],
+) -> None:
+    """A receive that failed because one worker's GPU had no room for the version raises ``NoRoom`` (the sampler
+    then leaves the weight group for good), with that worker's own error first, whichever rank it is: the
+    other workers' errors only echo the mark it left. Any other failure stays a ``WorkerCallFailed``."""
+    from services.sampler.engine import WorkerCallFailed
+    from services.weight_broker.receiver import NoRoom
+
+    engine, _, _ = gpu_layout
+    echo = (
+        "TransferFailed: version 4: receiving failed: rank 2's part failed: version 4 (1.00 GiB) does not fit"
+    )
+    own = "NoRoom: rank 2's part failed: version 4: receiving failed: version 4 (1.00 GiB) does not fit on cuda:0"
+    for states, error, first in (
+        ([echo, own], NoRoom, own),
+        ([echo, "TransferFailed: no version arrived"], WorkerCallFailed, echo),
+    ):
+        engine.llm.collective_rpc = lambda method, *a, states=states, **k: (
+            states if method == "vcpo_weight_work" else [None] * len(states)
+        )
+        engine._weight_work = ("receive", 4)
+        with pytest.raises(error) as info:
+            engine.weight_work_done()
+        assert str(info.value) == f"receiving version 4 failed in worker(s) 0, 1 of 2: {first}"
+        assert engine.collective_staged is None and engine._weight_work is None

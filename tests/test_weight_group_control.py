@@ -20,7 +20,7 @@ from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
 from services.weight_broker.group_control import GroupCoordinator
 from services.weight_broker.members import reachable_host
-from services.weight_broker.receiver import CollectiveReceiver
+from services.weight_broker.receiver import CollectiveReceiver, NoRoom
 from services.weight_broker.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_broker.transports import WeightTransport
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
@@ -643,27 +643,75 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
             engine.group.close()
 
 
-def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_setting(
+def test_a_sampler_whose_device_has_no_room_for_a_version_leaves_the_group_for_good(
+    registry: GroupRegistry, coordinator: GroupCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version that does not fit beside the engine fails that one broadcast for every rank; the sampler then
+    takes itself out of the weight group for good (deregistered, never seated again) and takes its versions
+    through the broker, instead of failing every later broadcast for every engine in the group."""
+    engine, broker = GroupEngine(), BrokerPath()
+    sync = CollectiveWeightSync(
+        engine, broker, None, MemberSeat(registry, Member("sampler-0.s"), poll_s=0.05), poll_interval_s=0.05
+    )
+    halt, errors = threading.Event(), []
+
+    def loop() -> None:
+        while not halt.is_set():
+            try:
+                sync.pump()
+                version = sync.ready()
+                if version is not None:
+                    sync.apply(version)
+            except Exception as exc:  # pragma: no cover - reported by the assertion below
+                errors.append(exc)
+            time.sleep(0.005)
+
+    def no_room(self: CollectiveReceiver, layout: Any, version: int) -> Any:
+        raise NoRoom(f"version {version} (1.00 GiB) does not fit on cuda:0 beside the engine")
+
+    broker.held.append(1)
+    sync.start()
+    looper = threading.Thread(target=loop, daemon=True)
+    looper.start()
+    try:
+        _until("version 1 over the broker's path", lambda: engine.loaded_version == 1)
+        _until("a group with the sampler", lambda: coordinator.wait_formed(0.1))
+        _until("the sampler joined", lambda: sync.epoch == coordinator.epoch)
+        monkeypatch.setattr(CollectiveReceiver, "_buffers", no_room)
+        with pytest.raises(TransferFailed, match="does not fit on cuda:0"):
+            _publish(coordinator, 2)
+        _until("the sampler withdrew", lambda: sync.withdrawn is not None)
+        assert "does not fit on cuda:0" in sync.withdrawn and sync.broadcast_failures == 1
+        _until("its registration gone", lambda: registry.live() == {})
+        broker.held.append(2)  # the version the group did not carry, through the broker
+        _until("version 2 over the broker's path", lambda: engine.loaded_version == 2)
+        time.sleep(1.5)  # heartbeat lifetimes (1 s): a member seated again would be registered by now
+        assert registry.live() == {} and sync.epoch == 0 and not errors
+    finally:
+        halt.set()
+        looper.join(10)
+        sync.stop()
+        if engine.group is not None:
+            engine.group.close()
+
+
+def test_the_learners_coordinator_from_its_config_bounds_its_waits_and_hands_out_publishers(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    """``weight_broker.group_shared_memory`` reaches the publisher of every epoch the learner's coordinator forms
-    (its members here on this host): the version is mapped from /dev/shm, not sent over the sockets."""
+    """The learner's coordinator built from ``weight_broker``: its group timeout, bounded by what the learner's
+    other ranks can wait for rank 0; and the publisher of the epoch it forms delivers a version exactly."""
     from services.weight_broker.config import WeightBrokerConfig
     from services.weight_broker.group_control import coordinator_from_config
 
-    run_id = f"wg-shm-{time.monotonic_ns()}"
+    run_id = f"wg-config-{time.monotonic_ns()}"
     wb = WeightBrokerConfig(
-        group_shared_memory=True,
         group_timeout_s=20,
         group_form_timeout_s=3,
         group_member_ttl_s=1.0,
         group_settle_s=0.0,  # one member: nothing to wait for
     )
     coordinator = coordinator_from_config(wb, redis_url, run_id, redis_client, torch.device("cpu"))
-    # the publishers' setting: /dev/shm asked for, off by default
-    assert coordinator.shared_memory
     off = coordinator_from_config(WeightBrokerConfig(), redis_url, run_id, redis_client, torch.device("cpu"))
-    assert not off.shared_memory
     assert (coordinator.timeout_s, off.timeout_s, off.wait_budget_s) == (20, 120, None)
     off.close()
     # a group's steps never outlast what the learner's other ranks can wait for rank 0 (learner.collective_
@@ -678,9 +726,9 @@ def test_the_learners_coordinator_hands_out_publishers_with_the_shared_memory_se
     try:
         _until("a group", lambda: coordinator.wait_formed(0.1), timeout_s=40)
         publisher = coordinator.publisher()
-        assert publisher is not None and publisher.shared
+        assert publisher is not None
         tensors = version_tensors(3)
-        assert publisher.send(3, specs_of(tensors), iter(tensors)).extra["shared_memory"] == 1.0
+        assert publisher.send(3, specs_of(tensors), iter(tensors)).version == 3
         _until("version 3", lambda: a.got == [(coordinator.epoch, 3, True)])
     finally:
         a.halt.set()

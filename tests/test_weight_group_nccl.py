@@ -195,8 +195,6 @@ def test_an_nccl_group_raises_its_failures_instead_of_ending_the_process(
     assert "NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     assert os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC") == dump_wait
     assert all(g.backend == "nccl" for g in groups)
-    # ranks on one host and distinct GPUs: NCCL moves the versions, whatever group_shared_memory says
-    assert groups[0].same_host and not CollectivePublisher(groups[0], shared_memory=True).shared
     groups[1].close()
     groups[1].close()  # once
     # abort (ncclCommAbort), not shutdown: destroying a communicator waits for a kernel a dead peer never ends
@@ -269,9 +267,9 @@ def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
     sharing: str,
 ) -> None:
     """NCCL refuses two ranks of a communicator on one GPU (a learner and a sampler given fractions of it):
-    every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact through
-    host shared memory (the ranks are on one host), not once per receiver over a socket; so too where every
-    rank is on the one GPU (a learner and all its samplers on fractions of it)."""
+    every rank reads the same identities and falls back to gloo alike, and a version arrives bit-exact over
+    its sockets, in buckets; so too where every rank is on the one GPU (a learner and all its samplers on
+    fractions of it)."""
     gpus(monkeypatch, by_rank)
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, backend="nccl", timeout_s=60, epoch=4)
     with caplog.at_level(logging.WARNING, logger=weight_group.__name__):
@@ -280,7 +278,7 @@ def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
     assert [(g.backend, g.device.type) for g in groups] == [("gloo", "cpu")] * 3
     assert (
         f"weight group epoch 4 runs on gloo, not NCCL: ranks {sharing} share a GPU (versions go through host "
-        "shared memory)" in caplog.text
+        "memory and sockets)" in caplog.text
     )
     got: dict[int, Any] = {}
 
@@ -292,12 +290,12 @@ def test_ranks_sharing_a_gpu_run_the_epoch_on_gloo_and_carry_a_version(
     for t in threads:
         t.start()
     tensors = version_tensors(12)
-    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)  # weight_broker.group_shared_memory unset
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
     stats = publisher.send(12, specs_of(tensors), iter(tensors))
     for t in threads:
         t.join(timeout=60)
     assert got == {1: (12, True), 2: (12, True)}
-    assert stats.extra["shared_memory"] == 1.0
+    assert stats.buckets > 1  # over the sockets, bucket by bucket
     publisher.close()
     for g in groups:
         g.close()
@@ -481,8 +479,7 @@ def _gpu_publisher(
     t0 = time.monotonic()
     try:
         stats = CollectivePublisher(group, bucket_bytes=8192).send(version, specs_of(tensors), iter(tensors))
-        plane = f"{group.backend}+shm" if stats.extra["shared_memory"] else group.backend
-        out.put(("sent", plane, stats.gb_per_s, time.monotonic() - t0))
+        out.put(("sent", group.backend, stats.gb_per_s, time.monotonic() - t0))
     except TransferFailed as exc:
         out.put(("failed", group.backend, str(exc), time.monotonic() - t0))
     out.close()
@@ -514,7 +511,7 @@ def test_ranks_on_one_gpu_fall_back_to_gloo_and_deliver_the_version_exactly() ->
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     publisher, _, (out, results) = run_gpu_group(["ok"], [0])
-    assert results.get(timeout=120)[:2] == ("sent", "gloo+shm")  # one host: through /dev/shm, page-locked
+    assert results.get(timeout=120)[:2] == ("sent", "gloo")  # over host memory and sockets
     assert out.get(timeout=60) == (1, 21, True)
     publisher.join(timeout=30)
     assert publisher.exitcode == 0
@@ -718,9 +715,8 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     cannot tell whether every receiver committed it), and its thread is given the same wait again to give up.
     One that does not is left behind: ``close`` returns (it waited for that thread without bound before,
     here the 30 s this stand-in for a stuck broadcast ignores the abort for), the thread is a daemon (one of an
-    executor would hold the process at exit), and what it may still use is let go once it ends: the spare
-    segment ``send`` reserves after each version was reserved after ``close`` had let go of everything, and
-    never released."""
+    executor would hold the process at exit), and what it may still use is let go once it ends: a bucket
+    buffer ``send`` makes after ``close`` had let go of everything goes too."""
     from services.weight_broker import broadcast_thread
     from services.weight_broker.buckets import TransferStats
     from services.weight_broker.collective import BroadcastOverdue
@@ -728,14 +724,13 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
     publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
     release = threading.Event()
-    reserved: list[bool] = []
+    made: list[bool] = []
 
     def sending(version: int, *args: Any, **kwargs: Any) -> TransferStats:
         while not release.is_set() and not (gives_up and groups[0].closed):  # deaf to the abort, or not
             time.sleep(0.01)
-        publisher._segments.reserve_spare(4096)  # as send does after every version on /dev/shm
-        publisher._segments.settle()
-        reserved.append(publisher._segments.spare is not None)
+        publisher._buffer(0, 4096)  # as send does for a packed bucket
+        made.append(bool(publisher._buffers))
         return TransferStats(version, 1, 1, 1, 0.0)
 
     publisher.send = sending  # type: ignore[method-assign]
@@ -753,11 +748,11 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     finally:
         release.set()
     thread.join(timeout=10)
-    assert reserved == [True]
+    assert made == [True]
     deadline = time.monotonic() + 10
-    while publisher._segments.spare is not None and time.monotonic() < deadline:
+    while publisher._buffers and time.monotonic() < deadline:
         time.sleep(0.01)  # a done callback runs just after the thread's result is set
-    assert publisher._segments.spare is None
+    assert publisher._buffers == []
     for g in groups:
         g.close()
 
@@ -796,11 +791,10 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
     0's publish, while the other ranks waited in their agreement), and its bucket buffers go with it. So
     does the staged version at once: the failure's traceback held it in a reference cycle until the garbage
     collector ran (a whole model of page-locked memory, beside the next version's)."""
-    from services.weight_broker import shared_memory
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
     gc.collect()
-    before = shared_memory.held_host_bytes()
     gc.disable()
     publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
     publisher._buffer(0, 4096)
@@ -813,10 +807,13 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
     tensors = version_tensors(3)
     try:
         publisher.send_background(3, specs_of(tensors), iter(tensors))
-        assert shared_memory.held_host_bytes() > before  # staged
+        staging = publisher._staging._tensor
+        assert staging is not None  # staged
+        staged = StorageWeakRef(staging.untyped_storage())
+        del staging
         with caplog.at_level(logging.WARNING, logger="services.weight_broker.collective"):
             publisher.close()
-        assert shared_memory.held_host_bytes() == before  # no garbage collection has run
+        assert staged.expired()  # freed, and no garbage collection has run
     finally:
         gc.enable()
     assert "the last background broadcast failed: CUDA error: an illegal memory access" in caplog.text

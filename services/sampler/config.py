@@ -117,9 +117,9 @@ class SamplerConfig(Section):
         gt=0,
         le=1,
         description="Fraction of accelerator memory (of RAM on the CPU build) vLLM reserves. With the collective "
-        "weight transport, the rest must also hold what the weight group allocates after vLLM sized its KV "
-        "cache: two buckets (2 × weight_broker.group_bucket_mb), NCCL's buffers and vLLM's reload of the "
-        "largest layer (the GPU presets use 0.85).",
+        "weight transport under NCCL, the rest must also hold a whole weight version (every GPU worker receives "
+        "one there before loading it) and about 2 GiB more for NCCL's buffers and vLLM's reload of a layer: "
+        "0.75 for a 7B model in bf16 on 80 GB GPUs.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Engine dtype.")
     weight_update: Literal["pause", "in_flight"] = Field(

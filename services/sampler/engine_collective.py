@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any
 
+from services.weight_broker.receiver import NoRoom
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the waiting forms ask the workers
@@ -61,7 +63,8 @@ class CollectiveWeights:
     def weight_work_done(self) -> bool:
         """Whether the join or receive begun last has ended in every worker (True where none was begun). A
         received version is then staged (``collective_staged``). Raises :class:`WorkerCallFailed` with the
-        workers' errors if it failed anywhere: a failed receive dropped whatever was staged, the engine still
+        workers' errors if it failed anywhere (:class:`NoRoom` where a worker's device had no room for the
+        version): a failed receive dropped whatever was staged, the engine still
         on its loaded version; the weight group is then closed in the workers that failed (leave it)."""
         if self._weight_work is None:
             return True
@@ -78,7 +81,12 @@ class CollectiveWeights:
 
             ranks = ", ".join(str(rank) for rank, _ in failed)
             doing = "joining the weight group" if what == "join" else f"receiving version {version}"
-            raise WorkerCallFailed(f"{doing} failed in worker(s) {ranks} of {len(states)}: {failed[0][1]}")
+            # a worker's own lack of room first: the others' errors may only echo it
+            first = next(
+                (state for _, state in failed if state.startswith(f"{NoRoom.__name__}:")), failed[0][1]
+            )
+            message = f"{doing} failed in worker(s) {ranks} of {len(states)}: {first}"
+            raise NoRoom(message) if first.startswith(f"{NoRoom.__name__}:") else WorkerCallFailed(message)
         if what == "receive":
             self.collective_staged = version
         return True
@@ -96,9 +104,9 @@ class CollectiveWeights:
     def leave_weight_group(self, why: str | None = None) -> None:
         """Every worker leaves its weight group. ``why``: the sampler gave up on the epoch, which every member
         is told, so rank 0's next broadcast fails at once instead of waiting for these workers until the
-        group's timeout; None: the epoch was superseded (its group and host copy let go). A receive under way
-        fails (its version dropped); one received whole stays staged. Never raises: it is called on the way out of failures (a worker that
-        cannot leave closes its group at the next join)."""
+        group's timeout; None: the epoch was superseded (its group let go). A receive under way fails (its
+        version dropped); one received whole stays staged. Never raises: it is called on the way out of
+        failures (a worker that cannot leave closes its group at the next join)."""
         try:
             self._rpc("vcpo_leave_weight_group", why)
         except Exception:

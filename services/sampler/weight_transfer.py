@@ -4,8 +4,9 @@ vLLM 0.32 builds one ``WeightTransferEngine`` per worker from ``weight_transfer_
 through the worker methods ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
 ``finish_weight_update`` (called here through ``collective_rpc``). Its own NCCL engine loads each tensor as
 it arrives; this one, ``vcpo_collective``, receives a whole version through the weight group
-(services/weight_broker/collective.py: gloo on CPU, NCCL on GPU) and loads nothing until every member voted
-to commit it, so a broadcast that fails part-way leaves the model as it was. ``finish_weight_update`` then
+(services/weight_broker/collective.py: gloo on CPU, NCCL on GPU) into buffers on the worker's device (its
+GPU under NCCL: a version's bytes beside the engine, in what ``sampler.gpu_memory_utilization`` leaves free)
+and loads nothing until every member voted to commit it, so a broadcast that fails part-way leaves the model as it was. ``finish_weight_update`` then
 loads the version in place with vLLM's own ``reload_weights`` (the broker path's loader, whose log-probs are
 tested against Hugging Face's).
 
@@ -67,7 +68,6 @@ class CollectiveInitInfo(WeightTransferInitInfo):
     epoch: int = 0
     timeout_s: float = 120.0
     form_timeout_s: float = 30.0
-    host_copies: bool | None = None  # keep versions in host memory, one copy per host (default: GPU workers)
 
 
 @dataclass
@@ -109,7 +109,7 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         ticket = self._ticket = object()  # a join this engine left before it formed keeps no group
 
         def join() -> None:
-            group = WeightGroup(spec, rank, device, host_copies=init_info.host_copies)
+            group = WeightGroup(spec, rank, device)
             with self._lock:
                 left = self._ticket is not ticket
                 if not left:
@@ -145,8 +145,8 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
             raise RuntimeError(
                 "not in a weight group: init_weight_transfer_engine first (or again, after a failure)"
             )
-        # a newer version replaces one staged and not yet loaded: let that go first, so the host never holds
-        # two (its host copy is the spare this one is received into; a failure drops both either way)
+        # a newer version replaces one staged and not yet loaded: let that go first, so the device never
+        # holds two
         self._staged = None
         group = self.group
         self.work = Background("receive", lambda: self.receive_weights(group, info), group.gpu)
@@ -160,15 +160,10 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
                 f"{update_info.version}"
             )
         self._staged = (version, tensors)
-        where = {1.0: " (this host's copy, staged here)", 2.0: " (mapped from this host's copy)"}.get(
-            stats.extra.get("host_copy", 0.0), ""
-        )
-        if stats.extra.get("shared_memory"):
-            where = " (mapped from the learner's shared memory)"
         log.info(
-            "received version %d%s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
+            "received version %d into %s: %d tensors, %.1f MB in %.2f s (%.2f GB/s)",
             version,
-            where,
+            group.device,
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,

@@ -23,6 +23,7 @@ from services.common.streams.consumer import StreamTail
 from services.sampler.engine import GenerationEngine
 from services.weight_broker.follower import WeightFollower
 from services.weight_broker.protocol import Sink
+from services.weight_broker.receiver import NoRoom
 from services.weight_broker.seats import MemberSeat, Seat
 from services.weight_broker.transports import WeightTransport
 from services.weight_broker.weight_group import AnnouncementWatch, TransferFailed
@@ -204,6 +205,7 @@ class CollectiveWeightSync(WeightSync):
         self._busy: tuple[Seat | int, float] | None = None
         self._seated = False  # registered for the group (start)
         self._seat_tried = float("-inf")
+        self.withdrawn: str | None = None  # why this engine left the group for good: its GPU has no room
 
     def start(self) -> None:
         """Fetch through the broker; register for the group once the engine serves a version (at once if it
@@ -217,7 +219,7 @@ class CollectiveWeightSync(WeightSync):
     def _seat(self) -> None:
         """Register (once the engine serves a version); where the registry is out of reach, again at the loop's
         turn ``SEAT_RETRY_S`` later."""
-        if self._seated or time.monotonic() - self._seat_tried < SEAT_RETRY_S:
+        if self._seated or self.withdrawn or time.monotonic() - self._seat_tried < SEAT_RETRY_S:
             return
         try:
             self.seat.start()
@@ -286,6 +288,8 @@ class CollectiveWeightSync(WeightSync):
             self._busy = None
             if isinstance(what, int):
                 self._leave(f"version {what}: {type(exc).__name__}: {exc}")
+                if isinstance(exc, NoRoom):
+                    self._withdraw(str(exc))
             else:
                 self._join_failed(what, f"{type(exc).__name__}: {exc}", t0)
             return
@@ -298,6 +302,17 @@ class CollectiveWeightSync(WeightSync):
             self.watch = AnnouncementWatch.of(what.spec)
             self.epoch = what.spec.epoch
             log.info("joined weight group epoch %d as ranks from %d", self.epoch, what.rank_offset)
+
+    def _withdraw(self, why: str) -> None:
+        """Leave the weight group for good: a version does not fit beside this engine, and as a member it would
+        fail every broadcast, for every engine in it. Versions come through the broker from now on."""
+        self.withdrawn = why
+        if self._seated:
+            self.seat.stop()
+            self._seated = False
+        log.error(
+            "this engine takes every version through the broker from now on, not the weight group: %s", why
+        )
 
     def _join(self, seat: Seat) -> None:
         log.info("joining weight group epoch %d", seat.spec.epoch)
@@ -331,7 +346,7 @@ class CollectiveWeightSync(WeightSync):
             log.info("leaving weight group: %s", why)
         # the workers' groups too: a failure outside the group's collectives (a worker's own) left them open,
         # and rank 0 would wait for them in its next broadcast until the group's timeout; a superseded epoch's
-        # group (and host copy) is let go of rather than held until the next join
+        # group is let go of rather than held until the next join
         self._quit_group(self.error if failed and tell else None)
         self.epoch = 0
         self.poll_now()  # what the group would have carried may be on the broker already

@@ -13,12 +13,11 @@ Client side (other services may import these):
 - ``follower``: a sampler's loop that notices newer versions and loads each whole.
 - ``weight_group``: the collective transport's process group: its spec, forming, announcements, failure.
 - ``nccl_group``: its NCCL process group, and the setting that keeps a process alive after its failure.
-- ``collective``: what travels over the weight group, and rank 0's publisher.
+- ``collective``: what travels over the weight group, and rank 0's publisher and its staging buffer.
 - ``receiver``: the receivers (each engine worker) of what the publisher sends, and the thread
   a worker receives on while its engine generates.
 - ``buckets``: how a version is cut for the weight group (buckets and the pieces they travel in).
-- ``host_copy``: one host copy of each version for the receivers on a host that keep versions in host memory.
-- ``members``: who the weight group's members are (their hosts, GPUs, host copies), as every rank reads it.
+- ``members``: who the weight group's members are (their GPUs), as every rank reads it.
 - ``seats``: the weight group's receivers in its control plane (their registration in Redis, their seat in an
   epoch).
 - ``group_control``: the weight group's control plane on learner rank 0 (the coordinator that forms epochs).

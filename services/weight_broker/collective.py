@@ -11,20 +11,14 @@ A version travels as:
               and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
     buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
               ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
-              views of their bucket buffers (on a GPU worker: of host copies, see ``bounce``)
+              views of their bucket buffers, on the receiver's device (a GPU worker's GPU under NCCL: the
+              engine loads the version from there, device to device)
     vote      all-reduce MIN of every rank's "I have it all": 1 commits the version on every rank, anything
               else (or a failed collective) discards it on every rank
 
 The buckets carry no checksums, as vLLM's and torch's own weight broadcasts carry none: under NCCL (the GPU
 default) hashing a bucket would copy it to the host. The broker path keeps its xxh3 checksums of the bytes it
 stores and serves.
-
-Members on one host (``WeightGroup.same_host``) may skip the buckets' sockets: the publisher stages the whole
-version in a /dev/shm segment (``shared_memory.py``; its staging buffer, so nothing is copied twice), the
-header names it, and every receiver maps it copy-on-write before the vote: its tensors are views of the
-publisher's pages, one copy in memory however many receivers hold it. Ranks that share a GPU always do (NCCL
-refuses them, so their epoch runs on gloo); a gloo group does with ``shared_memory``. A publisher that cannot
-reserve the segment (/dev/shm too small) warns and sends buckets.
 
 Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
 timeout, a source that failed) leaves every engine on its previous version. A failed collective leaves the group
@@ -33,6 +27,7 @@ unusable: its members close it and the control plane forms a new one (``GroupSpe
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -57,7 +52,6 @@ from services.weight_broker.buckets import (
     next_checked,
     pieces,
 )
-from services.weight_broker.shared_memory import PinnedStaging, Staging
 from services.weight_broker.tensors import TensorSpec
 from services.weight_broker.weight_group import TransferFailed, WeightGroup
 
@@ -68,6 +62,40 @@ log = logging.getLogger(__name__)
 # fails makes the allocator synchronize the device and free its cache)
 _STREAMS: dict[torch.device, Any] = {}
 IN_FLIGHT = 4  # pieces queued at a time from a staged version (_send_staged)
+
+
+# above this many MiB torch's pinned allocator makes allocations of the exact size and does not cache them
+PINNED_EXACT_MB = 64
+
+
+@functools.cache
+def _pinned_allocator() -> bool:
+    """Whether host buffers are page-locked here (CUDA is there); configures torch's pinned allocator once."""
+    if not torch.cuda.is_available():
+        return False
+    torch._C._accelerator_setAllocatorSettings(
+        f"pinned_max_round_threshold_mb:{PINNED_EXACT_MB},pinned_max_cached_size_mb:{PINNED_EXACT_MB}"
+    )
+    return True
+
+
+class PinnedStaging:
+    """The publisher's host staging buffer: exactly the size asked for, page-locked where CUDA is there, kept
+    for the next version (replaced by a new one if that is bigger). From torch's pinned allocator, set to make
+    large buffers at their size and free them when dropped: by default it rounds each allocation up to a power
+    of two and caches it, and a 65 GB version would pin 128 GB of the learner's host for the run's life."""
+
+    def __init__(self) -> None:
+        self._tensor: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self._tensor is None or self._tensor.numel() < nbytes:
+            self._tensor = None  # freed once no view of it is left
+            self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_pinned_allocator())
+        return self._tensor[:nbytes]
+
+    def release(self) -> None:
+        self._tensor = None
 
 
 class BroadcastOverdue(TransferFailed):
@@ -81,13 +109,11 @@ class CollectivePublisher:
         self,
         group: WeightGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        shared_memory: bool = False,
         staging: PinnedStaging | None = None,
     ) -> None:
-        """``shared_memory``: with every member on this host, stage versions in /dev/shm for the receivers to
-        map (see the module docstring; ranks sharing a GPU do regardless). ``staging``: the host staging buffer
-        to use, kept by the caller beyond this publisher (the coordinator's, for every epoch's publisher: one of
-        the model's size, page-locked, is costly to make again for each)."""
+        """``staging``: the host staging buffer to use, kept by the caller beyond this publisher (the
+        coordinator's, for every epoch's publisher: one of the model's size, page-locked, is costly to make
+        again for each)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
@@ -96,12 +122,9 @@ class CollectivePublisher:
         # under NCCL, every receiver ready (WeightGroup.wait_ready) before the first collective of a version;
         # gloo's collectives wait in its threads, and fail at once where a receiver died (it waits no longer)
         self.await_ready = group.backend == "nccl"
-        # not instead of NCCL between GPUs, which moves the bytes device to device
-        self.shared = group.same_host and (group.shares_gpu or (shared_memory and group.backend == "gloo"))
-        self._segments = Staging(group.cuda_index)
         self._buffers: list[torch.Tensor] = []
         self._owns_staging = staging is None
-        self._staging = staging if staging is not None else PinnedStaging(group.cuda_index)
+        self._staging = staging if staging is not None else PinnedStaging()
         self._stream: Any = None  # CUDA: the background broadcast's own stream
         self._pending: Future[TransferStats] | None = None
         self._thread: threading.Thread | None = None  # the last background broadcast's
@@ -189,7 +212,7 @@ class CollectivePublisher:
         bytes. Tensors that are views of it already (``send`` of what ``send_background`` staged) stay where
         they are."""
         [whole] = bucket_layout(specs, WHOLE)
-        staging = self._staging_buffer(whole.nbytes)
+        staging = self._staging.take(whole.nbytes)  # the previous version's vote has ended
         staged, source = [], iter(tensors)
         for i, offset in whole.items:
             tensor = next_checked(i, specs, source)
@@ -202,18 +225,6 @@ class CollectivePublisher:
         if staging.device.type == "cuda":  # exported from another thread, whose stream is not this one's
             torch.cuda.current_stream(staging.device).synchronize()
         return staged, staging[: whole.nbytes]
-
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` to stage in: the shared segment when the members share it, else host memory, page-locked
-        where CUDA is there (the previous version's vote has ended)."""
-        if self.shared:
-            try:
-                return self._segments.take(nbytes)  # the spare, once its reservation has ended
-            except OSError as exc:
-                why = f"cannot stage weights in shared memory ({exc}: {nbytes} bytes)"
-                log.warning("%s: broadcasting over the weight group's sockets instead", why)
-                self.shared = False
-        return self._staging.take(nbytes)
 
     def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> None:
         """Abort the background broadcast that :meth:`wait` found ``overdue``: the group is marked failed and
@@ -255,8 +266,7 @@ class CollectivePublisher:
                 thread.join()  # its broadcast has ended: it is returning
             self._let_go()
             return failure
-        # what the thread left behind may still use is let go once it ends, if it does: its version's segment,
-        # and the spare its send reserves after it
+        # what the thread left behind may still use (the staging buffer) is let go once it ends, if it does
         self._behind = None
         if thread is not None:
             leave_behind(thread, behind, self._let_go)
@@ -266,7 +276,6 @@ class CollectivePublisher:
 
     def _let_go(self) -> None:
         self._buffers.clear()
-        self._segments.release()
         if self._owns_staging:
             self._staging.release()
 
@@ -285,19 +294,11 @@ class CollectivePublisher:
         t0 = time.monotonic()
         if not specs:
             raise ValueError(f"version {version} has no tensors")
-        if self.shared:  # staged before anything is announced: a failing source fails only this call
-            try:
-                tensors, _ = self._stage(specs, tensors)
-            except Exception as exc:
-                raise TransferFailed(f"version {version}: {exc}") from exc
-        segment = self._segments.current if self.shared else None  # not if it could not be reserved
-        bucket_bytes = WHOLE if segment else self.bucket_bytes
-        layout = bucket_layout(specs, bucket_bytes)
-        shared = {"name": segment.name, "nbytes": layout[0].nbytes} if segment else None
-        fields: dict[str, Any] = {"bucket_bytes": bucket_bytes}
-        if shared:
-            fields["shared"] = shared
-        fields["tensors"] = [[s.name, s.dtype, list(s.shape)] for s in specs]
+        layout = bucket_layout(specs, self.bucket_bytes)
+        fields = {
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
+        }
         header = json.dumps(fields).encode()
         group, committed = self.group, False
         source_error: Exception | None = None  # the source's, reported after the vote
@@ -311,34 +312,22 @@ class CollectivePublisher:
             group.wait(
                 group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
             )
-            if self.await_ready:  # and once they made their buffers (a whole model's, page-locked, at first)
+            if self.await_ready:  # and once they made their buffers (a whole model's)
                 group.wait_ready(group.broadcasts, "data")
-            if shared is None and staged is not None and staged.device == group.device:
+            if staged is not None and staged.device == group.device:
                 self._send_staged(layout, specs, staged)
-            elif shared is None:
+            else:
                 source_error = self._send_buckets(layout, specs, iter(tensors))
-            # else the receivers map the segment now
             committed = group.all_ok(source_error is None)
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
             group.abort()
             raise TransferFailed(f"version {version}: broadcast failed: {exc}") from exc
-        finally:
-            if shared:  # every receiver mapped it before it voted: its pages stay theirs, its name goes
-                self._segments.release(spare=False)
-                # the next version's segment, reserved and populated off the learner's and the caller's time
-                self._segments.reserve_spare(layout[0].nbytes)
         if source_error is not None:
             raise TransferFailed(f"version {version}: {source_error}") from source_error
         if not committed:
-            why = "could not read the shared memory" if shared else "could not open its host's copy"
-            raise TransferFailed(f"version {version}: a receiver voted against it ({why})")
+            raise TransferFailed(f"version {version}: a receiver voted against it")
         return TransferStats(
-            version,
-            len(specs),
-            sum(s.nbytes for s in specs),
-            len(layout),
-            time.monotonic() - t0,
-            {"shared_memory": 1.0 if shared else 0.0},
+            version, len(specs), sum(s.nbytes for s in specs), len(layout), time.monotonic() - t0
         )
 
     def _in_place(self, flat: torch.Tensor) -> bool:

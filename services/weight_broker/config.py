@@ -19,8 +19,10 @@ REMOVED_GROUP_KEYS = {
     "group_digests": "was removed: the weight group's buckets are not checksummed (under NCCL, the GPU "
     "default, they never were; the broker path keeps its own xxh3 checksums); delete the setting (run file, "
     "--set or VCPO_WEIGHT_BROKER__GROUP_DIGESTS)",
-    "group_cuda_ipc": "was removed: members that share one GPU take each version through /dev/shm over gloo "
-    "(as they did where CUDA IPC failed); delete the setting (run file, --set or "
+    "group_shared_memory": "was removed: each receiver takes a version into buffers on its own device (its GPU "
+    "under NCCL), over the group's sockets under gloo; delete the setting (run file, --set or "
+    "VCPO_WEIGHT_BROKER__GROUP_SHARED_MEMORY)",
+    "group_cuda_ipc": "was removed: members that share one GPU take each version over gloo; delete the setting (run file, --set or "
     "VCPO_WEIGHT_BROKER__GROUP_CUDA_IPC)",
 }
 
@@ -93,15 +95,6 @@ class WeightBrokerConfig(Section):
         "(group_settle_s): members that keep changing form an epoch after this long anyway.",
     )
     group_bucket_mb: int = Field(256, ge=1, description="collective: MiB per broadcast bucket.")
-    group_shared_memory: bool = Field(
-        False,
-        description="collective, gloo: when every member of the weight group runs on one host (one /dev/shm), "
-        "the publisher stages each version in /dev/shm and every receiver maps it, instead of it crossing a "
-        "socket once per receiver. Members that share a GPU (which NCCL refuses) always do; NCCL between GPUs "
-        "never does. Needs up to 3 versions' size free in /dev/shm (the one sent, the next one's reserved "
-        "segment, the one the receivers hold until they load it); without it the publisher warns and uses "
-        "the sockets.",
-    )
     group_member_ttl_s: float = Field(
         10.0, gt=0, description="collective: a member whose heartbeat is this old has left the group."
     )

@@ -42,11 +42,10 @@ import redis
 import torch
 
 from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
-from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher
+from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher, PinnedStaging
 from services.weight_broker.group_store import give_up
 from services.weight_broker.members import reachable_host
 from services.weight_broker.seats import GroupRegistry, Member
-from services.weight_broker.shared_memory import PinnedStaging
 from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
 
 log = logging.getLogger(__name__)
@@ -86,7 +85,6 @@ class GroupCoordinator:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | None = None,
         on_event: Callable[[str], None] | None = None,
-        shared_memory: bool = False,
         wait_budget_s: float | None = None,
         settle_s: float = 0.0,
         settle_max_s: float = 30.0,
@@ -114,7 +112,6 @@ class GroupCoordinator:
         self.registry, self.host, self.backend = registry, host, backend
         self.port, self.port_range, self.device = port, port_range, device
         self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        self.shared_memory = shared_memory  # its publishers' setting
         # formed|form_failed|broadcast_failed
         self.on_event = on_event or (lambda event: None)
         self.epoch = 0  # of the formed group (0: none yet)
@@ -349,10 +346,8 @@ class GroupCoordinator:
         members = frozenset(ranks)
         group.members_gone = lambda: self._gone(members)
         if self._staging is None:
-            self._staging = PinnedStaging(group.cuda_index)
-        publisher = CollectivePublisher(
-            group, self.bucket_bytes, shared_memory=self.shared_memory, staging=self._staging
-        )
+            self._staging = PinnedStaging()
+        publisher = CollectivePublisher(group, self.bucket_bytes, staging=self._staging)
         return _Formed(group, publisher, members)
 
 
@@ -391,7 +386,6 @@ def coordinator_from_config(
         bucket_bytes=wb.group_bucket_mb << 20,
         device=device if backend == "nccl" else None,
         on_event=on_event,
-        shared_memory=wb.group_shared_memory,
         wait_budget_s=wait_budget_s,
         settle_s=wb.group_settle_s,
         settle_max_s=wb.group_settle_max_s,

@@ -1,6 +1,5 @@
-"""Who the weight group's members are, from what each rank set in the epoch's store before it arrived:
-``host/<rank>`` (the /dev/shm it sees), ``gpu/<rank>`` (its GPU, under NCCL) and ``host_copies/<rank>``
-(whether it keeps versions in host memory). Every rank reads the same keys, so every rank decides alike."""
+"""Who the weight group's members are: the GPU each rank set at ``gpu/<rank>`` of the epoch's store before it
+arrived (under NCCL), which every rank reads alike; and the address receivers reach the publisher at."""
 
 from __future__ import annotations
 
@@ -30,27 +29,6 @@ def shared_gpus(store: Any, world_size: int) -> list[list[int]]:
     """The ranks that share one GPU (empty: none do), from the identities every rank set at ``gpu/<rank>``
     (:func:`device_identity`)."""
     return [ranks for ranks in ranks_by(store, "gpu", world_size).values() if len(ranks) > 1]
-
-
-def host_peers(store: Any, rank: int, world_size: int) -> list[int]:
-    """The receivers on ``rank``'s host that keep host copies (``host_copies/<rank>``), ``rank`` among them;
-    empty unless there are two or more of them."""
-    if store.get(f"host_copies/{rank}") != b"1":
-        return []
-    on_host = ranks_by(store, "host", world_size)[store.get(f"host/{rank}").decode()]
-    peers = [r for r in on_host if r > 0 and store.get(f"host_copies/{r}") == b"1"]
-    return peers if len(peers) > 1 else []
-
-
-def same_host(store: Any, world_size: int) -> bool:
-    """Whether every rank set the same :func:`host_identity` at ``host/<rank>`` (a rank that set none, which is
-    not a WeightGroup, shares nothing)."""
-    try:
-        if not store.check([f"host/{r}" for r in range(world_size)]):
-            return False
-        return len(ranks_by(store, "host", world_size)) == 1
-    except Exception:  # the store is failing: the group's forming fails on its own
-        return False
 
 
 def reachable_host(redis_url: str) -> str:

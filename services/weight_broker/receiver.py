@@ -5,41 +5,41 @@ that its engine goes on generating meanwhile."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from services.weight_broker.buckets import Bucket, TransferStats, bucket_layout, bucket_offsets, pieces
-from services.weight_broker.host_copy import HostCopy
-from services.weight_broker.shared_memory import HostBuffers, receive_segment
+from services.weight_broker.buckets import Bucket, TransferStats, bucket_layout, pieces
 from services.weight_broker.tensors import TensorSpec, torch_dtype
 from services.weight_broker.weight_group import TransferFailed, WeightGroup, first_line
 
 log = logging.getLogger(__name__)
 
 
+class NoRoom(TransferFailed):
+    """This receiver's device has no room for a version: the group's other ranks were told (the version failed
+    for all), and this member should take versions through the broker instead of failing every broadcast."""
+
+
 class CollectiveReceiver:
     """Ranks 1..N: receive versions as they are broadcast."""
 
-    def __init__(self, group: WeightGroup, bounce: bool | None = None) -> None:
-        """``bounce`` (default: a group on a GPU) receives through two device buffers into page-locked host
-        memory: a GPU worker's KV cache shares its GPU with two buckets, not with a second model."""
+    def __init__(self, group: WeightGroup) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
         self.group = group
-        self.bounce = group.device.type != "cpu" if bounce is None else bounce
-        self.device_bytes = 0  # the bounce buffers of the last version received
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
-        """Receive the version being broadcast; returns ``(version, [(name, tensor)] in order, stats)`` once
-        every member has voted to commit it. Call it when the control plane announces a version: waiting longer
-        than the group's timeout for the publisher fails. Raises :class:`TransferFailed`, returning nothing,
-        if any part failed on any member (a failed collective also closes the group)."""
+        """Receive the version being broadcast into buffers on the group's device (a GPU worker's own GPU
+        under NCCL, so its engine loads it device to device); returns ``(version, [(name, tensor)] in order,
+        stats)`` once every member has voted to commit it. Call it when the control plane announces a version:
+        waiting longer than the group's timeout for the publisher fails. Raises :class:`TransferFailed`,
+        returning nothing, if any part failed on any member (a failed collective also closes the group)."""
         group = self.group
         try:
             head = torch.zeros(3, dtype=torch.int64, device=group.device)
@@ -54,7 +54,6 @@ class CollectiveReceiver:
         t0 = time.monotonic()
         group.broadcasts += 1
         version, header_len, n_buckets = (int(x) for x in head.tolist())
-        host_copy: HostCopy | None = None  # this host's one copy, when this receiver keeps its part in it
         try:
             raw = torch.empty(header_len, dtype=torch.uint8, device=group.device)
             group.wait(group.broadcast(raw))
@@ -66,39 +65,29 @@ class CollectiveReceiver:
                 raise ValueError(
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
-            read = True  # whether this receiver holds the whole version (its vote)
-            if "shared" in header:
-                buffers = receive_segment(layout, header["shared"])
-                read = bool(buffers)
-                self._go()
-            elif (host_copy := self._host_copy(layout)) is None:
-                buffers = (self._bounced if self.bounce else self._direct)(layout, piece)
-            elif host_copy.leader:
-                buffers = self._through_buffers(layout, piece, host_copy.views)
-            else:  # keeps nothing: what this host loads is the leader's copy, which it must be able to open
-                buffers = self._through_buffers(layout, piece, None)
-                read = host_copy.opened
-        except TransferFailed as exc:  # the group's: marked for every rank already
-            group.close()
+            buffers = self._buffers(layout, version)
+            # under NCCL rank 0 issues none of the data before every receiver has made its buffers, as no
+            # kernel on the learner's GPU may wait for it (``WeightGroup.wait_ready``)
+            group.ready(group.broadcasts, "data")
+            works = [group.broadcast(buf[a:b]) for buf in buffers for a, b in pieces(buf.numel(), piece)]
+            for work in works:
+                group.wait(work)
+        except TransferFailed as exc:
+            if isinstance(exc, NoRoom):  # this rank's own: marked for the others, as below
+                raise NoRoom(str(group.part_failed(f"version {version}: receiving failed: {exc}"))) from exc
+            group.close()  # the group's: marked for every rank already
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
-        except Exception as exc:  # this rank's own (no room for a bounce buffer, a bad header)
+        except Exception as exc:  # this rank's own (a bad header, a CUDA error)
             # marked for the others before closing: the publisher and the other receivers would otherwise wait
             # in the next bucket until the group's timeout (an NCCL peer is not woken by this rank's abort)
             raise group.part_failed(f"version {version}: receiving failed: {first_line(exc)}") from exc
         try:
-            committed = group.all_ok(read)
+            committed = group.all_ok(True)
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
         if not committed:
-            if host_copy is not None:
-                host_copy.failed()
-            raise TransferFailed(
-                f"version {version}: not committed (the publisher's source failed, or a member could not "
-                "read the version)"
-            )
-        if host_copy is not None:
-            buffers = host_copy.committed(layout) or buffers  # the others: the leader's copy, mapped
+            raise TransferFailed(f"version {version}: not committed (the publisher's source failed)")
         tensors: list[tuple[str, torch.Tensor]] = []
         for bucket, buf in zip(layout, buffers, strict=True):  # views: no copy
             for i, offset in bucket.items:
@@ -106,93 +95,29 @@ class CollectiveReceiver:
                 view = buf[offset : offset + s.nbytes].view(torch_dtype(s.dtype)).reshape(s.shape)
                 tensors.append((s.name, view))
         nbytes = sum(s.nbytes for s in specs)
-        extra = {
-            "shared_memory": 1.0 if "shared" in header else 0.0,
-            "host_copy": 0.0 if host_copy is None else 1.0 if host_copy.leader else 2.0,
-        }
-        stats = TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0, extra)
-        return version, tensors, stats
+        return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)
 
-    def _go(self) -> None:
-        """Ready for the version's data: under NCCL rank 0 issues none of it before every receiver is (its
-        buffers made, a page-locked host copy of the whole model the first time), as no kernel on the
-        learner's GPU may wait for it (``WeightGroup.wait_ready``)."""
-        self.group.ready(self.group.broadcasts, "data")
-
-    def _host_copy(self, layout: list[Bucket]) -> HostCopy | None:
-        """This host's one copy of the version, when this receiver takes part in one (None: it keeps its own,
-        as when the leader has no room for it)."""
-        group = self.group
-        if not group.host_peers:
-            return None
-        group.host_copy = group.host_copy or HostCopy(group)
-        return group.host_copy if group.host_copy.begin(layout) else None
-
-    def _direct(self, layout: list[Bucket], piece: int) -> list[torch.Tensor]:
-        """Every bucket into its own buffer on the group's device, its pieces all queued at once (gloo runs
-        them in order)."""
-        group = self.group
-        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in layout]
-        self._go()
-        works = [group.broadcast(buf[a:b]) for buf in buffers for a, b in pieces(buf.numel(), piece)]
-        for work in works:
-            group.wait(work)
-        return buffers
-
-    def _bounced(self, layout: list[Bucket], piece: int) -> list[torch.Tensor]:
-        """Every bucket through the device buffers into its place in one host buffer of the version's size
-        (the group's :class:`HostBuffers`: page-locked under CUDA, the spare once the engine lets go of it)."""
-        offsets, total = bucket_offsets(layout)
-        self.group.host_buffers = self.group.host_buffers or HostBuffers(self.group.cuda_index)
-        whole = self.group.host_buffers.take(total, f"a {total}-byte host copy of a version")
-        host = [whole[o : o + b.nbytes] for o, b in zip(offsets, layout, strict=True)]
-        return self._through_buffers(layout, piece, host)
-
-    def _through_buffers(
-        self, layout: list[Bucket], piece: int, outs: list[torch.Tensor] | None
-    ) -> list[torch.Tensor]:
-        """Each piece into one of two device buffers (at most a bucket each, however large a weight), then
-        copied to its bucket's place in ``outs`` (host memory; None: kept nowhere). Returns ``outs`` (empty
-        for None).
-
-        On CUDA each copy out runs on a stream of its own while the next piece arrives in the other buffer,
-        whose broadcast waits only for that buffer's last copy out (a copy on the current stream, which the
-        group's collectives wait for, would hold up the next piece)."""
-        group = self.group
-        ranges = [pieces(b.nbytes, piece) for b in layout]
-        size = max(b - a for bucket in ranges for a, b in bucket)
-        slots = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        self.device_bytes = 2 * size
-        copier = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
-        copied: list[Any] = [None, None]  # each buffer's last copy out: an event on the copy stream
-        n = 0
-        self._go()
+    def _buffers(self, layout: list[Bucket], version: int) -> list[torch.Tensor]:
+        """One buffer per bucket on the group's device. On a GPU the version lives there beside the engine
+        until it is loaded: a GPU without room for it names what to change."""
+        device = self.group.device
         try:
-            for i, bucket in enumerate(ranges):
-                for a, b in bucket:
-                    k, n = n % 2, n + 1
-                    slot = slots[k][: b - a]
-                    if copied[k] is not None:
-                        torch.cuda.current_stream(group.device).wait_event(copied[k])
-                    group.wait(group.broadcast(slot))  # the current stream now follows the broadcast
-                    if outs is not None and copier is None:
-                        outs[i][a:b].copy_(slot)
-                    elif outs is not None and copier is not None:
-                        copier.wait_stream(torch.cuda.current_stream(group.device))
-                        with torch.cuda.stream(copier):
-                            outs[i][a:b].copy_(slot, non_blocking=True)
-                        copied[k] = copier.record_event()
-        except BaseException:
-            # a failed broadcast closes the group, which unlocks the host memory the copies out write: none
-            # may still be under way then. Only the copy stream is waited for: its copies follow broadcasts
-            # that completed, where the device's other streams may hold a kernel of the failed one
-            if copier is not None:
-                copier.synchronize()
-            raise
-        # the copies out, each after its broadcast (not the whole device: an engine's forward runs there)
-        if copier is not None:
-            copier.synchronize()
-        return [] if outs is None else outs
+            return [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in layout]
+        except torch.OutOfMemoryError as exc:
+            total = sum(b.nbytes for b in layout)
+            raise NoRoom(
+                f"version {version} ({total / 2**30:.2f} GiB) does not fit on {device} beside the engine: lower "
+                "sampler.gpu_memory_utilization so that a version fits in what the engine leaves free, or set "
+                f'weight_broker.transport = "tcp" ({first_line(exc)})'
+            ) from exc
+
+
+@functools.cache
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The weight group's work's CUDA stream on ``device``, one for the process's life: torch's caching
+    allocator reuses a freed block only on the stream it was allocated on, so a stream per version would leave
+    each version's receive buffers reserved, out of every later one's reach."""
+    return torch.cuda.Stream(device)
 
 
 class Background:
@@ -212,7 +137,7 @@ class Background:
         try:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
-                stream = torch.cuda.Stream(device)
+                stream = _stream(device)
                 with torch.cuda.stream(stream):
                     work()
                 stream.synchronize()  # what it received is whole before anyone reads it on another stream

@@ -8,8 +8,7 @@
 
 The group lives outside torch.distributed's default group (which ZeRO-3 or vLLM's tensor parallelism may own):
 NCCL on GPU, gloo on CPU, the same code. An NCCL epoch whose ranks would share a GPU (which NCCL refuses)
-runs on gloo instead, on every rank alike (and, its ranks on one host, moves versions through shared memory:
-``shared_memory.py``). Members wait for announcements in the store, never inside a
+runs on gloo instead, on every rank alike. Members wait for announcements in the store, never inside a
 collective, so an idle group never reaches its timeout. Any failure is a :class:`TransferFailed`, raised to
 the caller on every backend (an NCCL failure never takes the process down): the group is closed on every
 member and the control plane (``group_control.py``) forms a new epoch. What travels over the group, and how,
@@ -35,11 +34,10 @@ from services.weight_broker.group_store import TransferFailed as TransferFailed
 from services.weight_broker.group_store import arrive as arrive
 from services.weight_broker.group_store import first_line as first_line
 from services.weight_broker.group_store import open_store as open_store
-from services.weight_broker.members import device_identity, host_peers, same_host, shared_gpus
+from services.weight_broker.members import device_identity, shared_gpus
 from services.weight_broker.nccl_group import connect, nccl_backend
 from services.weight_broker.nccl_group import failure as nccl_failure
 from services.weight_broker.retired import retire
-from services.weight_broker.shared_memory import host_identity
 
 # how long closing the group waits for a collective another thread is issuing (NCCL forbids aborting a
 # communicator while a thread enqueues onto it); an enqueue returns at once, so only a stuck one is left
@@ -58,14 +56,11 @@ class WeightGroup:
         rank: int,
         device: torch.device | None = None,
         store: Any = None,
-        host_copies: bool | None = None,
     ) -> None:
         """Join as ``rank``: rank 0 hosts the store (or passes ``store``, a master it opened already, to learn a
         free port before announcing the spec). Every rank first waits, up to ``form_timeout_s``, until all
         ``world_size`` have arrived (:class:`TransferFailed` otherwise), so a member that never comes costs the
-        others that long, not the collective timeout. ``host_copies`` (default: under NCCL, a GPU worker): this
-        receiver keeps versions in host memory, one copy per host with the others on its host that do
-        (``host_copy.py``)."""
+        others that long, not the collective timeout."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
         import torch.distributed as dist
@@ -73,8 +68,7 @@ class WeightGroup:
         self.spec, self.rank = spec, rank
         self._works: list[Any] = []  # collectives issued that may be pending
         self._issuing = threading.Lock()  # held while a collective is enqueued, and while the group is closed
-        # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA ones
-        # through the host (the GPU test of the receiver's bounce path uses that)
+        # where this member's buffers live: NCCL moves CUDA tensors only; gloo moves CPU tensors
         if spec.backend == "nccl":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
         else:
@@ -83,11 +77,7 @@ class WeightGroup:
         try:
             self._store = store if store is not None else open_store(spec, master=rank == 0)
             prefixed = dist.PrefixStore(spec.prefix(), self._store)
-            # before arriving: every rank's is there once all have arrived
-            prefixed.set(f"host/{rank}", host_identity())
-            keeps = spec.backend == "nccl" if host_copies is None else host_copies
-            prefixed.set(f"host_copies/{rank}", "1" if keeps and rank > 0 else "0")
-            if spec.backend == "nccl":
+            if spec.backend == "nccl":  # before arriving: every rank's is there once all have arrived
                 prefixed.set(f"gpu/{rank}", device_identity(self.device))
             arrived = arrive(prefixed, "ranks_arrived", spec.world_size, spec.form_timeout_s)
         except Exception as exc:
@@ -109,15 +99,8 @@ class WeightGroup:
         self.members_gone: Callable[[], str | None] | None = None
         self.alive_every_s = 1.0
         self.backend = spec.backend  # what this epoch runs on: gloo when NCCL ranks would share a GPU
-        # the receivers on this host that keep one host copy of each version between them (this one among
-        # them; empty: this one keeps its own, if any)
-        self.host_peers = host_peers(prefixed, rank, spec.world_size)
-        self.host_copy: Any = None  # their shared copy's state (host_copy.py), released on close
-        self.host_buffers: Any = None  # this receiver's own host copies (shared_memory.HostBuffers), likewise
         self.broadcasts = 0  # versions whose broadcast started on this rank (every rank counts alike)
-        # every rank maps the same /dev/shm (collective.py may stage versions there instead of using sockets)
-        self.same_host = same_host(prefixed, spec.world_size)
-        # this member's GPU under NCCL, kept where the epoch falls back to gloo (its host buffers' page-locking)
+        # this member's GPU under NCCL, kept where the epoch falls back to gloo (its work's CUDA stream)
         self.gpu = self.device if spec.backend == "nccl" else None
         if spec.backend == "nccl":
             try:
@@ -127,15 +110,15 @@ class WeightGroup:
             if shared:
                 # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), as when a
                 # learner and a sampler share a GPU (fractional gpus_per_rank/gpus_per_replica): every rank
-                # read the same identities, so every rank falls back to gloo (through host memory) alike
+                # read the same identities, so every rank falls back to gloo (through host memory and
+                # sockets) alike
                 self.backend, self.device = "gloo", torch.device("cpu")
                 if rank == 0:
                     log.warning(
                         "weight group epoch %d runs on gloo, not NCCL: ranks %s share a GPU (versions go "
-                        "through %s)",
+                        "through host memory and sockets)",
                         spec.epoch,
                         "; ".join(", ".join(map(str, ranks)) for ranks in shared),
-                        "host shared memory" if self.same_host else "host memory and sockets",
                     )
         if self.backend == "nccl":
             self._pg: Any = nccl_backend(prefixed, rank, spec.world_size, timeout)
@@ -171,12 +154,6 @@ class WeightGroup:
             raise TransferFailed(
                 f"weight group epoch {self.spec.epoch}: NCCL did not connect: {exc}"
             ) from exc
-
-    @property
-    def shares_gpu(self) -> bool:
-        """This NCCL epoch fell back to gloo because ranks share a GPU (the publisher then stages in shared
-        memory)."""
-        return self.spec.backend == "nccl" and self.backend == "gloo"
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start broadcasting ``tensor`` from rank 0 (in place on the others); returns the work to wait on."""
@@ -386,13 +363,6 @@ class WeightGroup:
         self.close()
 
     @property
-    def cuda_index(self) -> int | None:
-        """The GPU this member page-locks its host buffers on: its device's, or where the epoch fell back to
-        gloo, its own GPU's (None: none, or no index given)."""
-        gpu = self.device if self.device.type == "cuda" else self.gpu
-        return gpu.index if gpu is not None and gpu.type == "cuda" else None
-
-    @property
     def closed(self) -> bool:
         """Closed after a failed collective (or by ``close``): the control plane must form a new group."""
         return self._closed
@@ -401,9 +371,6 @@ class WeightGroup:
         if self._closed:
             return
         self._closed = True
-        for held in (self.host_copy, self.host_buffers):
-            if held is not None:
-                held.release()
         # a communicator may not be aborted while another thread enqueues onto it (NCCL's thread safety: the
         # background broadcast issues collectives while the learner's thread may abort an overdue one)
         issuing = self._issuing.acquire(timeout=ISSUE_WAIT_S)
