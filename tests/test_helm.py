@@ -1286,7 +1286,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         # pods too small for the model's weights (templates/_sizing.tpl)
         (
             ["sampler.resources.limits.memory=16Gi"],
-            "sampler.resources.limits.memory = 16Gi is below the 21Gi",
+            "sampler.resources.limits.memory = 16Gi is below the 18Gi",
         ),
         (["run.model=/data/models/ckpt"], "set modelSize.parameters"),
         # pods against the GPU nodes the release states (templates/_hardware.tpl)
@@ -1364,23 +1364,21 @@ def minimums(
     retain: int = 2,
     in_memory: bool = True,
     collective: bool = True,
-    shm_gi: float = 0,
     nccl: bool = True,
     ranks_per_pod: int = 2,
 ) -> dict[str, int]:
     """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version;
-    ``shm_gi``: rayCluster.shmSize (0: its minimum); ``nccl``: the weight group's backend is NCCL (a GPU
-    learner), the only one under which GPU workers keep one host copy between them."""
+    ``nccl``: the weight group's backend is NCCL (a GPU learner), under which GPU workers receive versions
+    into their GPUs, not into the pod's host memory."""
     w = billions * 1e9 * dtype_bytes / GIB
     broker_path = (3 if gpus else 2) * w + 6 + 2 * max(1, gpus)
-    # with 2 GPUs or more the engine's workers keep one host copy between them in /dev/shm, and its spare,
-    # where /dev/shm holds them beside the broker path's file + 4Gi; below that each may keep its own
-    host_copy = collective and nccl and gpus >= 2 and shm_gi >= math.ceil(3 * w + 4)
+    # with the collective transport over gloo (or in a CPU sampler) each engine worker receives the broadcast
+    # version into its own host memory; under NCCL each GPU worker receives it into its GPU
+    received = max(1, gpus) if collective and not (nccl and gpus) else 0
     return {
-        # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes;
-        # with the collective transport, one more per engine worker: the broadcast received in host memory
-        # (or 2 in all, the host copy and its spare in /dev/shm)
-        "sampler": math.ceil(broker_path + ((2 if host_copy else max(1, gpus)) * w if collective else 0)),
+        # staged + previous version + the /dev/shm file (tmpfs is the pod's memory) + the engine's processes,
+        # + the versions the weight group's receivers hold in host memory
+        "sampler": math.ceil(broker_path + received * w),
         "evaluator": math.ceil(broker_path),  # a dedicated evaluator takes its versions from the broker
         "shm": math.ceil(w + 4) if gpus else 0,  # the file vLLM's workers read + NCCL, vLLM, Ray
         # the broker's retained versions + the one being published, in memory; the launcher, Ray
@@ -1390,50 +1388,45 @@ def minimums(
     }
 
 
+def most_gpu_memory_utilization(billions: float, gpu_gb: float, dtype_bytes: int = 2) -> float:
+    """The highest sampler.gpu_memory_utilization that leaves one version + 2GiB of a ``gpu_gb`` GPU free
+    (docs/deploy.md, "Memory and /dev/shm"), rounded down to 2 decimals."""
+    need = billions * 1e9 * dtype_bytes + 2 * GIB
+    return math.floor((1 - need / (gpu_gb * 1e9)) * 100) / 100
+
+
 def test_minimums_of_the_documented_examples() -> None:
-    # the examples docs/deploy.md gives, from the rule above
-    # (the collective transport, the chart's default; the evaluator's figure is the tcp transport's sampler's)
+    # the examples docs/deploy.md gives, from the rule above (the collective transport, the chart's default,
+    # under NCCL; the evaluator's figure is the tcp transport's sampler's, which under NCCL is the same)
     m15, m7, m762 = minimums(1.5 * 1.1), minimums(7 * 1.1), minimums(7.62)
     # Qwen2.5-1.5B, size from its name; Qwen2.5-7B, likewise; modelSize.parameters=7.62
-    assert m15 == {"sampler": 21, "evaluator": 18, "shm": 8, "head": 18, "learner": 14}
-    assert m7 == {"sampler": 66, "evaluator": 52, "shm": 19, "head": 52, "learner": 25}
-    assert m762 == {"sampler": 65, "evaluator": 51, "shm": 19, "head": 51, "learner": 25}
+    assert m15 == {"sampler": 18, "evaluator": 18, "shm": 8, "head": 18, "learner": 14}
+    assert m7 == {"sampler": 52, "evaluator": 52, "shm": 19, "head": 52, "learner": 25}
+    assert m762 == {"sampler": 51, "evaluator": 51, "shm": 19, "head": 51, "learner": 25}
     assert minimums(7 * 1.1, collective=False)["learner"] == 10
     assert minimums(7 * 1.1, ranks_per_pod=4)["learner"] == 29
     assert minimums(7 * 1.1, collective=False)["sampler"] == 52
-    # tensor parallelism 2: one more GPU worker process, which receives a broadcast version too
-    assert minimums(7 * 1.1, gpus=2)["sampler"] == 82
-    assert minimums(7 * 1.1, gpus=2, collective=False)["sampler"] == 54
-    # one host copy per pod from /dev/shm = 3 W + 4Gi: with 2 GPUs the same 2 W as a copy per GPU, with more
-    # GPUs fewer
-    assert minimums(7 * 1.1, gpus=2, shm_gi=48)["sampler"] == 82
-    assert minimums(7 * 1.1, gpus=4)["sampler"] == minimums(7 * 1.1, gpus=4, shm_gi=47)["sampler"] == 115
-    assert minimums(7 * 1.1, gpus=4, shm_gi=48)["sampler"] == 86
-    assert minimums(7 * 1.1, gpus=4, collective=False)["sampler"] == 58
-    # Qwen2.5-72B on 8 GPUs: 3 + 8 copies of 147.5GiB with a copy per GPU, 3 + 2 with one host copy
+    # tensor parallelism 2 and 4: one more GPU worker process each; the versions they receive are on the GPUs
+    assert (
+        minimums(7 * 1.1, gpus=2)["sampler"] == minimums(7 * 1.1, gpus=2, collective=False)["sampler"] == 54
+    )
+    assert (
+        minimums(7 * 1.1, gpus=4)["sampler"] == minimums(7 * 1.1, gpus=4, collective=False)["sampler"] == 58
+    )
+    # over gloo (a CPU learner) each engine worker receives a version into host memory: one more W per GPU
+    assert [minimums(7 * 1.1, gpus=g, nccl=False)["sampler"] for g in (1, 2, 4)] == [66, 82, 115]
+    # Qwen2.5-72B on 8 GPUs: 3 copies of 147.5GiB, and 8 more over gloo
     m72 = minimums(72 * 1.1, gpus=8)
-    assert m72 == {"sampler": 1645, "evaluator": 465, "shm": 152, "head": 451, "learner": 158}
-    assert minimums(72 * 1.1, gpus=8, shm_gi=446)["sampler"] == 1645  # 3 W + 4Gi = 446.6Gi, rounded up: 447Gi
-    for shm in (447, 600):
-        assert minimums(72 * 1.1, gpus=8, shm_gi=shm)["sampler"] == 760
+    assert m72 == {"sampler": 465, "evaluator": 465, "shm": 152, "head": 451, "learner": 158}
+    assert minimums(72 * 1.1, gpus=8, nccl=False)["sampler"] == 1645
+    # the room a received version needs on a sampler's 80GB GPU: the highest gpu_memory_utilization
+    most = [most_gpu_memory_utilization(b, 80) for b in (1.5 * 1.1, 7 * 1.1, 7.62)]
+    assert most == [0.93, 0.78, 0.78]
+    assert most_gpu_memory_utilization(72 * 1.1, 80) < 0  # a 72B version alone is more than one GPU
     guide = (ROOT / "docs" / "deploy.md").read_text()
-    for figure in ("21Gi", "18Gi", "66Gi", "52Gi", "82Gi", "54Gi", "19Gi", "65Gi", "51Gi"):
+    for figure in ("18Gi", "52Gi", "54Gi", "58Gi", "66Gi", "82Gi", "115Gi", "19Gi", "51Gi", "8Gi"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
-    for figure in (
-        "115Gi",
-        "86Gi",
-        "58Gi",
-        "48Gi",
-        "1645Gi",
-        "760Gi",
-        "465Gi",
-        "152Gi",
-        "447Gi",
-        "451Gi",
-        "14Gi",
-    ):
-        assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
-    for figure in ("25Gi", "29Gi", "158Gi"):
+    for figure in ("465Gi", "1645Gi", "152Gi", "451Gi", "14Gi", "25Gi", "29Gi", "158Gi", "0.78"):
         assert figure in guide, f"docs/deploy.md's sizing examples lack {figure}"
 
 
@@ -1453,45 +1446,35 @@ def test_default_pods_hold_the_default_model() -> None:
         shm = next(v for v in g["template"]["spec"]["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": values["rayCluster"]["shmSize"]}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container(g)["volumeMounts"]
+    # and the samplers' GPUs a received version beside the engine at the default utilization
+    utilization = values["sampler"]["gpuMemoryUtilization"]
+    assert utilization <= most_gpu_memory_utilization(1.5 * 1.1, values["gpuNodes"]["gpuMemoryGB"])
 
 
-SIZING_CASES = {  # name: (flags, minimums); a case that sets rayCluster.shmSize keeps it
+SIZING_CASES = {  # name: (flags, minimums)
     "1.5B from its name": ((), minimums(1.5 * 1.1)),
     "7B from its name": (("run.model=Qwen/Qwen2.5-7B",), minimums(7 * 1.1)),
-    "7B, tensor parallel 2, a copy per GPU worker (/dev/shm 19Gi)": (
+    "7B, tensor parallel 2": (
         ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2"),
         minimums(7 * 1.1, gpus=2),
     ),
-    "7B, tensor parallel 2, one host copy (/dev/shm 48Gi = 3 W + 4Gi)": (
-        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "rayCluster.shmSize=48Gi"),
-        minimums(7 * 1.1, gpus=2, shm_gi=48),
+    "7B, tensor parallel 4": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4"),
+        minimums(7 * 1.1, gpus=4),
     ),
-    "7B, tensor parallel 4, a copy per GPU worker (/dev/shm 47Gi)": (
-        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4", "rayCluster.shmSize=47Gi"),
-        minimums(7 * 1.1, gpus=4, shm_gi=47),
+    "7B, tensor parallel 2, a CPU learner: gloo, a version per GPU worker in host memory": (
+        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "learner.gpusPerRank=0"),
+        minimums(7 * 1.1, gpus=2, nccl=False),
     ),
-    "7B, tensor parallel 4, one host copy (/dev/shm 48Gi)": (
-        ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=4", "rayCluster.shmSize=48Gi"),
-        minimums(7 * 1.1, gpus=4, shm_gi=48),
+    # (the learner's GPUs, which 2 ranks of 72B would not fit, and the samplers', where a 72B version does not
+    # fit under NCCL, are not what these size: gpuNodes' GPU memory checks are off)
+    "72B, tensor parallel 8": (
+        ("run.model=Qwen/Qwen2.5-72B", "sampler.gpusPerReplica=8", "gpuNodes.gpuMemoryGB=0"),
+        minimums(72 * 1.1, gpus=8),
     ),
-    # (the learner's GPUs, which 2 ranks of 72B would not fit, are not what these size: gpuNodes' check is off)
-    "72B, tensor parallel 8, one host copy (/dev/shm 600Gi)": (
-        (
-            "run.model=Qwen/Qwen2.5-72B",
-            "sampler.gpusPerReplica=8",
-            "rayCluster.shmSize=600Gi",
-            "gpuNodes.gpuMemoryGB=0",
-        ),
-        minimums(72 * 1.1, gpus=8, shm_gi=600),
-    ),
-    "72B, tensor parallel 8, a CPU learner: gloo, a copy per GPU worker (/dev/shm 600Gi)": (
-        (
-            "run.model=Qwen/Qwen2.5-72B",
-            "sampler.gpusPerReplica=8",
-            "rayCluster.shmSize=600Gi",
-            "learner.gpusPerRank=0",
-        ),
-        minimums(72 * 1.1, gpus=8, shm_gi=600, nccl=False),
+    "72B, tensor parallel 8, a CPU learner: gloo, a version per GPU worker in host memory": (
+        ("run.model=Qwen/Qwen2.5-72B", "sampler.gpusPerReplica=8", "learner.gpusPerRank=0"),
+        minimums(72 * 1.1, gpus=8, nccl=False),
     ),
     "7.62B given": (("run.model=Qwen/Qwen2.5-7B", "modelSize.parameters=7.62"), minimums(7.62)),
     "fp32 checkpoint": (("modelSize.parameters=3", "modelSize.dtypeBytes=4"), minimums(3, dtype_bytes=4)),
@@ -1523,11 +1506,13 @@ SIZED_KEYS = {  # the minimum's name -> the values it checks
 @pytest.mark.parametrize("case", SIZING_CASES)
 def test_pod_sizes_follow_the_model_size(case: str) -> None:
     flags, need = SIZING_CASES[case]
-    shm = next((f.split("=", 1)[1] for f in flags if f.startswith("rayCluster.shmSize=")), f"{need['shm']}Gi")
-    sized = {name: keys for name, keys in SIZED_KEYS.items() if name != "shm" or shm == f"{need['shm']}Gi"}
-    at_minimum = {key: f"{need[name]}Gi" for name, keys in sized.items() for key in keys}
-    at_minimum["rayCluster.shmSize"] = shm
-    base = [a for flag in flags for a in ("--set", flag)]
+    at_minimum = {key: f"{need[name]}Gi" for name, keys in SIZED_KEYS.items() for key in keys}
+    # room on the samplers' 80GB GPUs for a 7B version beside the engine (that check's own tests are below)
+    base = [
+        "--set-json",
+        "sampler.gpuMemoryUtilization=0.75",
+        *(a for flag in flags for a in ("--set", flag)),
+    ]
 
     def args(values: dict[str, str]) -> list[str]:
         return base + [a for key, value in values.items() for a in ("--set", f"{key}={value}")]
@@ -1537,8 +1522,8 @@ def test_pod_sizes_follow_the_model_size(case: str) -> None:
     assert sampler["resources"]["limits"]["memory"] == f"{need['sampler']}Gi"
     assert head["resources"]["limits"]["memory"] == f"{need['head']}Gi"
     dshm = next(v for v in group(docs, "sampler")["template"]["spec"]["volumes"] if v["name"] == "dshm")
-    assert dshm["emptyDir"]["sizeLimit"] == shm
-    for name, keys in sized.items():
+    assert dshm["emptyDir"]["sizeLimit"] == f"{need['shm']}Gi"
+    for name, keys in SIZED_KEYS.items():
         for key in keys:  # 1Gi less: refused, naming the value and the minimum
             out = helm("template", "r", str(CHART), *args({**at_minimum, key: f"{need[name] - 1}Gi"}))
             assert out.returncode != 0, f"{case}: {key} = {need[name] - 1}Gi was accepted"
@@ -1546,63 +1531,112 @@ def test_pod_sizes_follow_the_model_size(case: str) -> None:
             assert f"raise {key} to at least {need[name]}Gi" in errors(out)
 
 
-def test_one_host_copy_per_sampler_pod_from_three_versions_of_shm() -> None:
-    """With the collective transport and 2 GPUs or more, a sampler pod's GPU workers keep one host copy of each
-    version between them, and its spare, in /dev/shm where rayCluster.shmSize holds them beside the broker
-    path's file + 4Gi (3 W + 4Gi): the pod's memory minimum counts 2 W for them, not one W per GPU. Below that
-    each worker may keep its own copy: still a valid install, with the larger minimum; the errors name both."""
+def test_a_collective_samplers_host_memory_holds_received_versions_only_over_gloo() -> None:
+    """Under NCCL (a GPU learner, group_backend auto) each GPU worker receives a version into its GPU: the
+    sampler pod's minimum is the broker path's alone. Over gloo (a CPU learner, or group_backend gloo) each
+    engine worker receives it into host memory, its own copy: one W per GPU more, which the error names."""
+    need, gloo = minimums(7 * 1.1, gpus=2)["sampler"], minimums(7 * 1.1, gpus=2, nccl=False)["sampler"]
+    assert (need, gloo) == (54, 82)
+
+    def sampler_memory(gi: int) -> tuple[str, ...]:
+        return ("--set", f"sampler.resources.limits.memory={gi}Gi,sampler.resources.requests.memory={gi}Gi")
+
+    base = (
+        *("--set", "run.model=Qwen/Qwen2.5-7B,sampler.gpusPerReplica=2,rayCluster.shmSize=19Gi"),
+        *("--set", "head.resources.limits.memory=52Gi,head.resources.requests.memory=52Gi"),
+        *("--set-json", "sampler.gpuMemoryUtilization=0.75"),
+    )
+    assert helm("template", "r", str(CHART), *base, *sampler_memory(need)).returncode == 0
+    for over_gloo in (
+        ("--set", "learner.gpusPerRank=0"),
+        ("--set-string", 'extraConfig=[weight_broker]\ngroup_backend = "gloo"\n'),
+    ):
+        out = helm("template", "r", str(CHART), *base, *over_gloo, *sampler_memory(need))
+        assert f"sampler.resources.requests.memory = {need}Gi is below the {gloo}Gi" in errors(out), errors(
+            out
+        )
+        received = "+ 2 more, the weight group's broadcast as each engine worker receives it into host memory"
+        assert received in errors(out)
+        out = helm("template", "r", str(CHART), *base, *over_gloo, *sampler_memory(gloo))
+        assert out.returncode == 0, errors(out)
+
+
+def test_a_samplers_gpus_hold_a_received_version_beside_the_engine() -> None:
+    """With the collective transport under NCCL every GPU worker of a sampler receives each version whole into
+    its GPU, beside vLLM's engine: (1 - gpu_memory_utilization) × gpuNodes.gpuMemoryGB must hold it + 2GiB.
+    A 7B model on 80GB GPUs: 0.85 leaves 12GB, below 15.4GB + 2GiB; the error names the figures, the highest
+    utilization that fits and the tcp transport, and either way out installs."""
+    seven = ("-f", str(CHART / "ci" / "environments-values.yaml"))  # 7B, 1 GPU per sampler, 80GB, collective
+
+    def at(utilization: float, *more: str) -> subprocess.CompletedProcess[str]:
+        utilization_flag = ("--set-json", f"sampler.gpuMemoryUtilization={utilization}")
+        return helm("template", "r", str(CHART), *seven, *utilization_flag, *more)
+
+    most = most_gpu_memory_utilization(7 * 1.1, 80)
+    assert most == 0.78
+    out = at(0.85)
+    assert out.returncode != 0
+    for text in (
+        "each GPU worker of a sampler receives every version whole into its own GPU",
+        '15.4GB for run.model "Qwen/Qwen2.5-7B" (7.7B parameters from its name + 10%',
+        "+ 2GiB (the CUDA context, NCCL's buffers, the layer vLLM's reload materializes) = 17.5GB, above the "
+        "12.0GB that sampler.gpuMemoryUtilization = 0.85 leaves of one gpuNodes.gpuMemoryGB = 80GB GPU",
+        "lower sampler.gpuMemoryUtilization to at most 0.78, or set weightBroker.transport = tcp",
+    ):
+        assert text in errors(out), errors(out)
+    for utilization in (most, 0.75):  # the figure the error names installs, and one with a margin
+        out = at(utilization)
+        assert out.returncode == 0, (utilization, errors(out))
+    assert "to at most 0.78" in errors(at(0.79))
+    # the tcp transport (versions through the broker into the pod's host memory), gpuNodes.gpuMemoryGB 0, or
+    # a CPU learner (gloo: versions into host memory, which the file's 72Gi sampler pods hold): no GPU room
+    for more in ("weightBroker.transport=tcp", "gpuNodes.gpuMemoryGB=0", "learner.gpusPerRank=0"):
+        out = at(0.85, "--set", more)
+        assert out.returncode == 0, (more, errors(out))
+    # a utilization set in extraConfig is the run file's: the error names it
+    extra = "[sampler]\ngpu_memory_utilization = 0.9\n[learner]\nactivation_checkpointing = true\n"
+    out = at(0.75, "--set-string", f"extraConfig={extra}")
+    assert "that sampler.gpu_memory_utilization in extraConfig = 0.9 leaves" in errors(out), errors(out)
+    assert "lower sampler.gpu_memory_utilization in extraConfig to at most 0.78" in errors(out)
+    # tensor parallel 2: each worker receives the whole version, not its half: the same bound
+    two = ("-f", str(CHART / "ci" / "multi-gpu-values.yaml"))
+    out = helm("template", "r", str(CHART), *two, "--set-json", "sampler.gpuMemoryUtilization=0.85")
+    assert "lower sampler.gpuMemoryUtilization to at most 0.78" in errors(out), errors(out)
+
+
+def test_a_72b_version_fits_no_80gb_sampler_gpu_beside_its_engine() -> None:
+    """Qwen2.5-72B on samplers of tensor parallel 8, each of whose workers would receive the whole 158GB
+    version on an 80GB GPU: no gpu_memory_utilization makes room, the error offers the tcp transport alone,
+    and that installs."""
     big = (
-        *("--set", "run.model=Qwen/Qwen2.5-72B", "--set", "sampler.gpusPerReplica=8"),
-        *("--set", "gpuNodes.gpuMemoryGB=0"),  # the learner's GPUs (2 ranks of 72B) are not what this sizes
-        *("--set", "head.resources.limits.memory=451Gi", "--set", "head.resources.requests.memory=451Gi"),
+        *("-f", str(CHART / "ci" / "multi-gpu-values.yaml")),
+        *("--set", "run.model=Qwen/Qwen2.5-72B,sampler.gpusPerReplica=8"),
+        # a learner that fits 80GB GPUs (32 ranks over 4 nodes), and pods that hold the model's weights
         *(
             "--set",
-            "learner.resources.limits.memory=158Gi",
-            "--set",
-            "learner.resources.requests.memory=158Gi",
+            "learner.ranks=32,learner.spreadAcrossNodes=true,gpuNodes.count=0,rayCluster.shmSize=152Gi",
         ),
+        *("--set", "sampler.resources.limits.memory=465Gi,sampler.resources.requests.memory=465Gi"),
+        *("--set", "head.resources.limits.memory=451Gi,head.resources.requests.memory=451Gi"),
     )
-
-    def sized(shm: str, memory: int, *more: str) -> subprocess.CompletedProcess[str]:
-        memory_flags = [f"sampler.resources.{kind}.memory={memory}Gi" for kind in ("limits", "requests")]
-        flags = [f"rayCluster.shmSize={shm}", *memory_flags, *more]
-        return helm("template", "r", str(CHART), *big, *[a for flag in flags for a in ("--set", flag)])
-
-    # the review's case: 8 GPUs, 600Gi of /dev/shm: (3 + 2) × 147.5GiB + 22Gi, not (3 + 8) × 147.5GiB + 22Gi
-    for shm in ("600Gi", "447Gi", "480G"):  # 3 W + 4Gi = 446.6Gi, rounded up; 480G = 447.03Gi
-        assert sized(shm, 760).returncode == 0, (shm, errors(sized(shm, 760)))
-    out = sized("600Gi", 759)
-    assert "sampler.resources.requests.memory = 759Gi is below the 760Gi" in errors(out), errors(out)
-    assert "one host copy of each version the engine's GPU workers keep between them" in errors(out)
-    # 1Gi short of it: a copy per GPU worker, and the way to the smaller minimum
-    out = sized("446Gi", 760)
-    assert "sampler.resources.requests.memory = 760Gi is below the 1645Gi" in errors(out), errors(out)
+    out = helm("template", "r", str(CHART), *big)
+    assert out.returncode != 0
+    assert '158.4GB for run.model "Qwen/Qwen2.5-72B"' in errors(out), errors(out)
     assert (
-        "raise sampler.resources.requests.memory to at least 1645Gi, or raise rayCluster.shmSize to at least "
-        "447Gi" in errors(out)
-    ), errors(out)
-    assert "sampler.resources needs 760Gi" in errors(out)
-    for shm in ("446Gi", "152Gi"):  # W + 4Gi up to 3 W + 4Gi: valid, each worker keeps its own copy
-        assert sized(shm, 1645).returncode == 0, (shm, errors(sized(shm, 1645)))
-    out = sized("151Gi", 1645)
-    assert (
-        "raise rayCluster.shmSize to at least 152Gi (447Gi, 3 versions + 4Gi, lets the engine's GPU workers "
-        "keep one host copy" in errors(out)
-    ), errors(out)
-    assert "sampler.resources then needs 760Gi" in errors(out)
-    # no weight group (tcp), or one GPU: no host copy to count
-    assert sized("600Gi", 465, "weightBroker.transport=tcp").returncode == 0
-    one_gpu = minimums(72 * 1.1, gpus=1, shm_gi=600)["sampler"]  # 3 + 1 copies, as with a copy per GPU
-    assert one_gpu == minimums(72 * 1.1, gpus=1)["sampler"] == 599
-    assert f"below the {one_gpu}Gi" in errors(sized("600Gi", 465, "sampler.gpusPerReplica=1"))
+        "no sampler.gpuMemoryUtilization makes room, as the version alone is more than one GPU holds"
+        in errors(out)
+    )
+    assert "set weightBroker.transport = tcp" in errors(out) and "lower sampler" not in errors(out)
+    out = helm("template", "r", str(CHART), *big, "--set", "weightBroker.transport=tcp")
+    assert out.returncode == 0, errors(out)
 
 
 def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
-    # quantities in other units are compared in bytes: 21Gi = 22548578304 = 21504Mi; 22G = 20.5Gi
-    for value in ("22548578304", "21504Mi", "23G"):
+    # quantities in other units are compared in bytes: 18Gi = 19327352832 = 18432Mi; 19G = 17.7Gi
+    for value in ("19327352832", "18432Mi", "20G"):
         render("--set", f"sampler.resources.limits.memory={value}")
-    out = helm("template", "r", str(CHART), "--set", "sampler.resources.limits.memory=22G")
-    assert "sampler.resources.limits.memory = 22G is below the 21Gi" in errors(out)  # 22G = 20.5Gi
+    out = helm("template", "r", str(CHART), "--set", "sampler.resources.limits.memory=19G")
+    assert "sampler.resources.limits.memory = 19G is below the 18Gi" in errors(out)  # 19G = 17.7Gi
     # without GPUs vLLM runs in the sampler's process: no /dev/shm file, two copies, and the broadcast its one
     # worker receives (gloo); the tiny built-in model
     cpu = minimums(1.5 * 1.1, gpus=0)["sampler"]  # 3 × 3.1GiB + 8Gi

@@ -250,6 +250,35 @@ def test_each_shipped_run_fits_its_stated_gpus_by_the_learners_estimate(name: st
     assert learner.max_sequence_tokens <= positions, (name, learner.max_sequence_tokens, positions)
 
 
+# beside a version on a sampler's GPU: the CUDA context, NCCL's buffers, the layer vLLM's reload materializes
+RECEIVE_MARGIN = 2 << 30
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_collective_run_leaves_room_for_a_version_on_every_sampler_gpu(
+    name: str, tmp_path: Path
+) -> None:
+    """Under NCCL each engine's GPU worker receives a whole version into its GPU beside the engine
+    (services/weight_broker/receiver.py), every tensor-parallel worker the whole model: what
+    sampler.gpu_memory_utilization leaves free on the stated GPU holds it, with a margin."""
+    from deploy.preflight_nodes import version_bytes
+    from services.learner.memory import model_shape
+
+    s = shipped(name, tmp_path)
+    cfg, hw = s.cfg, s.hardware
+    wb = cfg.weight_broker
+    nccl = wb.group_backend == "nccl" or (wb.group_backend == "auto" and cfg.learner.gpus_per_rank > 0)
+    if wb.transport != "collective" or not nccl or cfg.sampler.gpus_per_replica == 0:
+        return  # versions come through the broker, or into host memory
+    version = version_bytes(cfg, model_shape(hf_config(cfg.run.model)).num_params)
+    free = (1 - cfg.sampler.gpu_memory_utilization) * hw.gpu_memory_gb * GB
+    assert free >= version + RECEIVE_MARGIN, (
+        f"{name}: sampler.gpu_memory_utilization = {cfg.sampler.gpu_memory_utilization:g} leaves "
+        f"{free / GB:.1f} GB of a {hw.gpu_memory_gb:g} GB GPU, and a version takes {version / GB:.1f} GB + "
+        f"{RECEIVE_MARGIN / GB:.1f} GB there"
+    )
+
+
 def test_the_charts_learner_check_is_the_fixed_part_of_the_learners_estimate() -> None:
     """The chart's install-time bound on the learner's GPU memory (templates/_hardware.tpl) is the estimator's
     states and buffers for the same parameter count, so it refuses only what every rank would refuse; a 7B

@@ -20,7 +20,23 @@ pods' host memory takes the name + 10%):
 
 A step's activations come on top, so a learner that passes here can still be refused at start; the learner's
 whole estimate runs for every shipped values file in tests/test_shipped_fit.py.
+
+The samplers' GPUs, with weightBroker.transport collective over NCCL (a GPU learner; the sizing's
+receivedOnGpus): each GPU worker of a sampler receives every version whole (W, the whole model, not its
+tensor-parallel share) into buffers on its own GPU, and the engine loads it from there
+(services/weight_broker/receiver.py). vLLM's engine takes sampler.gpu_memory_utilization of the GPU (as the
+run file has it), so what it leaves must hold the version and what else the receive puts there:
+
+  (1 - gpu_memory_utilization) × gpuNodes.gpuMemoryGB × 10^9  >=  W + 2GiB (the CUDA context, NCCL's
+                                                                  buffers, the layer vLLM's reload
+                                                                  materializes)
+
+with W as the pods' host memory counts it (vcpo-rl.sizing.billions × modelSize.dtypeBytes). The error names
+the highest utilization that passes, rounded down to 2 decimals, unless that leaves the engine less than its
+own share of the weights (W / tensor parallel): then only transport tcp, whose versions come through the
+broker into the pod's host memory, is left.
 */}}
+{{- define "vcpo-rl.hardware.receiveHeadroomGi" -}}2{{- end -}}
 {{- define "vcpo-rl.checkHardware" -}}
 {{- $v := .Values -}}
 {{- $n := $v.gpuNodes -}}
@@ -63,6 +79,32 @@ whole estimate runs for every shipped values file in tests/test_shipped_fit.py.
 {{- if gt $fixed $usable -}}
 {{- $source := ternary "modelSize.parameters" "its name; modelSize.parameters sets the exact count" $exact -}}
 {{- fail (printf "the learner cannot fit its GPUs: run.model %q (%.3gB parameters from %s) on learner.ranks = %d takes %.1fGB per GPU in ZeRO-3 states and buffers alone (%.1fGB of partitions at %s bytes per parameter), before any activation, above the %.1fGB usable of one gpuNodes.gpuMemoryGB = %vGB GPU (90%%; the learner keeps 10%% free); raise learner.ranks (more ranks hold smaller partitions), or set gpuNodes.gpuMemoryGB to the GPUs' memory" $v.run.model (divf $params 1000000000.0) $source (int $v.learner.ranks) (divf $fixed 1000000000.0) (divf $partitions 1000000000.0) (ternary "16" "18" $fp32) (divf $usable 1000000000.0) $n.gpuMemoryGB) -}}
+{{- end -}}
+{{- end -}}
+{{- $s := include "vcpo-rl.sizing" . | fromJson -}}
+{{- if and (gt (float64 $n.gpuMemoryGB) 0.0) $s.receivedOnGpus -}}
+{{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
+{{- $util := float64 $cfg.sampler.gpu_memory_utilization -}}
+{{- $gpu := mulf (float64 $n.gpuMemoryGB) 1000000000.0 -}}
+{{- $version := mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes) -}}
+{{- $need := addf $version (mulf (float64 (include "vcpo-rl.hardware.receiveHeadroomGi" .)) 1073741824.0) -}}
+{{- $free := mulf (subf 1.0 $util) $gpu -}}
+{{- if lt $free $need -}}
+{{- $extra := dict -}}
+{{- with $v.extraConfig }}{{ $extra = fromToml . }}{{ end -}}
+{{- $key := ternary "sampler.gpu_memory_utilization in extraConfig" "sampler.gpuMemoryUtilization" (hasKey (dig "sampler" (dict) $extra) "gpu_memory_utilization") -}}
+{{- $tp := int $v.sampler.gpusPerReplica -}}
+{{- $most := maxf 0.0 (divf (floor (mulf (subf 1.0 (divf $need $gpu)) 100.0)) 100.0) -}}
+{{- $share := divf $version $tp -}}
+{{- $tcp := "set weightBroker.transport = tcp (versions then come through the weight broker into the sampler pod's host memory)" -}}
+{{- $way := printf "lower %s to at most %.2f, or %s" $key $most $tcp -}}
+{{- if gt $need $gpu -}}
+{{- $way = printf "no %s makes room, as the version alone is more than one GPU holds; %s" $key $tcp -}}
+{{- else if le (mulf $most $gpu) $share -}}
+{{- $way = printf "no %s makes room: at most %.2f of each GPU, %.1fGB, would be left to the engine, not more than its own share of the weights (%.1fGB at tensor parallel %d); %s" $key $most (divf (mulf $most $gpu) 1000000000.0) (divf $share 1000000000.0) $tp $tcp -}}
+{{- end -}}
+{{- $source := ternary "modelSize.parameters" "its name + 10%; modelSize.parameters sets the exact count" (gt (float64 $v.modelSize.parameters) 0.0) -}}
+{{- fail (printf "the samplers' GPUs have no room for a version: with weightBroker.transport = collective over NCCL (a GPU learner) each GPU worker of a sampler receives every version whole into its own GPU, beside vLLM's engine: %.1fGB for run.model %q (%.3gB parameters from %s, × %v bytes) + %sGiB (the CUDA context, NCCL's buffers, the layer vLLM's reload materializes) = %.1fGB, above the %.1fGB that %s = %v leaves of one gpuNodes.gpuMemoryGB = %vGB GPU; %s" (divf $version 1000000000.0) $v.run.model (float64 (include "vcpo-rl.sizing.billions" .)) $source $v.modelSize.dtypeBytes (include "vcpo-rl.hardware.receiveHeadroomGi" .) (divf $need 1000000000.0) (divf $free 1000000000.0) $key $util $n.gpuMemoryGB $way) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

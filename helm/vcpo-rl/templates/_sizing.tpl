@@ -9,21 +9,20 @@ the value to raise, instead of being OOM-killed at its first weight update (docs
                                                                       it from (tmpfs counts as the pod's
                                                                       memory); the engine's processes
                                                                       (without GPUs: 2 W, no file, + 8Gi)
-    with transport collective, a sampler's  + W per GPU (1 without)   each engine worker receives the
-                                                                      broadcast version into (pinned) host
-                                                                      memory before it loads its share; the
+    with transport collective under NCCL    + 0                      each GPU worker receives the whole
+    (a GPU learner: group_backend auto)                               broadcast version into buffers on its
+                                                                      own GPU and the engine loads it from
+                                                                      there (receiver.py): no host memory.
+                                                                      Its room on the GPU, beside the
+                                                                      engine's gpu_memory_utilization, is
+                                                                      checked by vcpo-rl.checkHardware
+    with transport collective over gloo     + W per GPU (1 without)   each engine worker receives the whole
+    (a CPU learner, group_backend gloo)                               broadcast version into host memory, its
+                                                                      own copy, kept until the next. The
                                                                       evaluator takes its versions from the
-                                                                      broker
-      ... with 2 GPUs or more and            + 2 W                    the engine's GPU workers keep one host
-      rayCluster.shmSize >= 3 W + 4Gi                                 copy of each version between them, in
-                                                                      /dev/shm (the leader's segment and the
-                                                                      spare for the next version; tmpfs
-                                                                      counts as the pod's memory), instead
-                                                                      of one each (host_copy.py)
+                                                                      broker: never counted
   /dev/shm (rayCluster.shmSize)              W + 4Gi                  that file, and NCCL's, vLLM's and
-                                                                      Ray's own segments; 3 W + 4Gi (the
-                                                                      host copy and its spare beside the
-                                                                      file) for one host copy per host
+                                                                      Ray's own segments
   learner pod                                6Gi + 2Gi per rank       the ranks' processes (their weights are
                                                                       on the GPUs, or in the CPU learner's
                                                                       partitions, ZeRO-3)
@@ -86,10 +85,9 @@ SmolLM2-135M: 0.135) plus 10%, since names round down (Qwen2.5-7B has 7.6B); 0 f
 {{- end -}}
 
 {{/*
-The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, evaluator, shm, head, volume; and for a
-collective sampler of 2 GPUs or more (hostCopyApplies): hostCopyShm, the /dev/shm that gives one host copy
-per host (3 W + 4Gi), hostCopy, whether rayCluster.shmSize reaches it, and samplerHostCopy, the sampler's
-minimum with it.
+The minimums, in whole Gi, as JSON: weightsGi (W, a float), sampler, evaluator, shm, head, learner, volume;
+received, the versions the weight group's receivers keep in the sampler pod's host memory (0 under NCCL);
+receivedOnGpus, whether each sampler GPU worker receives versions into its own GPU instead (collective, NCCL).
 */}}
 {{- define "vcpo-rl.sizing" -}}
 {{- $v := .Values -}}
@@ -99,16 +97,13 @@ minimum with it.
 {{- $gpus := int $v.sampler.gpusPerReplica -}}
 {{- $copies := ternary 3 2 (gt $gpus 0) -}}
 {{- $collective := eq $wb.transport "collective" -}}
-{{- /* the GPU workers' one host copy (services/weight_broker/host_copy.py): the leader stages each version
-in /dev/shm only with room left there for the broker path's file, and reserves the next one's spare only with
-room for that file again, so 3 W + the headroom hold the copy, its spare and the file. Only under NCCL (the
-group's backend: auto gives NCCL with a GPU learner): over gloo every worker keeps its own copy */ -}}
+{{- /* the weight group's backend: auto gives NCCL with a GPU learner (group_control.py,
+coordinator_from_config). Under NCCL each GPU worker receives a version into buffers on its own GPU
+(receiver.py), no host memory; over gloo, or in a CPU sampler, each worker receives it into its own host
+buffers */ -}}
 {{- $groupBackend := dig "group_backend" "auto" $wb -}}
 {{- $nccl := or (eq $groupBackend "nccl") (and (eq $groupBackend "auto") (gt (float64 $cfg.learner.gpus_per_rank) 0.0)) -}}
-{{- $hostCopyApplies := and $collective $nccl (ge $gpus 2) -}}
-{{- $hostCopyShm := ceil (addf (mulf 3.0 $w) (float64 (include "vcpo-rl.sizing.shmHeadroomGi" .))) | int -}}
-{{- $hostCopy := and $hostCopyApplies (ge (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $hostCopyShm)) -}}
-{{- $received := ternary 2 (ternary (max 1 $gpus) 0 $collective) $hostCopy -}}
+{{- $received := ternary (ternary 0 (max 1 $gpus) (and $nccl (gt $gpus 0))) 0 $collective -}}
 {{- $engine := add (include "vcpo-rl.sizing.engineGi" .) (mul (include "vcpo-rl.sizing.perGpuGi" .) (max 1 $gpus)) -}}
 {{- $retained := add1 (int $wb.retain_versions) -}}
 {{- $inMemory := eq $wb.storage "memory" -}}
@@ -117,14 +112,11 @@ group's backend: auto gives NCCL with a GPU learner): over gloo every worker kee
   "weightsGi" $w
   "copies" $copies
   "received" $received
+  "receivedOnGpus" (and $collective $nccl (gt $gpus 0))
   "engineGi" $engine
   "retained" $retained
   "inMemory" $inMemory
   "sampler" (ceil (addf (mulf (add $copies $received) $w) $engine) | int)
-  "hostCopyApplies" $hostCopyApplies
-  "hostCopy" $hostCopy
-  "hostCopyShm" $hostCopyShm
-  "samplerHostCopy" (ceil (addf (mulf (add $copies 2) $w) $engine) | int)
   "evaluator" (ceil (addf (mulf $copies $w) $engine) | int)
   "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
   "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
@@ -136,15 +128,14 @@ group's backend: auto gives NCCL with a GPU learner): over gloo every worker kee
 
 {{/*
 Fails when a memory request or limit of `resources` is below `min` Gi. Arguments: dict "key" <values path of
-the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made of>; optional "or" <another
-way to meet it, appended to the message>
+the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made of>
 */}}
 {{- define "vcpo-rl.sizing.checkMemory" -}}
 {{- $args := . -}}
 {{- range $kind := list "requests" "limits" -}}
 {{- $memory := dig $kind "memory" "" (default dict $args.resources) -}}
 {{- if and $memory (lt (float64 (include "vcpo-rl.gib" $memory)) (float64 $args.min)) -}}
-{{- fail (printf "%s.%s.memory = %v is below the %dGi %s; raise %s.%s.memory to at least %dGi%s" $args.key $kind $memory (int $args.min) $args.why $args.key $kind (int $args.min) (default "" $args.or)) -}}
+{{- fail (printf "%s.%s.memory = %v is below the %dGi %s; raise %s.%s.memory to at least %dGi" $args.key $kind $memory (int $args.min) $args.why $args.key $kind (int $args.min)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -157,22 +148,15 @@ way to meet it, appended to the message>
 {{- $copies := ternary "3 copies of the weights (the staged version, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of the weights (the staged version, the previous one)" (eq (int $s.copies) 3) -}}
 {{- $why := printf "a sampler pod needs for %s: %s + %dGi for the engine's processes" $model $copies (int $s.engineGi) -}}
 {{- $received := "" -}}
-{{- $or := "" -}}
-{{- if $s.hostCopy -}}
-{{- $received = printf " + 2 more, the one host copy of each version the engine's GPU workers keep between them in /dev/shm and its spare for the next (weightBroker.transport collective, rayCluster.shmSize at least %dGi)" (int $s.hostCopyShm) -}}
-{{- else if gt (int $s.received) 0 -}}
-{{- $received = printf " + %d more, the weight group's broadcast as each engine worker receives it into host memory (weightBroker.transport collective)" (int $s.received) -}}
+{{- if gt (int $s.received) 0 -}}
+{{- $received = printf " + %d more, the weight group's broadcast as each engine worker receives it into host memory (weightBroker.transport collective over gloo: a CPU learner or sampler)" (int $s.received) -}}
 {{- end -}}
-{{- if and $s.hostCopyApplies (not $s.hostCopy) (lt (int $s.samplerHostCopy) (int $s.sampler)) -}}
-{{- $or = printf ", or raise rayCluster.shmSize to at least %dGi (3 versions + %sGi): the GPU workers then keep one host copy of each version between them in /dev/shm, and sampler.resources needs %dGi" (int $s.hostCopyShm) (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.samplerHostCopy) -}}
-{{- end -}}
-{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" (printf "%s%s" $why $received) "or" $or) -}}
+{{- include "vcpo-rl.sizing.checkMemory" (dict "key" "sampler.resources" "resources" $v.sampler.resources "min" $s.sampler "why" (printf "%s%s" $why $received)) -}}
 {{- if and (include "vcpo-rl.dedicatedEvaluator" .) $v.evaluation.evaluator.resources -}}
 {{- include "vcpo-rl.sizing.checkMemory" (dict "key" "evaluation.evaluator.resources" "resources" $v.evaluation.evaluator.resources "min" $s.evaluator "why" (replace "a sampler pod" "the evaluator's pod" $why)) -}}
 {{- end -}}
 {{- if and (gt (int $s.shm) 0) (lt (float64 (include "vcpo-rl.gib" $v.rayCluster.shmSize)) (float64 $s.shm)) -}}
-{{- $hostCopyNote := ternary (printf " (%dGi, 3 versions + %sGi, lets the engine's GPU workers keep one host copy of each version between them instead of one each; sampler.resources then needs %dGi)" (int $s.hostCopyShm) (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.samplerHostCopy)) "" $s.hostCopyApplies -}}
-{{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi%s" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm) $hostCopyNote) -}}
+{{- fail (printf "rayCluster.shmSize = %v is below the %dGi /dev/shm needs for %s: one version's file, which vLLM's workers read each new version from, + %sGi for NCCL, vLLM and Ray; raise rayCluster.shmSize to at least %dGi" $v.rayCluster.shmSize (int $s.shm) $model (include "vcpo-rl.sizing.shmHeadroomGi" .) (int $s.shm)) -}}
 {{- end -}}
 {{- $held := ternary (printf "%d versions in the weight broker's memory (weightBroker.retainVersions + the one being published) + %sGi for the launcher and Ray's control plane" (int $s.retained) (include "vcpo-rl.sizing.headGi" .)) (printf "%sGi for the launcher, Ray's control plane and the weight broker (its versions are on the shared volume)" (include "vcpo-rl.sizing.headGi" .)) $s.inMemory -}}
 {{- include "vcpo-rl.sizing.checkMemory" (dict "key" "head.resources" "resources" $v.head.resources "min" $s.head "why" (printf "the head pod needs for %s: %s" $model $held)) -}}
