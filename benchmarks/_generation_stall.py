@@ -62,7 +62,7 @@ def _engine(spec: dict[str, Any], model_dir: str, out: Any) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         from services.sampler.engine import Sampling, VllmEngine, VllmSettings
-        from services.weight_broker.weight_group import AnnouncementWatch, GroupSpec
+        from services.weight_transport.weight_group import AnnouncementWatch, GroupSpec
 
         engine = VllmEngine(
             VllmSettings(
@@ -121,9 +121,9 @@ def run_stall(named: list[tuple[str, Any]], step_s: float = 2.0) -> dict[str, di
     stall and the tokens per second while receiving. ``step_s``: the engine's steps between versions."""
     from services.common.ports import free_port
     from services.common.tiny_model import build_tiny_model
-    from services.weight_broker.collective import CollectivePublisher
-    from services.weight_broker.tensors import TensorSpec
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.collective import CollectivePublisher
+    from services.weight_transport.tensors import TensorSpec
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     spec: dict[str, Any] = {
         "host": "127.0.0.1",

@@ -35,8 +35,8 @@ import torch
 import xxhash
 
 from services.common.ports import free_port
-from services.weight_broker.tensors import TensorSpec, tensor_bytes
-from services.weight_broker.transports import TcpTransport
+from services.weight_transport.tensors import TensorSpec, tensor_bytes
+from services.weight_transport.transports import TcpTransport
 
 MiB = 1 << 20
 PUBLISHES = 3  # the last one is timed as the steady state
@@ -218,8 +218,8 @@ def run_fetchers(address: str, data: str, n: int) -> tuple[float, list[dict[str,
 def _collective_receiver(spec: dict[str, Any], rank: int, versions: int, results: Any) -> None:
     """A sampler engine's worker: joins the weight group, then takes each version as it is broadcast (the
     control plane would call ``receive`` on the announcement; here the receiver waits in it)."""
-    from services.weight_broker.receiver import CollectiveReceiver
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.receiver import CollectiveReceiver
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     try:
         group = WeightGroup(GroupSpec(**spec), rank)
@@ -254,8 +254,8 @@ def run_collective(
     background broadcast from its staging buffer (the fourth version; the third allocated the buffer), and the
     seconds from the start of that one until they held it (``staged_seconds``: the learner's publish).
     ``step_s``: the pause before each timed version, as a learner's step between versions."""
-    from services.weight_broker.collective import CollectivePublisher
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.collective import CollectivePublisher
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     spec: dict[str, Any] = {
         "host": "127.0.0.1",
@@ -319,8 +319,8 @@ def _loading_receiver(spec: dict[str, Any], rank: int, device: str, versions: in
     (allocated at the first, untimed version): ``param.data.copy_(tensor)`` for each tensor, as vLLM's
     default weight loader does. Reports when it held the version (its device synchronized) and when its model
     did, and whether the version arrived on ``device``."""
-    from services.weight_broker.receiver import CollectiveReceiver
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.receiver import CollectiveReceiver
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     try:
         dev = torch.device(device)
@@ -377,8 +377,8 @@ def run_loading(
     wait (the 3rd allocates the buffer). Each version differs in its first element, and every receiver's model
     must equal it byte for byte. ``on_device``: 1.0 if every receiver received every version into buffers on
     its own device, 0.0 if any did elsewhere (host memory, where ranks sharing a GPU fell back to gloo)."""
-    from services.weight_broker.collective import CollectivePublisher
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.collective import CollectivePublisher
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     spec: dict[str, Any] = {
         "host": "127.0.0.1",

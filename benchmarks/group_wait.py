@@ -45,7 +45,7 @@ def _polling(work: Any) -> None:
 
 
 def _rank(rank: int, spec: dict[str, Any], nbytes: int, rounds: int, results: Any) -> None:
-    from services.weight_broker.weight_group import GroupSpec, WeightGroup
+    from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), rank)
     buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8)

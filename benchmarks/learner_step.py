@@ -77,7 +77,7 @@ def _rank(
     from services.learner.publish import publish_version
     from services.learner.trainer import Trainer
     from services.learner.vcpo import objective_config
-    from services.weight_broker.transports import TcpTransport
+    from services.weight_transport.transports import TcpTransport
 
     torch.set_num_threads(1)  # two ranks share this machine's cores
     configs = {

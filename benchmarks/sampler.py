@@ -88,9 +88,9 @@ from services.sampler.service import SamplerService
 from services.weight_broker.announce import Announcer
 from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import MemoryStore
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import TcpTransport
+from services.weight_transport.store import MemoryStore
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports import TcpTransport
 from vcpo.v1 import rollout_pb2
 
 TARGET_SERVICE_OVER_ENGINE = 0.8

@@ -81,8 +81,8 @@ from benchmarks._weight_sync_workers import (
 from services.common.memory import ALLOCATOR_ENV
 from services.common.ports import free_port
 from services.common.service_process import ServiceProcess
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import TcpTransport
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports import TcpTransport
 
 TARGET_BROKER_OVER_SOCKET = 0.5
 TARGET_PEAK_RSS_OVER_MODEL = 2.5

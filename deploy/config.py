@@ -19,7 +19,7 @@ from services.learner.config import (
 )
 from services.reward.config import RewardConfig
 from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
-from services.weight_broker.config import WeightBrokerConfig
+from services.weight_transport import WeightBrokerConfig
 
 
 class LauncherConfig(Section):

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import WeightTransport
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports import WeightTransport
 
 versions = itertools.count(1_000_000)  # versions loaded straight into the session's engine (they only grow)
 
@@ -50,7 +50,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
     from services.weight_broker.announce import Announcer
-    from services.weight_broker.store import MemoryStore
+    from services.weight_transport.store import MemoryStore
     from tests.test_weight_broker import Broker
 
     weights = stream_specs(run, StreamsConfig())["weights"]
@@ -202,9 +202,9 @@ def broadcast_versions(
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
     ``(version, how)`` of ``plan``: "whole", "slow" (the source stalls ``SLOW_S`` half-way), or "cut" (the
     source dies part-way through the version)."""
-    from services.weight_broker.collective import CollectivePublisher
-    from services.weight_broker.tensors import TensorSpec
-    from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+    from services.weight_transport.collective import CollectivePublisher
+    from services.weight_transport.tensors import TensorSpec
+    from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 0)
     publisher = CollectivePublisher(group, bucket_bytes=1 << 20)

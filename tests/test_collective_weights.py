@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from services.common.ports import free_port
-from services.weight_broker.buckets import ALIGN, Bucket, bucket_layout, pieces
-from services.weight_broker.collective import CollectivePublisher, PinnedStaging
-from services.weight_broker.receiver import Background, CollectiveReceiver, NoRoom
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from services.weight_transport.buckets import ALIGN, Bucket, bucket_layout, pieces
+from services.weight_transport.collective import CollectivePublisher, PinnedStaging
+from services.weight_transport.receiver import Background, CollectiveReceiver, NoRoom
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 
 
 def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -58,7 +58,7 @@ def _receiver(spec: GroupSpec, rank: int, versions: int, behaviour: str, out: An
     if behaviour == "arrive-and-die":  # counted in at the rendezvous, then killed before it connects
         import torch.distributed as dist
 
-        from services.weight_broker.weight_group import arrive, open_store
+        from services.weight_transport.weight_group import arrive, open_store
 
         arrive(dist.PrefixStore(spec.prefix(), open_store(spec)), "ranks_arrived", spec.world_size, 30)
         os._exit(3)
@@ -359,7 +359,7 @@ def test_a_member_that_dies_while_the_group_connects_fails_it_within_the_forming
     stood still meanwhile)."""
     import torch.distributed as dist
 
-    from services.weight_broker.weight_group import open_store
+    from services.weight_transport.weight_group import open_store
 
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90, form_timeout_s=3)
     store = open_store(spec, master=True)
@@ -387,7 +387,7 @@ def test_a_rank_arriving_after_its_epoch_was_given_up_fails_at_once() -> None:
     """Rank 0 stopped waiting for a rank that had not arrived: that rank arriving later (a sampler whose loop
     was in a long load) fails at once, naming why, instead of waiting out the forming timeout for an epoch
     that can no longer form, its engine's loop standing still meanwhile."""
-    from services.weight_broker.weight_group import open_store
+    from services.weight_transport.weight_group import open_store
 
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30, form_timeout_s=3)
     store = open_store(spec, master=True)  # the coordinator's, which outlives each epoch

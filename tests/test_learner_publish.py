@@ -12,8 +12,8 @@ import torch
 
 from services.common.ports import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.weight_broker.store import MemoryStore
-from services.weight_broker.transports import RetryPolicy, TcpTransport
+from services.weight_transport.store import MemoryStore
+from services.weight_transport.transports import RetryPolicy, TcpTransport
 from tests.test_weight_broker import Broker
 
 BUCKET = 200_000  # bytes: several buckets for the tiny model
@@ -136,8 +136,8 @@ def test_the_publish_outcome_travels_on_the_backends_device(monkeypatch: pytest.
 def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any], out: Any) -> None:
     try:
         from services.learner.publish import GatherStats, publish_collective
-        from services.weight_broker.collective import CollectivePublisher
-        from services.weight_broker.weight_group import GroupSpec, WeightGroup
+        from services.weight_transport.collective import CollectivePublisher
+        from services.weight_transport.weight_group import GroupSpec, WeightGroup
 
         module = _zero3_module(rank, port, model_dir)
         publisher = CollectivePublisher(WeightGroup(GroupSpec(**spec), 0), 100_000) if rank == 0 else None
@@ -153,8 +153,8 @@ def _collective_rank(rank: int, port: int, model_dir: str, spec: dict[str, Any],
 
 
 def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
-    from services.weight_broker.receiver import CollectiveReceiver
-    from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+    from services.weight_transport.receiver import CollectiveReceiver
+    from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 
     group = WeightGroup(GroupSpec(**spec), 1)
     if behaviour == "die-after-header":
@@ -216,7 +216,7 @@ class _FlakyTransport:
         self.fail, self.then, self.calls = fail, then, 0
 
     def publish_once(self, version: int, specs: Any, tensors: Any) -> Any:
-        from services.weight_broker.transports import PublishResult
+        from services.weight_transport.transports import PublishResult
 
         self.calls += 1
         for _ in tensors:  # consumes the gathered buckets as a real transport does
@@ -236,7 +236,7 @@ def test_a_publish_rides_out_a_broker_restart_and_a_redone_version_counts_as_pub
     retrying for ``retry_s``. A learner group restarted from its checkpoint redoes steps whose versions the
     broker already holds, or has moved past: both count as published, so the run goes on."""
     from services.learner.publish import publish_version
-    from services.weight_broker.transports import StalePublish, VersionExists
+    from services.weight_transport.transports import StalePublish, VersionExists
 
     module = torch.nn.Linear(4, 4)
     flaky = _FlakyTransport(fail=5)

@@ -83,8 +83,8 @@ def test_a_sampler_that_joined_after_the_current_version_went_into_the_group_get
     it through the broker, once; not while every receiver holds it, nor where the broker holds it."""
     import time
 
-    from services.weight_broker.group_control import GroupCoordinator
-    from services.weight_broker.seats import GroupRegistry, Member
+    from services.weight_transport.group_control import GroupCoordinator
+    from services.weight_transport.seats import GroupRegistry, Member
 
     registry = GroupRegistry(redis_client, f"joiner-{time.monotonic_ns()}", ttl_s=10.0)
     rank = rank0(3, 3, 7)

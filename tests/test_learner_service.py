@@ -19,7 +19,7 @@ from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.local_ranks import scored_groups
-from services.weight_broker.store import DiskStore
+from services.weight_transport.store import DiskStore
 from tests.test_weight_broker import Broker
 from vcpo.v1 import rollout_pb2
 
@@ -361,7 +361,7 @@ def test_with_the_collective_transport_the_learner_keeps_torchs_monitor_off_a_we
 
     from services.learner import service
     from services.learner.config import LearnerServiceConfig
-    from services.weight_broker.nccl_group import DUMP_ON_FAILURE
+    from services.weight_transport.nccl_group import DUMP_ON_FAILURE
 
     monkeypatch.delenv(DUMP_ON_FAILURE, raising=False)
     seen: list[str | None] = []
@@ -392,8 +392,8 @@ def test_an_idle_learner_republishes_the_version_its_failed_background_broadcast
     from types import SimpleNamespace
 
     from services.learner.service import LearnerRank
-    from services.weight_broker.group_control import GroupCoordinator
-    from services.weight_broker.seats import GroupRegistry
+    from services.weight_transport.group_control import GroupCoordinator
+    from services.weight_transport.seats import GroupRegistry
     from tests.test_collective_weights import specs_of, version_tensors
     from tests.test_weight_group_control import Receiver, _until
 

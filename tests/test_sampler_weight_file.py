@@ -323,7 +323,7 @@ def test_a_worker_without_room_for_a_version_is_told_apart_from_the_failures_it_
     then leaves the weight group for good), with that worker's own error first, whichever rank it is: the
     other workers' errors only echo the mark it left. Any other failure stays a ``WorkerCallFailed``."""
     from services.sampler.engine import WorkerCallFailed
-    from services.weight_broker.receiver import NoRoom
+    from services.weight_transport.receiver import NoRoom
 
     engine, _, _ = gpu_layout
     echo = (

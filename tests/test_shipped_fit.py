@@ -162,7 +162,7 @@ def _plan(model: str, learner_json: str, broker_json: str, budget: int) -> Any:
     with the arguments services/learner/trainer.py and service.py pass there."""
     from services.learner.config import LearnerConfig
     from services.learner.memory import CUDA_CONTEXT, plan_memory
-    from services.weight_broker.config import WeightBrokerConfig
+    from services.weight_transport.config import WeightBrokerConfig
 
     learner = LearnerConfig.model_validate_json(learner_json)
     broker = WeightBrokerConfig.model_validate_json(broker_json)
@@ -259,7 +259,7 @@ def test_each_shipped_collective_run_leaves_room_for_a_version_on_every_sampler_
     name: str, tmp_path: Path
 ) -> None:
     """Under NCCL each engine's GPU worker receives a whole version into its GPU beside the engine
-    (services/weight_broker/receiver.py), every tensor-parallel worker the whole model: what
+    (services/weight_transport/receiver.py), every tensor-parallel worker the whole model: what
     sampler.gpu_memory_utilization leaves free on the stated GPU holds it, with a margin."""
     from deploy.preflight_nodes import version_bytes
     from services.learner.memory import model_shape

@@ -167,7 +167,7 @@ def _step_publish_resume(
     from services.learner.batching import to_tensors
     from services.learner.publish import gathered_tensors, publish_version
     from services.learner.trainer import Trainer
-    from services.weight_broker.transports import TcpTransport
+    from services.weight_transport.transports import TcpTransport
 
     def weights(t: Trainer) -> dict[str, torch.Tensor]:
         return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}

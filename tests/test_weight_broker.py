@@ -19,12 +19,12 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.weight_broker import dataplane
 from services.weight_broker.announce import Announcer
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.protocol import publish_requests
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import (
+from services.weight_transport import dataplane
+from services.weight_transport.protocol import publish_requests
+from services.weight_transport.store import (
     DiskStore,
     MemoryStore,
     PublishRejected,
@@ -32,8 +32,8 @@ from services.weight_broker.store import (
     VersionStore,
     version_dir,
 )
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import (
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports import (
     BrokerUnavailable,
     RetryPolicy,
     StalePublish,
@@ -440,7 +440,7 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
     redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
 ) -> None:
     from services.common.admission import AdmissionCounter
-    from services.weight_broker.follower import WeightFollower
+    from services.weight_transport.follower import WeightFollower
 
     spec = stream_specs(RunConfig(run_id="follow"), StreamsConfig())["weights"]
     b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "x"))
@@ -470,7 +470,7 @@ def test_follower_loads_announced_versions_whole_and_says_why_it_waits(
 def test_a_follower_with_a_filter_fetches_only_the_versions_it_wants(
     redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
 ) -> None:
-    from services.weight_broker.follower import WeightFollower
+    from services.weight_transport.follower import WeightFollower
 
     spec = stream_specs(RunConfig(run_id="filter"), StreamsConfig())["weights"]
     b = Broker(MemoryStore(retain=2), Announcer(StreamProducer(redis_client, spec), "x"))
@@ -512,7 +512,7 @@ def test_plain_protobuf_messages_interoperate_on_the_data_plane(
 
 
 def test_wire_chunks_round_trip_through_protobuf() -> None:
-    from services.weight_broker.wire import decode_chunk, encode_chunk
+    from services.weight_transport.wire import decode_chunk, encode_chunk
 
     data = bytes(range(256)) * 40
     raw = encode_chunk(7, "model.layers.0.mlp.up_proj.weight", 4096, memoryview(data), True, "xxh3_128:ab")
@@ -542,7 +542,7 @@ def test_a_follower_fetches_a_version_whose_announcement_was_lost(
     """The broker could not announce version 1 (Redis out of reach for a moment: counted, and the version is
     committed and fetchable). The follower asks the broker's latest version beside the announcements, so it
     is not missed until version 2 comes, which with k = 0 and one sampler never would."""
-    from services.weight_broker.follower import WeightFollower
+    from services.weight_transport.follower import WeightFollower
 
     spec = stream_specs(RunConfig(run_id=f"lost-{time.monotonic_ns()}"), StreamsConfig())["weights"]
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.weight_broker import dataplane
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.protocol import publish_requests
-from services.weight_broker.store import MemoryStore, VersionNotFound
-from services.weight_broker.transports import StalePublish, VersionExists
+from services.weight_transport import dataplane
+from services.weight_transport.protocol import publish_requests
+from services.weight_transport.store import MemoryStore, VersionNotFound
+from services.weight_transport.transports import StalePublish, VersionExists
 from tests.test_weight_broker import (
     Broker,
     as_protos,

@@ -17,9 +17,9 @@ from services.common.observability import check_health
 from services.common.ports import free_port
 from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
-from services.weight_broker.seats import GroupRegistry, Member
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports import TcpTransport
+from services.weight_transport.seats import GroupRegistry, Member
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports import TcpTransport
 
 ROOT = Path(__file__).parent.parent
 
@@ -89,8 +89,8 @@ def test_broker_process_serves_announces_and_stops_cleanly(
 
 
 def test_the_broker_advertises_its_nodes_ip_on_a_cluster_and_the_loopback_on_one_machine() -> None:
-    from services.weight_broker.config import WeightBrokerConfig
     from services.weight_broker.ray_actor import advertised_host
+    from services.weight_transport.config import WeightBrokerConfig
 
     empty, named = WeightBrokerConfig(), WeightBrokerConfig(advertise_host="broker.rl.svc")
     assert advertised_host(empty, local_ray=False, node_ip="10.1.2.3") == "10.1.2.3"

@@ -18,12 +18,12 @@ import torch
 from services.common.ports import free_port
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_broker.group_control import GroupCoordinator
-from services.weight_broker.members import reachable_host
-from services.weight_broker.receiver import CollectiveReceiver, NoRoom
-from services.weight_broker.seats import GroupRegistry, Member, MemberSeat, Seat
-from services.weight_broker.transports import WeightTransport
-from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from services.weight_transport.group_control import GroupCoordinator
+from services.weight_transport.members import reachable_host
+from services.weight_transport.receiver import CollectiveReceiver, NoRoom
+from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
+from services.weight_transport.transports import WeightTransport
+from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import is_version, specs_of, version_tensors
 from tests.test_weight_group_nccl import form
 from vcpo.v1 import weights_pb2
@@ -355,7 +355,7 @@ def test_a_member_arriving_after_its_epoch_was_given_up_stops_waiting_at_once(
     timeout (its engine's loop standing still) for an epoch that can no longer form."""
     import torch.distributed as dist
 
-    from services.weight_broker.weight_group import arrive, open_store
+    from services.weight_transport.weight_group import arrive, open_store
 
     coordinator = GroupCoordinator(registry, "127.0.0.1", "gloo", timeout_s=20, form_timeout_s=2)
     events: list[str] = []
@@ -700,8 +700,8 @@ def test_the_learners_coordinator_from_its_config_bounds_its_waits_and_hands_out
 ) -> None:
     """The learner's coordinator built from ``weight_broker``: its group timeout, bounded by what the learner's
     other ranks can wait for rank 0; and the publisher of the epoch it forms delivers a version exactly."""
-    from services.weight_broker.config import WeightBrokerConfig
-    from services.weight_broker.group_control import coordinator_from_config
+    from services.weight_transport.config import WeightBrokerConfig
+    from services.weight_transport.group_control import coordinator_from_config
 
     run_id = f"wg-config-{time.monotonic_ns()}"
     wb = WeightBrokerConfig(
@@ -1034,7 +1034,7 @@ def test_a_background_broadcasts_own_error_is_a_failed_broadcast_not_the_next_ve
     from concurrent.futures import Future
 
     from services.learner.publish import VersionNotSent
-    from services.weight_broker.collective import CollectivePublisher
+    from services.weight_transport.collective import CollectivePublisher
 
     publisher = object.__new__(CollectivePublisher)
     pending: Future[Any] = Future()
@@ -1153,8 +1153,8 @@ def test_the_settle_settings_reach_the_learners_coordinator_and_bad_ones_name_th
 ) -> None:
     from pydantic import ValidationError
 
-    from services.weight_broker.config import WeightBrokerConfig
-    from services.weight_broker.group_control import coordinator_from_config
+    from services.weight_transport.config import WeightBrokerConfig
+    from services.weight_transport.group_control import coordinator_from_config
 
     wb = WeightBrokerConfig(group_settle_s=2.0, group_settle_max_s=20.0)
     c = coordinator_from_config(wb, redis_url, "wg-settle", redis_client, torch.device("cpu"))

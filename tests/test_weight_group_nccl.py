@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from services.common.ports import free_port
-from services.weight_broker import nccl_group, retired, weight_group
-from services.weight_broker.collective import CollectivePublisher
-from services.weight_broker.receiver import CollectiveReceiver
-from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup
+from services.weight_transport import nccl_group, retired, weight_group
+from services.weight_transport.collective import CollectivePublisher
+from services.weight_transport.receiver import CollectiveReceiver
+from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import _receiver, is_version, specs_of, version_tensors
 
 
@@ -717,9 +717,9 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     here the 30 s this stand-in for a stuck broadcast ignores the abort for), the thread is a daemon (one of an
     executor would hold the process at exit), and what it may still use is let go once it ends: a bucket
     buffer ``send`` makes after ``close`` had let go of everything goes too."""
-    from services.weight_broker import broadcast_thread
-    from services.weight_broker.buckets import TransferStats
-    from services.weight_broker.collective import BroadcastOverdue
+    from services.weight_transport import broadcast_thread
+    from services.weight_transport.buckets import TransferStats
+    from services.weight_transport.collective import BroadcastOverdue
 
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=20))
     publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
@@ -767,7 +767,7 @@ def test_the_interpreters_exit_waits_a_while_for_broadcasts_left_behind() -> Non
     code = """
 import time
 from concurrent.futures import Future
-from services.weight_broker import broadcast_thread
+from services.weight_transport import broadcast_thread
 def stuck():
     time.sleep(1.5)
     raise RuntimeError("the group was aborted")
@@ -811,7 +811,7 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
         assert staging is not None  # staged
         staged = StorageWeakRef(staging.untyped_storage())
         del staging
-        with caplog.at_level(logging.WARNING, logger="services.weight_broker.collective"):
+        with caplog.at_level(logging.WARNING, logger="services.weight_transport.collective"):
             publisher.close()
         assert staged.expired()  # freed, and no garbage collection has run
     finally:

@@ -1,4 +1,4 @@
-"""Closed weight groups give their threads and sockets back (services/weight_broker/retired.py), on real gloo
+"""Closed weight groups give their threads and sockets back (services/weight_transport/retired.py), on real gloo
 groups: a process group is destroyed on the reaper thread, never on the thread that closed or dropped it, even
 while one of its collectives still waits on a peer that hung; every epoch's descriptors and threads are gone
 once the reaper has run, so a run that re-forms its group again and again does not run out of them."""
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from services.common.ports import free_port
-from services.weight_broker import retired
-from services.weight_broker.weight_group import GroupSpec, TransferFailed
+from services.weight_transport import retired
+from services.weight_transport.weight_group import GroupSpec, TransferFailed
 from tests.test_weight_group_nccl import form
 
 
@@ -116,8 +116,8 @@ import sys, time
 
 import torch
 from services.common.ports import free_port
-from services.weight_broker import retired
-from services.weight_broker.weight_group import GroupSpec
+from services.weight_transport import retired
+from services.weight_transport.weight_group import GroupSpec
 from tests.test_weight_group_nccl import form
 
 groups = form(GroupSpec("127.0.0.1", free_port(), 3, "gloo", epoch=0, timeout_s=30.0))

@@ -26,7 +26,7 @@ from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import GenerationEngine
 from services.sampler.weights import WeightSync
-from services.weight_broker.transports import transport_from_config
+from services.weight_transport import transport_from_config
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
 from services.learner.objectives import get as objective_named
 from services.learner.objectives import settings_of as objective_settings_of
-from services.weight_broker.config import WeightBrokerConfig
+from services.weight_transport import WeightBrokerConfig
 
 
 class LearnerConfig(Section):

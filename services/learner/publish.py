@@ -26,11 +26,17 @@ import torch
 from torch import nn
 
 from services.learner.norm_rules import full_shape
-from services.weight_broker.buckets import TransferStats
-from services.weight_broker.collective import CollectivePublisher
-from services.weight_broker.tensors import TensorSpec, dtype_name
-from services.weight_broker.transports import PublishResult, StalePublish, VersionExists, WeightTransport
-from services.weight_broker.weight_group import TransferFailed
+from services.weight_transport import (
+    CollectivePublisher,
+    PublishResult,
+    StalePublish,
+    TensorSpec,
+    TransferFailed,
+    TransferStats,
+    VersionExists,
+    WeightTransport,
+    dtype_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +211,7 @@ def publish_collective(
     stats: GatherStats | None = None,
     background: bool = False,
 ) -> TransferStats | None:
-    """Broadcast ``module``'s weights as ``version`` into the weight group (services/weight_broker/collective.py):
+    """Broadcast ``module``'s weights as ``version`` into the weight group (services/weight_transport/collective.py):
     a collective every learner rank calls, gathering bucket by bucket; rank 0 passes its publisher.
 
     Returns rank 0's transfer stats (None elsewhere, and with ``background``). Raises :class:`TransferFailed`

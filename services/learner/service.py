@@ -55,11 +55,15 @@ from services.learner.metrics import LearnerMetrics
 from services.learner.publish import VersionNotSent, publish_collective, publish_version, rank0_code
 from services.learner.servicer import LearnerState, StatusServicer
 from services.learner.trainer import Trainer
-from services.weight_broker.collective import CollectivePublisher
-from services.weight_broker.group_control import GroupCoordinator, coordinator_from_config
-from services.weight_broker.nccl_group import survive_weight_group_failures
-from services.weight_broker.transports import WeightTransport, transport_from_config
-from services.weight_broker.weight_group import TransferFailed
+from services.weight_transport import (
+    CollectivePublisher,
+    GroupCoordinator,
+    TransferFailed,
+    WeightTransport,
+    coordinator_from_config,
+    survive_weight_group_failures,
+    transport_from_config,
+)
 from vcpo.v1 import common_pb2, common_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from pydantic import Field, PositiveFloat, SecretStr, model_validator
 from services.common.config import Section, ServiceConfig
 from services.common.tls import ClientTls, ServerTls
 from services.reward.config import RewardConfig
-from services.weight_broker.config import WeightBrokerConfig
+from services.weight_transport import WeightBrokerConfig
 
 EVAL_SET_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 

@@ -297,7 +297,7 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
         if settings.collective_weights:
             from services.sampler.weight_transfer import BACKEND, register
-            from services.weight_broker.nccl_group import survive_weight_group_failures
+            from services.weight_transport import survive_weight_group_failures
 
             survive_weight_group_failures()  # before vLLM's workers (spawned from here) make their NCCL groups
             register()  # in this process too: an in-process engine builds its worker here

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from services.weight_broker.receiver import NoRoom
+from services.weight_transport import NoRoom
 
 log = logging.getLogger(__name__)
 

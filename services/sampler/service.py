@@ -35,8 +35,7 @@ from services.sampler.sampler import Sampler
 from services.sampler.servicer import RegistryServicer, StatusServicer
 from services.sampler.tasks import DatasetTasks
 from services.sampler.weights import CollectiveWeightSync, WeightSync
-from services.weight_broker.seats import GroupRegistry, Member, MemberSeat
-from services.weight_broker.transports import transport_from_config
+from services.weight_transport import GroupRegistry, Member, MemberSeat, transport_from_config
 from vcpo.v1 import common_pb2_grpc, registry_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ vLLM 0.32 builds one ``WeightTransferEngine`` per worker from ``weight_transfer_
 through the worker methods ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
 ``finish_weight_update`` (called here through ``collective_rpc``). Its own NCCL engine loads each tensor as
 it arrives; this one, ``vcpo_collective``, receives a whole version through the weight group
-(services/weight_broker/collective.py: gloo on CPU, NCCL on GPU) into buffers on the worker's device (its
+(services/weight_transport/collective.py: gloo on CPU, NCCL on GPU) into buffers on the worker's device (its
 GPU under NCCL: a version's bytes beside the engine, in what ``sampler.gpu_memory_utilization`` leaves free)
 and loads nothing until every member voted to commit it, so a broadcast that fails part-way leaves the model as it was. ``finish_weight_update`` then
 loads the version in place with vLLM's own ``reload_weights`` (the broker path's loader, whose log-probs are
@@ -36,8 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from services.sampler.kernel_tensors import finish_interrupted_reload, hold
-from services.weight_broker.receiver import Background, CollectiveReceiver
-from services.weight_broker.weight_group import GroupSpec, WeightGroup
+from services.weight_transport import Background, CollectiveReceiver, GroupSpec, WeightGroup
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,16 @@ from collections.abc import Callable
 from services.common.admission import Admission
 from services.common.streams.consumer import StreamTail
 from services.sampler.engine import GenerationEngine
-from services.weight_broker.follower import WeightFollower
-from services.weight_broker.protocol import Sink
-from services.weight_broker.receiver import NoRoom
-from services.weight_broker.seats import MemberSeat, Seat
-from services.weight_broker.transports import WeightTransport
-from services.weight_broker.weight_group import AnnouncementWatch, TransferFailed
+from services.weight_transport import (
+    AnnouncementWatch,
+    MemberSeat,
+    NoRoom,
+    Seat,
+    Sink,
+    TransferFailed,
+    WeightFollower,
+    WeightTransport,
+)
 from vcpo.v1 import weights_pb2
 
 log = logging.getLogger(__name__)

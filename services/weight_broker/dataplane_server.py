@@ -1,7 +1,7 @@
 """The broker's side of the TCP data plane: a threaded socket server that hands each connection's publish or
 fetch to the gRPC servicer's own methods (``publish_messages``, ``fetch_messages``), so both paths share the
 store, the checks, the metrics and the announcements. The frames and the connection protocol are in
-:mod:`services.weight_broker.dataplane`, shared with the TCP transport.
+:mod:`services.weight_transport.dataplane`, shared with the TCP transport.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import socketserver
 import threading
 from typing import Any
 
-from services.weight_broker.dataplane import frames, recv_json, send_end, send_frame, send_json, tune
-from services.weight_broker.protocol import BrokenStream
 from services.weight_broker.servicer import WeightBrokerServicer, is_store_error
-from services.weight_broker.store import PublishRejected, VersionNotFound
+from services.weight_transport.dataplane import frames, recv_json, send_end, send_frame, send_json, tune
+from services.weight_transport.protocol import BrokenStream
+from services.weight_transport.store import PublishRejected, VersionNotFound
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import ray
 
 from services.common.observability import actor_logging
 from services.common.starts import record_start_quietly
-from services.weight_broker.config import WeightBrokerConfig, WeightBrokerServiceConfig, broker_host
+from services.weight_broker.config import WeightBrokerServiceConfig
+from services.weight_transport.config import WeightBrokerConfig, broker_host
 
 
 def advertised_host(wb: WeightBrokerConfig, local_ray: bool, node_ip: str) -> str:

@@ -13,10 +13,11 @@ from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
 from services.weight_broker.announce import Announcer
-from services.weight_broker.config import WeightBrokerServiceConfig, broker_host
+from services.weight_broker.config import WeightBrokerServiceConfig
 from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
-from services.weight_broker.store import make_store
+from services.weight_transport.config import broker_host
+from services.weight_transport.store import make_store
 
 log = logging.getLogger(__name__)
 

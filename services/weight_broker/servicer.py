@@ -16,9 +16,9 @@ import grpc
 
 from services.common.observability import Metrics
 from services.weight_broker.announce import Announcer
-from services.weight_broker.protocol import apply_publish, fetch_responses
-from services.weight_broker.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
-from services.weight_broker.wire import Message
+from services.weight_transport.protocol import apply_publish, fetch_responses
+from services.weight_transport.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
+from services.weight_transport.wire import Message
 from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)

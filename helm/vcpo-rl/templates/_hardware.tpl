@@ -24,7 +24,7 @@ whole estimate runs for every shipped values file in tests/test_shipped_fit.py.
 The samplers' GPUs, with weightBroker.transport collective over NCCL (a GPU learner; the sizing's
 receivedOnGpus): each GPU worker of a sampler receives every version whole (W, the whole model, not its
 tensor-parallel share) into buffers on its own GPU, and the engine loads it from there
-(services/weight_broker/receiver.py). vLLM's engine takes sampler.gpu_memory_utilization of the GPU (as the
+(services/weight_transport/receiver.py). vLLM's engine takes sampler.gpu_memory_utilization of the GPU (as the
 run file has it), so what it leaves must hold the version and what else the receive puts there:
 
   (1 - gpu_memory_utilization) × gpuNodes.gpuMemoryGB × 10^9  >=  W + 2GiB (the CUDA context, NCCL's

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.weight_broker.tensors import TensorSpec, dtype_name
+from services.weight_transport.tensors import TensorSpec, dtype_name
 
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20

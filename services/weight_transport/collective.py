@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from services.weight_broker.broadcast_thread import cleared, leave_behind, start
-from services.weight_broker.buckets import (
+from services.weight_transport.broadcast_thread import cleared, leave_behind, start
+from services.weight_transport.buckets import (
     DEFAULT_BUCKET_BYTES,
     WHOLE,
     Bucket,
@@ -52,8 +52,8 @@ from services.weight_broker.buckets import (
     next_checked,
     pieces,
 )
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.weight_group import TransferFailed, WeightGroup
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
 # CUDA: the background broadcasts' stream of each device, one for the process's life. torch's caching allocator

@@ -15,8 +15,8 @@ the group does not carry goes through the broker with :class:`TcpTransport`.
 from __future__ import annotations
 
 from services.common.config import RunConfig
-from services.weight_broker.config import WeightBrokerConfig, broker_host
-from services.weight_broker.transports.base import (
+from services.weight_transport.config import WeightBrokerConfig, broker_host
+from services.weight_transport.transports.base import (
     BrokerUnavailable,
     PublishResult,
     RetryPolicy,
@@ -25,7 +25,7 @@ from services.weight_broker.transports.base import (
     VersionExists,
     WeightTransport,
 )
-from services.weight_broker.transports.tcp import TcpTransport
+from services.weight_transport.transports.tcp import TcpTransport
 
 __all__ = [
     "BrokerUnavailable",

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from services.weight_broker.protocol import BrokenStream
-from services.weight_broker.store import VersionNotFound
-from services.weight_broker.wire import Message
+from services.weight_transport.protocol import BrokenStream
+from services.weight_transport.store import VersionNotFound
+from services.weight_transport.wire import Message
 
 _HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # a bigger length prefix is garbage, not a chunk

@@ -41,12 +41,12 @@ from typing import Any
 import redis
 import torch
 
-from services.weight_broker.buckets import DEFAULT_BUCKET_BYTES
-from services.weight_broker.collective import BroadcastOverdue, CollectivePublisher, PinnedStaging
-from services.weight_broker.group_store import give_up
-from services.weight_broker.members import reachable_host
-from services.weight_broker.seats import GroupRegistry, Member
-from services.weight_broker.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
+from services.weight_transport.buckets import DEFAULT_BUCKET_BYTES
+from services.weight_transport.collective import BroadcastOverdue, CollectivePublisher, PinnedStaging
+from services.weight_transport.group_store import give_up
+from services.weight_transport.members import reachable_host
+from services.weight_transport.seats import GroupRegistry, Member
+from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
 
 log = logging.getLogger(__name__)
 

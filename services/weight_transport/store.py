@@ -30,8 +30,8 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from services.weight_broker.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
-from services.weight_broker.wire import Chunk, encode_chunk
+from services.weight_transport.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
+from services.weight_transport.wire import Chunk, encode_chunk
 from vcpo.v1 import weights_pb2
 
 MANIFEST = "manifest.json"

@@ -27,17 +27,17 @@ from typing import Any
 
 import torch
 
-from services.weight_broker.group_store import FAILED, give_up
-from services.weight_broker.group_store import AnnouncementWatch as AnnouncementWatch
-from services.weight_broker.group_store import GroupSpec as GroupSpec
-from services.weight_broker.group_store import TransferFailed as TransferFailed
-from services.weight_broker.group_store import arrive as arrive
-from services.weight_broker.group_store import first_line as first_line
-from services.weight_broker.group_store import open_store as open_store
-from services.weight_broker.members import device_identity, shared_gpus
-from services.weight_broker.nccl_group import connect, nccl_backend
-from services.weight_broker.nccl_group import failure as nccl_failure
-from services.weight_broker.retired import retire
+from services.weight_transport.group_store import FAILED, give_up
+from services.weight_transport.group_store import AnnouncementWatch as AnnouncementWatch
+from services.weight_transport.group_store import GroupSpec as GroupSpec
+from services.weight_transport.group_store import TransferFailed as TransferFailed
+from services.weight_transport.group_store import arrive as arrive
+from services.weight_transport.group_store import first_line as first_line
+from services.weight_transport.group_store import open_store as open_store
+from services.weight_transport.members import device_identity, shared_gpus
+from services.weight_transport.nccl_group import connect, nccl_backend
+from services.weight_transport.nccl_group import failure as nccl_failure
+from services.weight_transport.retired import retire
 
 # how long closing the group waits for a collective another thread is issuing (NCCL forbids aborting a
 # communicator while a thread enqueues onto it); an enqueue returns at once, so only a stuck one is left

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from services.weight_broker.buckets import Bucket, TransferStats, bucket_layout, pieces
-from services.weight_broker.tensors import TensorSpec, torch_dtype
-from services.weight_broker.weight_group import TransferFailed, WeightGroup, first_line
+from services.weight_transport.buckets import Bucket, TransferStats, bucket_layout, pieces
+from services.weight_transport.tensors import TensorSpec, torch_dtype
+from services.weight_transport.weight_group import TransferFailed, WeightGroup, first_line
 
 log = logging.getLogger(__name__)
 

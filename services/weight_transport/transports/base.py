@@ -25,9 +25,9 @@ from typing import TypeVar
 import grpc
 import torch
 
-from services.weight_broker.protocol import Sink, receive_fetch
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.wire import Message
+from services.weight_transport.protocol import Sink, receive_fetch
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.wire import Message
 from vcpo.v1 import weights_pb2
 
 log = logging.getLogger(__name__)

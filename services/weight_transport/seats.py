@@ -24,7 +24,7 @@ from typing import Any
 import redis
 import torch
 
-from services.weight_broker.weight_group import GroupSpec, arrive, open_store
+from services.weight_transport.weight_group import GroupSpec, arrive, open_store
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Protocol
 
 from services.common.admission import Admission
 from services.common.streams.consumer import StreamTail
-from services.weight_broker.protocol import Sink
-from services.weight_broker.store import VersionNotFound
-from services.weight_broker.transports import BrokerUnavailable, WeightTransport
+from services.weight_transport.protocol import Sink
+from services.weight_transport.store import VersionNotFound
+from services.weight_transport.transports import BrokerUnavailable, WeightTransport
 from vcpo.v1 import weights_pb2
 
 log = logging.getLogger(__name__)

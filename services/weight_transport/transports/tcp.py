@@ -1,7 +1,7 @@
 """The broker's client: weight bytes over its TCP data plane, control calls (latest, list) over gRPC.
 
 Publish and fetch send the broker's own protobuf messages (``weights.proto``), length-framed on a plain
-socket (:mod:`services.weight_broker.dataplane`): Python gRPC moves large messages at about half a loopback
+socket (:mod:`services.weight_transport.dataplane`): Python gRPC moves large messages at about half a loopback
 socket's rate, so the one bulk flow skips it. The checksums, the all-or-nothing commit and the broker's
 bookkeeping are the servicer's (``publish_messages``, ``fetch_messages``). The broker's refusals come back as
 the interface's errors: a duplicate as :class:`VersionExists`, a stale version as :class:`StalePublish`, an
@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import torch
 
-from services.weight_broker import dataplane
-from services.weight_broker.protocol import BrokenStream, IntegrityError, publish_parts
-from services.weight_broker.store import PublishRejected
-from services.weight_broker.tensors import TensorSpec
-from services.weight_broker.transports.base import (
+from services.weight_transport import dataplane
+from services.weight_transport.protocol import BrokenStream, IntegrityError, publish_parts
+from services.weight_transport.store import PublishRejected
+from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.transports.base import (
     DEFAULT_RETRY,
     PublishResult,
     RetryPolicy,
@@ -29,7 +29,7 @@ from services.weight_broker.transports.base import (
     WeightTransport,
     retrying,
 )
-from services.weight_broker.wire import Message
+from services.weight_transport.wire import Message
 from vcpo.v1 import weights_pb2, weights_pb2_grpc
 
 _TRANSIENT_CODES = {

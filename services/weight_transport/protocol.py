@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from google.protobuf.message import DecodeError
 
-from services.weight_broker.store import PublishRejected, StoredVersion, VersionStore
-from services.weight_broker.tensors import (
+from services.weight_transport.store import PublishRejected, StoredVersion, VersionStore
+from services.weight_transport.tensors import (
     Hasher,
     TensorSpec,
     dtype_name,
@@ -25,7 +25,7 @@ from services.weight_broker.tensors import (
     tensor_from_bytes,
     version_checksum,
 )
-from services.weight_broker.wire import Message, decode_chunk, encode_chunk_parts
+from services.weight_transport.wire import Message, decode_chunk, encode_chunk_parts
 from vcpo.v1 import weights_pb2
 
 Sink = Callable[[str, torch.Tensor], None]
