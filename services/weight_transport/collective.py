@@ -73,9 +73,11 @@ def _pinned_allocator() -> bool:
     """Whether host buffers are page-locked here (CUDA is there); configures torch's pinned allocator once."""
     if not torch.cuda.is_available():
         return False
-    torch._C._accelerator_setAllocatorSettings(
-        f"pinned_max_round_threshold_mb:{PINNED_EXACT_MB},pinned_max_cached_size_mb:{PINNED_EXACT_MB}"
-    )
+    settings = f"pinned_max_round_threshold_mb:{PINNED_EXACT_MB},pinned_max_cached_size_mb:{PINNED_EXACT_MB}"
+    try:
+        torch._C._accelerator_setAllocatorSettings(settings)
+    except Exception as exc:  # a torch without these options: its buffers are rounded up and cached
+        log.warning("torch's pinned allocator took no %s (%s): staging buffers are rounded up", settings, exc)
     return True
 
 
