@@ -54,15 +54,6 @@ def aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
-def bucket_offsets(layout: list[Bucket]) -> tuple[list[int], int]:
-    """Where each bucket starts in one buffer of the whole version (aligned), and that buffer's size."""
-    offsets, end = [], 0
-    for bucket in layout:
-        offsets.append(aligned(end))
-        end = offsets[-1] + bucket.nbytes
-    return offsets, end
-
-
 def pieces(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
     """The byte ranges a bucket of ``nbytes`` is broadcast in, in order: one per ``bucket_bytes`` (the last
     shorter); one empty range for an empty bucket, so every bucket is at least one broadcast."""

@@ -232,33 +232,6 @@ class WeightGroup:
         store is gone with its host, the publisher."""
         return self.watch.next(timeout_s, poll_s)
 
-    def set_key(self, key: str, value: str) -> None:
-        """Tell the other ranks something (this epoch's store, under ``key``)."""
-        self._announcements.set(key, value)
-
-    def get_key(self, key: str) -> str | None:
-        """What another rank set at ``key``, if it has (None: not, or the store is gone)."""
-        try:
-            return bytes(self._announcements.get(key)).decode() if self._announcements.check([key]) else None
-        except Exception:
-            return None
-
-    def wait_key(self, key: str, poll_s: float = 0.005) -> str:
-        """What another rank set at ``key``, once it has: up to the group's timeout, given up at once if a rank
-        marks the collective failed (:class:`TransferFailed`, the group closed)."""
-        deadline = time.monotonic() + self.spec.timeout_s
-        with self._closed_on_failure():
-            while not self._announcements.check([key]):
-                why = self._failure() or (
-                    f"{key} was not set within {self.spec.timeout_s:.0f}s"
-                    if time.monotonic() > deadline
-                    else None
-                )
-                if why:
-                    raise TransferFailed(why)
-                time.sleep(poll_s)
-            return bytes(self._announcements.get(key)).decode()
-
     @contextlib.contextmanager
     def _closed_on_failure(self) -> Iterator[None]:
         """Waits in the store: a failure closes the group, raised as a :class:`TransferFailed`."""
