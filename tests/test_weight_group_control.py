@@ -567,6 +567,36 @@ class BrokerPath(WeightTransport):
         return []
 
 
+@contextmanager
+def _sampler_loop(sync: CollectiveWeightSync, engine: GroupEngine) -> Iterator[list[Exception]]:
+    """The sampler loop's weight step on a thread of its own (pump, then apply what is ready), its errors
+    collected; on the way out the loop halted, ``sync`` (started by the caller) stopped, the engine's group
+    closed."""
+    halt, errors = threading.Event(), []
+
+    def loop() -> None:
+        while not halt.is_set():
+            try:
+                sync.pump()
+                version = sync.ready()
+                if version is not None:
+                    sync.apply(version)
+            except Exception as exc:  # pragma: no cover - reported by the callers' assertions
+                errors.append(exc)
+            time.sleep(0.005)
+
+    looper = threading.Thread(target=loop, daemon=True)
+    looper.start()
+    try:
+        yield errors
+    finally:
+        halt.set()
+        looper.join(10)
+        sync.stop()
+        if engine.group is not None:
+            engine.group.close()
+
+
 def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
     registry: GroupRegistry, coordinator: GroupCoordinator
 ) -> None:
@@ -580,18 +610,6 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
         poll_interval_s=0.05,
         on_failure=lambda: failures.append(1),
     )
-    halt, errors = threading.Event(), []
-
-    def loop() -> None:  # the sampler loop's weight step: pump, then apply what is ready
-        while not halt.is_set():
-            try:
-                sync.pump()
-                version = sync.ready()
-                if version is not None:
-                    sync.apply(version)
-            except Exception as exc:  # pragma: no cover - reported by the assertion below
-                errors.append(exc)
-            time.sleep(0.005)
 
     def serving(version: int) -> Callable[[], bool]:
         return lambda: engine.loaded_version == version and is_version(version, list(engine.model.items()))
@@ -599,9 +617,7 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
     broker.held.append(1)  # published through the broker before any group exists
     sync.start()
     assert registry.live() == {}  # a member once it serves a version: it catches up from the broker first
-    looper = threading.Thread(target=loop, daemon=True)
-    looper.start()
-    try:
+    with _sampler_loop(sync, engine) as errors:
         _until("version 1 over the broker's path", serving(1))
         assert sync.last_path == "broker" and broker.fetched == [1]
 
@@ -635,12 +651,6 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
         _publish(coordinator, 5)
         _until("version 5 through the new epoch", serving(5))
         assert sync.last_path == "collective" and not errors
-    finally:
-        halt.set()
-        looper.join(10)
-        sync.stop()
-        if engine.group is not None:
-            engine.group.close()
 
 
 def test_a_sampler_whose_device_has_no_room_for_a_version_leaves_the_group_for_good(
@@ -653,27 +663,13 @@ def test_a_sampler_whose_device_has_no_room_for_a_version_leaves_the_group_for_g
     sync = CollectiveWeightSync(
         engine, broker, None, MemberSeat(registry, Member("sampler-0.s"), poll_s=0.05), poll_interval_s=0.05
     )
-    halt, errors = threading.Event(), []
-
-    def loop() -> None:
-        while not halt.is_set():
-            try:
-                sync.pump()
-                version = sync.ready()
-                if version is not None:
-                    sync.apply(version)
-            except Exception as exc:  # pragma: no cover - reported by the assertion below
-                errors.append(exc)
-            time.sleep(0.005)
 
     def no_room(self: CollectiveReceiver, layout: Any, version: int) -> Any:
         raise NoRoom(f"version {version} (1.00 GiB) does not fit on cuda:0 beside the engine")
 
     broker.held.append(1)
     sync.start()
-    looper = threading.Thread(target=loop, daemon=True)
-    looper.start()
-    try:
+    with _sampler_loop(sync, engine) as errors:
         _until("version 1 over the broker's path", lambda: engine.loaded_version == 1)
         _until("a group with the sampler", lambda: coordinator.wait_formed(0.1))
         _until("the sampler joined", lambda: sync.epoch == coordinator.epoch)
@@ -687,12 +683,6 @@ def test_a_sampler_whose_device_has_no_room_for_a_version_leaves_the_group_for_g
         _until("version 2 over the broker's path", lambda: engine.loaded_version == 2)
         time.sleep(1.5)  # heartbeat lifetimes (1 s): a member seated again would be registered by now
         assert registry.live() == {} and sync.epoch == 0 and not errors
-    finally:
-        halt.set()
-        looper.join(10)
-        sync.stop()
-        if engine.group is not None:
-            engine.group.close()
 
 
 def test_the_learners_coordinator_from_its_config_bounds_its_waits_and_hands_out_publishers(
