@@ -72,10 +72,10 @@ class CollectiveReceiver:
             works = [group.broadcast(buf[a:b]) for buf in buffers for a, b in pieces(buf.numel(), piece)]
             for work in works:
                 group.wait(work)
-        except TransferFailed as exc:
-            if isinstance(exc, NoRoom):  # this rank's own: marked for the others, as below
-                raise NoRoom(str(group.part_failed(f"version {version}: receiving failed: {exc}"))) from exc
-            group.close()  # the group's: marked for every rank already
+        except NoRoom as exc:  # this rank's own, though a TransferFailed: marked for the others, as below
+            raise NoRoom(str(group.part_failed(f"version {version}: receiving failed: {exc}"))) from exc
+        except TransferFailed as exc:  # the group's: marked for every rank already
+            group.close()
             raise TransferFailed(f"version {version}: receiving failed: {exc}") from exc
         except Exception as exc:  # this rank's own (a bad header, a CUDA error)
             # marked for the others before closing: the publisher and the other receivers would otherwise wait

@@ -86,7 +86,7 @@ broker into the pod's host memory, is left.
 {{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
 {{- $util := float64 $cfg.sampler.gpu_memory_utilization -}}
 {{- $gpu := mulf (float64 $n.gpuMemoryGB) 1000000000.0 -}}
-{{- $version := mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes) -}}
+{{- $version := mulf (float64 $s.weightsGi) 1073741824.0 -}}
 {{- $need := addf $version (mulf (float64 (include "vcpo-rl.hardware.receiveHeadroomGi" .)) 1073741824.0) -}}
 {{- $free := mulf (subf 1.0 $util) $gpu -}}
 {{- if lt $free $need -}}
