@@ -64,8 +64,8 @@ class CollectiveWeights:
         """Whether the join or receive begun last has ended in every worker (True where none was begun). A
         received version is then staged (``collective_staged``). Raises :class:`WorkerCallFailed` with the
         workers' errors if it failed anywhere (:class:`NoRoom` where a worker's device had no room for the
-        version): a failed receive dropped whatever was staged, the engine still
-        on its loaded version; the weight group is then closed in the workers that failed (leave it)."""
+        version): a failed receive dropped whatever was staged, the engine still on its loaded version; the
+        weight group is then closed in the workers that failed (leave it)."""
         if self._weight_work is None:
             return True
         states = self.llm.collective_rpc("vcpo_weight_work")
@@ -82,11 +82,9 @@ class CollectiveWeights:
             ranks = ", ".join(str(rank) for rank, _ in failed)
             doing = "joining the weight group" if what == "join" else f"receiving version {version}"
             # a worker's own lack of room first: the others' errors may only echo it
-            first = next(
-                (state for _, state in failed if state.startswith(f"{NoRoom.__name__}:")), failed[0][1]
-            )
-            message = f"{doing} failed in worker(s) {ranks} of {len(states)}: {first}"
-            raise NoRoom(message) if first.startswith(f"{NoRoom.__name__}:") else WorkerCallFailed(message)
+            own = [state for _, state in failed if state.startswith(f"{NoRoom.__name__}:")]
+            message = f"{doing} failed in worker(s) {ranks} of {len(states)}: {(own or [failed[0][1]])[0]}"
+            raise NoRoom(message) if own else WorkerCallFailed(message)
         if what == "receive":
             self.collective_staged = version
         return True
