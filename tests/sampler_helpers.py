@@ -187,10 +187,18 @@ class LearnerStandIn:
 SLOW_S = 2.0
 
 
-def _after(seconds: float) -> Iterator[Any]:
-    """Nothing, ``seconds`` later (chained into a source, it stalls it)."""
-    time.sleep(seconds)
-    yield from ()
+def _stalling(broadcast: Any) -> Any:
+    """``broadcast`` that stalls ``SLOW_S`` before a version's first piece (its third broadcast, after its head
+    and header): the version under way, as over a slow link."""
+    calls = [0]
+
+    def stalled(tensor: torch.Tensor) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(SLOW_S)
+        return broadcast(tensor)
+
+    return stalled
 
 
 def broadcast_versions(
@@ -200,8 +208,8 @@ def broadcast_versions(
     out: Any,
 ) -> None:
     """A learner's exporting rank, in its own process: rank 0 of the weight group, broadcasting each
-    ``(version, how)`` of ``plan``: "whole", "slow" (the source stalls ``SLOW_S`` half-way), or "cut" (the
-    source dies part-way through the version)."""
+    ``(version, how)`` of ``plan``: "whole", "slow" (the broadcast stalls ``SLOW_S`` after the header), or
+    "cut" (the source dies part-way through the version: rank 0's staging raises, nothing is announced)."""
     from services.weight_transport.collective import CollectivePublisher
     from services.weight_transport.tensors import TensorSpec
     from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
@@ -213,14 +221,15 @@ def broadcast_versions(
         items = list(weights[version].items())
         specs = [TensorSpec.of(n, t) for n, t in items]
         source = iter(items if how != "cut" else items[: len(items) // 2])
-        if how == "slow":  # the source stalls half-way, as a learner gathering shards does
-            half = len(items) // 2
-            source = itertools.chain(items[:half], _after(SLOW_S), items[half:])
+        broadcast = group.broadcast
+        if how == "slow":  # rank 0 stages the whole version before announcing it: the broadcast itself stalls
+            group.broadcast = _stalling(broadcast)  # type: ignore[method-assign]
         try:
             stats = publisher.send(version, specs, source)
             out.put((version, "sent", stats.bytes))
-        except TransferFailed as exc:
+        except (TransferFailed, ValueError) as exc:
             out.put((version, "failed", str(exc)))
+        group.broadcast = broadcast  # type: ignore[method-assign]
     publisher.close()
     group.close()
 

@@ -399,31 +399,61 @@ def test_a_rank_arriving_after_its_epoch_was_given_up_fails_at_once() -> None:
     assert time.monotonic() - t0 < 1.5
 
 
-def test_a_failing_source_is_voted_down_and_the_group_goes_on() -> None:
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=15)
-    procs, out = start_receivers(spec, ["ok"], versions=3)
-    group = WeightGroup(spec, 0)
-    publisher = CollectivePublisher(group, bucket_bytes=8192)
+def test_a_failing_source_raises_before_anything_is_announced_and_the_group_goes_on() -> None:
+    """Rank 0 stages the whole version before it announces it: a source that yields a tensor other than the
+    header names, ends early, yields more, or fails itself (a ZeRO-3 gather) raises its own error from
+    ``send`` (``publish_collective`` makes it a ``VersionNotSent``). Nothing is announced and no collective
+    issued: a receiver already waiting in its receive is not disturbed and takes the next version, exact,
+    through the same group, the only version ever announced."""
+    from tests.test_weight_group_nccl import form
+
+    groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=30))
+    publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+    issued = _issued(groups[0])
     tensors = version_tensors(8)
     wrong = [(n, t.double() if n == "model.norm.weight" else t) for n, t in tensors]
-    with pytest.raises(TransferFailed, match=r"version 8: tensor 1 is .*float64.*header said.*bfloat16"):
-        publisher.send(8, specs_of(tensors), iter(wrong))
-    with pytest.raises(TransferFailed, match=r"version 9: the source ended at tensor 5 \('ids'\)"):
-        publisher.send(9, specs_of(tensors), iter(tensors[:-1]))
-    publisher.send(10, specs_of(version_tensors(10)), iter(version_tensors(10)))  # the same group
-    results = [out.get(timeout=60) for _ in range(3)]
-    procs[0].join(timeout=30)
-    assert [r[:2] for r in results[:2]] == [(1, "failed")] * 2
-    assert "version 8: not committed" in results[0][2]
-    assert results[2] == (1, 10, True)
-    group.close()
+
+    def failing() -> Any:
+        yield from tensors[:3]
+        raise RuntimeError("the gather of bucket 2 failed")
+
+    cases = [
+        (wrong, ValueError, r"tensor 1 is .*float64.*header said.*bfloat16"),
+        (tensors[:-1], ValueError, r"the source ended at tensor 5 \('ids'\)"),
+        (
+            [*tensors, ("extra", torch.zeros(1))],
+            ValueError,
+            "more tensors than the header named, e.g. 'extra'",
+        ),
+        (failing(), RuntimeError, "the gather of bucket 2 failed"),
+    ]
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(CollectiveReceiver(groups[1]).receive()))
+    thread.start()
+    try:
+        for version, (source, error, why) in enumerate(cases, start=8):
+            with pytest.raises(error, match=why):
+                publisher.send(version, specs_of(tensors), iter(source))
+        assert issued == [] and groups[0].broadcasts == 0 and not groups[0].closed
+        assert not groups[0]._announcements.check(["announce/1"])
+        assert thread.is_alive() and got == []  # still waiting for a version, undisturbed
+        publisher.send(12, specs_of(version_tensors(12)), iter(version_tensors(12)))
+        thread.join(60)
+        [(version, received, _)] = got
+        assert version == 12 and is_version(12, received)
+        assert groups[1].next_announcement(timeout_s=1) == 12
+        assert groups[1].next_announcement(timeout_s=0.2) is None
+    finally:
+        for group in groups:
+            group.close()
 
 
 def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes() -> None:
     """The learner's next step overlaps the broadcast: ``send_background`` returns once the version is copied
-    into the staging buffer; changing the weights after that does not change what the receivers get."""
+    into the staging buffer; changing the weights after that does not change what the receivers get. A
+    ``send`` right after it stages into the same buffer only once that broadcast has ended."""
     spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30)
-    procs, out = start_receivers(spec, ["late", "late"], versions=2)
+    procs, out = start_receivers(spec, ["late", "late"], versions=3)
     group = WeightGroup(spec, 0)
     publisher = CollectivePublisher(group, bucket_bytes=8192)
     for version in (11, 12):
@@ -436,11 +466,11 @@ def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes()
             assert returned < 1.0, returned
         for _, t in tensors:  # the optimizer steps on: the staged copy is what goes out
             t.zero_()
-    stats = publisher.wait()
-    assert stats is not None and stats.version == 12
+    stats = publisher.send(13, specs_of(version_tensors(13)), iter(version_tensors(13)))
+    assert stats.version == 13 and publisher.wait() is None  # version 12's ended before 13 was staged
     assert publisher._buffers == []  # every bucket went straight from the staging buffer, none copied
-    got = sorted(out.get(timeout=60) for _ in range(4))
-    assert got == [(1, 11, True), (1, 12, True), (2, 11, True), (2, 12, True)]
+    got = sorted(out.get(timeout=60) for _ in range(6))
+    assert got == [(r, v, True) for r in (1, 2) for v in (11, 12, 13)]
     publisher.close()
     for p in procs:
         p.join(timeout=30)
@@ -531,7 +561,8 @@ def _cuda_receiver(spec: GroupSpec, out: Any, versions: int = 1) -> None:
 
 def test_a_receive_in_the_background_says_when_it_ended_and_why_it_failed() -> None:
     """What a sampler's worker runs on a thread of its own (the engine's loop goes on meanwhile): "running"
-    until the version is whole, then nothing; a version whose source broke part-way, its error as text."""
+    until the version is whole, then nothing; a version whose broadcast failed part-way (rank 0's link broke
+    in its first bucket), its error as text."""
     from tests.test_weight_group_nccl import form
 
     groups = form(GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60))
@@ -548,10 +579,12 @@ def test_a_receive_in_the_background_says_when_it_ended_and_why_it_failed() -> N
         assert version == 45 and is_version(45, received)
 
         work = Background("receive", lambda: CollectiveReceiver(groups[1]).receive(), None)
-        with pytest.raises(TransferFailed):
-            publisher.send(46, specs_of(tensors), iter(tensors[:-1]))
+        break_link(groups[0])
+        with pytest.raises(TransferFailed, match="version 46: broadcast failed: Connection reset by peer"):
+            publisher.send(46, specs_of(tensors), iter(tensors))
         assert work.wait(60)
-        assert (work.state() or "").startswith("TransferFailed: version 46: not committed"), work.state()
+        assert (work.state() or "").startswith("TransferFailed: version 46: receiving failed: "), work.state()
+        assert "rank 0 declared the broadcast failed" in (work.state() or ""), work.state()
     finally:
         for group in groups:
             group.close()
@@ -602,7 +635,7 @@ def test_a_cuda_receive_in_the_background_leaves_the_default_stream_computing() 
 def test_a_cuda_publisher_broadcasts_in_the_background_from_page_locked_staging() -> None:
     """The learner's side on a GPU, over gloo (which moves CUDA tensors through the host) so one GPU runs it:
     CUDA source tensors staged into the exact-size page-locked buffer, broadcast from the background thread on
-    a stream of its own (CUDA bucket buffers, non-blocking copies, the big tensor's own device copy), two
+    a stream of its own (every piece copied non-blocking into one of two piece-sized CUDA buffers), two
     versions back to back into a CUDA receiver, bit-exact."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -621,6 +654,9 @@ def test_a_cuda_publisher_broadcasts_in_the_background_from_page_locked_staging(
             assert publisher._staging.take(1).is_pinned()
             assert out.get(timeout=60)[:3] == (version, None, True)
         assert publisher.wait() is not None and publisher._stream is not None
+        assert len(publisher._buffers) == 2 and all(
+            b.is_cuda and b.numel() <= 8192 for b in publisher._buffers
+        )
     finally:
         publisher.close()
         proc.join(timeout=30)
@@ -657,10 +693,9 @@ def test_a_cuda_receiver_takes_each_version_into_buffers_on_its_gpu_and_reuses_t
 
 
 @pytest.mark.gpu
-def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
-    """``send`` (not ``send_background``, which stages in host memory first) of CUDA tensors over a gloo group:
-    gloo moves host bytes, so a bucket of one tensor goes out from its host copy, and the version arrives
-    exact."""
+def test_a_gpu_source_sent_over_gloo_is_staged_and_committed() -> None:
+    """``send`` of CUDA tensors over a gloo group: staged into host memory first, as ``send_background`` does
+    (gloo moves host bytes), every piece broadcast from there, and the version arrives exact."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from tests.test_weight_group_nccl import form
@@ -681,10 +716,11 @@ def test_a_gpu_source_sent_over_gloo_without_staging_is_committed() -> None:
 
 
 class _OnCuda(torch.Tensor):
-    """A CUDA source tensor's stand-in where there is no GPU: its bytes are in host memory, but it says it is on
-    ``cuda:0`` to whatever asks (``.device``: ``_in_place`` takes it for one off a CPU group's device), ``.cpu()`` is a copy of its bytes as a plain host tensor (as a CUDA tensor's is),
-    and every other op (``detach``, ``contiguous``, ``view``, slicing, being copied from) works on its bytes and
-    keeps the stand-in."""
+    """A CUDA tensor's stand-in where there is no GPU: its bytes are in host memory, but it says it is on
+    ``cuda:0`` to whatever asks (``.device``: the publisher takes it for one off a CPU group's device),
+    ``.cpu()`` is a copy of its bytes as a plain host tensor (as a CUDA tensor's is), and every other op
+    (``detach``, ``contiguous``, ``view``, slicing, being copied from or into) works on its bytes and keeps the
+    stand-in."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -696,10 +732,10 @@ class _OnCuda(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_a_device_source_sent_over_gloo_without_staging_is_committed_exactly() -> None:
+def test_a_device_source_sent_over_gloo_is_staged_and_committed_exactly() -> None:
     """The GPU test above on a CPU: ``send`` of tensors that say they are on a GPU (:class:`_OnCuda`) over a
-    real gloo group into a real receiver: the bucket of the one such tensor that is alone in its bucket goes
-    out from its host copy, the packed ones through the buffers, and the receiver commits the exact version."""
+    real gloo group into a real receiver: staged into host memory, every piece broadcast from there (no
+    device buffer made), and the receiver commits the exact version."""
     from tests.test_weight_group_nccl import form
 
     tensors = [(n, t.as_subclass(_OnCuda)) for n, t in version_tensors(44)]
@@ -720,13 +756,28 @@ def test_a_device_source_sent_over_gloo_without_staging_is_committed_exactly() -
     thread = threading.Thread(target=receive)
     thread.start()
     try:
-        CollectivePublisher(groups[0], bucket_bytes=8192).send(44, specs, iter(tensors))
+        publisher = CollectivePublisher(groups[0], bucket_bytes=8192)
+        publisher.send(44, specs, iter(tensors))
         thread.join(60)
         [(version, received, _)] = got
-        assert version == 44 and is_version(44, received)
+        assert version == 44 and is_version(44, received) and publisher._buffers == []
     finally:
         for group in groups:
             group.close()
+
+
+def break_link(group: WeightGroup, at: int = 3) -> None:
+    """Rank 0's link breaks at its ``at``-th broadcast from now (3: a version's first piece, after its head and
+    header): that broadcast raises, as gloo's does when a peer's connection is reset."""
+    real, calls = group.broadcast, [0]
+
+    def broadcast(tensor: torch.Tensor) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError("Connection reset by peer")
+        return real(tensor)
+
+    group.broadcast = broadcast  # type: ignore[method-assign]
 
 
 def _issued(group: WeightGroup) -> list[float]:
@@ -841,18 +892,20 @@ def test_pieces_cover_a_bucket_in_order_at_most_the_bucket_size_each() -> None:
         pieces(100, 16)
 
 
-class _FromHost(CollectivePublisher):
-    """Sends a weight as a GPU publisher sends one from its host staging buffer: through its two buffers."""
+class _StagedOffDevice(PinnedStaging):
+    """A staging buffer off the group's device, as a GPU publisher's host staging is under NCCL: it says it is
+    on ``cuda:0`` (:class:`_OnCuda`), so every piece is copied into the publisher's device buffers."""
 
-    def _in_place(self, flat: torch.Tensor) -> bool:
-        return False
+    def take(self, nbytes: int) -> torch.Tensor:
+        return super().take(nbytes).as_subclass(_OnCuda)
 
 
-@pytest.mark.parametrize("publisher_cls", [CollectivePublisher, _FromHost])
-def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_cls: type) -> None:
-    """A publisher sending from host memory fills two buffers of at most the bucket size, whatever the largest
-    weight: never a buffer of the largest weight's size on a GPU beside the training (an embedding of a 70B
-    model is 2 GB). Every broadcast of the version's bytes is at most a bucket on the receiver too, which
+@pytest.mark.parametrize("off_device", [False, True])
+def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(off_device: bool) -> None:
+    """The staged version goes out in pieces of at most the bucket size, whatever the largest weight. From a
+    staging buffer on the group's device (gloo) each goes out in place, no device buffer made; from one off it
+    (NCCL's host staging) each is copied into one of two buffers of at most the bucket size: never a buffer of
+    the largest weight's size on a GPU beside the training (an embedding of a 70B model is 2 GB). The receiver
     takes each bucket, however large its one weight, into its buffer piece by piece."""
     spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=60)
     tensors = [*version_tensors(3), ("model.lm_head.weight", torch.randn(2000, 7))]  # 56 kB: 7 pieces
@@ -875,14 +928,15 @@ def test_a_weight_larger_than_a_bucket_travels_in_bucket_sized_pieces(publisher_
     thread = threading.Thread(target=receive)
     thread.start()
     group = WeightGroup(spec, 0)
-    publisher = publisher_cls(group, bucket_bytes=8192)
+    publisher = CollectivePublisher(group, 8192, _StagedOffDevice() if off_device else None)
     publisher.send(3, specs_of(tensors), iter(tensors))
     thread.join(timeout=60)
     group.close()
     [(version, got)] = results
     assert version == 3 and [n for n, _ in got] == [n for n, _ in tensors]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, tensors, strict=True))
-    assert all(buf.numel() <= 8192 for buf in publisher._buffers)
+    made = [(buf.numel(), buf.device.type) for buf in publisher._buffers]
+    assert made == ([(8192, "cpu"), (8192, "cpu")] if off_device else []), made
     layout = bucket_layout(specs_of(tensors), 8192)
     assert any(b.nbytes > 8192 for b in layout)
     # the head and the header, then every bucket in pieces of at most the bucket size

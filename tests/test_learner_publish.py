@@ -162,6 +162,10 @@ def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
         group.broadcast(torch.zeros(3, dtype=torch.int64)).wait()
         os._exit(3)
     try:
+        # as a sampler does: rank 0 gathers and stages the whole version (longer than the group's timeout on a
+        # loaded machine) before it announces it and its first collective
+        while group.next_announcement(timeout_s=1.0) is None:
+            pass
         version, tensors, _ = CollectiveReceiver(group).receive()
         # numpy arrays travel by value (a tensor would be a handle into this process, gone once it exits)
         arrays = [(n, t.numpy().copy()) for n, t in tensors]

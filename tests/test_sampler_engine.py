@@ -522,7 +522,8 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     """The collective transport into the real engine: the learner's process broadcasts through the weight
     group into vLLM's worker (gloo). A staged version leaves the model alone until it is applied, a newer one
     replaces it, and the engine then serves exactly the new weights, prefix cache included; a version whose
-    source dies part-way is voted down and the engine keeps serving the one before."""
+    source dies part-way fails in the learner's staging, before it is announced, and the engine, sent nothing
+    of it, keeps serving the one before."""
 
     greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
     tok = vllm_engine.tokenizer
@@ -556,10 +557,8 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
         assert vllm_engine.apply_collective(v_new) > 0
         assert vllm_engine.loaded_version == v_new and vllm_engine.collective_staged is None
         assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
-        with pytest.raises(Exception, match=f"version {v_cut}: not committed"):
-            vllm_engine.receive_collective(v_cut)
-        assert vllm_engine.collective_staged is None
         version, status, why = out.get(timeout=60)
+        assert vllm_engine.collective_staged is None
         assert (version, status) == (v_cut, "failed") and "the source ended" in why
         assert vllm_engine.loaded_version == v_new
         assert_matches(tiny_model_dir, new, generate(vllm_engine, prompts, greedy, n=2).values())
@@ -615,8 +614,8 @@ def test_an_engine_generates_while_a_version_is_received_and_then_serves_it_exac
     vllm_engine: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The receive runs on the worker's own thread: the call that starts it returns at once, and the engine
-    steps and produces tokens under its loaded version all the while the broadcast is under way (here the
-    learner's source stalls half-way for ``SLOW_S``). Once the workers report it whole, the version applied
+    steps and produces tokens under its loaded version all the while the broadcast is under way (here it
+    stalls for ``SLOW_S`` after the version's header). Once the workers report it whole, the version applied
     serves exactly its weights; the tokens produced during the receive were exactly the old version's."""
     plan = [next(versions) for _ in range(2)]
     weights = {v: version_weights(tiny_model_dir, 70 + i) for i, v in enumerate(plan)}

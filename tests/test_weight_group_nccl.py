@@ -418,7 +418,7 @@ def test_an_nccl_collective_that_failed_without_raising_fails_the_wait_and_marks
     # the group failed before: a later vote's result is never marked, but the group's error stays set
     groups[1]._pg.error = "TIMEOUT"
     with pytest.raises(TransferFailed, match=r"rank 1's part failed: the NCCL group failed \(TIMEOUT\)"):
-        groups[1].all_ok(True)
+        groups[1].commit()
     for g in groups:
         g.close()
 
@@ -715,8 +715,8 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     cannot tell whether every receiver committed it), and its thread is given the same wait again to give up.
     One that does not is left behind: ``close`` returns (it waited for that thread without bound before,
     here the 30 s this stand-in for a stuck broadcast ignores the abort for), the thread is a daemon (one of an
-    executor would hold the process at exit), and what it may still use is let go once it ends: a bucket
-    buffer ``send`` makes after ``close`` had let go of everything goes too."""
+    executor would hold the process at exit), and what it may still use is let go once it ends: a device
+    buffer the broadcast makes after ``close`` had let go of everything goes too."""
     from services.weight_transport import broadcast_thread
     from services.weight_transport.buckets import TransferStats
     from services.weight_transport.collective import BroadcastOverdue
@@ -729,11 +729,11 @@ def test_closing_a_publisher_waits_for_an_overdue_broadcast_at_most_twice_its_bu
     def sending(version: int, *args: Any, **kwargs: Any) -> TransferStats:
         while not release.is_set() and not (gives_up and groups[0].closed):  # deaf to the abort, or not
             time.sleep(0.01)
-        publisher._buffer(0, 4096)  # as send does for a packed bucket
+        publisher._buffer(0, 4096)  # as a broadcast from host staging under NCCL does
         made.append(bool(publisher._buffers))
         return TransferStats(version, 1, 1, 1, 0.0)
 
-    publisher.send = sending  # type: ignore[method-assign]
+    publisher._broadcast = sending  # type: ignore[method-assign]
     tensors = version_tensors(3)
     try:
         publisher.send_background(3, specs_of(tensors), iter(tensors))
@@ -803,7 +803,7 @@ def test_closing_a_publisher_logs_any_failure_of_its_last_broadcast_and_lets_its
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    publisher.send = broken  # type: ignore[method-assign]
+    publisher._broadcast = broken  # type: ignore[method-assign]
     tensors = version_tensors(3)
     try:
         publisher.send_background(3, specs_of(tensors), iter(tensors))

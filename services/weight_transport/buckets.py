@@ -20,7 +20,6 @@ from services.weight_transport.tensors import TensorSpec, dtype_name
 
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20
-WHOLE = 1 << 62  # a bucket size no version reaches: the whole version as one bucket (staging, shared memory)
 
 
 @dataclass(frozen=True)

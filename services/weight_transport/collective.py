@@ -9,20 +9,23 @@ A version travels as:
               is pending while the group is idle, so no timeout runs), then enter the broadcast
     header    int64 [3] (version, header bytes, buckets), then the header: JSON of the tensors' names, dtypes
               and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
-    buckets   one uint8 broadcast per bucket: a tensor as large as a bucket straight from its own bytes, smaller
-              ones packed (64-byte aligned), the next packed while the last travels; receivers' tensors are
-              views of their bucket buffers, on the receiver's device (a GPU worker's GPU under NCCL: the
-              engine loads the version from there, device to device)
-    vote      all-reduce MIN of every rank's "I have it all": 1 commits the version on every rank, anything
-              else (or a failed collective) discards it on every rank
+    buckets   the version's tensors packed into buckets (64-byte aligned; a tensor larger than a bucket is one
+              of its own), each broadcast as uint8 pieces of at most the bucket size (``buckets.py``) out of
+              rank 0's staged copy of the version; receivers' tensors are views of their bucket buffers, on
+              the receiver's device (a GPU worker's GPU under NCCL: the engine loads the version from there,
+              device to device)
+    vote      an all-reduce every rank enters once it has it all: completed, it commits the version on every
+              rank; a failed collective anywhere discards it on every rank
 
 The buckets carry no checksums, as vLLM's and torch's own weight broadcasts carry none: under NCCL (the GPU
 default) hashing a bucket would copy it to the host. The broker path keeps its xxh3 checksums of the bytes it
 stores and serves.
 
-Nothing is handed to an engine before the vote, so a broadcast that fails part-way (a receiver killed, a
-timeout, a source that failed) leaves every engine on its previous version. A failed collective leaves the group
-unusable: its members close it and the control plane forms a new one (``GroupSpec.epoch``).
+Rank 0 stages the whole version before it announces it, so a source that fails or does not match the header
+raises there: nothing is announced or sent, and the group goes on. Nothing is handed to an engine before the
+vote, so a broadcast that fails part-way (a receiver killed, a timeout) leaves every engine on its previous
+version. A failed collective leaves the group unusable: its members close it and the control plane forms a new
+one (``GroupSpec.epoch``).
 """
 
 from __future__ import annotations
@@ -43,9 +46,8 @@ import torch
 from services.weight_transport.broadcast_thread import cleared, leave_behind, start
 from services.weight_transport.buckets import (
     DEFAULT_BUCKET_BYTES,
-    WHOLE,
-    Bucket,
     TransferStats,
+    aligned,
     bucket_layout,
     check_exhausted,
     flat_bytes,
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 # publisher would leave its predecessor's bucket buffers reserved and unusable (until an allocation that
 # fails makes the allocator synchronize the device and free its cache)
 _STREAMS: dict[torch.device, Any] = {}
-IN_FLIGHT = 4  # pieces queued at a time from a staged version (_send_staged)
+IN_FLIGHT = 4  # pieces queued at a time from a staged version on the group's device
 
 
 # above this many MiB torch's pinned allocator makes allocations of the exact size and does not cache them
@@ -105,7 +107,7 @@ class BroadcastOverdue(TransferFailed):
 
 
 class CollectivePublisher:
-    """Rank 0: broadcasts versions. ``send`` is called once per version; every receiver calls ``receive``."""
+    """Rank 0: broadcasts versions, one ``send`` or ``send_background`` each; every receiver calls ``receive``."""
 
     def __init__(
         self,
@@ -132,36 +134,59 @@ class CollectivePublisher:
         self._thread: threading.Thread | None = None  # the last background broadcast's
         self._behind: Future[TransferStats] | None = None  # one that did not give up after an abort
 
+    def send(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> TransferStats:
+        """Broadcast one version: ``specs`` (names, dtypes, full shapes, in order) first, then ``tensors`` in
+        the same order, each valid only until the next is requested (a bucketed ZeRO-3 gather is). The version
+        is staged first (:meth:`_stage`: a source that fails raises there, nothing announced); returns once
+        every receiver has voted to commit it, raises :class:`TransferFailed` where the broadcast failed."""
+        return self._broadcast(version, specs, self._stage(version, specs, tensors))
+
     def send_background(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> float:
-        """Copy the version into a staging buffer of the model's size (host memory, pinned when CUDA is
-        there), then broadcast it from a background thread, so the learner's next step overlaps the broadcast.
-        Returns the seconds the caller was blocked (waiting for the previous broadcast, and the copy).
-
-        One version is in flight at a time: the previous one is waited for first, and its failure is raised
-        here (:class:`TransferFailed`) before anything of this one is staged. :meth:`wait` waits for the last.
-        """
+        """:meth:`send` with the broadcast on a background thread, so the learner's next step overlaps it.
+        Returns the seconds the caller was blocked (waiting for the previous broadcast, and the staging).
+        Its failure is raised by the next call here or to :meth:`send`, or by :meth:`wait`."""
         t0 = time.monotonic()
-        if not specs:
-            raise ValueError(f"version {version} has no tensors")
-        self.wait()
-        staged, whole = self._stage(specs, tensors)
+        buckets = self._stage(version, specs, tensors)
         # a daemon thread of its own (broadcast_thread.py); close() joins it, unless left behind
         self._thread, self._pending = start(
-            f"weight-broadcast-{version}", self._send_in_thread, version, specs, staged, whole
+            f"weight-broadcast-{version}", self._send_in_thread, version, specs, buckets
         )
         return time.monotonic() - t0
 
+    def _stage(
+        self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """The version copied into the staging buffer (host memory, pinned when CUDA is there), each bucket
+        of its layout packed as it travels, at a 64-byte aligned start: one view per bucket. One version is in
+        flight at a time: the previous one's broadcast, which reads the staging buffer, is waited for first,
+        and its failure raised here (:class:`TransferFailed`) before anything of this one is read. A source
+        that fails, or does not match ``specs``, raises its own error with nothing announced."""
+        if not specs:
+            raise ValueError(f"version {version} has no tensors")
+        self.wait()
+        layout = bucket_layout(specs, self.bucket_bytes)
+        starts = [0]
+        for bucket in layout[:-1]:
+            starts.append(aligned(starts[-1] + bucket.nbytes))
+        staging = self._staging.take(starts[-1] + layout[-1].nbytes)
+        buckets, source = [], iter(tensors)
+        for bucket, first in zip(layout, starts, strict=True):
+            buf = staging[first : first + bucket.nbytes]
+            for i, offset in bucket.items:
+                buf[offset : offset + specs[i].nbytes].copy_(flat_bytes(next_checked(i, specs, source)))
+            buckets.append(buf)
+        check_exhausted(source)
+        return buckets
+
     def _send_in_thread(
-        self,
-        version: int,
-        specs: Sequence[TensorSpec],
-        staged: list[tuple[str, torch.Tensor]],
-        whole: torch.Tensor,
+        self, version: int, specs: Sequence[TensorSpec], buckets: list[torch.Tensor]
     ) -> TransferStats:
         if self.group.device.type != "cuda":
-            return self.send(version, specs, iter(staged), staged=whole)
+            return self._broadcast(version, specs, buckets)
         # the current CUDA device is per thread (this one's is not set); a stream of its own, or its copies and
         # collectives would queue behind the training's kernels on the default stream, and these in turn
         device = self.group.device
@@ -170,7 +195,7 @@ class CollectivePublisher:
         )
         with torch.cuda.device(self.group.device), torch.cuda.stream(self._stream):
             try:
-                return self.send(version, specs, iter(staged), staged=whole)
+                return self._broadcast(version, specs, buckets)
             finally:  # a failed send may leave copies out of the staging buffer queued: it is reused, or unmapped
                 self._stream.synchronize()
 
@@ -206,27 +231,6 @@ class CollectivePublisher:
             # broadcast all the same, not a failure of the version being staged
             raise TransferFailed(str(error) or type(error).__name__) from error
         return pending.result()
-
-    def _stage(
-        self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
-        """The version copied into the staging buffer, packed as one unbounded bucket: views into it, and its
-        bytes. Tensors that are views of it already (``send`` of what ``send_background`` staged) stay where
-        they are."""
-        [whole] = bucket_layout(specs, WHOLE)
-        staging = self._staging.take(whole.nbytes)  # the previous version's vote has ended
-        staged, source = [], iter(tensors)
-        for i, offset in whole.items:
-            tensor = next_checked(i, specs, source)
-            view = staging[offset : offset + specs[i].nbytes]
-            flat = flat_bytes(tensor)
-            if flat.data_ptr() != view.data_ptr() or flat.device != view.device:
-                view.copy_(flat)
-            staged.append((specs[i].name, view.view(tensor.dtype).reshape(tensor.shape)))
-        check_exhausted(source)
-        if staging.device.type == "cuda":  # exported from another thread, whose stream is not this one's
-            torch.cuda.current_stream(staging.device).synchronize()
-        return staged, staging[: whole.nbytes]
 
     def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> None:
         """Abort the background broadcast that :meth:`wait` found ``overdue``: the group is marked failed and
@@ -281,34 +285,23 @@ class CollectivePublisher:
         if self._owns_staging:
             self._staging.release()
 
-    def send(
-        self,
-        version: int,
-        specs: Sequence[TensorSpec],
-        tensors: Iterable[tuple[str, torch.Tensor]],
-        staged: torch.Tensor | None = None,
+    def _broadcast(
+        self, version: int, specs: Sequence[TensorSpec], buckets: list[torch.Tensor]
     ) -> TransferStats:
-        """Broadcast one version: ``specs`` (names, dtypes, full shapes, in order) first, then ``tensors`` in
-        the same order, each valid only until the next is requested (a bucketed ZeRO-3 gather is). Returns once
-        every receiver has voted to commit; raises :class:`TransferFailed` otherwise. ``staged``: the version's
-        bytes as :meth:`send_background` staged them (``tensors`` are views of it, valid throughout): where
-        it is on the group's device, its buckets go out straight from it (:meth:`_send_staged`)."""
+        """Announce the staged version, broadcast its header and its buckets (:meth:`_send_pieces`), and
+        vote. A failed collective (a receiver died, a timeout) aborts the group: :class:`TransferFailed`."""
         t0 = time.monotonic()
-        if not specs:
-            raise ValueError(f"version {version} has no tensors")
-        layout = bucket_layout(specs, self.bucket_bytes)
         fields = {
             "bucket_bytes": self.bucket_bytes,
             "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
         }
         header = json.dumps(fields).encode()
-        group, committed = self.group, False
-        source_error: Exception | None = None  # the source's, reported after the vote
+        group = self.group
         try:
             group.announce(version)
             if self.await_ready:  # in the store: no kernel on this GPU waits for a late receiver
                 group.wait_ready(group.broadcasts + 1)
-            head = torch.tensor([version, len(header), len(layout)], dtype=torch.int64, device=group.device)
+            head = torch.tensor([version, len(header), len(buckets)], dtype=torch.int64, device=group.device)
             group.wait(group.broadcast(head))
             group.broadcasts += 1
             group.wait(
@@ -316,25 +309,39 @@ class CollectivePublisher:
             )
             if self.await_ready:  # and once they made their buffers (a whole model's)
                 group.wait_ready(group.broadcasts, "data")
-            if staged is not None and staged.device == group.device:
-                self._send_staged(layout, specs, staged)
-            else:
-                source_error = self._send_buckets(layout, specs, iter(tensors))
-            committed = group.all_ok(source_error is None)
+            self._send_pieces(buckets)
+            group.commit()
         except Exception as exc:  # a collective failed (a receiver died, a timeout): the group is broken
             group.abort()
             raise TransferFailed(f"version {version}: broadcast failed: {exc}") from exc
-        if source_error is not None:
-            raise TransferFailed(f"version {version}: {source_error}") from source_error
-        if not committed:
-            raise TransferFailed(f"version {version}: a receiver voted against it")
         return TransferStats(
-            version, len(specs), sum(s.nbytes for s in specs), len(layout), time.monotonic() - t0
+            version, len(specs), sum(s.nbytes for s in specs), len(buckets), time.monotonic() - t0
         )
 
-    def _in_place(self, flat: torch.Tensor) -> bool:
-        """Whether a bucket's one tensor can be broadcast from its own bytes: it is on the group's device."""
-        return flat.device == self.group.device
+    def _send_pieces(self, buckets: list[torch.Tensor]) -> None:
+        """Every bucket of the staged version in its :func:`pieces` of at most the bucket size, as every
+        receiver takes it. Where the staged version is on the group's device (gloo's host memory) each piece
+        goes out from it, :data:`IN_FLIGHT` queued at a time: over gloo on one host the broadcast then runs at
+        the sockets' rate (a buffer filled between broadcasts left them idle). Elsewhere (NCCL: the staging is
+        host memory) each piece is copied into one of two piece-sized buffers on the device, non-blocking from
+        the page-locked staging, the next copied while the last travels: the device holds two buffers of at
+        most the bucket size beside the training, never one of the largest weight or of the version."""
+        group = self.group
+        in_place = buckets[0].device == group.device
+        in_flight: deque[Any] = deque()
+        sent = 0
+        for bucket in buckets:
+            for a, b in pieces(bucket.numel(), self.bucket_bytes):
+                if len(in_flight) >= (IN_FLIGHT if in_place else 2):  # copying: the next buffer's last use
+                    group.wait(in_flight.popleft())
+                piece = bucket[a:b]
+                if not in_place:
+                    buf = self._buffer(sent % 2, b - a)
+                    buf.copy_(piece, non_blocking=True)  # queued before the broadcast, on this stream
+                    piece, sent = buf, sent + 1
+                in_flight.append(group.broadcast(piece))
+        for work in in_flight:
+            group.wait(work)
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         while len(self._buffers) <= slot:
@@ -342,84 +349,3 @@ class CollectivePublisher:
         if self._buffers[slot].numel() < nbytes:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         return self._buffers[slot][:nbytes]
-
-    def _send_staged(self, layout: list[Bucket], specs: Sequence[TensorSpec], staged: torch.Tensor) -> None:
-        """Every bucket straight from the staging buffer, where each lies whole: its tensors are packed there
-        as in the bucket (both 64-byte aligned from a 64-byte aligned start). No copy, and :data:`IN_FLIGHT`
-        pieces queued at a time (the staged version stays valid throughout): over gloo on one host the
-        broadcast then runs at the sockets' rate (packed buckets copied through a buffer one at a time left it
-        idle between them)."""
-        [whole] = bucket_layout(specs, WHOLE)
-        start = dict(whole.items)
-        in_flight: deque[Any] = deque()
-        for n, bucket in enumerate(layout):
-            first = start[bucket.items[0][0]]
-            if any(start[i] - first != offset for i, offset in bucket.items):  # bucket_layout changed?
-                raise ValueError(f"the staged version does not hold bucket {n} as one range")
-            buf = staged[first : first + bucket.nbytes]
-            for a, b in pieces(bucket.nbytes, self.bucket_bytes):
-                if len(in_flight) >= IN_FLIGHT:
-                    self.group.wait(in_flight.popleft())
-                in_flight.append(self.group.broadcast(buf[a:b]))
-        for work in in_flight:
-            self.group.wait(work)
-
-    def _send_buckets(
-        self, layout: list[Bucket], specs: Sequence[TensorSpec], source: Any
-    ) -> Exception | None:
-        """Broadcast every bucket in its :func:`pieces`; returns the source's error, if any.
-
-        A bucket of one tensor already on the group's device goes out from the tensor's own bytes (no copy),
-        and the source is not advanced until it has gone (a gathered tensor is valid only until the next is
-        requested). Anything else travels through one of two piece-sized buffers, the next filled while the
-        last travels: packed buckets, and a weight in host memory (staged), whatever its size, so the device
-        holds two buffers of at most the bucket size, never one of the largest weight. A source that fails or
-        breaks the header does not break the group: the remaining pieces still go out (their contents void) so every receiver reaches the vote, where this
-        rank votes the version down."""
-        error: Exception | None = None
-        in_flight: list[Any] = [None, None]
-        sent = 0  # pieces through the buffers
-        for bucket in layout:
-            ranges = pieces(bucket.nbytes, self.bucket_bytes)
-            whole = None  # the bucket's one tensor, as flat bytes wherever it is
-            if error is None and len(bucket.items) == 1:
-                try:
-                    whole = flat_bytes(next_checked(bucket.items[0][0], specs, source))
-                    if whole.device.type != "cpu" and self.group.device.type == "cpu":
-                        # a GPU source over gloo (``send`` without staging): gloo moves host bytes, so one
-                        # copy to the host, then broadcast in place
-                        whole = whole.cpu()
-                except Exception as exc:  # reported after the vote
-                    error = exc
-            if whole is not None and self._in_place(whole):
-                works = [self.group.broadcast(whole[a:b]) for a, b in ranges]
-                for work in works:
-                    self.group.wait(work)
-                continue
-            for a, b in ranges:
-                slot = sent % 2
-                sent += 1
-                if in_flight[slot] is not None:
-                    self.group.wait(in_flight[slot])
-                buf = self._buffer(slot, b - a)
-                if whole is not None:
-                    buf.copy_(whole[a:b], non_blocking=True)
-                elif error is None:
-                    try:
-                        # straight from the source (staged host memory, pinned under CUDA), no device copy of
-                        # each weight on the way; the host waits for the broadcast, queued after the copies
-                        for i, offset in bucket.items:
-                            flat = flat_bytes(next_checked(i, specs, source))
-                            buf[offset : offset + specs[i].nbytes].copy_(flat, non_blocking=True)
-                    except Exception as exc:  # reported after the vote
-                        error = exc
-                in_flight[slot] = self.group.broadcast(buf)
-        for work in in_flight:
-            if work is not None:
-                self.group.wait(work)
-        if error is None:
-            try:
-                check_exhausted(source)
-            except ValueError as exc:
-                error = exc
-        return error
