@@ -56,7 +56,7 @@ def test_the_snapshot_is_current() -> None:
     assert snap.additions(recorded, api) == [], "run `python scripts/proto_snapshot.py` to record them"
     public = {name for name, m in recorded["messages"].items() if m["public"]}
     assert {"vcpo.v1.Task", "vcpo.v1.EnvironmentSpec", "vcpo.v1.StepResponse", "vcpo.v1.Reward"} <= public
-    assert not {"vcpo.v1.TrajectoryGroup", "vcpo.v1.SamplingParams", "vcpo.v1.WeightChunk"} & public
+    assert not {"vcpo.v1.TrajectoryGroup", "vcpo.v1.SamplingParams", "vcpo.v1.VersionManifest"} & public
 
 
 @pytest.mark.parametrize(

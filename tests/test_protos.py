@@ -88,21 +88,11 @@ def test_services_have_their_methods(
 
 
 def test_the_broker_serves_only_its_control_calls_over_grpc() -> None:
-    """Weight bytes travel on the broker's TCP data plane as framed PublishRequest and FetchResponse messages."""
+    """Weight bytes travel on the broker's TCP data plane, as frames of their own."""
     methods = weights_pb2.DESCRIPTOR.services_by_name["WeightBroker"].methods_by_name
     assert set(methods) == {"GetLatest", "ListVersions"}
 
 
-def test_fetch_distinguishes_version_zero_from_latest() -> None:
-    latest = weights_pb2.FetchRequest()
-    zero = weights_pb2.FetchRequest(policy_version=0)
-    assert not latest.HasField("policy_version") and zero.HasField("policy_version")
-
-
-def test_publish_and_fetch_items_are_oneofs() -> None:
-    req = weights_pb2.PublishRequest(chunk=weights_pb2.WeightChunk(tensor_name="w", data=b"x", last=True))
-    assert req.WhichOneof("item") == "chunk"
-    req = weights_pb2.PublishRequest(commit=weights_pb2.PublishRequest.Commit())
-    assert req.WhichOneof("item") == "commit"
+def test_environment_backends_are_a_oneof() -> None:
     spec = registry_pb2.EnvironmentSpec(name="calc", endpoint="127.0.0.1:9000")
     assert spec.WhichOneof("backend") == "endpoint"

@@ -1,7 +1,7 @@
-"""The broker's side of the TCP data plane: a threaded socket server that hands each connection's publish or
-fetch to the gRPC servicer's own methods (``publish_messages``, ``fetch_messages``), so both paths share the
-store, the checks, the metrics and the announcements. The frames and the connection protocol are in
-:mod:`services.weight_transport.dataplane`, shared with the TCP transport.
+"""The broker's side of the TCP data plane: a threaded socket server that runs each connection's publish into
+the store through the servicer's bookkeeping (``commit``) and serves each fetch from the servicer's counted
+stream (``fetch``). The frames and the connection protocol are in :mod:`services.weight_transport.dataplane`
+and :mod:`services.weight_transport.protocol`, shared with the TCP transport.
 """
 
 from __future__ import annotations
@@ -10,11 +10,20 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 from services.weight_broker.servicer import WeightBrokerServicer, is_store_error
-from services.weight_transport.dataplane import frames, recv_json, send_end, send_frame, send_json, tune
-from services.weight_transport.protocol import BrokenStream
+from services.weight_transport.dataplane import (
+    BrokenStream,
+    frames,
+    recv_json,
+    send_end,
+    send_frame,
+    send_json,
+    tune,
+)
+from services.weight_transport.protocol import apply_publish
 from services.weight_transport.store import PublishRejected, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -40,8 +49,11 @@ class _Handler(socketserver.BaseRequestHandler):
             log.warning("data-plane connection from %s broke off: %s", self.client_address, exc)
 
     def _publish(self, sock: socket.socket) -> None:
+        servicer = self.server.servicer
         try:
-            reply = self.server.servicer.publish_messages(frames(sock))
+            stored, seconds = servicer.commit(
+                lambda: apply_publish(servicer.store, frames(sock)), time.monotonic()
+            )
         except (PublishRejected, OSError) as exc:
             if isinstance(exc, OSError) and not is_store_error(exc):
                 raise  # the connection's own failure: nobody to answer
@@ -58,16 +70,16 @@ class _Handler(socketserver.BaseRequestHandler):
             sock,
             {
                 "ok": True,
-                "policy_version": reply.policy_version,
-                "total_bytes": reply.total_bytes,
-                "seconds": reply.seconds,
+                "policy_version": stored.manifest.policy_version,
+                "total_bytes": stored.manifest.total_bytes,
+                "seconds": seconds,
             },
         )
 
     def _fetch(self, sock: socket.socket, request: dict[str, Any]) -> None:
         version = request.get("version")
         try:
-            messages = self.server.servicer.fetch_messages(
+            stream = self.server.servicer.fetch(
                 None if version is None else int(version),
                 str(request.get("start_tensor", "")),
                 int(request.get("max_chunk_bytes") or 0),
@@ -76,8 +88,8 @@ class _Handler(socketserver.BaseRequestHandler):
             send_json(sock, {"ok": False, "reason": "not_found", "message": str(exc)})
             return
         send_json(sock, {"ok": True})
-        for message in messages:
-            send_frame(sock, message)
+        for frame in stream:
+            send_frame(sock, frame)
         send_end(sock)
 
 

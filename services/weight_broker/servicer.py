@@ -16,9 +16,9 @@ import grpc
 
 from services.common.observability import Metrics
 from services.weight_broker.announce import Announcer
-from services.weight_transport.protocol import apply_publish, fetch_responses
+from services.weight_transport.protocol import fetch_frames
 from services.weight_transport.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
-from services.weight_transport.wire import Message
+from services.weight_transport.tensors import Buffer
 from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -87,19 +87,9 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
             metrics.latest.set(latest)
         metrics.stored.set(store.stored_bytes())
 
-    def publish_messages(self, messages: Iterator[Message]) -> weights_pb2.PublishResponse:
-        """Commit one publish stream (serialized PublishRequests, from the data plane); raises
-        PublishRejected (counted) when it is refused."""
-        stored, seconds = self.commit(lambda: apply_publish(self.store, messages), time.monotonic())
-        return weights_pb2.PublishResponse(
-            policy_version=stored.manifest.policy_version,
-            total_bytes=stored.manifest.total_bytes,
-            seconds=seconds,
-        )
-
     def commit(self, write: Callable[[], StoredVersion], started: float) -> tuple[StoredVersion, float]:
-        """Run ``write`` (a publish into the store, or a version the broker received from the weight group),
-        then count and announce the version; a refusal (PublishRejected) is counted and logged, and raised.
+        """Run ``write`` (a publish into the store), then count and announce the version; a refusal
+        (PublishRejected) is counted and logged, and raised.
         ``started``: when the version began to arrive (``time.monotonic()``). Returns the stored version and
         the seconds from ``started`` until it was stored."""
         try:
@@ -139,27 +129,25 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
                 self.metrics.announce_failures.inc()
                 log.exception("could not announce version %d on the weights stream", m.policy_version)
 
-    def fetch_messages(
-        self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0
-    ) -> Iterator[Message]:
-        """The serialized FetchResponses of one fetch (for the data plane), counted; raises
+    def fetch(self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0) -> Iterator[Buffer]:
+        """The frames of one fetch (``protocol.fetch_frames``, for the data plane), counted; raises
         VersionNotFound (counted) at once when the version is not retained."""
         try:
-            responses = fetch_responses(
+            frames = fetch_frames(
                 self.store, version, start_tensor, chunk_bytes or self.chunk_bytes, self.metrics.sent.inc
             )
-            head = next(responses)
+            head = next(frames)
         except VersionNotFound:
             self.metrics.fetches.labels("not_found").inc()
             raise
-        return self._counted(head, responses)
+        return self._counted(head, frames)
 
-    def _counted(self, head: Message, responses: Iterator[Message]) -> Iterator[Message]:
+    def _counted(self, head: Buffer, frames: Iterator[Buffer]) -> Iterator[Buffer]:
         self.metrics.active_fetches.inc()
         outcome = "cancelled"
         try:
             yield head
-            yield from responses
+            yield from frames
             outcome = "complete"
         finally:
             self.metrics.active_fetches.dec()

@@ -41,7 +41,11 @@ class WeightBrokerConfig(Section):
     retain_versions: int = Field(3, ge=1, description="Versions kept for late samplers and audits.")
     storage: Literal["memory", "disk"] = Field("memory", description="Where retained versions live.")
     storage_dir: str = Field("", description="Directory for disk storage; empty = <run_dir>/weights.")
-    chunk_bytes: int = Field(4 << 20, ge=1024, description="Bytes per streamed weight chunk.")
+    chunk_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="The most bytes of one payload frame of the broker's data plane (a version's tensors travel in frames of at most this size).",
+    )
     rpc_timeout_s: float = Field(300.0, gt=0, description="Deadline of one publish or fetch call.")
     publish_retry_s: float = Field(
         120.0,

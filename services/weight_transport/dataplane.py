@@ -1,28 +1,29 @@
-"""The broker's TCP data plane: the gRPC service's publish and fetch messages over a plain socket.
+"""The broker's TCP data plane: publish and fetch over a plain socket of length-prefixed frames.
 
-This module is the protocol both ends speak (frames, the JSON request and status frames) and the client's
-two calls, :func:`publish` and :func:`fetch`, which the TCP transport makes; the broker's server is
+This module is the framing both ends speak and the client's two calls, :func:`publish` and :func:`fetch`,
+which the TCP transport makes; what the frames hold is ``protocol.py``, the broker's server
 ``dataplane_server.py``.
 
 Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
 Python bytes object and the GIL), a loopback socket about twice that. Weight bytes are the one bulk flow,
-so they may take this path; everything else (latest, list, status, health) stays on gRPC.
+so they take this path; everything else (latest, list, status, health) stays on gRPC. A payload frame is
+only bytes, so it is sent from where the tensor lies (a gather write) and received where the tensor will
+lie, and no message format copies it on the way.
 
     frame:        4-byte big-endian length, then that many bytes; length 0 ends a stream
     connection:   client → request frame: JSON {"op": "publish"} or
                                           {"op": "fetch", "version": int | null, "start_tensor": str,
                                            "max_chunk_bytes": int}
-      publish:    client → serialized PublishRequests (manifest, chunks, commit), end frame
+      publish:    client → manifest (a serialized VersionManifest), payload frames, commit (JSON), end frame
                   server → one JSON status frame {"ok": true, "policy_version", "total_bytes", "seconds"}
                            or {"ok": false, "reason": "stale" | "duplicate" | ..., "message": str}
       fetch:      server → JSON status frame ({"ok": true} or {"ok": false, "reason": "not_found", ...}),
-                           serialized FetchResponses (manifest, chunks), end frame
+                           manifest, payload frames (from ``start_tensor`` on), end frame
 
-The messages are the gRPC path's, byte for byte, and go through the same code on both sides
-(``apply_publish``, ``fetch_responses``, ``receive_fetch`` and the servicer's bookkeeping): the same
-manifest and per-tensor checksums, the same all-or-nothing commit, the same metrics and announcements. A
-connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off resumes from the
-first tensor the sink has not received (``transports/base.py``).
+The broker checks each tensor's checksum and the version checksum before a version becomes visible
+(all-or-nothing), the fetching side each tensor's before its sink sees it (``protocol.py``); the servicer
+counts and announces (``dataplane_server.py``). A connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off
+resumes from the first tensor the sink has not received (``transports/base.py``).
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ import socket
 import struct
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from services.weight_transport.protocol import BrokenStream
 from services.weight_transport.store import VersionNotFound
-from services.weight_transport.wire import Message
+from services.weight_transport.tensors import Buffer
 
 _HEADER = struct.Struct("!I")
-MAX_FRAME_BYTES = 1 << 30  # a bigger length prefix is garbage, not a chunk
+MAX_FRAME_BYTES = 1 << 30  # a bigger length prefix is garbage, not a frame of ours
 SOCKET_BUFFER_BYTES = 4 << 20
+
+
+class BrokenStream(ValueError):
+    """A stream that ended early or is malformed (worth retrying, unlike a bad request)."""
 
 
 def send_frame(sock: socket.socket, *pieces: bytes | bytearray | memoryview) -> None:
@@ -72,16 +77,21 @@ def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
         got += n
 
 
-def recv_frame(sock: socket.socket) -> memoryview | None:
-    """The next frame, or None for the end frame: a read-only view of a buffer of its own (allocated without
-    zero-filling), so the memory store may keep it as an immutable message."""
+def recv_frame(sock: socket.socket, into: memoryview | None = None) -> memoryview | None:
+    """The next frame, or None for the end frame. Received into the front of ``into`` when given (a frame
+    longer than ``into`` is not this protocol's); else into a buffer of its own (allocated without
+    zero-filling), returned read-only, so the memory store may keep it as it is."""
     header = bytearray(_HEADER.size)
     _recv_into(sock, memoryview(header), "a frame header")
     (size,) = _HEADER.unpack(header)
     if size == 0:
         return None
-    if size > MAX_FRAME_BYTES:
-        raise BrokenStream(f"frame of {size} bytes announced (at most {MAX_FRAME_BYTES}): not this protocol")
+    if size > (MAX_FRAME_BYTES if into is None else len(into)):
+        room = f"at most {MAX_FRAME_BYTES}" if into is None else f"{len(into)} bytes left of the tensor"
+        raise BrokenStream(f"frame of {size} bytes announced ({room}): not this protocol")
+    if into is not None:
+        _recv_into(sock, into[:size], f"a frame of {size} bytes")
+        return into[:size]
     # torch's allocator: no zero-fill, and no huge-page advice (numpy advises huge pages for big arrays,
     # which made receiving several times slower here)
     view = torch.empty(size, dtype=torch.uint8).numpy().data
@@ -128,21 +138,19 @@ def connect(address: str, timeout_s: float) -> socket.socket:
     return sock
 
 
-def publish(
-    address: str, messages: Iterable[tuple[bytes | memoryview, ...]], timeout_s: float
-) -> dict[str, Any]:
-    """Send one publish's messages (each as its parts, see ``publish_parts``); the server's JSON status
-    (``ok`` False says why it was refused)."""
+def publish(address: str, frames: Iterable[Buffer], timeout_s: float) -> dict[str, Any]:
+    """Send one publish's frames (``protocol.publish_frames``); the server's JSON status (``ok`` False says
+    why it was refused)."""
     deadline = time.monotonic() + timeout_s
     with connect(address, timeout_s) as sock:
         send_json(sock, {"op": "publish"})
         try:
-            for message in messages:
+            for frame in frames:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"publish to {address} took longer than {timeout_s:.0f}s")
                 if select.select([sock], [], [], 0)[0]:
                     break  # the broker answered before the end: a refusal; stop sending
-                send_frame(sock, *message)
+                send_frame(sock, frame)
             else:
                 send_end(sock)
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -153,10 +161,12 @@ def publish(
         return recv_json(sock)
 
 
+@contextmanager
 def fetch(
     address: str, version: int | None, start_tensor: str, max_chunk_bytes: int, timeout_s: float
-) -> Iterator[Message]:
-    """The serialized FetchResponses of one fetch; raises VersionNotFound or BrokenStream."""
+) -> Iterator[socket.socket]:
+    """A fetch's connection, at its manifest frame (``protocol.receive_fetch`` reads the rest); raises
+    VersionNotFound or BrokenStream."""
     with connect(address, timeout_s) as sock:
         send_json(
             sock,
@@ -172,4 +182,4 @@ def fetch(
             if status.get("reason") == "not_found":
                 raise VersionNotFound(str(status.get("message")))
             raise BrokenStream(f"fetch refused: {status}")
-        yield from frames(sock)
+        yield sock

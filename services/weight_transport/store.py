@@ -1,14 +1,17 @@
 """Versioned weight storage: a version becomes visible only complete and verified; versions move forward.
 
-    begin(manifest) ─► VersionWriter ── write(chunk) × n ── commit(checksum) ─► StoredVersion (visible)
+    begin(manifest) ─► VersionWriter ── write(payload) × n ── commit(checksums) ─► StoredVersion (visible)
                               └── abort() / any error: nothing of it remains
-    get(version | None) ─► StoredVersion ── chunks(start_tensor) ─► WeightChunk stream (from the stored copy)
+    get(version | None) ─► StoredVersion ── payload(start_tensor) ─► the tensors' bytes (from the stored copy)
+
+A publish's payloads are the tensors' bytes in manifest order, cut anywhere but never across two tensors; the
+writer knows from the manifest's sizes which tensor each belongs to.
 
 Two stores behind one interface, chosen by ``[weight_broker] storage``:
 
-- :class:`MemoryStore` keeps each retained version as one buffer per tensor. A fetch streams slices of
-  that buffer (one chunk copied at a time), so any number of concurrent fetchers add only their in-flight
-  chunks, never a copy of the model each.
+- :class:`MemoryStore` keeps each retained version as the payloads it received (read-only buffers nobody else
+  holds), and a fetch is served views of them: no copy, so any number of concurrent fetchers add only their
+  in-flight frames, never a copy of the model each.
 - :class:`DiskStore` keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
   ``manifest.json``, written under a temporary name and renamed on commit (atomic), read back by ``pread``.
   It survives restarts, and vLLM or ``safetensors`` can load a version directory as it is.
@@ -30,8 +33,13 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from services.weight_transport.tensors import Hasher, safetensors_header, torch_dtype, version_checksum
-from services.weight_transport.wire import Chunk, encode_chunk
+from services.weight_transport.tensors import (
+    Buffer,
+    Hasher,
+    safetensors_header,
+    torch_dtype,
+    version_checksum,
+)
 from vcpo.v1 import weights_pb2
 
 MANIFEST = "manifest.json"
@@ -57,103 +65,93 @@ class StoredVersion(ABC):
 
     manifest: weights_pb2.VersionManifest
 
-    @abstractmethod
-    def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
-        """``size`` bytes of tensor ``index`` from ``offset``."""
-
-    def encoded_chunks(
-        self, start_tensor: str = "", chunk_bytes: int = 4 << 20
-    ) -> Iterator[tuple[bytes | memoryview, int]]:
-        """Each chunk, from tensor ``start_tensor`` (a resumed fetch) on, as a serialized FetchResponse with
-        its payload size."""
+    def payload(self, start_tensor: str = "", chunk_bytes: int = 4 << 20) -> Iterator[Buffer]:
+        """The tensors' bytes from tensor ``start_tensor`` (a resumed fetch) on, in pieces of at most
+        ``chunk_bytes``, none spanning two tensors (an empty tensor has none)."""
         names = [t.name for t in self.manifest.tensors]
         if start_tensor and start_tensor not in names:
             raise VersionNotFound(f"version {self.manifest.policy_version} has no tensor {start_tensor!r}")
         for index in range(names.index(start_tensor) if start_tensor else 0, len(names)):
-            yield from self._encoded_tensor(index, chunk_bytes)
+            yield from self._tensor(index, chunk_bytes)
 
-    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
-        meta, v, offset = self.manifest.tensors[index], self.manifest.policy_version, 0
-        while True:
-            size = min(chunk_bytes, meta.nbytes - offset)
-            last = offset + size >= meta.nbytes
-            data = self.read(index, offset, size)
-            yield encode_chunk(v, meta.name, offset, data, last, meta.checksum if last else ""), size
-            offset += size
-            if last:
-                return
+    @abstractmethod
+    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
+        """Tensor ``index``'s bytes in pieces of at most ``chunk_bytes``."""
 
 
 class VersionWriter(ABC):
-    """An in-progress publish: takes chunks in order, verifies every tensor, commits atomically."""
+    """An in-progress publish: takes the tensors' bytes in order, verifies every tensor, commits atomically."""
 
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
         self.store, self.manifest = store, manifest
-        self._index = 0  # tensor being written
+        self.received = 0  # tensors complete; the next payload belongs to tensor `received`
         self._offset = 0
         self._hasher = Hasher()
         self._digests: list[str] = []
         self._done = False
+        self._skip_empty()
 
     @property
     def version(self) -> int:
         return int(self.manifest.policy_version)
 
-    def write(self, chunk: Chunk) -> None:
-        """Take the next chunk; raises PublishRejected (and aborts) on anything out of order or corrupt."""
+    @property
+    def complete(self) -> bool:
+        return self.received == len(self.manifest.tensors)
+
+    def write(self, data: memoryview) -> None:
+        """Take the next payload: the bytes of tensor ``received`` from where the last payload ended. Raises
+        PublishRejected (and aborts) on one that is empty or runs past its tensor's end."""
         try:
-            self._write(chunk)
+            if self.complete:
+                raise PublishRejected("invalid", f"bytes after the last tensor of version {self.version}")
+            meta = self.manifest.tensors[self.received]
+            end = self._offset + len(data)
+            if not data or end > meta.nbytes:
+                raise PublishRejected(
+                    "invalid",
+                    f"tensor {meta.name!r}: a payload of {len(data)} bytes at byte {self._offset} of "
+                    f"{meta.nbytes} (a payload is never empty and never spans two tensors)",
+                )
         except PublishRejected:
             self.abort()
             raise
-
-    def _write(self, chunk: Chunk) -> None:
-        data = chunk.data
-        if self._index >= len(self.manifest.tensors):
-            raise PublishRejected("invalid", f"chunk for {chunk.tensor_name!r} after the last tensor")
-        meta = self.manifest.tensors[self._index]
-        if chunk.policy_version != self.version:
-            raise PublishRejected(
-                "invalid", f"chunk of version {chunk.policy_version} in a publish of {self.version}"
-            )
-        if chunk.tensor_name != meta.name or chunk.offset != self._offset:
-            raise PublishRejected(
-                "invalid",
-                f"expected tensor {meta.name!r} at byte {self._offset}, got {chunk.tensor_name!r} at {chunk.offset}",
-            )
-        end = self._offset + len(data)
-        if (
-            end > meta.nbytes
-            or (chunk.last and end != meta.nbytes)
-            or (not chunk.last and end == meta.nbytes)
-        ):
-            raise PublishRejected(
-                "invalid", f"tensor {meta.name!r}: chunk ends at {end} of {meta.nbytes} bytes"
-            )
-        self._put(self._index, self._offset, data, chunk.message)
+        self._put(self.received, self._offset, data)
         self._hasher.update(data)
         self._offset = end
-        if chunk.last:
-            digest = self._hasher.hexdigest()
-            if chunk.checksum != digest:
-                raise PublishRejected(
-                    "integrity",
-                    f"tensor {meta.name!r}: checksum {chunk.checksum!r} != received bytes' {digest!r}",
-                )
-            self._digests.append(digest)
-            self._index, self._offset, self._hasher = self._index + 1, 0, Hasher()
+        if end == meta.nbytes:
+            self._digests.append(self._hasher.hexdigest())
+            self.received, self._offset, self._hasher = self.received + 1, 0, Hasher()
+            self._skip_empty()
 
-    def commit(self, expected_checksum: str) -> StoredVersion:
-        """Make the version visible, if every tensor arrived and the version checksum matches."""
+    def _skip_empty(self) -> None:
+        """Tensors of no bytes have no payload: complete as soon as they are next."""
+        while not self.complete and self.manifest.tensors[self.received].nbytes == 0:
+            self._digests.append(Hasher().hexdigest())
+            self.received += 1
+
+    def commit(self, checksums: list[str], expected_checksum: str) -> StoredVersion:
+        """Make the version visible, if every tensor arrived, each matches its checksum in ``checksums``
+        (the publisher's, in manifest order) and the version checksum matches."""
         try:
-            if self._index != len(self.manifest.tensors):
-                missing = len(self.manifest.tensors) - self._index
+            if not self.complete:
+                missing = len(self.manifest.tensors) - self.received
                 raise PublishRejected(
                     "invalid", f"commit with {missing} tensor(s) of version {self.version} missing"
                 )
+            if len(checksums) != len(self._digests):
+                raise PublishRejected(
+                    "invalid",
+                    f"the commit has {len(checksums)} tensor checksums for {len(self._digests)} tensors",
+                )
             final = weights_pb2.VersionManifest()
             final.CopyFrom(self.manifest)
-            for meta, digest in zip(final.tensors, self._digests, strict=True):
+            for meta, digest, claimed in zip(final.tensors, self._digests, checksums, strict=True):
+                if claimed != digest:
+                    raise PublishRejected(
+                        "integrity",
+                        f"tensor {meta.name!r}: checksum {claimed!r} != received bytes' {digest!r}",
+                    )
                 meta.checksum = digest
             final.checksum = version_checksum(list(final.tensors))
             if expected_checksum != final.checksum:
@@ -180,8 +178,8 @@ class VersionWriter(ABC):
                 self.store._aborted(self.version)
 
     @abstractmethod
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
-        """Store ``data`` (``message``: the serialized chunk message it came in, if known)."""
+    def _put(self, index: int, offset: int, data: memoryview) -> None:
+        """Store ``data``, bytes ``offset`` on of tensor ``index``."""
 
     @abstractmethod
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
@@ -295,59 +293,32 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
 # ---------------------------------------------------------------------------------------------- memory
 
 
-_Stored = tuple[int, memoryview, bytes | memoryview | None]  # (offset, data, the message it arrived in)
-
-
 class _MemoryVersion(StoredVersion):
-    """The chunks exactly as they arrived: views into the received, immutable messages (no copy).
+    """Each tensor as the payloads it arrived in, served as they are (views of them where a fetch asks for
+    smaller pieces): no copy. The data plane hands the writer read-only views of buffers nobody else holds."""
 
-    A serialized PublishRequest holding a chunk is, byte for byte, a FetchResponse holding that chunk (both
-    put it in field 2), so a fetch with the publisher's chunk size is served the received messages
-    themselves; another chunk size is cut from the views and encoded anew."""
+    def __init__(self, manifest: weights_pb2.VersionManifest, payloads: list[list[memoryview]]) -> None:
+        self.manifest, self._payloads = manifest, payloads
 
-    def __init__(self, manifest: weights_pb2.VersionManifest, chunks: list[list[_Stored]]) -> None:
-        self.manifest, self._chunks = manifest, chunks
-
-    def read(self, index: int, offset: int, size: int) -> bytes | memoryview:
-        parts, end = [], offset + size
-        for start, data, _ in self._chunks[index]:
-            stop = start + len(data)
-            if stop <= offset or start >= end:
-                continue
-            if start == offset and stop == end:
-                return data  # the common case: same chunking as the publish
-            parts.append(data[max(offset - start, 0) : min(end, stop) - start])
-        return b"".join(parts)
-
-    def _encoded_tensor(self, index: int, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
-        stored = self._chunks[index]
-        same = all(len(d) == chunk_bytes for _, d, _ in stored[:-1]) and len(stored[-1][1]) <= chunk_bytes
-        if same and all(m is not None for _, _, m in stored):
-            for _, d, m in stored:
-                assert m is not None
-                yield m, len(d)  # the received message itself
-        else:
-            yield from super()._encoded_tensor(index, chunk_bytes)
+    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
+        for data in self._payloads[index]:
+            for start in range(0, len(data), chunk_bytes):
+                yield data[start : start + chunk_bytes]  # a view, not a copy
 
 
 class _MemoryWriter(VersionWriter):
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
         super().__init__(store, manifest)
-        self._chunks: list[list[_Stored]] = []
+        self._payloads: list[list[memoryview]] = [[] for _ in manifest.tensors]
 
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
-        if index == len(self._chunks):
-            self._chunks.append([])
-        self._chunks[index].append((offset, data, message))
+    def _put(self, index: int, offset: int, data: memoryview) -> None:
+        self._payloads[index].append(data)
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
-        assert len(self._chunks) == len(
-            manifest.tensors
-        )  # every tensor ends with a (possibly empty) last chunk
-        return _MemoryVersion(manifest, self._chunks)
+        return _MemoryVersion(manifest, self._payloads)
 
     def _discard(self) -> None:
-        self._chunks = []
+        self._payloads = []
 
 
 class MemoryStore(VersionStore):
@@ -368,13 +339,16 @@ class _DiskVersion(StoredVersion):
         self._fd = os.open(path / WEIGHTS, os.O_RDONLY)
         _, self._starts = safetensors_header(manifest)
 
-    def read(self, index: int, offset: int, size: int) -> bytes:
-        data = os.pread(self._fd, size, self._starts[index] + offset)
-        if len(data) != size:
-            raise OSError(
-                f"{self.path / WEIGHTS}: short read of tensor {self.manifest.tensors[index].name!r}"
-            )
-        return data
+    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
+        nbytes = self.manifest.tensors[index].nbytes
+        for offset in range(0, nbytes, chunk_bytes):
+            size = min(chunk_bytes, nbytes - offset)
+            data = os.pread(self._fd, size, self._starts[index] + offset)
+            if len(data) != size:
+                raise OSError(
+                    f"{self.path / WEIGHTS}: short read of tensor {self.manifest.tensors[index].name!r}"
+                )
+            yield data
 
     def __del__(self) -> None:
         with contextlib.suppress(OSError):
@@ -391,8 +365,8 @@ class _DiskWriter(VersionWriter):
         self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
         self._file.write(prefix)
 
-    def _put(self, index: int, offset: int, data: memoryview, message: bytes | memoryview | None) -> None:
-        self._file.write(data)  # chunks arrive in order, so the file is written front to back
+    def _put(self, index: int, offset: int, data: memoryview) -> None:
+        self._file.write(data)  # payloads arrive in order, so the file is written front to back
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
         self._file.flush()

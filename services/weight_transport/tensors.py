@@ -37,6 +37,7 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
 }
 _BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
 CHECKSUM_ALGORITHM = "xxh3_128"
+Buffer = bytes | memoryview  # bytes on their way: a tensor's, a piece of them, a serialized message
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,16 +89,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def tensor_from_bytes(
-    buffer: bytearray | memoryview | bytes, dtype: str, shape: Sequence[int]
-) -> torch.Tensor:
-    """A tensor over ``buffer`` (no copy when the buffer is writable)."""
-    if len(buffer) == 0:
-        return torch.empty(tuple(shape), dtype=torch_dtype(dtype))
-    raw = torch.frombuffer(buffer if not isinstance(buffer, bytes) else bytearray(buffer), dtype=torch.uint8)
-    return raw.view(torch_dtype(dtype)).reshape(tuple(shape))
-
-
 class Hasher:
     """Incremental checksum of one tensor's bytes."""
 
@@ -109,12 +100,6 @@ class Hasher:
 
     def hexdigest(self) -> str:
         return f"{CHECKSUM_ALGORITHM}:{self._h.hexdigest()}"
-
-
-def checksum(data: bytes | memoryview) -> str:
-    h = Hasher()
-    h.update(data)
-    return h.hexdigest()
 
 
 def version_checksum(tensors: Sequence[weights_pb2.TensorMeta] | Sequence[tuple[str, str]]) -> str:

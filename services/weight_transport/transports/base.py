@@ -16,9 +16,11 @@ the lag bound allows (admission control refuses it beyond that) and reports the 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,7 +29,6 @@ import torch
 
 from services.weight_transport.protocol import Sink, receive_fetch
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.wire import Message
 from vcpo.v1 import weights_pb2
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class WeightTransport(ABC):
 
         def once() -> weights_pb2.VersionManifest:
             start = cursor.next_start()
-            return receive_fetch(cursor.pin(self._fetch_stream(cursor.version, start)), cursor.deliver, start)
+            with self._fetch_stream(cursor.version, start) as sock:
+                return receive_fetch(sock, cursor.deliver, start, on_manifest=cursor.pin)
 
         what = (
             f"fetch of {'the latest version' if version is None else f'version {version}'} from {self.where}"
@@ -109,8 +111,9 @@ class WeightTransport(ABC):
         return retrying(what, self.retry, once, self.is_transient)
 
     @abstractmethod
-    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterable[Message]:
-        """Serialized FetchResponses of ``version`` from ``start_tensor`` on."""
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> AbstractContextManager[socket.socket]:
+        """A connection whose frames are the fetch of ``version`` from ``start_tensor`` on
+        (``protocol.receive_fetch`` reads them)."""
 
     @abstractmethod
     def is_transient(self, exc: BaseException) -> bool:
@@ -176,15 +179,10 @@ class _FetchCursor:
         first = self.names.index(self.start_tensor) if self.start_tensor else 0
         return self.names[first + self.delivered]
 
-    def pin(self, responses: Iterable[Message]) -> Iterator[Message]:
-        first = True
-        for raw in responses:
-            if first:  # the manifest: a retry must continue this version
-                manifest = weights_pb2.FetchResponse.FromString(bytes(raw)).manifest
-                self.version = int(manifest.policy_version)
-                self.names = [t.name for t in manifest.tensors]
-                first = False
-            yield raw
+    def pin(self, manifest: weights_pb2.VersionManifest) -> None:
+        """The fetch's manifest: a retry must continue this version."""
+        self.version = int(manifest.policy_version)
+        self.names = [t.name for t in manifest.tensors]
 
     def deliver(self, name: str, tensor: torch.Tensor) -> None:
         self.sink(name, tensor)

@@ -1,23 +1,27 @@
 """The broker's client: weight bytes over its TCP data plane, control calls (latest, list) over gRPC.
 
-Publish and fetch send the broker's own protobuf messages (``weights.proto``), length-framed on a plain
-socket (:mod:`services.weight_transport.dataplane`): Python gRPC moves large messages at about half a loopback
+Publish and fetch send a version's manifest, its tensors' bytes and (publishing) a commit with the checksums
+as length-prefixed frames on a plain socket (:mod:`services.weight_transport.dataplane`,
+:mod:`services.weight_transport.protocol`): Python gRPC moves large messages at about half a loopback
 socket's rate, so the one bulk flow skips it. The checksums, the all-or-nothing commit and the broker's
-bookkeeping are the servicer's (``publish_messages``, ``fetch_messages``). The broker's refusals come back as
+bookkeeping are the broker's (``dataplane_server.py``, the servicer's ``commit`` and ``fetch``). The broker's refusals come back as
 the interface's errors: a duplicate as :class:`VersionExists`, a stale version as :class:`StalePublish`, an
 unknown version as ``VersionNotFound``.
 """
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 
 import grpc
 import torch
 
 from services.weight_transport import dataplane
-from services.weight_transport.protocol import BrokenStream, IntegrityError, publish_parts
+from services.weight_transport.dataplane import BrokenStream
+from services.weight_transport.protocol import IntegrityError, publish_frames
 from services.weight_transport.store import PublishRejected
 from services.weight_transport.tensors import TensorSpec
 from services.weight_transport.transports.base import (
@@ -29,7 +33,6 @@ from services.weight_transport.transports.base import (
     WeightTransport,
     retrying,
 )
-from services.weight_transport.wire import Message
 from vcpo.v1 import weights_pb2, weights_pb2_grpc
 
 _TRANSIENT_CODES = {
@@ -72,8 +75,8 @@ class TcpTransport(WeightTransport):
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> PublishResult:
         t0 = time.monotonic()
-        messages = publish_parts(version, specs, tensors, self.chunk_bytes, self.run_id)
-        status = dataplane.publish(self.data_address, messages, self.retry.timeout_s)
+        frames = publish_frames(version, specs, tensors, self.chunk_bytes, self.run_id)
+        status = dataplane.publish(self.data_address, frames, self.retry.timeout_s)
         if not status.get("ok"):
             reason, message = status.get("reason"), str(status.get("message"))
             if reason == "duplicate":
@@ -83,7 +86,7 @@ class TcpTransport(WeightTransport):
             raise PublishRejected(str(reason), message)
         return PublishResult(int(status["policy_version"]), int(status["total_bytes"]), time.monotonic() - t0)
 
-    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[Message]:
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> AbstractContextManager[socket.socket]:
         return dataplane.fetch(
             self.data_address, version, start_tensor, self.chunk_bytes, self.retry.timeout_s
         )
