@@ -52,7 +52,7 @@ def _rank(rank: int, spec: dict[str, Any], nbytes: int, rounds: int, results: An
     waits = {"group": group.wait, "polling": _polling, "blocking": lambda work: work.wait()}
     for _ in range(rounds):
         for way in WAYS:
-            group.all_ok(True)  # both ranks start together
+            group.commit()  # both ranks start together
             t0 = time.monotonic()
             works = [group.broadcast(buf[a : a + PIECE]) for a in range(0, nbytes, PIECE)]
             for work in works:

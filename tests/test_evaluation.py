@@ -770,13 +770,13 @@ def test_a_dedicated_evaluator_follows_the_published_versions_and_evaluates_the_
         learner.publish(0)
         thread.start()
         wait_until(lambda: redis_client.llen(key) >= 1, what="the version-0 evaluation")
-        follower = service.sync.follower
+        sync = service.sync
         for version in range(1, 5):  # the rest of bucket [0, 5): nothing due, so nothing is fetched
             learner.publish(version)
-        wait_until(lambda: follower.newest_known == 4, what="the evaluator to see version 4")
-        service.sync.poll_now()
-        wait_until(lambda: follower.declined == 4, what="the evaluator to pass over version 4")
-        assert follower.loaded_version == 0 and service.sync.loader.complete == 0
+        wait_until(lambda: sync.newest_known == 4, what="the evaluator to see version 4")
+        sync.poll_now()
+        wait_until(lambda: sync.declined == 4, what="the evaluator to pass over version 4")
+        assert sync.fetched == 0
         for version in range(5, 8):  # published faster than it evaluates: it skips versions, not buckets
             learner.publish(version)
         wait_until(lambda: redis_client.llen(key) >= 2, what="the evaluation of bucket [5, 10)")

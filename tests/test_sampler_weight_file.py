@@ -105,7 +105,7 @@ def stand_in_llm(core: Core) -> type:
 
 
 class Versions:
-    """The broker as the weight follower sees it: the versions it holds."""
+    """The broker as the weight sync sees it: the versions it holds."""
 
     def __init__(self) -> None:
         self.held: dict[int, dict[str, torch.Tensor]] = {}
@@ -167,7 +167,7 @@ def test_a_broker_version_is_written_before_the_engine_pauses_and_only_reloaded_
     files = len(version_weights(tiny_model_dir, 0))
 
     versions.held[0] = version_weights(tiny_model_dir, 0)
-    assert sync.follower.poll()
+    assert sync.poll()
     sampler.tick()
     assert engine.loaded_version == 0
     assert events == [
@@ -181,7 +181,7 @@ def test_a_broker_version_is_written_before_the_engine_pauses_and_only_reloaded_
     events.clear()
     assert core.requests  # the loop admitted groups after the load
     versions.held[1] = version_weights(tiny_model_dir, 1)
-    assert sync.follower.poll()
+    assert sync.poll()
     steps = core.steps
     sampler.tick()  # version 1 is ready: written now, applied once the groups in flight are done
     assert events == [("write", False, files)] and sampler._draining
@@ -218,7 +218,7 @@ def test_a_version_that_cannot_be_written_never_pauses_the_engine(
     sync = WeightSync(engine, versions, None)  # type: ignore[arg-type]
     sampler = stand_in_sampler(engine, redis_client, n=2, max_tokens=8, sync=sync)
     versions.held[0] = version_weights(tiny_model_dir, 0)
-    sync.follower.poll()
+    sync.poll()
     sampler.tick()
     assert engine.loaded_version == 0
     events.clear()
@@ -230,7 +230,7 @@ def test_a_version_that_cannot_be_written_never_pauses_the_engine(
 
     monkeypatch.setattr("safetensors.torch.save_file", full)
     versions.held[1] = version_weights(tiny_model_dir, 1)
-    sync.follower.poll()
+    sync.poll()
     for _ in range(3):
         sampler.tick()
     assert [e[0] for e in events] == ["write"]  # once: no pause, no reload, no second try
@@ -294,7 +294,7 @@ def test_a_version_replaced_while_its_file_is_written_gives_way_to_the_newer_one
     sync = WeightSync(engine, versions, None)  # type: ignore[arg-type]
     sampler = stand_in_sampler(engine, redis_client, n=2, max_tokens=8, sync=sync)
     versions.held[0] = version_weights(tiny_model_dir, 0)
-    sync.follower.poll()
+    sync.poll()
     recorded_save = safetensors.torch.save_file
 
     def newer_arrives(tensors: dict[str, torch.Tensor], filename: str, metadata: Any = None) -> None:
@@ -308,7 +308,7 @@ def test_a_version_replaced_while_its_file_is_written_gives_way_to_the_newer_one
     assert engine._file is not None and engine._file() is None  # version 0's tensors were let go
     assert sampler.metrics.weight_errors.labels("sampler-0")._value.get() == 0
     versions.held[1] = version_weights(tiny_model_dir, 1)
-    sync.follower.poll()
+    sync.poll()
     sampler.tick()
     assert engine.loaded_version == 1
     assert [e[0] for e in events] == ["write", "write", "pause", "vcpo_reload_weights", "wake"]

@@ -24,7 +24,7 @@ from services.weight_transport.receiver import CollectiveReceiver, NoRoom
 from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_transport.transports import WeightTransport
 from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
-from tests.test_collective_weights import is_version, specs_of, version_tensors
+from tests.test_collective_weights import break_link, is_version, specs_of, version_tensors
 from tests.test_weight_group_nccl import form
 from vcpo.v1 import weights_pb2
 
@@ -535,7 +535,7 @@ class GroupEngine(GenerationEngine):
 
 
 class BrokerPath(WeightTransport):
-    """The broker's path as the follower sees it: the versions it holds, each fetch counted."""
+    """The broker's path as the weight sync sees it: the versions it holds, each fetch counted."""
 
     where = "test broker"
 
@@ -630,12 +630,18 @@ def test_a_sampler_joins_receives_applies_leaves_a_failed_epoch_and_rejoins(
         time.sleep(0.3)
         assert broker.fetched == [1]  # what the group delivered is not fetched again
 
-        # a broadcast voted down (its source broke): the sampler leaves the epoch, keeps version 2, counts it
+        # a source that breaks raises before anything is announced: the sampler stays in its epoch
         publisher = coordinator.publisher()
         assert publisher is not None
         tensors = version_tensors(3)
-        with pytest.raises(TransferFailed):
+        with pytest.raises(ValueError, match="the source ended"):
             publisher.send(3, specs_of(tensors), iter(tensors[:-1]))
+        time.sleep(0.3)
+        assert sync.epoch == coordinator.epoch and sync.broadcast_failures == 0 and failures == []
+        # a broadcast that fails part-way: the sampler leaves the epoch, keeps version 2, counts it
+        break_link(publisher.group)
+        with pytest.raises(TransferFailed, match="Connection reset by peer"):
+            publisher.send(3, specs_of(tensors), iter(tensors))
         _until("the sampler left the failed epoch", lambda: sync.epoch == 0)
         assert failures == [1] and sync.broadcast_failures == 1 and "failed" in sync.error
         assert engine.loaded_version == 2 and engine.collective_staged is None
@@ -848,10 +854,10 @@ def test_a_broadcast_version_whose_load_failed_is_fetched_from_the_broker_though
     seat = SimpleNamespace(start=lambda: None, stop=lambda: None, renew=lambda: renewed.append(True))
     sync = CollectiveWeightSync(NoLoad(), SimpleNamespace(), None, seat)  # type: ignore[arg-type]
     sync.received = 5
-    assert not sync.follower._wants(5) and sync.follower.declined == 5  # delivered: not fetched
+    assert not sync._wants(5) and sync.declined == 5  # delivered: not fetched
     with pytest.raises(RuntimeError, match="finish_weight_update failed"):
         sync.apply(5)
-    assert sync.received is None and sync.follower._wants(5)
+    assert sync.received is None and sync._wants(5)
     assert "version 5 could not be loaded" in sync.error
     # registered again under a new id: learner rank 0 gives the broker version 5 for it (its broker under NCCL
     # holds only what the group did not carry), as it does for a restarted sampler

@@ -32,7 +32,7 @@ class EvalRunner:
             while not stop.is_set():
                 version = self.sync.ready()
                 if self.first_version is None:
-                    self.first_version = version if version is not None else self.sync.follower.declined
+                    self.first_version = version if version is not None else self.sync.declined
                 due = schedule.claim(version) if version is not None else []
                 if version is not None and due:
                     try:

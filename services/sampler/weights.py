@@ -1,14 +1,17 @@
-"""Weight sync for a sampler: fetch newer versions in the background, apply them at the loop's safe points.
+"""Weight sync for a sampler: notice newer versions, fetch them in the background, apply them at the loop's
+safe points.
 
-    fetch thread:  WeightFollower.poll ─► transport.fetch(engine.stage(v))    tensors staged on the host
-                                          complete and verified ─► ready(v)
-    sampler loop:  ready() ─► prepare(v)                                      the engine still generating
-                             ─► engine.apply(v) between two engine steps    the whole version at once
+    fetch thread:  announcements (weights stream) ─┐
+                   transport.latest() (fallback) ──┴─► newer and wanted? ─► transport.fetch(engine.stage(v))
+                                                       complete ─► ready(v); any failure ─► engine.discard(v)
+    sampler loop:  ready() ─► prepare(v)                                    the engine still generating
+                             ─► engine.apply(v) between two engine steps  the whole version at once
 
 Generation keeps running while a version downloads and while ``prepare`` writes what the engine's workers
 read it from (engines whose workers are other processes); only ``apply`` (the load itself) stops it. A
-fetch that fails or is cut off leaves nothing applied: the engine keeps serving its version and the
-follower records why, for the sampler's waiting reason.
+fetch that fails or is cut off leaves nothing applied: the engine keeps serving its version and the reason
+is kept; admission control then lets the sampler start groups only while that version is within the lag
+bound, and :meth:`WeightSync.waiting_reason` says why it stopped.
 """
 
 from __future__ import annotations
@@ -23,38 +26,17 @@ from services.common.streams.consumer import StreamTail
 from services.sampler.engine import GenerationEngine
 from services.weight_transport import (
     AnnouncementWatch,
+    BrokerUnavailable,
     MemberSeat,
     NoRoom,
     Seat,
-    Sink,
     TransferFailed,
-    WeightFollower,
+    VersionNotFound,
     WeightTransport,
 )
 from vcpo.v1 import weights_pb2
 
 log = logging.getLogger(__name__)
-
-
-class _StagingLoader:
-    """The follower's loader: stage into the engine; "commit" means completely staged, not yet applied."""
-
-    def __init__(self, engine: GenerationEngine) -> None:
-        self.engine = engine
-        self.complete: int | None = None
-        self.fetch_seconds = 0.0
-        self._t0 = 0.0
-
-    def begin(self, version: int) -> Sink:
-        self._t0 = time.monotonic()
-        return self.engine.stage(version)
-
-    def commit(self, version: int) -> None:
-        self.fetch_seconds = time.monotonic() - self._t0
-        self.complete = version
-
-    def abort(self, version: int) -> None:
-        self.engine.discard(version)
 
 
 class WeightSync:
@@ -65,12 +47,25 @@ class WeightSync:
         announcements: StreamTail[weights_pb2.WeightAnnouncement] | None,
         poll_interval_s: float = 0.2,
         wanted: Callable[[int], bool] | None = None,
+        latest_every_s: float = 10.0,
     ) -> None:
-        self.engine, self.poll_interval_s = engine, poll_interval_s
-        self.loader = _StagingLoader(engine)
-        self.follower = WeightFollower(transport, self.loader, announcements, wanted=wanted)
+        """``wanted``: None fetches every newer version; else only those it accepts (the dedicated
+        evaluator's due ones). ``latest_every_s``: how often the broker's latest version is asked for beside
+        the announcements (one the broker could not announce, Redis out of reach for a moment, is not missed
+        until the next)."""
+        self.engine, self.transport, self.announcements = engine, transport, announcements
+        self.poll_interval_s, self.latest_every_s = poll_interval_s, latest_every_s
+        self.wanted = wanted
+        self.fetched: int | None = None  # the newest version fetched and staged whole
+        self.newest_known: int | None = None  # the newest version published, as far as this sampler knows
+        self.declined: int | None = None  # the newest version `wanted` refused (not fetched)
+        self.declined_total = 0
+        self.last_error = ""  # why the broker could not be reached ("" once it answers)
+        self.unreachable_since: float | None = None
         self.error = ""  # why the last fetch or apply failed ("" after a success)
         self.last_path = "broker"  # how the version last applied arrived
+        self._fetch_seconds = 0.0
+        self._asked = float("-inf")  # when the broker's latest version was last asked for
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,7 +87,7 @@ class WeightSync:
     @property
     def fetch_seconds(self) -> float:
         """How long the version last made ready took to fetch and stage."""
-        return self.loader.fetch_seconds
+        return self._fetch_seconds
 
     def poll_now(self) -> None:
         """Look for a newer version without waiting for the next poll."""
@@ -101,24 +96,84 @@ class WeightSync:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if self.follower.poll():
-                    self.error = ""
-                elif self.follower.last_error:
-                    self.error = self.follower.last_error
+                self.poll()
             except Exception as exc:  # a bad version (e.g. tensors the model does not have): keep going
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.error("fetching weights failed: %s", self.error)
             self._wake.wait(self.poll_interval_s)
             self._wake.clear()
 
-    @property
-    def newest_known(self) -> int | None:
-        """The newest version published, as far as this sampler knows."""
-        return self.follower.newest_known
+    def poll(self) -> bool:
+        """Fetch the newest version into ``engine.stage`` if there is a newer one; True if one was staged
+        whole. A fetch the broker fails leaves nothing staged and its reason kept; any other failure (tensors
+        the model does not have) is raised, nothing staged either."""
+        try:
+            newest = self._newest()
+        except BrokerUnavailable as exc:
+            self._failed(str(exc))
+            return False
+        if newest is None or (self.fetched is not None and newest <= self.fetched) or not self._wants(newest):
+            self._ok()
+            return False
+        t0 = time.monotonic()
+        sink = self.engine.stage(newest)
+        try:
+            manifest = self.transport.fetch(sink, newest)
+        except (BrokerUnavailable, VersionNotFound) as exc:
+            self.engine.discard(newest)
+            self._failed(str(exc))
+            return False
+        except BaseException:
+            self.engine.discard(newest)
+            raise
+        self._fetch_seconds = time.monotonic() - t0
+        self.fetched, self.error = int(manifest.policy_version), ""
+        self._ok()
+        log.info(
+            "fetched version %d (%d bytes in %.2fs)", self.fetched, manifest.total_bytes, self._fetch_seconds
+        )
+        return True
+
+    def _wants(self, version: int) -> bool:
+        """Whether to fetch ``version``; each refused one is asked about once (a refusal is final)."""
+        if self.wanted is None:
+            return True
+        if version == self.declined:
+            return False
+        if self.wanted(version):
+            return True
+        self.declined, self.declined_total = version, self.declined_total + 1
+        log.debug("version %d is not wanted: not fetched", version)
+        return False
+
+    def _newest(self) -> int | None:
+        if self.announcements is not None:
+            for entry in self.announcements.read(count=1000):
+                self.newest_known = max(self.newest_known or 0, entry.policy_version)
+        now = time.monotonic()
+        if (
+            self.announcements is None
+            or self.newest_known is None
+            or now - self._asked >= self.latest_every_s
+        ):
+            self._asked = now
+            latest = self.transport.latest()
+            if latest is not None:
+                self.newest_known = max(self.newest_known or 0, latest)
+        return self.newest_known
+
+    def _failed(self, error: str) -> None:
+        self.last_error = self.error = error
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+        log.warning("weights stay at version %s: %s", self.engine.loaded_version, error)
+
+    def _ok(self) -> None:
+        self.last_error, self.unreachable_since = "", None
 
     def ready(self) -> int | None:
         """A completely staged version newer than the engine's, if there is one."""
-        version = self.loader.complete
+        version = self.fetched
         if version is None or self.engine.staged_version() != version:
             return None
         if self.engine.loaded_version is not None and version <= self.engine.loaded_version:
@@ -143,10 +198,7 @@ class WeightSync:
             raise
         self.last_path = "broker"
         log.info(
-            "serving version %d (fetched in %.2fs, loaded in %.2fs)",
-            version,
-            self.loader.fetch_seconds,
-            seconds,
+            "serving version %d (fetched in %.2fs, loaded in %.2fs)", version, self._fetch_seconds, seconds
         )
         return seconds
 
@@ -155,7 +207,7 @@ class WeightSync:
         loaded, newest = self.engine.loaded_version, self.newest_known
         why = f"{admission.reason} (serving version {loaded})"
         if self.error:
-            since = self.follower.unreachable_since
+            since = self.unreachable_since
             down = f" for {time.monotonic() - since:.0f}s" if since is not None else ""
             return f"{why}; cannot get newer weights{down}: {self.error}"
         if newest is not None and loaded is not None and newest > loaded:
@@ -386,7 +438,7 @@ class CollectiveWeightSync(WeightSync):
         except Exception as exc:
             # the broker's copy is wanted again, though the fetch thread passed over it when the group had
             # delivered it (a refusal is otherwise final): the sampler would admit nothing until a newer one
-            self.received, self.follower.declined = None, None
+            self.received, self.declined = None, None
             self.error = f"version {version} could not be loaded: {type(exc).__name__}: {exc}"
             try:  # under NCCL the broker holds only what the group did not carry: the learner gives it this
                 self.seat.renew()
@@ -408,5 +460,5 @@ class CollectiveWeightSync(WeightSync):
         return (
             self._receive_seconds
             if self.received is not None and self.received == self.engine.loaded_version
-            else self.loader.fetch_seconds
+            else self._fetch_seconds
         )

@@ -18,7 +18,8 @@ What the learner sends:
 
 What an engine receives:
 
-- ``WeightFollower``, ``Sink``: versions noticed and fetched whole from the broker (``follower``, ``protocol``).
+- ``Sink``, ``BrokerUnavailable``, ``VersionNotFound``: where a version fetched whole from the broker goes, and why
+  a fetch failed (``protocol``, ``transports``, ``store``).
 - ``GroupRegistry``, ``Member``, ``MemberSeat``, ``Seat``, ``AnnouncementWatch``: an engine's membership of the
   weight group (``seats``, ``weight_group``).
 - ``GroupSpec``, ``WeightGroup``, ``CollectiveReceiver``, ``Background``, ``NoRoom``: a worker joining the
@@ -27,7 +28,7 @@ What an engine receives:
 Configuration: ``WeightBrokerConfig`` (the ``[weight_broker]`` table), ``broker_host`` (``config``).
 
 What the broker serves, the modules it uses: ``store`` (versioned storage), ``protocol`` (the publish and fetch
-streams, both halves), ``dataplane`` (the TCP data plane's frames and client calls), ``wire``, ``tensors``.
+streams, both halves), ``dataplane`` (the TCP data plane's frames and client calls), ``tensors``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ if TYPE_CHECKING:
     from services.weight_transport.buckets import TransferStats
     from services.weight_transport.collective import CollectivePublisher
     from services.weight_transport.config import WeightBrokerConfig, broker_host
-    from services.weight_transport.follower import WeightFollower
     from services.weight_transport.group_control import GroupCoordinator, coordinator_from_config
     from services.weight_transport.nccl_group import survive_weight_group_failures
     from services.weight_transport.protocol import Sink
     from services.weight_transport.receiver import Background, CollectiveReceiver, NoRoom
     from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
+    from services.weight_transport.store import VersionNotFound
     from services.weight_transport.tensors import TensorSpec, dtype_name
     from services.weight_transport.transports import (
+        BrokerUnavailable,
         PublishResult,
         StalePublish,
         VersionExists,
@@ -65,7 +67,6 @@ _WHERE = {
     "CollectivePublisher": "collective",
     "WeightBrokerConfig": "config",
     "broker_host": "config",
-    "WeightFollower": "follower",
     "GroupCoordinator": "group_control",
     "coordinator_from_config": "group_control",
     "survive_weight_group_failures": "nccl_group",
@@ -77,8 +78,10 @@ _WHERE = {
     "Member": "seats",
     "MemberSeat": "seats",
     "Seat": "seats",
+    "VersionNotFound": "store",
     "TensorSpec": "tensors",
     "dtype_name": "tensors",
+    "BrokerUnavailable": "transports",
     "PublishResult": "transports",
     "StalePublish": "transports",
     "VersionExists": "transports",
@@ -92,6 +95,7 @@ _WHERE = {
 __all__ = [
     "AnnouncementWatch",
     "Background",
+    "BrokerUnavailable",
     "CollectivePublisher",
     "CollectiveReceiver",
     "GroupCoordinator",
@@ -108,8 +112,8 @@ __all__ = [
     "TransferFailed",
     "TransferStats",
     "VersionExists",
+    "VersionNotFound",
     "WeightBrokerConfig",
-    "WeightFollower",
     "WeightGroup",
     "WeightTransport",
     "broker_host",

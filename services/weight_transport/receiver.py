@@ -82,12 +82,10 @@ class CollectiveReceiver:
             # in the next bucket until the group's timeout (an NCCL peer is not woken by this rank's abort)
             raise group.part_failed(f"version {version}: receiving failed: {first_line(exc)}") from exc
         try:
-            committed = group.all_ok(True)
+            group.commit()
         except Exception as exc:
             group.close()
             raise TransferFailed(f"version {version}: the commit vote failed: {exc}") from exc
-        if not committed:
-            raise TransferFailed(f"version {version}: not committed (the publisher's source failed)")
         tensors: list[tuple[str, torch.Tensor]] = []
         for bucket, buf in zip(layout, buffers, strict=True):  # views: no copy
             for i, offset in bucket.items:

@@ -254,15 +254,14 @@ class WeightGroup:
             return f"the weight group's store is unreachable: {exc}"
         return why if why and why != "1" else "rank 0 declared the broadcast failed"
 
-    def all_ok(self, ok: bool) -> bool:
-        """True on every rank if every rank passed True."""
+    def commit(self) -> None:
+        """The vote: an all-reduce each rank enters once it holds the whole version. It completes on every
+        rank only if every rank reached it; a rank whose part failed marked the group failed instead, and
+        every other rank's wait here raises :class:`TransferFailed`."""
         import torch.distributed as dist
 
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.wait(self._issue(lambda: self._pg.allreduce([t], opts)))
-        return bool(t.item() == 1)
+        t = torch.ones(1, dtype=torch.int64, device=self.device)
+        self.wait(self._issue(lambda: self._pg.allreduce([t], dist.AllreduceOptions())))
 
     def wait(self, work: Any, check_every_s: float = 0.05) -> None:
         """Wait for a collective of this group, giving up (:class:`TransferFailed`, the group closed) as soon
