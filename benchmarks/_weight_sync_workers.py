@@ -36,7 +36,7 @@ import xxhash
 
 from services.common.ports import free_port
 from services.weight_transport.tensors import TensorSpec, tensor_bytes
-from services.weight_transport.transports import TcpTransport
+from services.weight_transport.transport import WeightTransport
 
 MiB = 1 << 20
 PUBLISHES = 3  # the last one is timed as the steady state
@@ -129,7 +129,7 @@ def socket_gbps(named: list[tuple[str, torch.Tensor]], repeats: int) -> float:
 
 def _fetcher(address: str, data: str, index: int, ready: Any, go: Any, results: Any) -> None:
     try:
-        transport = TcpTransport(address, data)
+        transport = WeightTransport(address, data)
         transport.fetch(lambda name, t: None)  # a sampler has fetched versions before: warm buffers, untimed
         hasher = xxhash.xxh3_128()
         counts = {"bytes": 0, "tensors": 0}

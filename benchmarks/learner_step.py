@@ -77,7 +77,7 @@ def _rank(
     from services.learner.publish import publish_version
     from services.learner.trainer import Trainer
     from services.learner.vcpo import objective_config
-    from services.weight_transport.transports import TcpTransport
+    from services.weight_transport.transport import WeightTransport
 
     torch.set_num_threads(1)  # two ranks share this machine's cores
     configs = {
@@ -86,7 +86,7 @@ def _rank(
     }
     trainer = Trainer(configs["vcpo"], model_dir)
     batch = to_tensors([groups[i] for i in place_groups(groups, trainer.world_size)[rank]])
-    transport = TcpTransport(*broker) if rank == 0 else None
+    transport = WeightTransport(*broker) if rank == 0 else None
     times: dict[str, list[float]] = {"grpo": [], "vcpo": [], "publish": []}
     for r in range(rounds + 1):  # round 0 warms up (allocations, first gathers) and is not counted
         order = ("grpo", "vcpo") if r % 2 else ("vcpo", "grpo")

@@ -90,7 +90,7 @@ from services.weight_broker.dataplane_server import DataPlaneServer
 from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_transport.store import MemoryStore
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.transports import TcpTransport
+from services.weight_transport.transport import WeightTransport
 from vcpo.v1 import rollout_pb2
 
 TARGET_SERVICE_OVER_ENGINE = 0.8
@@ -182,7 +182,7 @@ class Bench:
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(str(path)))
-        publisher = TcpTransport(address, f"127.0.0.1:{self.plane.port}", run_id=RUN_ID)
+        publisher = WeightTransport(address, f"127.0.0.1:{self.plane.port}", run_id=RUN_ID)
         publisher.publish(0, [TensorSpec.of(k, t) for k, t in weights.items()], lambda: iter(weights.items()))
         publisher.close()
 

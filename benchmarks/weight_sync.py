@@ -9,7 +9,7 @@ projections with their norms, final norm, lm_head; the largest tensors are 64 Mi
                --socket-repeats connections, i.e. the most favourable figure for the socket).
     broker     a fresh ``python -m services.weight_broker`` process (memory storage, retain 1) per size,
                so its peak RSS (VmHWM) is the peak of that size; its RSS after start-up is the baseline.
-    publish    this process publishes versions 1, 2, 3 (tensors built once, seed 0) through TcpTransport (the
+    publish    this process publishes versions 1, 2, 3 (tensors built once, seed 0) through WeightTransport (the
                broker's TCP data plane). Version 3 is timed as
                the steady state: with retain 1 it lands in the memory version 1 freed, as every publish of a
                running learner does, while a fresh broker's first publishes also pay the kernel for new
@@ -82,7 +82,7 @@ from services.common.memory import ALLOCATOR_ENV
 from services.common.ports import free_port
 from services.common.service_process import ServiceProcess
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.transports import TcpTransport
+from services.weight_transport.transport import WeightTransport
 
 TARGET_BROKER_OVER_SOCKET = 0.5
 TARGET_PEAK_RSS_OVER_MODEL = 2.5
@@ -164,7 +164,7 @@ def run_size(
         try:
             time.sleep(0.5)  # let start-up settle before the baseline
             row["rss_base"] = proc_status(broker.pid)["VmRSS"]
-            publisher = TcpTransport(address, data)
+            publisher = WeightTransport(address, data)
             publisher.latest()  # connected before timing
             specs = [TensorSpec.of(name, t) for name, t in named]
             # versions 1 and 2 are the first publishes into a fresh broker (new memory: page faults); version

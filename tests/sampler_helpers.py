@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.transports import WeightTransport
+from services.weight_transport.transport import WeightTransport
 
 versions = itertools.count(1_000_000)  # versions loaded straight into the session's engine (they only grow)
 

@@ -13,7 +13,7 @@ import torch
 from services.common.ports import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.weight_transport.store import MemoryStore
-from services.weight_transport.transports import RetryPolicy, TcpTransport
+from services.weight_transport.transport import RetryPolicy, WeightTransport
 from tests.test_weight_broker import Broker
 
 BUCKET = 200_000  # bytes: several buckets for the tiny model
@@ -60,7 +60,7 @@ def _rank(rank: int, port: int, model_dir: str, broker: tuple[str, str], attempt
 
         module = _zero3_module(rank, port, model_dir)
         retry = RetryPolicy(attempts=1, timeout_s=30)
-        transport = TcpTransport(*broker, retry=retry) if rank == 0 else None
+        transport = WeightTransport(*broker, retry=retry) if rank == 0 else None
         stats = GatherStats()
         try:
             result = publish_version(
@@ -220,7 +220,7 @@ class _FlakyTransport:
         self.fail, self.then, self.calls = fail, then, 0
 
     def publish_once(self, version: int, specs: Any, tensors: Any) -> Any:
-        from services.weight_transport.transports import PublishResult
+        from services.weight_transport.transport import PublishResult
 
         self.calls += 1
         for _ in tensors:  # consumes the gathered buckets as a real transport does
@@ -240,7 +240,7 @@ def test_a_publish_rides_out_a_broker_restart_and_a_redone_version_counts_as_pub
     retrying for ``retry_s``. A learner group restarted from its checkpoint redoes steps whose versions the
     broker already holds, or has moved past: both count as published, so the run goes on."""
     from services.learner.publish import publish_version
-    from services.weight_transport.transports import StalePublish, VersionExists
+    from services.weight_transport.transport import StalePublish, VersionExists
 
     module = torch.nn.Linear(4, 4)
     flaky = _FlakyTransport(fail=5)

@@ -167,7 +167,7 @@ def _step_publish_resume(
     from services.learner.batching import to_tensors
     from services.learner.publish import gathered_tensors, publish_version
     from services.learner.trainer import Trainer
-    from services.weight_transport.transports import TcpTransport
+    from services.weight_transport.transport import WeightTransport
 
     def weights(t: Trainer) -> dict[str, torch.Tensor]:
         return {n: w.detach().float().cpu().clone() for n, w in gathered_tensors(t.module)}
@@ -176,7 +176,7 @@ def _step_publish_resume(
     trainer = Trainer(cfg, model_dir)
     batch = to_tensors(groups)
     first = trainer.train_step(batch)
-    transport = TcpTransport(*broker)
+    transport = WeightTransport(*broker)
     published = publish_version(trainer.module, transport, trainer.version, rank)
     fetched: dict[str, torch.Tensor] = {}
     transport.fetch(lambda name, t: fetched.__setitem__(name, t.float().clone()), 1)

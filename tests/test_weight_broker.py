@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,12 @@ from services.weight_transport.store import (
     version_dir,
 )
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.transports import (
+from services.weight_transport.transport import (
     BrokerUnavailable,
     RetryPolicy,
     StalePublish,
-    TcpTransport,
     VersionExists,
+    WeightTransport,
 )
 from vcpo.v1 import weights_pb2
 
@@ -83,8 +84,8 @@ class Broker:
         self.address = f"127.0.0.1:{self.server.port}"
         self.data_address = f"127.0.0.1:{self.plane.port}"
 
-    def client(self, **kwargs: Any) -> TcpTransport:
-        return TcpTransport(
+    def client(self, **kwargs: Any) -> WeightTransport:
+        return WeightTransport(
             self.address, self.data_address, **{"retry": FAST, "chunk_bytes": 64 << 10, **kwargs}
         )
 
@@ -100,13 +101,13 @@ def broker() -> Iterator[Broker]:
     b.stop()
 
 
-def fetch_all(transport: TcpTransport, version: int | None = None) -> dict[str, torch.Tensor]:
+def fetch_all(transport: WeightTransport, version: int | None = None) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     transport.fetch(lambda name, t: got.__setitem__(name, t.clone()), version)
     return got
 
 
-def fetch_concurrently(make_client: Callable[[], TcpTransport], n: int) -> list[dict[str, torch.Tensor]]:
+def fetch_concurrently(make_client: Callable[[], WeightTransport], n: int) -> list[dict[str, torch.Tensor]]:
     """``n`` fetches of the latest version at once, each with its own client; any error fails the test."""
     results: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     errors: list[BaseException] = []
@@ -332,6 +333,45 @@ def test_fetch_resumes_from_a_given_tensor(broker: Broker, state_dict: dict[str,
     assert_bit_exact(got, {n: state_dict[n] for n in names[7:]})
 
 
+class _CutFetch(WeightTransport):
+    """A client whose fetch connections its sink can cut (a stream broken off mid-version); it records the
+    (version, start tensor) each connection asked for."""
+
+    def __init__(self, broker: Broker) -> None:
+        super().__init__(broker.address, broker.data_address, retry=FAST, chunk_bytes=64 << 10)
+        self.asked: list[tuple[int | None, str]] = []
+        self.sock: Any = None
+
+    @contextmanager
+    def _fetch_stream(self, version: int | None, start_tensor: str) -> Iterator[Any]:
+        self.asked.append((version, start_tensor))
+        with super()._fetch_stream(version, start_tensor) as sock:
+            self.sock = sock
+            yield sock
+
+
+def test_a_broken_off_fetch_continues_its_version_from_the_first_tensor_not_received(
+    broker: Broker, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """The stream breaks after 5 tensors, just as a newer version lands: the retry asks for the version the
+    fetch began from the 6th tensor on, so the sink gets every tensor of that version once and no mix."""
+    publisher = broker.client()
+    publisher.publish(1, specs_of(state_dict), source(state_dict))
+    newer = {n: t + 1 if t.is_floating_point() else t for n, t in state_dict.items()}
+    names, client, got = list(state_dict), _CutFetch(broker), {}
+
+    def sink(name: str, tensor: torch.Tensor) -> None:
+        got[name] = tensor.clone()
+        if len(got) == 5 and len(client.asked) == 1:
+            publisher.publish(2, specs_of(newer), source(newer))
+            client.sock.close()  # the connection is gone mid-version
+
+    manifest = client.fetch(sink)
+    assert manifest.policy_version == 1 and client.latest() == 2
+    assert client.asked == [(None, ""), (1, names[5])]
+    assert_bit_exact(got, state_dict)
+
+
 def test_announcement_arrives_on_the_weights_stream(
     redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
 ) -> None:
@@ -404,7 +444,7 @@ def test_unreachable_broker_fails_after_bounded_retries() -> None:
     from services.common.ports import free_port
 
     retry = RetryPolicy(attempts=3, initial_backoff_s=0.01, timeout_s=2)
-    client = TcpTransport(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", retry=retry)
+    client = WeightTransport(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", retry=retry)
     with pytest.raises(
         BrokerUnavailable, match=r"latest version from 127.0.0.1:\d+ failed 3 times; last error: UNAVAILABLE"
     ):

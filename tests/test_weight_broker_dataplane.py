@@ -25,7 +25,7 @@ from services.weight_transport.protocol import (
     receive_fetch,
 )
 from services.weight_transport.store import MemoryStore, PublishRejected, VersionNotFound
-from services.weight_transport.transports import StalePublish, VersionExists
+from services.weight_transport.transport import StalePublish, VersionExists
 from tests.test_weight_broker import (
     Broker,
     as_frames,

@@ -19,7 +19,7 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.specs import stream_specs
 from services.weight_transport.seats import GroupRegistry, Member
 from services.weight_transport.tensors import TensorSpec
-from services.weight_transport.transports import TcpTransport
+from services.weight_transport.transport import WeightTransport
 
 ROOT = Path(__file__).parent.parent
 
@@ -64,7 +64,7 @@ def test_broker_process_serves_announces_and_stops_cleanly(
             "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
             "b": torch.ones(4, dtype=torch.bfloat16),
         }
-        client = TcpTransport(f"127.0.0.1:{port}", f"127.0.0.1:{data_port}")
+        client = WeightTransport(f"127.0.0.1:{port}", f"127.0.0.1:{data_port}")
         client.publish(1, [TensorSpec.of(n, t) for n, t in tensors.items()], lambda: iter(tensors.items()))
         got: dict[str, torch.Tensor] = {}
         client.fetch(lambda n, t: got.__setitem__(n, t.clone()))
@@ -124,7 +124,7 @@ def test_broker_as_a_ray_actor_serves_on_free_ports_and_announces(
         port = endpoints["grpc_port"]
         assert check_health(f"127.0.0.1:{port}", "vcpo.v1.WeightBroker", timeout_s=5)
         tensors = {"w": torch.randn(5, 3)}
-        client = TcpTransport(f"127.0.0.1:{port}", f"127.0.0.1:{endpoints['data_port']}")
+        client = WeightTransport(f"127.0.0.1:{port}", f"127.0.0.1:{endpoints['data_port']}")
         client.publish(2, [TensorSpec.of("w", tensors["w"])], lambda: iter(tensors.items()))
         got: dict[str, torch.Tensor] = {}
         client.fetch(lambda n, t: got.__setitem__(n, t.clone()))

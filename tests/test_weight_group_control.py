@@ -22,7 +22,7 @@ from services.weight_transport.group_control import GroupCoordinator
 from services.weight_transport.members import reachable_host
 from services.weight_transport.receiver import CollectiveReceiver, NoRoom
 from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
-from services.weight_transport.transports import WeightTransport
+from services.weight_transport.transport import WeightTransport
 from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
 from tests.test_collective_weights import break_link, is_version, specs_of, version_tensors
 from tests.test_weight_group_nccl import form

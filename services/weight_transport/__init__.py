@@ -9,7 +9,7 @@ Names load lazily, so reading a run file's ``[weight_broker]`` table imports no 
 What the learner sends:
 
 - ``transport_from_config``, ``WeightTransport``, ``PublishResult``, ``StalePublish``, ``VersionExists``: a
-  version published through the broker (``transports/``).
+  version published through the broker (``transport``).
 - ``TensorSpec``, ``dtype_name``: a version's tensors as the wire names them (``tensors``).
 - ``GroupCoordinator``, ``coordinator_from_config``, ``CollectivePublisher``, ``TransferStats``: the weight
   group's control plane on learner rank 0 and its broadcasts (``group_control``, ``collective``).
@@ -19,7 +19,7 @@ What the learner sends:
 What an engine receives:
 
 - ``Sink``, ``BrokerUnavailable``, ``VersionNotFound``: where a version fetched whole from the broker goes, and why
-  a fetch failed (``protocol``, ``transports``, ``store``).
+  a fetch failed (``protocol``, ``transport``, ``store``).
 - ``GroupRegistry``, ``Member``, ``MemberSeat``, ``Seat``, ``AnnouncementWatch``: an engine's membership of the
   weight group (``seats``, ``weight_group``).
 - ``GroupSpec``, ``WeightGroup``, ``CollectiveReceiver``, ``Background``, ``NoRoom``: a worker joining the
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
     from services.weight_transport.store import VersionNotFound
     from services.weight_transport.tensors import TensorSpec, dtype_name
-    from services.weight_transport.transports import (
+    from services.weight_transport.transport import (
         BrokerUnavailable,
         PublishResult,
         StalePublish,
@@ -81,12 +81,12 @@ _WHERE = {
     "VersionNotFound": "store",
     "TensorSpec": "tensors",
     "dtype_name": "tensors",
-    "BrokerUnavailable": "transports",
-    "PublishResult": "transports",
-    "StalePublish": "transports",
-    "VersionExists": "transports",
-    "WeightTransport": "transports",
-    "transport_from_config": "transports",
+    "BrokerUnavailable": "transport",
+    "PublishResult": "transport",
+    "StalePublish": "transport",
+    "VersionExists": "transport",
+    "WeightTransport": "transport",
+    "transport_from_config": "transport",
     "AnnouncementWatch": "weight_group",
     "GroupSpec": "weight_group",
     "TransferFailed": "weight_group",

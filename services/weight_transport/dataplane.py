@@ -1,7 +1,7 @@
 """The broker's TCP data plane: publish and fetch over a plain socket of length-prefixed frames.
 
 This module is the framing both ends speak and the client's two calls, :func:`publish` and :func:`fetch`,
-which the TCP transport makes; what the frames hold is ``protocol.py``, the broker's server
+which the transport makes; what the frames hold is ``protocol.py``, the broker's server
 ``dataplane_server.py``.
 
 Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
@@ -23,7 +23,7 @@ lie, and no message format copies it on the way.
 The broker checks each tensor's checksum and the version checksum before a version becomes visible
 (all-or-nothing), the fetching side each tensor's before its sink sees it (``protocol.py``); the servicer
 counts and announces (``dataplane_server.py``). A connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off
-resumes from the first tensor the sink has not received (``transports/base.py``).
+resumes from the first tensor the sink has not received (``transport.py``).
 """
 
 from __future__ import annotations
