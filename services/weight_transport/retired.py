@@ -2,8 +2,8 @@
 
 A process group's destructor may block: ~ProcessGroupGloo joins its worker threads, and one of them may still
 wait, until the group's timeout, on a peer that hung or died mid-collective. Dropped by whoever held it last,
-the destructor would run on that thread: a chaos run saw a receiving thread stuck 75 s in it,
-and the learner's next broadcast waited as long. Kept forever instead, every failed or re-formed epoch kept
+the destructor would run on that thread (a receiving thread, stuck there for the group's timeout, and the
+learner's next broadcast waiting as long). Kept forever instead, every failed or re-formed epoch kept
 its threads and sockets (about 3 threads and 10 descriptors per rank on gloo; rank 0's rendezvous store also
 kept every member's connection of every closed epoch): a long run whose samplers restart now and then would
 reach a container's open-files limit.

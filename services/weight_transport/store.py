@@ -167,9 +167,9 @@ class VersionWriter(ABC):
         return stored
 
     def abort(self) -> None:
-        """Drop everything written; idempotent. The store takes the next publish whatever happens here: until
-        2026-11-27 a full disk failed the discard too (the file's buffered bytes), which left this publish "in
-        progress" and the store refusing every later one until a restart."""
+        """Drop everything written; idempotent. The store takes the next publish whatever happens here (a full
+        disk may fail the discard too, on the file's buffered bytes): otherwise this publish would stay "in
+        progress" and the store refuse every later one until a restart."""
         if not self._done:
             self._done = True
             try:

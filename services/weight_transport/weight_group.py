@@ -126,7 +126,7 @@ class WeightGroup:
         else:
             # connecting (every rank's address through the store) is bounded by the forming timeout, as the
             # arrival is: a member that arrived and then died would otherwise hold every other rank here for
-            # the whole collective timeout (a chaos run saw a sampler's join wait 120 s for a killed member)
+            # the whole collective timeout
             try:
                 self._pg = dist.ProcessGroupGloo(
                     prefixed,
