@@ -6,7 +6,7 @@ import itertools
 import math
 import multiprocessing as mp
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.weight_transport.tensors import TensorSpec
 from services.weight_transport.transport import WeightTransport
 
@@ -266,3 +267,41 @@ def broadcasting(
         learner.join(timeout=60)
         if learner.is_alive():
             learner.kill()
+
+
+class DictEngine(GenerationEngine):
+    """An engine whose model is a dict of tensors: the real engine's staging, discard and apply (a version is
+    switched to whole or not at all), recording what the weight sync asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[str, torch.Tensor] = {}
+        self.events: list[tuple[str, int]] = []
+
+    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None: ...
+
+    def step(self) -> list[TokenDelta]:
+        return []
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def stage(self, version: int) -> Callable[[str, torch.Tensor], None]:
+        self.events.append(("stage", version))
+        return super().stage(version)
+
+    def discard(self, version: int) -> None:
+        self.events.append(("discard", version))
+        super().discard(version)
+
+    def apply(self, version: int) -> float:
+        self.events.append(("apply", version))
+        return super().apply(version)
+
+    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model = {name: tensor.clone() for name, tensor in tensors}
+
+    def _load_initial(self) -> None:
+        self.model = {}

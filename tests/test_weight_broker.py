@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from services.common.streams.consumer import StreamTail
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import stream_specs
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import WeightSync
 from services.weight_broker.announce import Announcer
 from services.weight_broker.dataplane_server import DataPlaneServer
@@ -44,6 +43,7 @@ from services.weight_transport.transport import (
     VersionExists,
     WeightTransport,
 )
+from tests.sampler_helpers import DictEngine
 from vcpo.v1 import weights_pb2
 
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=30)
@@ -456,44 +456,6 @@ def test_unreachable_broker_fails_after_bounded_retries() -> None:
         fetch_all(client)
 
 
-class DictEngine(GenerationEngine):
-    """An engine whose model is a dict of tensors: the real engine's staging, discard and apply (a version is
-    switched to whole or not at all), recording what the weight sync asked of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model: dict[str, torch.Tensor] = {}
-        self.events: list[tuple[str, int]] = []
-
-    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None: ...
-
-    def step(self) -> list[TokenDelta]:
-        return []
-
-    def abort(self, request_ids: Sequence[str]) -> None: ...
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def stage(self, version: int) -> Callable[[str, torch.Tensor], None]:
-        self.events.append(("stage", version))
-        return super().stage(version)
-
-    def discard(self, version: int) -> None:
-        self.events.append(("discard", version))
-        super().discard(version)
-
-    def apply(self, version: int) -> float:
-        self.events.append(("apply", version))
-        return super().apply(version)
-
-    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model = {name: tensor.clone() for name, tensor in tensors}
-
-    def _load_initial(self) -> None:
-        self.model = {}
-
-
 def test_weight_sync_stages_announced_versions_whole_and_says_why_it_waits(
     redis_client: redis.Redis, state_dict: dict[str, torch.Tensor]
 ) -> None:
@@ -550,7 +512,7 @@ def test_weight_sync_with_a_filter_fetches_only_the_versions_it_wants(
         assert [e for e in engine.events if e[0] == "stage"] == [("stage", 0), ("stage", 3)]
         assert sync.fetched == 3 and sync.ready() == 3 and sync.newest_known == 4
         assert asked == [0, 1, 2, 3, 4] and sync.declined == 4 and sync.declined_total == 3
-        assert not sync.last_error and not sync.error
+        assert sync.unreachable_since is None and not sync.error
     finally:
         b.stop()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,6 @@ import redis
 import torch
 
 from services.common.ports import free_port
-from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.weights import CollectiveWeightSync
 from services.weight_transport.group_control import GroupCoordinator
 from services.weight_transport.members import reachable_host
@@ -24,6 +23,7 @@ from services.weight_transport.receiver import CollectiveReceiver, NoRoom
 from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_transport.transport import WeightTransport
 from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup
+from tests.sampler_helpers import DictEngine
 from tests.test_collective_weights import break_link, is_version, specs_of, version_tensors
 from tests.test_weight_group_nccl import form
 from vcpo.v1 import weights_pb2
@@ -450,35 +450,18 @@ def test_a_failure_counted_by_failed_is_not_counted_again_when_its_broadcast_end
 
 
 # ---------------------------------------------------------------------------------------------- the sampler side
-class GroupEngine(GenerationEngine):
+class GroupEngine(DictEngine):
     """An engine whose "model" is a dict of tensors, with the collective methods of VllmEngine over a real
     weight group joined in this process (the real engine: tests/test_sampler_engine.py)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.model: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
         self.collective_staged: int | None = None
         self._received: list[tuple[str, torch.Tensor]] = []
         self._work: threading.Thread | None = None
         self._error: Exception | None = None
         self._staging: int | None = None
-
-    def add(self, request_id: str, prompt_tokens: Sequence[int], sampling: Sampling) -> None: ...
-
-    def step(self) -> list[TokenDelta]:
-        return []
-
-    def abort(self, request_ids: Sequence[str]) -> None: ...
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model = dict(tensors)
-
-    def _load_initial(self) -> None:
-        self.model = {}
 
     def begin_join(self, init: dict[str, Any]) -> None:  # the workers join on a thread of their own
         if self.group is not None:

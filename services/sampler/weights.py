@@ -60,8 +60,9 @@ class WeightSync:
         self.newest_known: int | None = None  # the newest version published, as far as this sampler knows
         self.declined: int | None = None  # the newest version `wanted` refused (not fetched)
         self.declined_total = 0
-        self.last_error = ""  # why the broker could not be reached ("" once it answers)
-        self.unreachable_since: float | None = None
+        self.unreachable_since: float | None = (
+            None  # since when the broker is out of reach (None: it answers)
+        )
         self.error = ""  # why the last fetch or apply failed ("" after a success)
         self.last_path = "broker"  # how the version last applied arrived
         self._fetch_seconds = 0.0
@@ -163,13 +164,13 @@ class WeightSync:
         return self.newest_known
 
     def _failed(self, error: str) -> None:
-        self.last_error = self.error = error
+        self.error = error
         if self.unreachable_since is None:
             self.unreachable_since = time.monotonic()
         log.warning("weights stay at version %s: %s", self.engine.loaded_version, error)
 
     def _ok(self) -> None:
-        self.last_error, self.unreachable_since = "", None
+        self.unreachable_since = None
 
     def ready(self) -> int | None:
         """A completely staged version newer than the engine's, if there is one."""

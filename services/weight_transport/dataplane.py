@@ -51,10 +51,10 @@ class BrokenStream(ValueError):
     """A stream that ended early or is malformed (worth retrying, unlike a bad request)."""
 
 
-def send_frame(sock: socket.socket, *pieces: bytes | bytearray | memoryview) -> None:
-    """One frame of the message made of ``pieces``, sent from where they lie (a gather write, no copy)."""
-    views = [memoryview(p).cast("B") for p in pieces]
-    parts = [memoryview(_HEADER.pack(sum(len(v) for v in views))), *views]
+def send_frame(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
+    """One frame of ``data``, sent with its length prefix from where it lies (a gather write, no copy)."""
+    view = memoryview(data).cast("B")
+    parts = [memoryview(_HEADER.pack(len(view))), view]
     while parts:
         sent = sock.sendmsg(parts)
         while parts and sent >= len(parts[0]):

@@ -116,7 +116,7 @@ class VersionWriter(ABC):
         except PublishRejected:
             self.abort()
             raise
-        self._put(self.received, self._offset, data)
+        self._put(self.received, data)
         self._hasher.update(data)
         self._offset = end
         if end == meta.nbytes:
@@ -178,8 +178,8 @@ class VersionWriter(ABC):
                 self.store._aborted(self.version)
 
     @abstractmethod
-    def _put(self, index: int, offset: int, data: memoryview) -> None:
-        """Store ``data``, bytes ``offset`` on of tensor ``index``."""
+    def _put(self, index: int, data: memoryview) -> None:
+        """Store ``data``, the next bytes of tensor ``index``."""
 
     @abstractmethod
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
@@ -311,7 +311,7 @@ class _MemoryWriter(VersionWriter):
         super().__init__(store, manifest)
         self._payloads: list[list[memoryview]] = [[] for _ in manifest.tensors]
 
-    def _put(self, index: int, offset: int, data: memoryview) -> None:
+    def _put(self, index: int, data: memoryview) -> None:
         self._payloads[index].append(data)
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
@@ -365,7 +365,7 @@ class _DiskWriter(VersionWriter):
         self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
         self._file.write(prefix)
 
-    def _put(self, index: int, offset: int, data: memoryview) -> None:
+    def _put(self, index: int, data: memoryview) -> None:
         self._file.write(data)  # payloads arrive in order, so the file is written front to back
 
     def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
