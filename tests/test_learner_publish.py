@@ -27,7 +27,9 @@ def _zero3_module(rank: int, port: int, model_dir: str) -> Any:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from services.learner.trainer import init_distributed
+
+    init_distributed("gloo", 1800)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = {
         "train_micro_batch_size_per_gpu": 1,

@@ -29,6 +29,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _train(
     rank: int, model_dir: str, steps: list[Any], configs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
+    import deepspeed.comm
+
     from services.learner.batching import place_groups, to_tensors
     from services.learner.publish import gathered_tensors
     from services.learner.trainer import Trainer
@@ -48,6 +50,7 @@ def _train(
                 "metrics": [r.metrics for r in results],
                 "versions": [r.version for r in results],
                 "weights": weights if rank == 0 else None,
+                "shm_op_built": deepspeed.comm.comm.cdb.shm_comm_op is not None,
             }
         )
     return out
@@ -73,6 +76,8 @@ def test_two_zero3_ranks_give_the_one_rank_step(model_dir: Path) -> None:
     ]
     one = run_ranks(_train, 1, str(model_dir), steps, configs)[0]
     two = run_ranks(_train, 2, str(model_dir), steps, configs)
+    # no rank built DeepSpeed's shared-memory all-reduce op (training never uses it; its JIT build takes minutes)
+    assert [r["shm_op_built"] for rank in [one, *two] for r in rank] == [False] * 9
     for m_saved, m_recompute in zip(one[0]["metrics"], two[0][2]["metrics"], strict=True):
         assert m_saved["recompute"] == 0 and m_recompute["recompute"] == 1
         for key in ("loss", "ess_ratio", "grad_norm", "advantage_abs_mean"):

@@ -181,6 +181,18 @@ def merge_metrics(
     return out
 
 
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """DeepSpeed's process group over ``backend``. Under gloo, DeepSpeed's shared-memory all-reduce op is
+    switched off first: only its inference all-reduce uses it (ZeRO-3 training never does), and on a machine's
+    first run it JIT-compiles C++ for a minute or more, in every test session and every fresh container."""
+    import deepspeed
+
+    if backend == "gloo":
+        # DeepSpeed probes its ops once per process into this dict and keeps it, so the edit holds
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
 @dataclass
 class StepResult:
     """What one optimizer step did: the version it produced, its metrics and its phase times."""
@@ -217,9 +229,8 @@ class Trainer:
         self.precision = resolve_precision(learner)
         if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        deepspeed.init_distributed(
-            dist_backend=self.backend, timeout=timedelta(seconds=learner.collective_timeout_s)
-        )  # a hung collective (a rank stuck or gone) raises after it, instead of holding the group forever
+        # a hung collective (a rank stuck or gone) raises after the timeout, instead of holding the group forever
+        init_distributed(self.backend, learner.collective_timeout_s)
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         torch.manual_seed(seed)
