@@ -85,9 +85,8 @@ from services.common.tiny_model import build_tiny_model, count_parameters
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.engine import VllmEngine, VllmSettings
 from services.sampler.service import SamplerService
-from services.weight_broker.announce import Announcer
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_transport.store import MemoryStore
 from services.weight_transport.tensors import TensorSpec
 from services.weight_transport.transport import WeightTransport
@@ -171,7 +170,7 @@ class Bench:
             run_dir=work / "run",
         )
         self.specs = stream_specs(self.run, StreamsConfig())
-        # the broker as services/weight_broker/main.py wires it, in this process, announcing each version
+        # the broker as services/weight_broker/service.py wires it, in this process, announcing each version
         servicer = WeightBrokerServicer(
             MemoryStore(retain=2), BrokerMetrics(Metrics("bench-broker")), run_id=RUN_ID
         )

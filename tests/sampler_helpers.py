@@ -50,7 +50,7 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     from services.common.config import StreamsConfig
     from services.common.streams.producer import StreamProducer
     from services.common.streams.specs import stream_specs
-    from services.weight_broker.announce import Announcer
+    from services.weight_broker.servicer import Announcer
     from services.weight_transport.store import MemoryStore
     from tests.test_weight_broker import Broker
 

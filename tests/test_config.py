@@ -373,28 +373,3 @@ def test_a_learner_started_on_its_own_is_checked_like_a_whole_run() -> None:
         LearnerServiceConfig.model_validate({"learner": {"num_ranks": 2, "objective": "reinforce"}})
     LearnerServiceConfig.model_validate({"learner": {"num_ranks": 1, "objective": "reinforce"}})
     LearnerServiceConfig.model_validate({"run": {"groups_per_step": 2}, "learner": {"num_ranks": 2}})
-
-
-@pytest.mark.parametrize(
-    ("key", "told"),
-    [
-        ("group_digests", "the weight group's buckets are not checksummed"),
-        ("group_cuda_ipc", "members that share one GPU take each version over gloo"),
-        ("group_shared_memory", "each receiver takes a version into buffers on its own device"),
-    ],
-)
-def test_a_run_file_setting_a_removed_weight_group_key_is_told_it_was_removed_and_what_to_do(
-    tmp_path: Path, key: str, told: str
-) -> None:
-    """An old run file (or --set, or its VCPO_ variable) that still sets a weight-group key that is gone is
-    refused naming the key, saying it was removed and to delete it, for the whole system and the broker."""
-    f = tmp_path / "run.toml"
-    f.write_text(f'[weight_broker]\ntransport = "collective"\n{key} = true\n')
-    for model in (SystemConfig, LearnerServiceConfig, WeightBrokerServiceConfig):
-        with pytest.raises(ConfigError) as info:
-            load_config(model, [f], env={})
-        assert f"weight_broker.{key} was removed: {told}" in str(info.value)
-        assert "delete the setting" in str(info.value)
-    variable = f"VCPO_WEIGHT_BROKER__{key.upper()}"
-    with pytest.raises(ConfigError, match=f"weight_broker.{key} was removed.*{variable}"):
-        load_config(SystemConfig, [], env={variable: "false"})

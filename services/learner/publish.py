@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,9 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def collective_device(group: Any = None) -> torch.device:
-    """The device a tensor must be on to travel through ``group`` (default: the default process group):
-    NCCL communicates CUDA tensors only (a CPU tensor fails with "No backend type associated with device type
-    cpu"), so the current CUDA device under NCCL, the CPU under gloo."""
+    """The device a tensor must be on to travel through ``group`` (default: the default process group): the
+    current CUDA device under NCCL (it communicates CUDA tensors only), the CPU under gloo."""
     import torch.distributed as dist
 
     if dist.get_backend(group) == "nccl":
@@ -68,7 +68,6 @@ class GatherStats:
 
     buckets: int = 0
     max_bucket_bytes: int = 0
-    sizes: list[int] = field(default_factory=list)
 
 
 def gathered_tensors(
@@ -91,7 +90,6 @@ def gathered_tensors(
             torch.cuda.set_device(device)
         if stats is not None:
             stats.buckets += 1
-            stats.sizes.append(size)
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, size)
         with _gathered([p for _, p in bucket]):
             for name, p in bucket:
@@ -106,11 +104,6 @@ def gathered_tensors(
         size += nbytes
     if bucket:
         yield from flush()
-
-
-def _drain(source: Iterator[tuple[str, torch.Tensor]]) -> None:
-    for _ in source:  # the gathers a failed or refused publish left: every other rank is waiting in them
-        pass
 
 
 def rank0_code(code: int) -> int:
@@ -148,15 +141,13 @@ def publish_version(
     """Publish ``module``'s weights as ``version``: a collective every rank calls; rank 0 passes the transport.
 
     Returns the result on rank 0 (None elsewhere). A version the broker already has, or one older than its
-    latest, counts as published: a learner group restarted from its checkpoint redoes the steps the failed
-    group took since, from the same groups in the same order, and the broker keeps the versions those published
-    (the samplers may already serve them; the sampled log-probs travel with every group, so its importance
+    latest, counts as published: a learner restarted from its checkpoint redoes the steps since, and the
+    broker keeps the versions those published (the sampled log-probs travel with every group, so importance
     weights stay exact even where a redone step's weights differ in the last bits).
 
-    A transient failure (the broker unreachable) is retried by all ranks together, with exponential backoff
-    (``backoff_s`` doubling up to ``max_backoff_s``), at least ``attempts`` times and for ``retry_s`` seconds
-    since the first failure (a broker being restarted comes back on the same ports). Raises on every rank if
-    rank 0's publish fails for good.
+    A transient failure (the broker unreachable, or restarting on the same ports) is retried by all ranks
+    together, ``backoff_s`` doubling up to ``max_backoff_s``, at least ``attempts`` times and for ``retry_s``
+    seconds since the first failure. Raises on every rank if rank 0's publish fails for good.
     """
     specs = tensor_specs(module)
     first_failure: float | None = None
@@ -176,7 +167,9 @@ def publish_version(
                 result = PublishResult(version, sum(s.nbytes for s in specs), 0.0)
             except Exception as exc:
                 error = exc
-        _drain(source)  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
+        deque(
+            source, maxlen=0
+        )  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
         outcome = rank0_code(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
@@ -211,18 +204,16 @@ def publish_collective(
     stats: GatherStats | None = None,
     background: bool = False,
 ) -> TransferStats | None:
-    """Broadcast ``module``'s weights as ``version`` into the weight group (services/weight_transport/collective.py):
-    a collective every learner rank calls, gathering bucket by bucket; rank 0 passes its publisher.
+    """Broadcast ``module``'s weights as ``version`` into the weight group: a collective every learner rank
+    calls, gathering bucket by bucket; rank 0 passes its publisher.
 
     Returns rank 0's transfer stats (None elsewhere, and with ``background``). Raises :class:`TransferFailed`
-    on every rank if the version did not reach every receiver, after all ranks finished the gathers (on rank 0
-    :class:`VersionNotSent` where its own error stopped it before anything was announced). Nothing
-    is retried here: a failed collective broke the weight group, so the caller forms a new one or uses the
-    broker path.
+    on every rank, after all finished the gathers, if the version did not reach every receiver
+    (:class:`VersionNotSent` where rank 0's own error stopped it before anything was announced). Nothing is
+    retried: a failed collective broke the group; the caller forms a new one or uses the broker path.
 
-    ``background``: rank 0 copies the gathered version into its staging buffer and broadcasts it from a
-    thread (:meth:`CollectivePublisher.send_background`), so every rank returns once the gathers are done and
-    the next step overlaps the broadcast. Its failure is raised, on every rank, by the next call.
+    ``background``: rank 0 broadcasts from a thread (:meth:`CollectivePublisher.send_background`), so the next
+    step overlaps it; its failure is raised, on every rank, by the next call.
     """
     specs = tensor_specs(module)
     source = gathered_tensors(module, bucket_bytes, stats)
@@ -238,7 +229,7 @@ def publish_collective(
                 result = publisher.send(version, specs, source)
         except Exception as exc:  # agreed on below: every rank raises
             error = exc
-    _drain(source)  # finish the gathers the other ranks are waiting in
+    deque(source, maxlen=0)  # finish the gathers the other ranks are waiting in
     if rank0_code(int(error is not None)):
         if isinstance(error, TransferFailed):
             raise error

@@ -6,10 +6,9 @@ and the samplers use too; nothing outside the broker imports this package, excep
 (``ray_actor.start_broker``).
 
 - ``config``: what the broker's process reads (the shared sections and ``[weight_broker]``).
-- ``servicer``: the gRPC service (latest, list, status), the publishes and fetches the data plane hands it, and
-  the broker's metrics.
-- ``announce``: announcements of committed versions on the run's ``weights`` stream.
+- ``servicer``: the gRPC service (latest, list, status), the publishes and fetches the data plane hands it, the
+  broker's metrics, and announcements of committed versions on the run's ``weights`` stream.
 - ``dataplane_server``: the TCP data plane's server, over the servicer.
-- ``service``: the broker wired (store, servicer, servers, announcements); ``main``, ``__main__`` and
-  ``ray_actor`` start it as a process or a Ray actor.
+- ``service``: the broker wired (store, servicer, servers, announcements) and its process's ``main``
+  (``__main__``); ``ray_actor`` starts it as a Ray actor.
 """

@@ -1,3 +1,3 @@
-from services.weight_broker.main import main
+from services.weight_broker.service import main
 
 main()

@@ -1,8 +1,5 @@
-"""The broker's side of the TCP data plane: a threaded socket server that runs each connection's publish into
-the store through the servicer's bookkeeping (``commit``) and serves each fetch from the servicer's counted
-stream (``fetch``). The frames and the connection protocol are in :mod:`services.weight_transport.dataplane`
-and :mod:`services.weight_transport.protocol`, shared with the TCP transport.
-"""
+"""The broker's side of the TCP data plane: a threaded socket server handing each connection's publish or
+fetch to the servicer; the frames and the protocol are :mod:`services.weight_transport.dataplane`'s."""
 
 from __future__ import annotations
 
@@ -23,14 +20,13 @@ from services.weight_transport.dataplane import (
     send_json,
     tune,
 )
-from services.weight_transport.protocol import apply_publish
 from services.weight_transport.store import PublishRejected, VersionNotFound
 
 log = logging.getLogger(__name__)
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: _Server
+    server: DataPlaneServer
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -49,11 +45,9 @@ class _Handler(socketserver.BaseRequestHandler):
             log.warning("data-plane connection from %s broke off: %s", self.client_address, exc)
 
     def _publish(self, sock: socket.socket) -> None:
-        servicer = self.server.servicer
+        t0 = time.monotonic()
         try:
-            stored, seconds = servicer.commit(
-                lambda: apply_publish(servicer.store, frames(sock)), time.monotonic()
-            )
+            stored = self.server.servicer.publish(frames(sock))
         except (PublishRejected, OSError) as exc:
             if isinstance(exc, OSError) and not is_store_error(exc):
                 raise  # the connection's own failure: nobody to answer
@@ -72,7 +66,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 "ok": True,
                 "policy_version": stored.manifest.policy_version,
                 "total_bytes": stored.manifest.total_bytes,
-                "seconds": seconds,
+                "seconds": time.monotonic() - t0,
             },
         )
 
@@ -93,34 +87,25 @@ class _Handler(socketserver.BaseRequestHandler):
         send_end(sock)
 
 
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address: tuple[str, int], servicer: WeightBrokerServicer, timeout_s: float) -> None:
-        self.servicer, self.timeout_s = servicer, timeout_s
-        super().__init__(address, _Handler)
-
-
-class DataPlaneServer:
+class DataPlaneServer(socketserver.ThreadingTCPServer):
     """Serves the data plane for ``servicer`` on ``host:port`` (0: a free port) in a background thread."""
+
+    daemon_threads = allow_reuse_address = True
 
     def __init__(
         self, servicer: WeightBrokerServicer, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300
     ):
+        self.servicer, self.timeout_s = servicer, timeout_s
         try:
-            self._server = _Server((host, port), servicer, timeout_s)
+            super().__init__((host, port), _Handler)
         except OSError as exc:
             raise OSError(
                 exc.errno,
                 f"cannot serve the data plane on {host}:{port} (weight_broker.data_port): {exc.strerror}",
             ) from exc
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="broker-data-plane", daemon=True
-        )
-        self._thread.start()
+        self.port = int(self.server_address[1])
+        threading.Thread(target=self.serve_forever, name="broker-data-plane", daemon=True).start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self.shutdown()
+        self.server_close()

@@ -1,23 +1,27 @@
 """The weight broker, wired: version store, gRPC service, TCP data plane, `weights` announcements, metrics.
 
-Used by the plain entry point (``python -m services.weight_broker``) and the Ray actor alike.
+Used by the plain entry point (:func:`main`: ``python -m services.weight_broker --config run.toml``) and the
+Ray actor alike.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import signal
+import threading
 from typing import Any
 
+from services.common.config import add_config_arguments, config_from_args, write_resolved
 from services.common.observability import Metrics, grpc_server, serve_metrics
 from services.common.streams.metrics import StreamMetrics
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
-from services.weight_broker.announce import Announcer
 from services.weight_broker.config import WeightBrokerServiceConfig
 from services.weight_broker.dataplane_server import DataPlaneServer
-from services.weight_broker.servicer import BrokerMetrics, WeightBrokerServicer, add_to_server
+from services.weight_broker.servicer import Announcer, BrokerMetrics, WeightBrokerServicer, add_to_server
 from services.weight_transport.config import broker_host
-from services.weight_transport.store import make_store
+from services.weight_transport.store import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,8 @@ class BrokerService:
         wb, run = cfg.weight_broker, cfg.run
         self.host = broker_host(wb)  # what announcements and endpoints() name
         self.metrics = Metrics("weight_broker")
-        store = make_store(wb.storage, wb.retain_versions, wb.storage_dir or run.run_dir / "weights")
+        root = (wb.storage_dir or run.run_dir / "weights") if wb.storage == "disk" else None
+        store = VersionStore(wb.retain_versions, root)
         self.servicer = WeightBrokerServicer(
             store, BrokerMetrics(self.metrics), None, wb.chunk_bytes, run.run_id
         )
@@ -68,3 +73,17 @@ class BrokerService:
         self.server.stop(grace=5)
         self.plane.stop()
         self.http.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run the weight broker.")
+    add_config_arguments(parser, WeightBrokerServiceConfig)
+    cfg = config_from_args(WeightBrokerServiceConfig, parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s weight_broker %(levelname)s %(message)s")
+    write_resolved(cfg, cfg.run.run_dir, "weight_broker.config.json")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    broker = BrokerService(cfg)
+    stop.wait()
+    broker.close()

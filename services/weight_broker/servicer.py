@@ -10,13 +10,13 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
 from services.common.observability import Metrics
-from services.weight_broker.announce import Announcer
-from services.weight_transport.protocol import fetch_frames
+from services.common.streams.producer import StreamProducer
+from services.weight_transport.protocol import apply_publish, fetch_frames
 from services.weight_transport.store import PublishRejected, StoredVersion, VersionNotFound, VersionStore
 from services.weight_transport.tensors import Buffer
 from vcpo.v1 import common_pb2, common_pb2_grpc, weights_pb2, weights_pb2_grpc
@@ -49,18 +49,8 @@ class BrokerMetrics:
 
 # a full, failing or read-only disk, a volume the broker may not write (a PVC's wrong fsGroup), no descriptors
 STORE_ERRNOS = frozenset(
-    {
-        errno.ENOSPC,
-        errno.EDQUOT,
-        errno.EIO,
-        errno.EROFS,
-        errno.EFBIG,
-        errno.EACCES,
-        errno.EPERM,
-        errno.EMFILE,
-        errno.ENFILE,
-        errno.ESTALE,
-    }
+    getattr(errno, name)
+    for name in "ENOSPC EDQUOT EIO EROFS EFBIG EACCES EPERM EMFILE ENFILE ESTALE".split()  # noqa: SIM905
 )
 
 
@@ -68,6 +58,23 @@ def is_store_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the store's storage failing (a full or read-only disk), not the stream that fed it
     (a learner's connection that broke is an OSError too)."""
     return isinstance(exc, OSError) and exc.errno in STORE_ERRNOS
+
+
+class Announcer:
+    """Writes a WeightAnnouncement for each committed version to the run's `weights` stream (what samplers
+    follow), naming the broker's address."""
+
+    def __init__(self, producer: StreamProducer[weights_pb2.WeightAnnouncement], location: str):
+        self.producer, self.location = producer, location
+
+    def announce(self, manifest: weights_pb2.VersionManifest) -> None:
+        announcement = weights_pb2.WeightAnnouncement(
+            policy_version=manifest.policy_version,
+            manifest=manifest,
+            location=self.location,
+            published_unix=time.time(),
+        )
+        self.producer.put(announcement, int(manifest.policy_version))
 
 
 class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grpc.StatusServicer):
@@ -87,13 +94,12 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
             metrics.latest.set(latest)
         metrics.stored.set(store.stored_bytes())
 
-    def commit(self, write: Callable[[], StoredVersion], started: float) -> tuple[StoredVersion, float]:
-        """Run ``write`` (a publish into the store), then count and announce the version; a refusal
-        (PublishRejected) is counted and logged, and raised.
-        ``started``: when the version began to arrive (``time.monotonic()``). Returns the stored version and
-        the seconds from ``started`` until it was stored."""
+    def publish(self, frames: Iterator[memoryview]) -> StoredVersion:
+        """Run a publish's frames into the store (``protocol.apply_publish``), then count the version and
+        announce it; a refusal (PublishRejected) or the store's own failure is counted and logged, and raised."""
+        started = time.monotonic()
         try:
-            stored = write()
+            stored = apply_publish(self.store, frames)
         except PublishRejected as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.warning("publish refused (%s): %s", exc.reason, exc)
@@ -103,13 +109,7 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
                 self.metrics.rejected.labels("store_error").inc()
                 log.error("a version was not stored: %s", exc)
             raise
-        seconds = time.monotonic() - started
-        self.published(stored, seconds)
-        return stored, seconds
-
-    def published(self, stored: StoredVersion, seconds: float) -> None:
-        """Count a committed version and announce it on the weights stream."""
-        m = stored.manifest
+        m, seconds = stored.manifest, time.monotonic() - started
         self.metrics.published.inc()
         self.metrics.received.inc(m.total_bytes)
         self.metrics.publish_seconds.observe(seconds)
@@ -128,14 +128,13 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
             except Exception:  # the version is committed and fetchable; samplers also poll GetLatest
                 self.metrics.announce_failures.inc()
                 log.exception("could not announce version %d on the weights stream", m.policy_version)
+        return stored
 
     def fetch(self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0) -> Iterator[Buffer]:
         """The frames of one fetch (``protocol.fetch_frames``, for the data plane), counted; raises
         VersionNotFound (counted) at once when the version is not retained."""
         try:
-            frames = fetch_frames(
-                self.store, version, start_tensor, chunk_bytes or self.chunk_bytes, self.metrics.sent.inc
-            )
+            frames = fetch_frames(self.store, version, start_tensor, chunk_bytes or self.chunk_bytes)
             head = next(frames)
         except VersionNotFound:
             self.metrics.fetches.labels("not_found").inc()
@@ -147,7 +146,9 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         outcome = "cancelled"
         try:
             yield head
-            yield from frames
+            for frame in frames:
+                yield frame
+                self.metrics.sent.inc(len(frame))
             outcome = "complete"
         finally:
             self.metrics.active_fetches.dec()

@@ -11,12 +11,12 @@ Publisher and receivers derive the same layout and pieces from the version's hea
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from services.weight_transport.tensors import TensorSpec, dtype_name
+from services.weight_transport.tensors import TensorSpec
 
 ALIGN = 64  # bytes: every tensor starts at a multiple of this in its bucket (any dtype's view is aligned)
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -29,8 +29,6 @@ class Bucket:
 
 
 def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """The buckets of a version, in order: tensors packed at 64-byte offsets while they fit ``bucket_bytes``;
-    a tensor larger than that is a bucket of its own (sent in :func:`pieces`)."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
     buckets: list[Bucket] = []
@@ -49,13 +47,11 @@ def bucket_layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket
 
 
 def aligned(offset: int) -> int:
-    """``offset`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-offset // ALIGN) * ALIGN
 
 
 def pieces(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
-    """The byte ranges a bucket of ``nbytes`` is broadcast in, in order: one per ``bucket_bytes`` (the last
-    shorter); one empty range for an empty bucket, so every bucket is at least one broadcast."""
+    """One empty range for an empty bucket, so every bucket is at least one broadcast."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
     return [(start, min(start + bucket_bytes, nbytes)) for start in range(0, nbytes, bucket_bytes)] or [
@@ -64,29 +60,7 @@ def pieces(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor (a view where it is contiguous)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def next_checked(
-    i: int, specs: Sequence[TensorSpec], source: Iterator[tuple[str, torch.Tensor]]
-) -> torch.Tensor:
-    """The source's next tensor, which must be the header's tensor ``i`` (name, dtype, shape)."""
-    spec = specs[i]
-    item = next(source, None)
-    if item is None:
-        raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
-    name, tensor = item
-    got = TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-    if got != spec:
-        raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
-    return tensor
-
-
-def check_exhausted(source: Iterator[tuple[str, torch.Tensor]]) -> None:
-    leftover = next(source, None)
-    if leftover is not None:
-        raise ValueError(f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}")
 
 
 @dataclass
@@ -96,7 +70,6 @@ class TransferStats:
     bytes: int
     buckets: int
     seconds: float
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:

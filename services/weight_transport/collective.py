@@ -49,12 +49,10 @@ from services.weight_transport.buckets import (
     TransferStats,
     aligned,
     bucket_layout,
-    check_exhausted,
     flat_bytes,
-    next_checked,
     pieces,
 )
-from services.weight_transport.tensors import TensorSpec
+from services.weight_transport.tensors import TensorSpec, check_exhausted, next_checked
 from services.weight_transport.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -115,9 +113,8 @@ class CollectivePublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         staging: PinnedStaging | None = None,
     ) -> None:
-        """``staging``: the host staging buffer to use, kept by the caller beyond this publisher (the
-        coordinator's, for every epoch's publisher: one of the model's size, page-locked, is costly to make
-        again for each)."""
+        """``staging``: a caller's host staging buffer that outlives this publisher (the coordinator's, kept
+        across epochs: a page-locked buffer of the model's size is costly to make)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
@@ -137,18 +134,16 @@ class CollectivePublisher:
     def send(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> TransferStats:
-        """Broadcast one version: ``specs`` (names, dtypes, full shapes, in order) first, then ``tensors`` in
-        the same order, each valid only until the next is requested (a bucketed ZeRO-3 gather is). The version
-        is staged first (:meth:`_stage`: a source that fails raises there, nothing announced); returns once
-        every receiver has voted to commit it, raises :class:`TransferFailed` where the broadcast failed."""
+        """Broadcast one version: ``tensors`` in the order of ``specs``, each valid only until the next is
+        requested (a bucketed ZeRO-3 gather). Returns once every receiver voted to commit it; raises
+        :class:`TransferFailed` where the broadcast failed."""
         return self._broadcast(version, specs, self._stage(version, specs, tensors))
 
     def send_background(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> float:
-        """:meth:`send` with the broadcast on a background thread, so the learner's next step overlaps it.
-        Returns the seconds the caller was blocked (waiting for the previous broadcast, and the staging).
-        Its failure is raised by the next call here or to :meth:`send`, or by :meth:`wait`."""
+        """:meth:`send` with the broadcast on a background thread (the learner's next step overlaps it); its
+        failure is raised by the next call here, to :meth:`send` or :meth:`wait`. Returns the seconds blocked."""
         t0 = time.monotonic()
         buckets = self._stage(version, specs, tensors)
         # a daemon thread of its own (broadcast_thread.py); close() joins it, unless left behind
@@ -160,11 +155,9 @@ class CollectivePublisher:
     def _stage(
         self, version: int, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> list[torch.Tensor]:
-        """The version copied into the staging buffer (host memory, pinned when CUDA is there), each bucket
-        of its layout packed as it travels, at a 64-byte aligned start: one view per bucket. One version is in
-        flight at a time: the previous one's broadcast, which reads the staging buffer, is waited for first,
-        and its failure raised here (:class:`TransferFailed`) before anything of this one is read. A source
-        that fails, or does not match ``specs``, raises its own error with nothing announced."""
+        """The version packed into the staging buffer, one 64-byte aligned view per bucket. The previous
+        broadcast, which reads that buffer, is waited for first (its failure raised here, before anything of
+        this one is read); a source that fails or does not match ``specs`` raises with nothing announced."""
         if not specs:
             raise ValueError(f"version {version} has no tensors")
         self.wait()
@@ -233,12 +226,10 @@ class CollectivePublisher:
         return pending.result()
 
     def abort_overdue(self, overdue: BroadcastOverdue, timeout_s: float | None) -> None:
-        """Abort the background broadcast that :meth:`wait` found ``overdue``: the group is marked failed and
-        closed, and its thread gives up within a poll, waited for up to ``timeout_s`` more. It is a failed
-        broadcast even where it ended meanwhile: rank 0 cannot tell that every receiver committed it (the
-        abort's mark may have stopped one just before), and counted, its version is published again through
-        the broker. A thread still going after that is left behind (logged): a daemon that nothing waits for
-        again, whose buffers are let go once it ends, and whatever it sends goes into a closed group."""
+        """Abort the background broadcast :meth:`wait` found ``overdue``: the group is marked failed and
+        closed, and its thread, which gives up within a poll, waited for up to ``timeout_s`` more. It counts
+        as failed even where it ended meanwhile (rank 0 cannot tell that every receiver committed it), so its
+        version goes again through the broker. A thread still going then is left behind (logged)."""
         log.warning("%s: aborting the weight group", overdue)
         pending = self._pending
         self.group.abort()
@@ -288,14 +279,10 @@ class CollectivePublisher:
     def _broadcast(
         self, version: int, specs: Sequence[TensorSpec], buckets: list[torch.Tensor]
     ) -> TransferStats:
-        """Announce the staged version, broadcast its header and its buckets (:meth:`_send_pieces`), and
-        vote. A failed collective (a receiver died, a timeout) aborts the group: :class:`TransferFailed`."""
+        """Announce, header, buckets, vote; a failed collective aborts the group: :class:`TransferFailed`."""
         t0 = time.monotonic()
-        fields = {
-            "bucket_bytes": self.bucket_bytes,
-            "tensors": [[s.name, s.dtype, list(s.shape)] for s in specs],
-        }
-        header = json.dumps(fields).encode()
+        tensors = [[s.name, s.dtype, list(s.shape)] for s in specs]
+        header = json.dumps({"bucket_bytes": self.bucket_bytes, "tensors": tensors}).encode()
         group = self.group
         try:
             group.announce(version)
@@ -319,13 +306,10 @@ class CollectivePublisher:
         )
 
     def _send_pieces(self, buckets: list[torch.Tensor]) -> None:
-        """Every bucket of the staged version in its :func:`pieces` of at most the bucket size, as every
-        receiver takes it. Where the staged version is on the group's device (gloo's host memory) each piece
-        goes out from it, :data:`IN_FLIGHT` queued at a time: over gloo on one host the broadcast then runs at
-        the sockets' rate (a buffer filled between broadcasts left them idle). Elsewhere (NCCL: the staging is
-        host memory) each piece is copied into one of two piece-sized buffers on the device, non-blocking from
-        the page-locked staging, the next copied while the last travels: the device holds two buffers of at
-        most the bucket size beside the training, never one of the largest weight or of the version."""
+        """Every bucket in its :func:`pieces`. Staged on the group's device (gloo), each piece goes out from
+        the staging, :data:`IN_FLIGHT` queued at a time, so the sockets never idle. Under NCCL each is copied,
+        non-blocking from the page-locked staging, into one of two piece-sized device buffers, the next copied
+        while the last travels: the GPU holds two pieces beside the training, never a version."""
         group = self.group
         in_place = buckets[0].device == group.device
         in_flight: deque[Any] = deque()

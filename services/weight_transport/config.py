@@ -3,29 +3,11 @@ broker keeps; the learner, the samplers and the broker all read it."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, PositiveFloat, field_validator, model_validator
+from pydantic import Field, PositiveFloat, model_validator
 
 from services.common.config import Section
-
-# what a run file written for a removed transport is told, beside "use tcp"
-REMOVED_TRANSPORTS = {
-    "grpc": "",
-    "filesystem": '; weight_broker.storage = "disk" keeps the versions on disk under storage_dir',
-}
-
-# keys of the weight group that are gone, and what a run file that still sets one is told
-REMOVED_GROUP_KEYS = {
-    "group_digests": "was removed: the weight group's buckets are not checksummed (under NCCL, the GPU "
-    "default, they never were; the broker path keeps its own xxh3 checksums); delete the setting (run file, "
-    "--set or VCPO_WEIGHT_BROKER__GROUP_DIGESTS)",
-    "group_shared_memory": "was removed: each receiver takes a version into buffers on its own device (its GPU "
-    "under NCCL), over the group's sockets under gloo; delete the setting (run file, --set or "
-    "VCPO_WEIGHT_BROKER__GROUP_SHARED_MEMORY)",
-    "group_cuda_ipc": "was removed: members that share one GPU take each version over gloo; delete the setting (run file, --set or "
-    "VCPO_WEIGHT_BROKER__GROUP_CUDA_IPC)",
-}
 
 
 class WeightBrokerConfig(Section):
@@ -109,24 +91,6 @@ class WeightBrokerConfig(Section):
         description="Custom Ray resources the broker's actor asks for, e.g. {vcpo_broker = 1}: it runs only "
         "on a node that offers them (the Helm chart's head pod, whose IP it advertises).",
     )
-
-    @field_validator("transport", mode="before")
-    @classmethod
-    def _removed_transport(cls, value: Any) -> Any:
-        if value in REMOVED_TRANSPORTS:
-            raise ValueError(
-                f"weight_broker.transport = {value!r} is no longer a transport: set weight_broker.transport = "
-                f'"tcp" (the same bytes through the broker, over its TCP socket){REMOVED_TRANSPORTS[value]}'
-            )
-        return value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _removed_group_keys(cls, data: Any) -> Any:
-        removed = [key for key in REMOVED_GROUP_KEYS if isinstance(data, dict) and key in data]
-        if removed:
-            raise ValueError("; ".join(f"weight_broker.{key} {REMOVED_GROUP_KEYS[key]}" for key in removed))
-        return data
 
     @model_validator(mode="after")
     def _settle_bounded(self) -> WeightBrokerConfig:

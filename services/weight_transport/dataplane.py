@@ -1,8 +1,7 @@
 """The broker's TCP data plane: publish and fetch over a plain socket of length-prefixed frames.
 
-This module is the framing both ends speak and the client's two calls, :func:`publish` and :func:`fetch`,
-which the transport makes; what the frames hold is ``protocol.py``, the broker's server
-``dataplane_server.py``.
+This module is the framing both ends speak and the client's two calls; what the frames hold is
+``protocol.py``, the broker's server ``dataplane_server.py``.
 
 Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
 Python bytes object and the GIL), a loopback socket about twice that. Weight bytes are the one bulk flow,
@@ -19,11 +18,6 @@ lie, and no message format copies it on the way.
                            or {"ok": false, "reason": "stale" | "duplicate" | ..., "message": str}
       fetch:      server → JSON status frame ({"ok": true} or {"ok": false, "reason": "not_found", ...}),
                            manifest, payload frames (from ``start_tensor`` on), end frame
-
-The broker checks each tensor's checksum and the version checksum before a version becomes visible
-(all-or-nothing), the fetching side each tensor's before its sink sees it (``protocol.py``); the servicer
-counts and announces (``dataplane_server.py``). A connection that breaks off mid-publish leaves nothing behind; a fetch that breaks off
-resumes from the first tensor the sink has not received (``transport.py``).
 """
 
 from __future__ import annotations
@@ -100,7 +94,6 @@ def recv_frame(sock: socket.socket, into: memoryview | None = None) -> memoryvie
 
 
 def frames(sock: socket.socket) -> Iterator[memoryview]:
-    """Frames up to the end frame; a connection that closes first raises BrokenStream."""
     while (frame := recv_frame(sock)) is not None:
         yield frame
 
@@ -139,8 +132,7 @@ def connect(address: str, timeout_s: float) -> socket.socket:
 
 
 def publish(address: str, frames: Iterable[Buffer], timeout_s: float) -> dict[str, Any]:
-    """Send one publish's frames (``protocol.publish_frames``); the server's JSON status (``ok`` False says
-    why it was refused)."""
+    """Send one publish's frames; the server's JSON status (``ok`` False says why it was refused)."""
     deadline = time.monotonic() + timeout_s
     with connect(address, timeout_s) as sock:
         send_json(sock, {"op": "publish"})

@@ -8,10 +8,8 @@ order as payload frames of at most ``chunk_bytes``, none spanning two tensors (a
 which tensor and offset each belongs to follows from the manifest's sizes, so a payload frame is nothing but
 bytes. A publish ends with a commit frame, JSON ``{"checksums": [per tensor], "checksum": version}``: the
 publisher knows the checksums only once it has streamed the bytes (a ZeRO-3 learner gathers as it sends).
-
-The two halves run in different processes, the broker's and its client's. The broker checks every tensor's
-checksum and the version checksum before the version becomes visible; the fetching side checks each tensor
-against the manifest's checksum before the sink sees it.
+The broker checks them all before the version becomes visible; the fetching side checks each tensor before
+the sink sees it.
 """
 
 from __future__ import annotations
@@ -29,8 +27,9 @@ from services.weight_transport.tensors import (
     Buffer,
     Hasher,
     TensorSpec,
-    dtype_name,
+    check_exhausted,
     manifest_of,
+    next_checked,
     tensor_bytes,
     torch_dtype,
     version_checksum,
@@ -58,26 +57,14 @@ def publish_frames(
     """
     yield manifest_of(specs, version, run_id).SerializeToString()
     digests: list[tuple[str, str]] = []
-    expected = iter(specs)
-    for name, tensor in tensors:
-        spec = next(expected, None)
-        if spec is None or spec.name != name:
-            raise ValueError(
-                f"tensor {name!r} arrived, expected {spec.name if spec else 'no more tensors'!r}"
-            )
-        if (dtype_name(tensor.dtype), tuple(tensor.shape)) != (spec.dtype, spec.shape):
-            raise ValueError(
-                f"tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, the manifest says "
-                f"{spec.dtype}{list(spec.shape)}"
-            )
-        data, hasher = tensor_bytes(tensor), Hasher()
+    source = iter(tensors)
+    for i, spec in enumerate(specs):
+        data, hasher = tensor_bytes(next_checked(i, specs, source)), Hasher()
         hasher.update(data)
         for offset in range(0, len(data), chunk_bytes):
             yield data[offset : offset + chunk_bytes]
-        digests.append((name, hasher.hexdigest()))
-    missing = [s.name for s in expected]
-    if missing:
-        raise ValueError(f"the tensors ended before {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        digests.append((spec.name, hasher.hexdigest()))
+    check_exhausted(source)
     commit = {"checksums": [d for _, d in digests], "checksum": version_checksum(digests)}
     yield json.dumps(commit).encode()
 
@@ -86,13 +73,10 @@ def apply_publish(store: VersionStore, frames: Iterator[memoryview]) -> StoredVe
     """Run a publish's frames into ``store``; the version is visible only if the frames end with a valid
     commit. Anything else (frames that break off, raise, or end without the commit) leaves nothing behind.
     """
-    raw = next(frames, None)
     try:
-        manifest = None if raw is None else weights_pb2.VersionManifest.FromString(bytes(raw))
-    except DecodeError as exc:
-        raise PublishRejected("invalid", f"undecodable manifest: {exc}") from None
-    if manifest is None:
-        raise PublishRejected("invalid", "a publish must start with the version's manifest")
+        manifest = _manifest(next(frames, None), "publish")
+    except ValueError as exc:
+        raise PublishRejected("invalid", str(exc)) from None
     writer = store.begin(manifest)
     try:
         while not writer.complete:
@@ -115,6 +99,15 @@ def apply_publish(store: VersionStore, frames: Iterator[memoryview]) -> StoredVe
         writer.abort()  # no-op after a commit
 
 
+def _manifest(raw: Buffer | None, what: str) -> weights_pb2.VersionManifest:
+    if raw is None:
+        raise ValueError(f"a {what} must start with the version's manifest")
+    try:
+        return weights_pb2.VersionManifest.FromString(bytes(raw))
+    except DecodeError as exc:
+        raise ValueError(f"undecodable manifest: {exc}") from None
+
+
 def _commit(raw: Buffer) -> tuple[list[str], str]:
     try:
         commit = json.loads(bytes(raw))
@@ -133,25 +126,17 @@ def fetch_frames(
     version: int | None = None,
     start_tensor: str = "",
     chunk_bytes: int = 4 << 20,
-    on_bytes: Callable[[int], None] | None = None,
 ) -> Iterator[Buffer]:
-    """The fetch's frames: the manifest, then the payloads from ``start_tensor`` on, from the stored copy.
-
-    ``on_bytes(n)`` is told the size of each payload as it is handed on (for metrics).
-    """
+    """The fetch's frames: the manifest, then the payloads from ``start_tensor`` on, from the stored copy."""
     stored = store.get(version)
     yield stored.manifest.SerializeToString()
-    for data in stored.payload(start_tensor, chunk_bytes):
-        yield data
-        if on_bytes is not None:
-            on_bytes(len(data))
+    yield from stored.payload(start_tensor, chunk_bytes)
 
 
 def receive_fetch(
     sock: socket.socket,
     sink: Sink,
     start_tensor: str = "",
-    expected_version: int | None = None,
     on_manifest: Callable[[weights_pb2.VersionManifest], None] | None = None,
 ) -> weights_pb2.VersionManifest:
     """Read a fetch's frames from ``sock``, each tensor's payloads straight into a buffer of its own (the one
@@ -161,15 +146,10 @@ def receive_fetch(
     Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), BrokenStream on a stream
     that is malformed or ends early.
     """
-    raw = recv_frame(sock)
     try:
-        manifest = None if raw is None else weights_pb2.VersionManifest.FromString(bytes(raw))
-    except DecodeError as exc:
-        raise BrokenStream(f"undecodable manifest: {exc}") from None
-    if manifest is None:
-        raise BrokenStream("a fetch must start with the version's manifest")
-    if expected_version is not None and manifest.policy_version != expected_version:
-        raise BrokenStream(f"asked for version {expected_version}, got {manifest.policy_version}")
+        manifest = _manifest(recv_frame(sock), "fetch")
+    except ValueError as exc:
+        raise BrokenStream(str(exc)) from None
     if on_manifest is not None:
         on_manifest(manifest)
     names = [t.name for t in manifest.tensors]

@@ -7,12 +7,12 @@
 A publish's payloads are the tensors' bytes in manifest order, cut anywhere but never across two tensors; the
 writer knows from the manifest's sizes which tensor each belongs to.
 
-Two stores behind one interface, chosen by ``[weight_broker] storage``:
+One store, two storages, chosen by ``[weight_broker] storage``:
 
-- :class:`MemoryStore` keeps each retained version as the payloads it received (read-only buffers nobody else
+- in memory (:class:`MemoryStore`) it keeps each retained version as the payloads it received (read-only buffers nobody else
   holds), and a fetch is served views of them: no copy, so any number of concurrent fetchers add only their
   in-flight frames, never a copy of the model each.
-- :class:`DiskStore` keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
+- on disk (:class:`DiskStore`, a ``root``) it keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
   ``manifest.json``, written under a temporary name and renamed on commit (atomic), read back by ``pread``.
   It survives restarts, and vLLM or ``safetensors`` can load a version directory as it is.
 
@@ -23,13 +23,14 @@ it (the buffer stays referenced; the unlinked file stays open).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import threading
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from google.protobuf import json_format
 
@@ -60,10 +61,20 @@ class VersionNotFound(KeyError):
         return str(self.args[0])
 
 
-class StoredVersion(ABC):
-    """A committed, verified version: its manifest (with checksums) and its bytes."""
+class StoredVersion:
+    """A committed, verified version: its manifest (with checksums) and its bytes, the payloads it arrived in
+    or (``path``) its ``model.safetensors``."""
 
-    manifest: weights_pb2.VersionManifest
+    def __init__(
+        self,
+        manifest: weights_pb2.VersionManifest,
+        payloads: list[list[memoryview]] | None = None,
+        path: Path | None = None,
+    ) -> None:
+        self.manifest, self.path, self._payloads = manifest, path, payloads
+        if path is not None:
+            self._fd = os.open(path / WEIGHTS, os.O_RDONLY)
+            _, self._starts = safetensors_header(manifest)
 
     def payload(self, start_tensor: str = "", chunk_bytes: int = 4 << 20) -> Iterator[Buffer]:
         """The tensors' bytes from tensor ``start_tensor`` (a resumed fetch) on, in pieces of at most
@@ -72,14 +83,25 @@ class StoredVersion(ABC):
         if start_tensor and start_tensor not in names:
             raise VersionNotFound(f"version {self.manifest.policy_version} has no tensor {start_tensor!r}")
         for index in range(names.index(start_tensor) if start_tensor else 0, len(names)):
-            yield from self._tensor(index, chunk_bytes)
+            if self._payloads is not None:
+                for data in self._payloads[index]:
+                    for start in range(0, len(data), chunk_bytes):
+                        yield data[start : start + chunk_bytes]  # a view, not a copy
+                continue
+            nbytes = self.manifest.tensors[index].nbytes
+            for offset in range(0, nbytes, chunk_bytes):
+                size = min(chunk_bytes, nbytes - offset)
+                read = os.pread(self._fd, size, self._starts[index] + offset)
+                if len(read) != size:
+                    raise OSError(f"{self.path}: short read of tensor {names[index]!r}")
+                yield read
 
-    @abstractmethod
-    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
-        """Tensor ``index``'s bytes in pieces of at most ``chunk_bytes``."""
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._fd)
 
 
-class VersionWriter(ABC):
+class VersionWriter:
     """An in-progress publish: takes the tensors' bytes in order, verifies every tensor, commits atomically."""
 
     def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
@@ -89,6 +111,14 @@ class VersionWriter(ABC):
         self._hasher = Hasher()
         self._digests: list[str] = []
         self._done = False
+        self._payloads: list[list[memoryview]] = [[] for _ in manifest.tensors]
+        self._file: BinaryIO | None = None
+        if store.root is not None:
+            self._final = version_dir(store.root, self.version)
+            self._tmp = store.root / f".{self._final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._tmp.mkdir(parents=True)
+            self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed on commit or abort)
+            self._file.write(safetensors_header(manifest)[0])
         self._skip_empty()
 
     @property
@@ -116,7 +146,10 @@ class VersionWriter(ABC):
         except PublishRejected:
             self.abort()
             raise
-        self._put(self.received, data)
+        if self._file is not None:
+            self._file.write(data)
+        else:
+            self._payloads[self.received].append(data)
         self._hasher.update(data)
         self._offset = end
         if end == meta.nbytes:
@@ -177,27 +210,45 @@ class VersionWriter(ABC):
             finally:
                 self.store._aborted(self.version)
 
-    @abstractmethod
-    def _put(self, index: int, data: memoryview) -> None:
-        """Store ``data``, the next bytes of tensor ``index``."""
+    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
+        if self._file is None:
+            return StoredVersion(manifest, self._payloads)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        (self._tmp / MANIFEST).write_text(json_format.MessageToJson(manifest))
+        os.replace(self._tmp, self._final)  # atomic: the version appears whole or not at all
+        return StoredVersion(manifest, path=self._final)
 
-    @abstractmethod
-    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion: ...
+    def _discard(self) -> None:
+        self._payloads = []
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # a full disk: its buffered bytes cannot be written either
+                self._file.close()
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
-    @abstractmethod
-    def _discard(self) -> None: ...
 
+class VersionStore:
+    """The retained versions and the one publish in progress; with a ``root`` (the broker's alone) a new store
+    takes the committed versions it finds there and removes the partial ones a crashed broker left."""
 
-class VersionStore(ABC):
-    """The retained versions and the one publish in progress."""
-
-    def __init__(self, retain: int) -> None:
+    def __init__(self, retain: int, root: str | Path | None = None) -> None:
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
         self.retain = retain
+        self.root = None if root is None else Path(root)
         self._versions: dict[int, StoredVersion] = {}
         self._in_progress: int | None = None
         self._lock = threading.Lock()
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.glob(".v*.partial-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            for path in self.root.glob("v*"):
+                if path.name[1:].isdigit() and (path / MANIFEST).exists():
+                    manifest = json_format.Parse((path / MANIFEST).read_text(), weights_pb2.VersionManifest())
+                    self._versions[int(path.name[1:])] = StoredVersion(manifest, path=path)
+            self._retire()
 
     def begin(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
         _validate(manifest)
@@ -216,7 +267,7 @@ class VersionStore(ABC):
                 )
             self._in_progress = v
         try:
-            return self._writer(manifest)
+            return VersionWriter(self, manifest)
         except BaseException:
             self._aborted(v)
             raise
@@ -246,20 +297,19 @@ class VersionStore(ABC):
         with self._lock:
             self._versions[int(stored.manifest.policy_version)] = stored
             self._in_progress = None
-            for old in sorted(self._versions)[: -self.retain]:
-                self._drop(self._versions.pop(old))
+            self._retire()
 
     def _aborted(self, version: int) -> None:
         with self._lock:
             if self._in_progress == version:
                 self._in_progress = None
 
-    @abstractmethod
-    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter: ...
-
-    def _drop(self, stored: StoredVersion) -> None:
-        """Release a version that fell out of retention; in memory, dropping the reference is enough."""
-        return
+    def _retire(self) -> None:
+        """Drop the versions beyond the newest ``retain``; a fetch in progress keeps reading its own."""
+        for old in sorted(self._versions)[: -self.retain]:
+            dropped = self._versions.pop(old)
+            if dropped.path is not None:
+                shutil.rmtree(dropped.path, ignore_errors=True)
 
 
 def _validate(manifest: weights_pb2.VersionManifest) -> None:
@@ -271,15 +321,13 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
             raise PublishRejected("invalid", f"tensor name {t.name!r} is empty or repeated")
         names.add(t.name)
         try:
-            size = torch_dtype(t.dtype).itemsize
+            size = torch_dtype(t.dtype).itemsize * math.prod(t.shape)
         except ValueError as exc:
             raise PublishRejected("invalid", f"tensor {t.name!r}: {exc}") from None
-        for d in t.shape:
-            if d < 0:
-                raise PublishRejected(
-                    "invalid", f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}"
-                )
-            size *= d
+        if any(d < 0 for d in t.shape):
+            raise PublishRejected(
+                "invalid", f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}"
+            )
         if size != t.nbytes:
             raise PublishRejected(
                 "invalid", f"tensor {t.name!r}: {t.nbytes} bytes, but {t.dtype}{list(t.shape)} is {size}"
@@ -290,128 +338,13 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------- memory
+MemoryStore = VersionStore  # no root: the versions live in memory
 
 
-class _MemoryVersion(StoredVersion):
-    """Each tensor as the payloads it arrived in, served as they are (views of them where a fetch asks for
-    smaller pieces): no copy. The data plane hands the writer read-only views of buffers nobody else holds."""
-
-    def __init__(self, manifest: weights_pb2.VersionManifest, payloads: list[list[memoryview]]) -> None:
-        self.manifest, self._payloads = manifest, payloads
-
-    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
-        for data in self._payloads[index]:
-            for start in range(0, len(data), chunk_bytes):
-                yield data[start : start + chunk_bytes]  # a view, not a copy
-
-
-class _MemoryWriter(VersionWriter):
-    def __init__(self, store: VersionStore, manifest: weights_pb2.VersionManifest) -> None:
-        super().__init__(store, manifest)
-        self._payloads: list[list[memoryview]] = [[] for _ in manifest.tensors]
-
-    def _put(self, index: int, data: memoryview) -> None:
-        self._payloads[index].append(data)
-
-    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
-        return _MemoryVersion(manifest, self._payloads)
-
-    def _discard(self) -> None:
-        self._payloads = []
-
-
-class MemoryStore(VersionStore):
-    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
-        return _MemoryWriter(self, manifest)
-
-
-# ------------------------------------------------------------------------------------------------ disk
+class DiskStore(VersionStore):
+    def __init__(self, root: str | Path, retain: int) -> None:
+        super().__init__(retain, root)
 
 
 def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:010d}"
-
-
-class _DiskVersion(StoredVersion):
-    def __init__(self, path: Path, manifest: weights_pb2.VersionManifest) -> None:
-        self.path, self.manifest = path, manifest
-        self._fd = os.open(path / WEIGHTS, os.O_RDONLY)
-        _, self._starts = safetensors_header(manifest)
-
-    def _tensor(self, index: int, chunk_bytes: int) -> Iterator[Buffer]:
-        nbytes = self.manifest.tensors[index].nbytes
-        for offset in range(0, nbytes, chunk_bytes):
-            size = min(chunk_bytes, nbytes - offset)
-            data = os.pread(self._fd, size, self._starts[index] + offset)
-            if len(data) != size:
-                raise OSError(
-                    f"{self.path / WEIGHTS}: short read of tensor {self.manifest.tensors[index].name!r}"
-                )
-            yield data
-
-    def __del__(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
-class _DiskWriter(VersionWriter):
-    def __init__(self, store: DiskStore, manifest: weights_pb2.VersionManifest) -> None:
-        super().__init__(store, manifest)
-        self._final = version_dir(store.root, int(manifest.policy_version))
-        self._tmp = store.root / f".{self._final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp.mkdir(parents=True)
-        prefix, self._starts = safetensors_header(manifest)
-        self._file = open(self._tmp / WEIGHTS, "wb")  # noqa: SIM115 (closed in _finish/_discard)
-        self._file.write(prefix)
-
-    def _put(self, index: int, data: memoryview) -> None:
-        self._file.write(data)  # payloads arrive in order, so the file is written front to back
-
-    def _finish(self, manifest: weights_pb2.VersionManifest) -> StoredVersion:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        (self._tmp / MANIFEST).write_text(json_format.MessageToJson(manifest))
-        os.replace(self._tmp, self._final)  # atomic: the version appears whole or not at all
-        return _DiskVersion(self._final, manifest)
-
-    def _discard(self) -> None:
-        with contextlib.suppress(OSError):  # a full disk: its buffered bytes cannot be written either
-            self._file.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-class DiskStore(VersionStore):
-    """Versions as ``v<version>/`` directories under ``root``, the broker's alone; survives restarts: a new
-    store takes the committed versions it finds and removes the partial ones a crashed broker left."""
-
-    def __init__(self, root: str | Path, retain: int) -> None:
-        super().__init__(retain)
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        for leftover in self.root.glob(".v*.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        for path in self.root.glob("v*"):
-            if path.name[1:].isdigit() and (path / MANIFEST).exists():
-                manifest = json_format.Parse((path / MANIFEST).read_text(), weights_pb2.VersionManifest())
-                self._versions[int(path.name[1:])] = _DiskVersion(path, manifest)
-        for old in sorted(self._versions)[: -self.retain]:
-            self._drop(self._versions.pop(old))
-
-    def _writer(self, manifest: weights_pb2.VersionManifest) -> VersionWriter:
-        return _DiskWriter(self, manifest)
-
-    def _drop(self, stored: StoredVersion) -> None:
-        assert isinstance(stored, _DiskVersion)
-        shutil.rmtree(stored.path, ignore_errors=True)
-
-
-def make_store(storage: str, retain: int, root: str | Path | None = None) -> VersionStore:
-    if storage == "memory":
-        return MemoryStore(retain)
-    if storage == "disk":
-        if not root:
-            raise ValueError("disk storage needs a directory")
-        return DiskStore(root, retain)
-    raise ValueError(f"storage must be 'memory' or 'disk', got {storage!r}")

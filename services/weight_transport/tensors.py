@@ -3,18 +3,15 @@
 Shared by the broker's stores, its gRPC servicer and the client transports, so every path agrees on
 what a version's bytes are. A version is an ordered list of tensors in Hugging Face naming; each tensor's
 checksum is ``xxh3_128:<hex>`` of its raw little-endian bytes, and the version checksum is the same hash
-over the lines ``name\\0tensor_checksum\\n`` in transfer order.
-
-On disk (the broker's disk store) a version is a directory holding one
-``model.safetensors`` (the standard format: 8-byte header length, JSON header with offsets, raw data) and
-``manifest.json``; vLLM and ``safetensors.torch.load_file`` read the directory as it is.
+over the lines ``name\\0tensor_checksum\\n`` in transfer order. On disk a version is a standard
+``model.safetensors`` (8-byte header length, JSON header with offsets, raw data).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +33,6 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bool": (torch.bool, "BOOL"),
 }
 _BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
-CHECKSUM_ALGORITHM = "xxh3_128"
 Buffer = bytes | memoryview  # bytes on their way: a tensor's, a piece of them, a serialized message
 
 
@@ -54,10 +50,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}") from None
 
 
-def element_size(name: str) -> int:
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor's identity without its data: what a publisher knows before gathering it."""
@@ -68,7 +60,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = element_size(self.dtype)
+        n = torch_dtype(self.dtype).itemsize
         for d in self.shape:
             n *= d
         return n
@@ -76,6 +68,26 @@ class TensorSpec:
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def next_checked(
+    i: int, specs: Sequence[TensorSpec], source: Iterator[tuple[str, torch.Tensor]]
+) -> torch.Tensor:
+    """The source's next tensor, which must be the header's tensor ``i`` (name, dtype, shape)."""
+    spec = specs[i]
+    item = next(source, None)
+    if item is None:
+        raise ValueError(f"the source ended at tensor {i} ({spec.name!r}) of {len(specs)}")
+    got = TensorSpec.of(*item)
+    if got != spec:
+        raise ValueError(f"tensor {i} is {got}, the version's header said {spec}")
+    return item[1]
+
+
+def check_exhausted(source: Iterator[tuple[str, torch.Tensor]]) -> None:
+    leftover = next(source, None)
+    if leftover is not None:
+        raise ValueError(f"the source yielded more tensors than the header named, e.g. {leftover[0]!r}")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -99,7 +111,7 @@ class Hasher:
         self._h.update(data)
 
     def hexdigest(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self._h.hexdigest()}"
+        return f"xxh3_128:{self._h.hexdigest()}"
 
 
 def version_checksum(tensors: Sequence[weights_pb2.TensorMeta] | Sequence[tuple[str, str]]) -> str:
@@ -114,13 +126,7 @@ def version_checksum(tensors: Sequence[weights_pb2.TensorMeta] | Sequence[tuple[
 def manifest_of(
     specs: Sequence[TensorSpec], policy_version: int, run_id: str = ""
 ) -> weights_pb2.VersionManifest:
-    """A publish manifest (no checksums yet); names must be unique."""
-    seen: set[str] = set()
-    for s in specs:
-        if s.name in seen:
-            raise ValueError(f"tensor {s.name!r} appears twice in the manifest")
-        seen.add(s.name)
-        torch_dtype(s.dtype)
+    """A publish manifest (no checksums yet; the broker checks it, ``store._validate``)."""
     return weights_pb2.VersionManifest(
         policy_version=policy_version,
         run_id=run_id,

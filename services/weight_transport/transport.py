@@ -4,10 +4,8 @@
                                                                        one bucket at a time
     sampler            transport.fetch(sink, version=None)             sink(name, tensor), verified, in order
 
-The client is custom because the data plane skips gRPC for bulk bytes: Python gRPC moves large messages at about
-half a loopback socket's rate, so a version's manifest, tensor bytes and (publishing) commit go as length-prefixed
-frames on a plain socket (``dataplane``, ``protocol``); control calls (latest, list) stay gRPC. Checksums, the
-all-or-nothing commit and the bookkeeping are the broker's (``dataplane_server.py``).
+The client is custom because the data plane skips gRPC for bulk bytes (``dataplane``: Python gRPC moves large
+messages at about half a loopback socket's rate); control calls (latest, list) stay gRPC.
 
 Every call has a deadline; transient failures (unavailable, deadline, broken stream, corrupted bytes, another
 publish in progress) are retried with exponential backoff a bounded number of times, and a fetch resumes the same
@@ -26,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -86,8 +84,7 @@ _TRANSIENT_CODES = {
 
 
 class WeightTransport:
-    """The broker at ``address`` (gRPC: control calls) and ``data_address`` (its TCP data plane: weight bytes);
-    see the module docstring. A test fakes the broker's path by subclassing it and overriding what it fakes."""
+    """The broker at ``address`` (gRPC: control calls) and ``data_address`` (its TCP data plane: weight bytes)."""
 
     def __init__(
         self,
@@ -135,18 +132,26 @@ class WeightTransport:
 
         A retry continues the same version from the first tensor the sink has not received.
         """
-        cursor = _FetchCursor(sink, version, start_tensor)
+        pinned: list[int | None] = [version]
+        names: list[str] = []
+        delivered: list[str] = []
+
+        def pin(manifest: weights_pb2.VersionManifest) -> None:
+            pinned[0], names[:] = int(manifest.policy_version), [t.name for t in manifest.tensors]
+
+        def deliver(name: str, tensor: torch.Tensor) -> None:
+            sink(name, tensor)
+            delivered.append(name)
 
         def once() -> weights_pb2.VersionManifest:
-            start = cursor.next_start()
-            with self._fetch_stream(cursor.version, start) as sock:
-                return receive_fetch(sock, cursor.deliver, start, on_manifest=cursor.pin)
+            start = names[names.index(delivered[-1]) + 1] if delivered else start_tensor
+            with self._fetch_stream(pinned[0], start) as sock:
+                return receive_fetch(sock, deliver, start, on_manifest=pin)
 
         what = "the latest version" if version is None else f"version {version}"
         return self._retrying(f"fetch of {what} from {self.where}", once)
 
     def _fetch_stream(self, version: int | None, start_tensor: str) -> AbstractContextManager[socket.socket]:
-        """A connection whose frames are the fetch of ``version`` from ``start_tensor`` on."""
         return dataplane.fetch(
             self.data_address, version, start_tensor, self.chunk_bytes, self.retry.timeout_s
         )
@@ -163,22 +168,16 @@ class WeightTransport:
         return isinstance(exc, IntegrityError | BrokenStream | OSError | TimeoutError)
 
     def latest(self) -> int | None:
-        def once() -> int | None:
-            reply = self._stub.GetLatest(
-                weights_pb2.GetLatestRequest(), timeout=min(self.retry.timeout_s, 10)
-            )
-            return int(reply.policy_version) if reply.available else None
-
-        return self._retrying(f"latest version from {self.address}", once)
+        reply = self._control("latest version", self._stub.GetLatest, weights_pb2.GetLatestRequest())
+        return int(reply.policy_version) if reply.available else None
 
     def versions(self) -> list[weights_pb2.VersionManifest]:
-        def once() -> list[weights_pb2.VersionManifest]:
-            reply = self._stub.ListVersions(
-                weights_pb2.ListVersionsRequest(), timeout=min(self.retry.timeout_s, 10)
-            )
-            return list(reply.versions)
+        reply = self._control("version list", self._stub.ListVersions, weights_pb2.ListVersionsRequest())
+        return list(reply.versions)
 
-        return self._retrying(f"version list from {self.address}", once)
+    def _control(self, what: str, method: Callable[..., T], request: Any) -> T:
+        timeout = min(self.retry.timeout_s, 10)
+        return self._retrying(f"{what} from {self.address}", lambda: method(request, timeout=timeout))
 
     def close(self) -> None:
         self._channel.close()
@@ -211,8 +210,7 @@ class WeightTransport:
 
 
 def transport_from_config(wb: WeightBrokerConfig, run: RunConfig) -> WeightTransport:
-    """The run's broker-path transport from its ``[weight_broker]`` section (with ``collective``, the path for
-    what the weight group does not carry): the broker at ``advertise_host`` (127.0.0.1 when empty)."""
+    """The run's broker-path transport: the broker at ``advertise_host`` (127.0.0.1 when empty)."""
     host = broker_host(wb)
     retry = RetryPolicy(timeout_s=wb.rpc_timeout_s)
     return WeightTransport(
@@ -224,28 +222,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
-
-
-class _FetchCursor:
-    """Where a fetch stands: the version it pinned and the tensors its sink has received, so a retry
-    continues the same version from the first tensor not yet delivered."""
-
-    def __init__(self, sink: Sink, version: int | None, start_tensor: str) -> None:
-        self.sink, self.version, self.start_tensor = sink, version, start_tensor
-        self.names: list[str] | None = None
-        self.delivered = 0
-
-    def next_start(self) -> str:
-        if self.names is None:
-            return self.start_tensor
-        first = self.names.index(self.start_tensor) if self.start_tensor else 0
-        return self.names[first + self.delivered]
-
-    def pin(self, manifest: weights_pb2.VersionManifest) -> None:
-        """The fetch's manifest: a retry must continue this version."""
-        self.version = int(manifest.policy_version)
-        self.names = [t.name for t in manifest.tensors]
-
-    def deliver(self, name: str, tensor: torch.Tensor) -> None:
-        self.sink(name, tensor)
-        self.delivered += 1
