@@ -17,8 +17,7 @@ import torch
 
 from services.common.ports import free_port
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_transport.group_control import GroupCoordinator
-from services.weight_transport.members import reachable_host
+from services.weight_transport.group_control import GroupCoordinator, reachable_host
 from services.weight_transport.receiver import CollectiveReceiver, NoRoom
 from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_transport.transport import WeightTransport

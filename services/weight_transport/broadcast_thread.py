@@ -1,13 +1,11 @@
 """The thread a background broadcast runs on (``CollectivePublisher.send_background``), one per version.
 
-A daemon: a broadcast that did not give up after its group was aborted is left behind
-(``CollectivePublisher.abort_overdue``), and nothing waits for it again but the interpreter's exit, for at
-most :data:`EXIT_WAIT_S` (an executor's threads are joined there without bound). A daemon thread that takes the
-GIL back while Python finalizes is ended by a forced unwind, which torch's frames turn into std::terminate
-(``retired.py``), so the exit waits that long first. The publisher joins every other one.
-
-What the thread was given (the staged version: a model's size) is let go of before it reports: its frame
-stays in a failure's traceback, as the failed call's caller, until the garbage collector runs."""
+Not an executor's: the interpreter's exit joins those without bound, and a broadcast that did not give up
+after its group was aborted is left behind (``CollectivePublisher.abort_overdue``). A daemon instead, waited
+for at exit at most :data:`EXIT_WAIT_S` (a daemon that takes the GIL back while Python finalizes is ended by a
+forced unwind, which torch's frames turn into std::terminate). What the thread was given (the staged version:
+a model's size) is let go of before it reports, and a failure's frames are cleared of their locals: the
+traceback would otherwise hold it until the garbage collector ran, the next version staged beside it."""
 
 from __future__ import annotations
 
@@ -37,12 +35,10 @@ def start(name: str, fn: Callable[..., T], *args: Any) -> tuple[threading.Thread
     def run() -> None:
         future.set_running_or_notify_cancel()
         try:
-            result = fn(*work[0])
+            result = fn(*work.pop())  # held by fn's frame alone
         except BaseException as exc:
-            work.clear()
             future.set_exception(exc)
         else:
-            work.clear()
             future.set_result(result)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
@@ -51,17 +47,14 @@ def start(name: str, fn: Callable[..., T], *args: Any) -> tuple[threading.Thread
 
 
 def cleared(error: BaseException) -> BaseException:
-    """A background broadcast's failure, its traceback's frames cleared of their locals: they held the staged
-    version (a whole model of page-locked memory) in a reference cycle until the garbage collector ran, while
-    the next version was staged beside it."""
+    """A background broadcast's failure, its traceback's frames cleared of their locals (the module's)."""
     traceback.clear_frames(error.__traceback__)
     return error
 
 
 def leave_behind(thread: threading.Thread, future: Future[Any], let_go: Callable[[], None]) -> None:
     """Stop waiting for ``thread`` (its broadcast did not give up after its group was aborted): ``let_go``
-    runs once it ends, if it does, after its failure's frames are cleared (nothing reads that failure); the
-    interpreter's exit waits for it at most :data:`EXIT_WAIT_S`."""
+    runs once it ends, if it does; the interpreter's exit waits for it at most :data:`EXIT_WAIT_S`."""
     with _LOCK:
         _BEHIND.add(thread)
 

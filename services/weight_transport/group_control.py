@@ -8,49 +8,52 @@
          │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
          └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
 
-(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.)
+(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.) torch has no
+group whose members come and go: this plane re-forms a fixed-size one (an epoch) as they do.
 
 The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
-no group and some receiver is alive, or when the live members differ from the group's: one joined, one's
-heartbeat expired, or one restarted (a restarted process registers under a new id). It does so once the
-registered members have stayed the same for ``settle_s`` (``weight_broker.group_settle_s``), or have kept
-changing for ``settle_max_s``: samplers register one by one as their engines finish loading version 0, and
-forming at each registration would drop the epoch every time and hold the engines already in it in a join
-(each up to ``form_timeout_s``), one of them busy loading perhaps missing its arrival, which leaves it out
-for a while. Until a change has settled, a group whose members only grew goes on carrying versions to its
-members (the new ones get theirs through the broker); one that lost a member is left at once, since its
-broadcasts cannot reach every rank. Forming runs in a background thread; until it is done the learner
-publishes through the broker, so it never waits for a group.
-A broadcast that fails closes the group on every member; the next publish goes through the broker and forms
-a new epoch. Members that did not arrive in time, or where the ranks could not connect those new since the
-last epoch that formed, are left out of the next attempts for a while: 3 heartbeat lifetimes, twice that
-each time in a row, up to 10 minutes (a member is counted back in once it is in an epoch that forms, or
-restarts). Epochs come from a Redis counter, so a
-restarted learner never reuses an epoch's keys.
+no group and some receiver is alive, or when the live members differ from the group's (one joined, one's
+heartbeat expired, one restarted under a new id), once the registered members have stayed the same for
+``settle_s`` or kept changing for ``settle_max_s``: samplers register one by one as their engines load
+version 0, and forming at each registration would hold the engines already in the group in a join each time.
+Until then a group whose members only grew goes on carrying versions (new members get theirs through the
+broker); one that lost a member is left at once, since its broadcasts cannot reach every rank. Forming runs in
+a background thread; meanwhile the learner publishes through the broker, so it never waits for a group. A
+failed broadcast closes the group on every member; the next publish goes through the broker and forms a new
+epoch. Members that did not arrive in time (or, where the ranks could not connect, those new since the last
+epoch that formed) are left out for 3 heartbeat lifetimes, twice that each time in a row, up to 10 minutes.
+Epochs come from a Redis counter, so a restarted learner never reuses an epoch's keys.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlparse
 
 import redis
 import torch
+import torch.distributed as dist
 
 from services.weight_transport.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_transport.collective import BroadcastOverdue, CollectivePublisher, PinnedStaging
-from services.weight_transport.group_store import give_up
-from services.weight_transport.members import reachable_host
 from services.weight_transport.seats import GroupRegistry, Member
-from services.weight_transport.weight_group import GroupSpec, TransferFailed, WeightGroup, arrive, open_store
+from services.weight_transport.weight_group import (
+    GroupSpec,
+    TransferFailed,
+    WeightGroup,
+    arrive,
+    give_up,
+    open_store,
+)
 
 log = logging.getLogger(__name__)
 
-PUBLISHER = "publisher"  # the rendezvous name of rank 0
 EXCLUDE_MAX_S = 600.0  # the longest a member that keeps breaking epochs is left out at a time
 
 
@@ -89,31 +92,25 @@ class GroupCoordinator:
         settle_s: float = 0.0,
         settle_max_s: float = 30.0,
     ) -> None:
-        """``settle_s``, ``settle_max_s``: a new epoch forms once the registered members have not changed for
-        ``settle_s``, or ``settle_max_s`` after they first differed from the group's (module docstring).
-
-        ``wait_budget_s``: how long rank 0 waits for a broadcast in flight (before the next version, or to
-        leave its epoch) while the other learner ranks wait for it inside a collective, whose timeout
-        (``learner.collective_timeout_s``) would end them; one still in flight then is aborted, counted as
-        failed, and its thread waited for at most the budget again (``CollectivePublisher.abort_overdue``).
-        None: as long as it takes (each step of a broadcast is bounded by ``timeout_s``)."""
-        GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)  # checks the settings now
+        """``settle_s``, ``settle_max_s``: see the module docstring. ``wait_budget_s``: how long rank 0 waits for
+        a broadcast in flight (before the next version, or to leave its epoch) while the other learner ranks
+        wait for it inside a collective, whose timeout would end them; one still in flight then is aborted and
+        counted as failed (``CollectivePublisher.abort_overdue``). None: as long as it takes."""
+        # checks the settings now; each epoch's spec is this one with its port, size and number
+        self._template = GroupSpec(host, port or 1, 2, backend, 0, timeout_s, form_timeout_s)
         if not 0 <= settle_s <= settle_max_s:
             raise ValueError(
                 f"weight group settle time {settle_s:g}s must be >= 0 and at most its bound {settle_max_s:g}s "
                 "(weight_broker.group_settle_s, weight_broker.group_settle_max_s)"
             )
-        self.settle_s, self.settle_max_s = settle_s, settle_max_s
+        self.registry, self.backend, self.device, self.timeout_s = registry, backend, device, timeout_s
+        self.port, self.port_range, self.bucket_bytes = port, port_range, bucket_bytes
+        self.settle_s, self.settle_max_s, self.wait_budget_s = settle_s, settle_max_s, wait_budget_s
+        self.on_event = on_event or (lambda event: None)  # formed|form_failed|broadcast_failed
         # the registered members last seen and since when; since when they have differed from the group's
         self._seen: frozenset[str] | None = None
         self._seen_at = 0.0
         self._unsettled_since: float | None = None
-        self.wait_budget_s = wait_budget_s
-        self.registry, self.host, self.backend = registry, host, backend
-        self.port, self.port_range, self.device = port, port_range, device
-        self.timeout_s, self.form_timeout_s, self.bucket_bytes = timeout_s, form_timeout_s, bucket_bytes
-        # formed|form_failed|broadcast_failed
-        self.on_event = on_event or (lambda event: None)
         self.epoch = 0  # of the formed group (0: none yet)
         self._made = 0  # the last epoch number taken (formed or not)
         self.failures = 0  # broadcasts that failed (the learner republishes a version one lost)
@@ -122,15 +119,13 @@ class GroupCoordinator:
         self._forming: Future[_Formed] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-group-form")
         self._excluded: dict[str, float] = {}  # member -> monotonic time it may be named again
-        # member -> epochs in a row it broke (left out twice as long each time, up to EXCLUDE_MAX_S); the
-        # members of the last epoch that formed (a connect that fails blames those not in it)
+        # member -> epochs in a row it broke (left out twice as long each time); the last formed epoch's members
         self._strikes: dict[str, int] = {}
         self._last_formed: frozenset[str] = frozenset()
         self._next_attempt = 0.0
         self._closing = False
         self._store: Any = None  # the rendezvous store (TCPStore master), once bound
-        # every epoch's publisher stages in it: a buffer of the model's size, page-locked under CUDA, was made
-        # again after each re-forming (tens of seconds for a 70B model, the other learner ranks waiting)
+        # every epoch's publisher stages in it: a model-sized page-locked buffer takes tens of seconds to make
         self._staging: PinnedStaging | None = None
 
     @property
@@ -201,10 +196,8 @@ class GroupCoordinator:
         if self._staging is not None:
             self._staging.release()
 
-    # ------------------------------------------------------------------ internals
     def receivers(self) -> frozenset[str]:
-        """The live members the group carries versions to once they are in it (those left out for a while
-        too); under NCCL, those with a GPU (a broker without one gets versions over the broker path)."""
+        """The live members the group carries versions to once they are in it (under NCCL those with a GPU)."""
         return frozenset(self._carried(self.registry.live()))
 
     def _carried(self, live: dict[str, Member]) -> dict[str, Member]:
@@ -240,8 +233,7 @@ class GroupCoordinator:
         if formed is None:
             return
         log.info("leaving weight group epoch %d: %s", self.epoch, why)
-        # waits for a broadcast in flight: one that fails meanwhile (the member whose heartbeat expired, which
-        # changed the members, was in it) is counted as failed() counts, for the learner to republish its version
+        # waits for a broadcast in flight: one that fails meanwhile is counted, for the learner to republish it
         if formed.publisher.close(self.wait_budget_s) is not None and not counted:
             self.failures += 1
             self.on_event("broadcast_failed")
@@ -255,20 +247,20 @@ class GroupCoordinator:
         try:
             formed = forming.result()
         except Exception as exc:
-            if isinstance(exc, FormFailed):
-                for member in exc.missing:
-                    self._strikes[member] = strikes = self._strikes.get(member, 0) + 1
-                    left_out = min(3 * self.registry.ttl_s * 2 ** min(strikes - 1, 16), EXCLUDE_MAX_S)
-                    self._excluded[member] = time.monotonic() + left_out
-            self._failed_forming(exc)
+            for member in exc.missing if isinstance(exc, FormFailed) else []:
+                self._strikes[member] = strikes = self._strikes.get(member, 0) + 1
+                left_out = min(3 * self.registry.ttl_s * 2 ** min(strikes - 1, 16), EXCLUDE_MAX_S)
+                self._excluded[member] = time.monotonic() + left_out
+            self.on_event("form_failed")
+            wait_s, self.backoff_s = self.backoff_s, min(self.backoff_s * 2, 30.0)
+            self._next_attempt = time.monotonic() + wait_s
+            log.warning("the weight group did not form (next attempt in %.0fs): %s", wait_s, exc)
             return
         if self._closing:
             formed.publisher.close()
             formed.group.close()
             return
-        self._formed = formed
-        self.epoch = formed.group.spec.epoch
-        self.backoff_s = 1.0
+        self._formed, self.epoch, self.backoff_s = formed, formed.group.spec.epoch, 1.0
         self._last_formed = formed.members
         for member in formed.members:
             self._strikes.pop(member, None)
@@ -280,75 +272,86 @@ class GroupCoordinator:
             ", ".join(sorted(formed.members)),
         )
 
-    def _failed_forming(self, exc: BaseException) -> None:
-        self.on_event("form_failed")
-        wait_s, self.backoff_s = self.backoff_s, min(self.backoff_s * 2, 30.0)
-        self._next_attempt = time.monotonic() + wait_s
-        log.warning("the weight group did not form (next attempt in %.0fs): %s", wait_s, exc)
-
-    def _bind(self, epoch: int, world: int) -> Any:
-        """The rendezvous store, listening on a free port or the first free one of the range: one for the
-        coordinator's life (epochs' keys have prefixes), since a closed group keeps its store, and its port."""
-        if self._store is not None:
-            return self._store
-        spec = GroupSpec(self.host, 1, world, self.backend, epoch, self.timeout_s, self.form_timeout_s)
-        error: Exception | None = None
-        for port in [0] if self.port == 0 else range(self.port, self.port + self.port_range):
-            try:
-                self._store = open_store(spec, master=True, port=port)
-                return self._store
-            except Exception as exc:  # in use (a learner before this one, another run)
-                error = exc
-        raise RuntimeError(f"no free port in {self.port}..{self.port + self.port_range - 1}: {error}")
-
-    def _gone(self, members: frozenset[str]) -> str | None:
-        """Why an epoch's members are not all alive (a heartbeat expired: the process died or hung), or None;
-        rank 0 asks while a broadcast is pending. Redis out of reach gives no verdict."""
-        try:
-            live = self.registry.live()
-        except Exception:
-            return None
-        gone = sorted(members - set(live))
-        return f"member {', '.join(gone)} stopped heartbeating (dead or hung)" if gone else None
-
     def _form(self, live: dict[str, Member]) -> _Formed:
-        import torch.distributed as dist
-
-        ranks, offset = {}, 1
+        ranks, world = {}, 1
         for member_id in sorted(live):
-            ranks[member_id] = offset
-            offset += live[member_id].workers
+            ranks[member_id] = world
+            world += live[member_id].workers
         epoch = self._made = self.registry.next_epoch(after=self._made)
-        store = self._bind(epoch, offset)
-        spec = GroupSpec(
-            self.host, int(store.port), offset, self.backend, epoch, self.timeout_s, self.form_timeout_s
-        )
+        if self._store is None:
+            # one store for the coordinator's life (epochs' keys have prefixes), since a closed group keeps it
+            # and its port: on a free port, or the first free one of the range
+            error: Exception | None = None
+            for port in [0] if self.port == 0 else range(self.port, self.port + self.port_range):
+                try:
+                    self._store = open_store(self._template, master=True, port=port)
+                    break
+                except Exception as exc:  # in use (a learner before this one, another run)
+                    error = exc
+            else:
+                raise RuntimeError(f"no free port in {self.port}..{self.port + self.port_range - 1}: {error}")
+        store = self._store
+        spec = replace(self._template, port=int(store.port), world_size=world, epoch=epoch)
         self.registry.write_spec(spec, ranks, self.bucket_bytes)
         prefixed = dist.PrefixStore(spec.prefix(), store)
-        arrived = arrive(prefixed, "members_arrived", len(ranks) + 1, self.form_timeout_s)
+        arrived = arrive(prefixed, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
         if arrived < len(ranks) + 1:
             missing = [m for m in ranks if not prefixed.check([f"arrived/{m}"])]
             why = (
                 f"epoch {epoch}: {arrived} of {len(ranks) + 1} members arrived within "
-                f"{self.form_timeout_s:.0f}s; missing: {missing}"
+                f"{spec.form_timeout_s:.0f}s; missing: {missing}"
             )
             give_up(prefixed, why)  # a member arriving later (its loop was busy) does not wait for it
             raise FormFailed(why, missing)
         try:
             group = WeightGroup(spec, 0, self.device, store=store)
         except TransferFailed as exc:
-            # every member arrived, and the ranks did not connect: nothing names the rank that could not (a
-            # wrong NCCL_SOCKET_IFNAME on its node, a NetworkPolicy). The members new since the last epoch
-            # that formed are left out; were none left out, every attempt would fail alike, and each holds
-            # every sampler's loop in its join for up to the forming timeout. Where all are new (the first
-            # epoch, every member restarted), all are: the attempts then come further apart each time
+            # every member arrived and the ranks did not connect: nothing names the rank that could not (a wrong
+            # NCCL_SOCKET_IFNAME, a NetworkPolicy), so those new since the last epoch that formed are left out
+            # (all, where all are new): were none, every attempt would fail alike, each holding every sampler's
+            # loop in its join for up to the forming timeout
             raise FormFailed(str(exc), sorted(set(ranks) - self._last_formed)) from exc
         members = frozenset(ranks)
-        group.members_gone = lambda: self._gone(members)
+
+        def gone() -> str | None:
+            """Why the epoch's members are not all alive (a heartbeat expired: the process died or hung), or
+            None; rank 0 asks while a broadcast is pending. Redis out of reach gives no verdict."""
+            try:
+                missing = sorted(members - set(self.registry.live()))
+            except Exception:
+                return None
+            return f"member {', '.join(missing)} stopped heartbeating (dead or hung)" if missing else None
+
+        group.members_gone = gone
         if self._staging is None:
             self._staging = PinnedStaging()
-        publisher = CollectivePublisher(group, self.bucket_bytes, staging=self._staging)
-        return _Formed(group, publisher, members)
+        return _Formed(group, CollectivePublisher(group, self.bucket_bytes, staging=self._staging), members)
+
+
+def reachable_host(redis_url: str) -> str:
+    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
+    address of the interface that routes there (what receivers on other nodes reach the publisher at), IPv4 or
+    IPv6 as the Redis host resolves (first what resolves first)."""
+    host = urlparse(redis_url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    advice = "set weight_broker.group_host to the address the samplers reach this learner at"
+    try:
+        found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address for the "
+            f"weight group ({exc}): {advice}"
+        ) from exc
+    tried = []
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.connect(address)  # UDP: no packet is sent, the route is looked up
+                return str(s.getsockname()[0])
+        except OSError as exc:
+            tried.append(f"{address[0]}: {exc}")
+    raise ValueError(f"no route from this machine to the Redis host {host!r} ({'; '.join(tried)}): {advice}")
 
 
 def coordinator_from_config(
@@ -360,8 +363,8 @@ def coordinator_from_config(
     on_event: Callable[[str], None] | None = None,
     wait_budget_s: float | None = None,
 ) -> GroupCoordinator:
-    """Learner rank 0's coordinator from the ``[weight_broker]`` section (``wb``: a WeightBrokerConfig); the
-    backend follows ``device`` when ``group_backend`` is auto."""
+    """Learner rank 0's coordinator from ``wb``, the ``[weight_broker]`` table (an auto backend follows
+    ``device``)."""
     backend = (
         wb.group_backend if wb.group_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     )
@@ -370,10 +373,7 @@ def coordinator_from_config(
         # a step of a broadcast under NCCL is a kernel on rank 0's GPU, which the training step's device-wide
         # synchronizes wait for while the other learner ranks wait for rank 0 in a collective of their own
         log.info(
-            "weight_broker.group_timeout_s %.0fs is over what the learner's ranks can wait for rank 0 "
-            "(a third of learner.collective_timeout_s): the weight group's steps time out after %.0fs",
-            timeout_s,
-            wait_budget_s,
+            "weight_broker.group_timeout_s capped at %.0fs (learner.collective_timeout_s / 3)", wait_budget_s
         )
         timeout_s = wait_budget_s
     return GroupCoordinator(

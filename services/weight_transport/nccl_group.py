@@ -12,38 +12,30 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
-# torch's NCCL error handling, read once by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp)
-# has the watchdog take the whole process down when a collective fails or times out: a sampler killed
-# mid-broadcast would kill learner rank 0 with it. The weight group's failures are expected and survivable
-# (the version goes through the broker, a new epoch forms), so its group is built with 2 (CleanUpOnly): the
-# watchdog aborts the communicator and WeightGroup.wait reads the collective's failure (:func:`failure`).
+# torch's NCCL error handling, read by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp) has
+# the watchdog take the process down when a collective fails or times out: a sampler killed mid-broadcast would
+# kill learner rank 0. The weight group's failures are survivable (a new epoch forms), so its group is built
+# with 2 (CleanUpOnly): the watchdog aborts the communicator and WeightGroup.wait reads the failure.
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
-NCCL_CLEAN_UP_ONLY = "2"
-# After a failure torch's watchdog sleeps 4 x this (15 s by default: a minute) before it aborts the
-# communicator, holding the group's work list, so every collective issued meanwhile blocks in torch (the next
-# bucket's broadcast a minute, before its wait could see anything). The weight group's own monitor reads it
-# when the group is built; the process's first NCCL group, the only one that dumps, keeps its own.
+# After a failure torch's watchdog sleeps 4 x this (a minute by default) before it aborts the communicator,
+# every collective issued meanwhile blocking in torch. Read when the group is built.
 DUMP_WAIT_VAR, DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "100"
 _ENV_LOCK = threading.Lock()
-# torch's NCCL watchdog raises one process-wide "dump" flag when a collective of ANY of the process's NCCL
-# groups fails or times out, and the monitor thread of its first NCCL group (DeepSpeed's in the learner, vLLM's
-# in a GPU worker) then writes a debug dump, waits TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) and ends the
-# process: a weight broadcast that failed, and was handled, would still kill the learner minutes later. That
-# monitor reads this variable when that group is made; "0" has it ignore the flag (its own collectives'
-# failures still end the process, through the watchdog's error handling, and so does a hung watchdog).
+# torch's watchdog raises one process-wide "dump" flag when a collective of ANY of the process's NCCL groups
+# fails, and the monitor of its first NCCL group (DeepSpeed's, vLLM's) then ends the process 8 minutes later: a
+# failed weight broadcast, handled, would still kill the learner. "0", read when that group is made, has it
+# ignore the flag (its own collectives' failures still end the process, through the watchdog).
 DUMP_ON_FAILURE = "TORCH_NCCL_DUMP_ON_TIMEOUT"
-# c10d's WorkResult codes. torch does not raise every failed collective of a group built with CleanUpOnly: on
-# an H200 (torch 2.11) a broadcast the watchdog had timed out "waited", with a timeout too, as if its bytes had
-# arrived, and so did an all-reduce issued after it (before the watchdog aborted the communicator). What tells
-# is the work's result and the group's error (:func:`failure`).
+# c10d's WorkResult codes. torch does not raise every failed collective of a CleanUpOnly group (on an H200 a
+# broadcast the watchdog had timed out "waited" as if its bytes had arrived): the work's result and the group's
+# error tell (:func:`failure`).
 _WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
 log = logging.getLogger(__name__)
 
 
 def survive_weight_group_failures() -> None:
-    """Call in a process that will be in an NCCL weight group, before it makes its first NCCL process group
-    (:data:`DUMP_ON_FAILURE`). Its vLLM workers, spawned from it, inherit the setting. A value the user set is
-    kept, with a warning where it leaves the process to be ended after a failed weight broadcast."""
+    """Call in a process that will be in an NCCL weight group (its vLLM workers inherit it), before it makes its
+    first NCCL process group (:data:`DUMP_ON_FAILURE`); a value the user set is kept, with a warning."""
     value = os.environ.setdefault(DUMP_ON_FAILURE, "0")
     if value.strip().lower() not in ("0", "false", "no", "n", "off"):
         log.warning(
@@ -56,20 +48,17 @@ def survive_weight_group_failures() -> None:
 
 def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
     """A ProcessGroupNCCL over ``store`` whose failures are the caller's to read (:func:`failure`), never fatal
-    to the process (:data:`NCCL_ERROR_HANDLING_VARS`), aborted soon after one (:data:`DUMP_WAIT_VAR`); the
-    variables are restored once it is built, so no other group of the process is changed. NCCL connects
-    lazily, at the first collective."""
+    (:data:`NCCL_ERROR_HANDLING_VARS`), aborted soon after one (:data:`DUMP_WAIT_VAR`); the variables are
+    restored once it is built, so no other group of the process is changed."""
     import torch.distributed as dist
 
-    # its stream from torch's pool of high-priority streams: each epoch's group takes the pool's next stream,
-    # and the low-priority pool's 32 are shared with DeepSpeed's (and every torch.cuda.Stream()), so after
-    # enough epochs the learner's ZeRO-3 collectives would queue behind a weight broadcast (and wait out a
-    # hung receiver's timeout with it)
+    # high priority: each epoch's group takes the next of torch's pooled streams, and the low-priority pool is
+    # shared with DeepSpeed's, whose collectives would, after enough epochs, queue behind a weight broadcast
     options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     options._timeout = timeout
     with _ENV_LOCK:
         saved = {name: os.environ.get(name) for name in (*NCCL_ERROR_HANDLING_VARS, DUMP_WAIT_VAR)}
-        os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARS, NCCL_CLEAN_UP_ONLY))
+        os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARS, "2"))  # CleanUpOnly
         os.environ[DUMP_WAIT_VAR] = DUMP_WAIT_MS
         try:
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -83,16 +72,11 @@ def nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta) -> 
 
 def connect(pg: Any, device: Any, limit_s: float) -> None:
     """Run ``pg``'s first collectives within ``limit_s``: an all-reduce, in which NCCL makes its communicator,
-    and a broadcast, the collective versions travel by. NCCL connects each algorithm's links at its first use
-    (``NCCL_RUNTIME_CONNECT``, on by default since NCCL 2.22), and a one-element all-reduce may take another
-    algorithm than a broadcast's ring: a ring link that cannot connect would otherwise fail the first
-    version's broadcast after the group's timeout, not the forming. Raises (TimeoutError, or NCCL's error)
-    having aborted ``pg``, not destroyed it (a destroy would wait for the pending collectives; the weight group
-    leaves that to the reaper thread, ``retired.py``). With torch's default, blocking initialization the
-    call returns only once every rank has connected, so it runs on a thread: a rank that never connects (one
-    that died after arriving at the rendezvous, a wrong ``NCCL_SOCKET_IFNAME``) fails after the limit too. An
-    abort while the communicator is still being made may wait for it as well, so it is then left to a
-    thread."""
+    and a broadcast, since NCCL connects each algorithm's links at its first use (``NCCL_RUNTIME_CONNECT``) and
+    a ring link that cannot connect would otherwise fail the first version after the group's timeout. Raises
+    (TimeoutError, or NCCL's error) having aborted ``pg``, not destroyed it (the reaper thread does,
+    ``retired.py``). torch's blocking initialization returns only once every rank has connected, so the calls
+    run on a thread, and so does an abort while the communicator is still being made."""
     import torch
     import torch.distributed as dist
 
@@ -101,10 +85,8 @@ def connect(pg: Any, device: Any, limit_s: float) -> None:
 
     def first_collectives() -> None:
         try:
-            # on a stream of their own: NCCL's stream waits for the caller's current stream, which on a new
-            # thread is the device's default one, where the training thread queues its kernels (and, through
-            # torch's synchronous collectives, ones waiting for the other learner ranks): a long backlog there
-            # would read as a member that cannot connect, and every new member would be left out
+            # on a stream of their own: NCCL's waits for the caller's, here the device's default one, where a
+            # training step's backlog would read as a member that cannot connect
             own = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext()
             with own:  # (and on its device: a stream's context makes its device current)
                 started.append(pg.allreduce([torch.zeros(1, device=device)], dist.AllreduceOptions()))
@@ -146,11 +128,9 @@ def _abort(pg: Any) -> None:
 
 
 def failure(pg: Any, work: Any) -> str | None:
-    """Why ``work``, a collective of the NCCL group ``pg`` that has completed or is still pending, failed (None:
-    no failure known). torch marks a collective's result as soon as it fails (an NCCL error found while
-    checking it, or the watchdog's timeout), but its success only on the watchdog's next pass: an unmarked
-    result is not waited for. The group's error stays set once any of its collectives failed, so it also
-    fails a collective issued after the failure."""
+    """Why ``work``, a completed or pending collective of ``pg``, failed (None: no failure known). torch marks
+    a result as soon as it fails, its success only on the watchdog's next pass: an unmarked one is not waited
+    for. The group's error stays set after any failure, so it also fails a collective issued after it."""
     try:
         result = work.get_future_result()
         if result.done():

@@ -1,7 +1,6 @@
 """The collective transport's receiving side: each sampler engine's worker (ranks 1..N of the weight group)
-takes every version rank 0 broadcasts (``collective.py`` says how a version travels). Nothing is handed to
-its engine before every rank voted to commit the version. A worker receives in the :class:`Background`, so
-that its engine goes on generating meanwhile."""
+takes every version rank 0 broadcasts (``collective.py`` says how), in the :class:`Background` so that its
+engine goes on generating; nothing is handed to the engine before every rank voted to commit the version."""
 
 from __future__ import annotations
 
@@ -30,16 +29,12 @@ class CollectiveReceiver:
     """Ranks 1..N: receive versions as they are broadcast."""
 
     def __init__(self, group: WeightGroup) -> None:
-        if group.rank == 0:
-            raise ValueError("rank 0 of the weight group is the publisher, not a receiver")
         self.group = group
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]], TransferStats]:
-        """Receive the version being broadcast into buffers on the group's device (a GPU worker's own GPU
-        under NCCL, so its engine loads it device to device); returns ``(version, [(name, tensor)] in order,
-        stats)`` once every member has voted to commit it. Call it when the control plane announces a version:
-        waiting longer than the group's timeout for the publisher fails. Raises :class:`TransferFailed`,
-        returning nothing, if any part failed on any member (a failed collective also closes the group)."""
+        """Receive the announced version into buffers on the group's device (under NCCL the worker's own GPU:
+        its engine loads it device to device); returns ``(version, [(name, tensor)] in order, stats)`` once
+        every member has voted to commit it. Raises :class:`TransferFailed` if any part failed on any member."""
         group = self.group
         try:
             head = torch.zeros(3, dtype=torch.int64, device=group.device)
@@ -66,8 +61,7 @@ class CollectiveReceiver:
                     f"the header's layout has {len(layout)} buckets, the publisher sent {n_buckets}"
                 )
             buffers = self._buffers(layout, version)
-            # under NCCL rank 0 issues none of the data before every receiver has made its buffers, as no
-            # kernel on the learner's GPU may wait for it (``WeightGroup.wait_ready``)
+            # rank 0 issues none of the data before every receiver has made its buffers (``wait_ready``)
             group.ready(group.broadcasts, "data")
             works = [group.broadcast(buf[a:b]) for buf in buffers for a, b in pieces(buf.numel(), piece)]
             for work in works:
@@ -96,8 +90,7 @@ class CollectiveReceiver:
         return version, tensors, TransferStats(version, len(specs), nbytes, n_buckets, time.monotonic() - t0)
 
     def _buffers(self, layout: list[Bucket], version: int) -> list[torch.Tensor]:
-        """One buffer per bucket on the group's device. On a GPU the version lives there beside the engine
-        until it is loaded: a GPU without room for it names what to change."""
+        """One buffer per bucket on the group's device; a GPU without room for them names what to change."""
         device = self.group.device
         try:
             return [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in layout]
@@ -118,42 +111,41 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-class Background:
+class Background(threading.Thread):
     """One piece of the weight group's work (joining it, receiving a version) on a thread of its own, so that
     the engine's loop, which runs the worker call that started it, goes on stepping. On a GPU it runs on a
     CUDA stream of its own: its collectives wait for nothing the engine's forward queued."""
 
     def __init__(self, what: str, work: Callable[[], None], device: torch.device | None) -> None:
-        self.what = what
+        super().__init__(name=f"vcpo-{what}", daemon=True)
+        self.what, self._work, self._device = what, work, device
         self.error: str | None = None  # the work's error, as text
-        self._thread = threading.Thread(
-            target=self._run, args=(work, device), name=f"vcpo-{what}", daemon=True
-        )
-        self._thread.start()
+        self.start()
 
-    def _run(self, work: Callable[[], None], device: torch.device | None) -> None:
+    def run(self) -> None:
+        device = self._device
         try:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
                 stream = _stream(device)
                 with torch.cuda.stream(stream):
-                    work()
+                    self._work()
                 stream.synchronize()  # what it received is whole before anyone reads it on another stream
             else:
-                work()
+                self._work()
         except BaseException as exc:
             log.warning("weight group %s failed: %s", self.what, exc)
             self.error = f"{type(exc).__name__}: {exc}"
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self.is_alive()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the work to end; False if it is still running after ``timeout_s``."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        self.join(timeout_s)
+        return not self.is_alive()
 
     def state(self) -> str | None:
         """None once the work ended well; "running"; or its error."""
-        return "running" if self.running else self.error
+        return "running" if self.is_alive() else self.error

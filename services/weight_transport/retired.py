@@ -1,24 +1,18 @@
 """Closed weight groups' process groups, destroyed on a thread of their own.
 
-A process group's destructor may block: ~ProcessGroupGloo joins its worker threads, and one of them may still
-wait, until the group's timeout, on a peer that hung or died mid-collective. Dropped by whoever held it last,
-the destructor would run on that thread (a receiving thread, stuck there for the group's timeout, and the
-learner's next broadcast waiting as long). Kept forever instead, every failed or re-formed epoch kept
-its threads and sockets (about 3 threads and 10 descriptors per rank on gloo; rank 0's rendezvous store also
-kept every member's connection of every closed epoch): a long run whose samplers restart now and then would
-reach a container's open-files limit.
+A process group's destructor may block: ~ProcessGroupGloo joins its worker threads, one of which may wait, until
+the group's timeout, on a peer that hung or died mid-collective. Dropped by whoever held it last, it would run
+on that thread (a receiving thread, and the learner's next broadcast, stuck for the timeout). Kept forever,
+every failed or re-formed epoch kept its threads and sockets (about 3 threads and 10 descriptors per rank on
+gloo): a long run whose samplers restart now and then would reach a container's open-files limit.
 
-So :func:`retire` hands a closed group to one daemon thread, which destroys it once nothing else holds it
-(the weight group, a collective being issued, a thread aborting it) and the collectives the weight group
-issued on it have ended (gloo ends a pending one at the group's timeout): the last reference is the reaper's,
-the destructor runs there and has nothing to wait for. CPython's reference counts tell when a group is the
-reaper's alone.
+So :func:`retire` hands a closed group to one daemon thread, which destroys it once it holds the last reference
+(CPython's reference count tells) and the collectives issued on it have ended (gloo ends a pending one at the
+group's timeout): the destructor then has nothing to wait for.
 
-At interpreter exit the reaper is stopped, and a destroy under way is waited for: a thread that takes the GIL
-back while Python finalizes is ended by a forced unwind, which torch's destructor frames do not allow
-(std::terminate: a test session aborted so after all its tests had passed). Groups still held then are never
-destroyed (the process's end frees what they hold): the main thread would otherwise wait in their destructors
-for their collectives' timeouts.
+At interpreter exit the reaper is stopped and a destroy under way waited for: a thread that takes the GIL back
+while Python finalizes is ended by a forced unwind, which torch's destructor frames turn into std::terminate.
+Groups still held then are never destroyed (the process's end frees what they hold).
 """
 
 from __future__ import annotations

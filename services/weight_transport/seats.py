@@ -1,17 +1,12 @@
-"""The weight group's receivers in the control plane: their registration in Redis and their seat in an epoch.
-
-    receivers (each sampler engine)                      Redis (the run's)
-    MemberSeat ── heartbeat every ttl/3 ─────────► vcpo:<run>:wg:member:<id> (expires)
-                                                   vcpo:<run>:wg:members (set)   (GroupRegistry.live)
-    MemberSeat ◄── a spec naming this member ───── vcpo:<run>:wg:spec            (GroupRegistry.write_spec)
-         │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
-         └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
-
-Learner rank 0's side, which forms the epochs, is ``group_control.py``.
+"""The weight group's receivers in the control plane (``group_control.py`` draws the whole of it): their
+registration in Redis (``GroupRegistry``: ``vcpo:<run>:wg:member:<id>``, expiring, in the set
+``vcpo:<run>:wg:members``; the epoch counter; the newest epoch's spec) and their seat in an epoch
+(``MemberSeat``: heartbeats, arrives at each epoch that names it, hands it to the loop that owns the engine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -23,6 +18,7 @@ from typing import Any
 
 import redis
 import torch
+import torch.distributed as dist
 
 from services.weight_transport.weight_group import GroupSpec, arrive, open_store
 
@@ -31,16 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Member:
-    """A receiver: ``workers`` ranks (an engine's tensor-parallel workers) that can use
-    ``devices`` ("cuda": NCCL or gloo; "cpu": gloo only)."""
+    """A receiver: ``workers`` ranks (an engine's workers) on ``devices`` ("cuda": NCCL or gloo; "cpu": gloo)."""
 
     id: str
     workers: int = 1
     kind: str = "sampler"
     devices: str = "cpu"
-
-    def as_json(self) -> str:
-        return json.dumps({"workers": self.workers, "kind": self.kind, "devices": self.devices})
 
     @classmethod
     def here(cls, name: str, workers: int, kind: str, gpu: bool | None = None) -> Member:
@@ -61,7 +53,7 @@ class Seat:
 
     def init_info(self) -> dict[str, Any]:
         """What a vLLM engine's ``init_weight_transfer_engine`` takes (services/sampler/weight_transfer.py)."""
-        return {**self.spec.as_dict(), "rank_offset": self.rank_offset}
+        return {**dataclasses.asdict(self.spec), "rank_offset": self.rank_offset}
 
 
 class GroupRegistry:
@@ -75,7 +67,8 @@ class GroupRegistry:
 
     def heartbeat(self, member: Member) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(f"{self.prefix}:member:{member.id}", member.as_json(), px=int(self.ttl_s * 1000))
+        body = json.dumps({"workers": member.workers, "kind": member.kind, "devices": member.devices})
+        pipe.set(f"{self.prefix}:member:{member.id}", body, px=int(self.ttl_s * 1000))
         pipe.sadd(f"{self.prefix}:members", member.id)
         pipe.execute()
 
@@ -99,8 +92,7 @@ class GroupRegistry:
             if raw is None:
                 gone.append(member_id)
                 continue
-            d = json.loads(raw)
-            out[member_id] = Member(member_id, int(d["workers"]), str(d["kind"]), str(d["devices"]))
+            out[member_id] = Member(member_id, **json.loads(raw))  # heartbeat()'s fields
         if gone:
             self.client.srem(f"{self.prefix}:members", *gone)
         return out
@@ -117,7 +109,7 @@ class GroupRegistry:
         return epoch
 
     def write_spec(self, spec: GroupSpec, ranks: dict[str, int], bucket_bytes: int) -> None:
-        body = {**spec.as_dict(), "ranks": ranks, "bucket_bytes": bucket_bytes}
+        body = {**dataclasses.asdict(spec), "ranks": ranks, "bucket_bytes": bucket_bytes}
         self.client.set(f"{self.prefix}:spec", json.dumps(body))
 
     def spec(self) -> tuple[GroupSpec, dict[str, int], int] | None:
@@ -126,20 +118,17 @@ class GroupRegistry:
         if raw is None:
             return None
         d = json.loads(raw)
-        return GroupSpec.from_dict(d), {k: int(v) for k, v in d["ranks"].items()}, int(d["bucket_bytes"])
+        ranks, bucket_bytes = d.pop("ranks"), d.pop("bucket_bytes")
+        return GroupSpec(**d), {k: int(v) for k, v in ranks.items()}, int(bucket_bytes)
 
 
 class MemberSeat:
-    """A receiver's place in the control plane: keeps its registration alive and, when an epoch names it,
-    arrives at that epoch's rendezvous from a background thread. :meth:`take` hands the epoch over once every
-    member has arrived, to the thread that owns the engine (which then joins without waiting for others)."""
+    """A receiver's place in the control plane: keeps its registration alive and arrives, from a thread, at
+    each epoch that names it; :meth:`take` hands the epoch, every member arrived, to the engine's loop."""
 
     def __init__(self, registry: GroupRegistry, member: Member, poll_s: float = 0.25) -> None:
         self.registry, self.member, self.poll_s = registry, member, poll_s
-        self.newest_epoch = (
-            0  # the newest epoch the control plane formed (a holder of an older one leaves it)
-        )
-        self.failures = 0  # epochs that named this member but did not form
+        self.newest_epoch = 0  # the newest epoch the control plane formed (a holder of an older one leaves)
         self._seen = 0
         self._ready: Seat | None = None
         self._lock = threading.Lock()
@@ -149,20 +138,11 @@ class MemberSeat:
     def start(self) -> None:
         self.registry.heartbeat(self.member)
         # two threads: waiting at a rendezvous (up to form_timeout_s) must not let the registration expire
-        self._threads = [
-            threading.Thread(
-                target=self._loop,
-                args=(self._beat, self.registry.ttl_s / 3),
-                name=f"weight-seat-beat-{self.member.kind}",
-                daemon=True,
-            ),
-            threading.Thread(
-                target=self._loop,
-                args=(self._check, self.poll_s),
-                name=f"weight-seat-{self.member.kind}",
-                daemon=True,
-            ),
-        ]
+        kind = self.member.kind
+        beat = threading.Thread(target=self._loop, args=(self._beat, self.registry.ttl_s / 3), daemon=True)
+        check = threading.Thread(target=self._loop, args=(self._check, self.poll_s), daemon=True)
+        beat.name, check.name = f"weight-seat-beat-{kind}", f"weight-seat-{kind}"
+        self._threads = [beat, check]
         for thread in self._threads:
             thread.start()
 
@@ -176,10 +156,9 @@ class MemberSeat:
             log.warning("could not leave the weight group's registry: %s", exc)
 
     def renew(self) -> None:
-        """Register under a new id, as a restarted process does, and leave the old one: this member no longer
-        holds the version the group gave it (its load failed), so learner rank 0 counts it among the receivers
-        the current version did not reach, and gives the broker that version for it to fetch; the group
-        re-forms with it. Raises redis.RedisError if the registry is out of reach."""
+        """Register under a new id, as a restarted process does, and leave the old one: its load failed, so
+        learner rank 0 counts it among the receivers the current version did not reach (and gives the broker
+        that version); the group re-forms with it. Raises redis.RedisError if the registry is out of reach."""
         old = self.member
         name = old.id.rsplit(".", 1)[0]
         self.member = new = Member(f"{name}.{uuid.uuid4().hex[:8]}", old.workers, old.kind, old.devices)
@@ -188,9 +167,8 @@ class MemberSeat:
         log.info("registered again as %s (was %s)", new.id, old.id)
 
     def take(self) -> Seat | None:
-        """A formed epoch to join, once (None when there is none new, or the one there is was superseded:
-        its loop took it too late, after rank 0 had given it up and formed another, and joining it would
-        wait out the forming timeout for ranks that left)."""
+        """A formed epoch to join, once (None when there is none new, or it was superseded: taken too late,
+        joining it would wait out the forming timeout for ranks that left)."""
         with self._lock:
             seat, self._ready = self._ready, None
         if seat is not None and self.superseded(seat.spec.epoch):
@@ -230,33 +208,19 @@ class MemberSeat:
             return
         self._seen = spec.epoch
         log.info(
-            "weight group epoch %d names this member (rank %d of %d): arriving at %s:%d",
-            spec.epoch,
-            ranks[me],
-            spec.world_size,
-            spec.host,
-            spec.port,
+            "weight group epoch %d names this member: arriving at %s:%d", spec.epoch, spec.host, spec.port
         )
         t0 = time.monotonic()
         try:
-            import torch.distributed as dist
-
             store = dist.PrefixStore(spec.prefix(), open_store(spec))
             store.set(f"arrived/{me}", "1")
             arrived = arrive(store, "members_arrived", len(ranks) + 1, spec.form_timeout_s)
         except Exception as exc:
-            self.failures += 1
             log.warning("weight group epoch %d: no arrival at its rendezvous: %s", spec.epoch, exc)
             return
         if arrived < len(ranks) + 1:
-            self.failures += 1
-            log.warning(
-                "weight group epoch %d: %d of %d members arrived within %.0fs; staying on the broker path",
-                spec.epoch,
-                arrived,
-                len(ranks) + 1,
-                spec.form_timeout_s,
-            )
+            why = f"{arrived} of {len(ranks) + 1} members arrived within {spec.form_timeout_s:.0f}s"
+            log.warning("weight group epoch %d: %s; staying on the broker path", spec.epoch, why)
             return
         log.info(
             "weight group epoch %d: all %d members arrived (%.1fs)",
