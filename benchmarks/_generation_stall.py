@@ -7,8 +7,8 @@ announcement between steps, and receive it
 
     thread   as the sampler does: ``begin_receive`` (the worker receives on a thread of its own), then
              ``weight_work_done`` asked between steps until the version is whole
-    inline   the receive inside the loop's turn (``stage_collective``): what every engine did before the
-             receive had a thread of its own, for comparison in the same run
+    inline   the receive inside the loop's turn (``begin_receive``, then waiting for ``weight_work_done``):
+             what every engine did before the receive had a thread of its own, for comparison
 
 Each step's end and token count are logged. Over a receive's window (the announcement seen → the version
 whole), the stall is the sum of the gaps between token-producing steps (the window's ends included) longer
@@ -77,7 +77,9 @@ def _engine(spec: dict[str, Any], model_dir: str, out: Any) -> None:
         sampling = Sampling(temperature=1.0, max_tokens=200, seed=0)
         prompt = engine.tokenizer.encode("Count from one to one hundred: one, two,")
         out.put(("built", None))
-        engine.join_weight_group({**spec, "rank_offset": 1})
+        engine.begin_join({**spec, "rank_offset": 1})
+        while not engine.weight_work_done():
+            time.sleep(0.005)
         watch = AnnouncementWatch.of(GroupSpec(**spec))
         running, added = 0, 0
         steps: list[tuple[float, int]] = []
@@ -95,11 +97,12 @@ def _engine(spec: dict[str, Any], model_dir: str, out: Any) -> None:
                 if version is None:
                     continue
                 mode, t0 = MODES[len(results)], time.monotonic()
+                engine.begin_receive(version)
                 if mode != "inline":
-                    engine.begin_receive(version)
                     receiving = (mode, version, t0)
                     continue
-                engine.stage_collective(version)  # the loop's turn holds the whole receive
+                while not engine.weight_work_done():  # the loop's turn holds the whole receive
+                    time.sleep(0.005)
             elif engine.weight_work_done():
                 mode, version, t0 = receiving
                 receiving = None

@@ -27,6 +27,22 @@ def greedy(engine: Any, prompt: list[int], max_tokens: int = 8) -> dict[str, Any
     return {"prompt": prompt, "tokens": tokens, "logprobs": logprobs}
 
 
+def join_group(engine: Any, init: dict[str, Any]) -> None:
+    """The sampler's join (``begin_join``, then ``weight_work_done`` asked until it has ended), waited for."""
+    engine.begin_join(init)
+    while not engine.weight_work_done():
+        time.sleep(0.005)
+
+
+def receive(engine: Any, version: int) -> float:
+    """The sampler's receive (``begin_receive``, then ``weight_work_done``), waited for; its seconds."""
+    t0 = time.monotonic()
+    engine.begin_receive(version)
+    while not engine.weight_work_done():
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
 def in_flight_swap(engine: Any, prompts: list[list[int]], new: dict[str, Any]) -> list[dict[str, Any]]:
     """Requests generate under the loaded version; the core runs ahead of this process for a moment; then a
     swap the way the sampler does it (quiesce, apply, resume). Each request's tokens before and after."""
@@ -101,8 +117,8 @@ def collective(engine: Any, weights: dict[str, Any], prompt: list[int], tmp: str
     torch.save({version: weights}, path)
     plan = [(version, "whole")]
     with broadcasting(path, plan, epoch=0, timeout_s=120.0) as (spec, out):
-        engine.join_weight_group({**spec, "rank_offset": 1})
-        seconds = engine.receive_collective(version)
+        join_group(engine, {**spec, "rank_offset": 1})
+        seconds = receive(engine, version) + engine.apply_collective(version)
         sent = out.get(timeout=120)
     return {
         "sent": list(sent),

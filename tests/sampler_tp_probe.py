@@ -29,7 +29,7 @@ def main() -> None:
 
     from services.common.ports import free_port
     from tests.sampler_helpers import broadcasting, version_weights
-    from tests.sampler_multiprocess_probe import descendants_env, greedy, probe_engine
+    from tests.sampler_multiprocess_probe import descendants_env, greedy, join_group, probe_engine, receive
 
     engine = probe_engine(model_dir, tensor_parallel_size=2)
     out: dict[str, Any] = {"nccl_dump_env": descendants_env("TORCH_NCCL_DUMP_ON_TIMEOUT")}
@@ -37,7 +37,7 @@ def main() -> None:
         prompt = engine.tokenizer.encode("12+7=")
         nobody = {"host": "127.0.0.1", "port": free_port(), "world_size": 3, "rank_offset": 1}
         try:
-            engine.join_weight_group({**nobody, "timeout_s": 5.0, "form_timeout_s": 2.0})
+            join_group(engine, {**nobody, "timeout_s": 5.0, "form_timeout_s": 2.0})
             out["join_error"] = ""
         except Exception as exc:
             out["join_error"] = f"{type(exc).__name__}: {exc}"
@@ -57,10 +57,11 @@ def main() -> None:
             torch.save({seed_a: a, seed_b: broken, seed_c: c}, path)
             plan = [(seed_a, "whole"), (seed_b, "whole"), (seed_c, "whole")]
             with broadcasting(path, plan, epoch=0, timeout_s=120.0, receivers=2) as (spec, sent):
-                engine.join_weight_group({**spec, "rank_offset": 1})
-                engine.receive_collective(seed_a)
+                join_group(engine, {**spec, "rank_offset": 1})
+                receive(engine, seed_a)
+                engine.apply_collective(seed_a)
                 out["first"] = {"sent": list(sent.get(timeout=120)), **greedy(engine, prompt)}
-                engine.stage_collective(seed_b)
+                receive(engine, seed_b)
                 out["broken_sent"] = list(sent.get(timeout=120))
                 try:
                     engine.apply_collective(seed_b)
@@ -68,7 +69,8 @@ def main() -> None:
                 except Exception as exc:
                     out["load_error"] = f"{type(exc).__name__}: {exc}"
                 out["loaded_after_failure"] = engine.loaded_version
-                engine.receive_collective(seed_c)
+                receive(engine, seed_c)
+                engine.apply_collective(seed_c)
                 out["second"] = {
                     "sent": list(sent.get(timeout=120)),
                     "serving": engine.loaded_version == seed_c,

@@ -31,6 +31,7 @@ from tests.sampler_helpers import (
     version_weights,
     versions,
 )
+from tests.sampler_multiprocess_probe import join_group, receive
 
 pytestmark = pytest.mark.slow
 
@@ -546,11 +547,11 @@ def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_not
     )
     plan = [(v_skipped, "whole"), (v_new, "whole"), (v_cut, "cut")]
     with broadcasting(weights_file, plan) as (spec, out):
-        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
-        assert vllm_engine.stage_collective(v_skipped) > 0  # received into the worker, not loaded
+        join_group(vllm_engine, {**spec, "rank_offset": 1})
+        assert receive(vllm_engine, v_skipped) > 0  # received into the worker, not loaded
         assert out.get(timeout=60)[:2] == (v_skipped, "sent")
         assert_matches(tiny_model_dir, old, generate(vllm_engine, prompts, greedy, n=2).values())
-        vllm_engine.stage_collective(v_new)  # a newer version before the sampler applied: it replaces it
+        receive(vllm_engine, v_new)  # a newer version before the sampler applied: it replaces it
         assert out.get(timeout=60)[:2] == (v_new, "sent")
         with pytest.raises(RuntimeError, match=f"version {v_skipped} is not staged"):
             vllm_engine.apply_collective(v_skipped)
@@ -591,9 +592,9 @@ def test_consecutive_collective_versions_each_serve_exactly_their_weights(
     for epoch, half in enumerate((plan[:2], plan[2:]), 1):  # as after a re-forming
         plan_half = [(v, "whole") for v in half]
         with broadcasting(weights_file, plan_half, epoch=epoch) as (spec, out):
-            vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+            join_group(vllm_engine, {**spec, "rank_offset": 1})
             for version in half:
-                vllm_engine.stage_collective(version)
+                receive(vllm_engine, version)
                 assert out.get(timeout=60) == (
                     version,
                     "sent",
@@ -624,8 +625,9 @@ def test_an_engine_generates_while_a_version_is_received_and_then_serves_it_exac
     sampling = Sampling(temperature=1.0, max_tokens=4, seed=11)
     prompts = prompts_of(vllm_engine)
     with broadcasting(weights_file, [(plan[0], "whole"), (plan[1], "slow")]) as (spec, out):
-        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
-        vllm_engine.receive_collective(plan[0])
+        join_group(vllm_engine, {**spec, "rank_offset": 1})
+        receive(vllm_engine, plan[0])
+        vllm_engine.apply_collective(plan[0])
         assert out.get(timeout=60)[:2] == (plan[0], "sent")
         t0 = time.monotonic()
         vllm_engine.begin_receive(plan[1])
@@ -658,12 +660,12 @@ def test_an_engine_that_gives_up_on_its_epoch_fails_the_next_broadcast_at_once(
     greedy = Sampling(temperature=0.0, max_tokens=12)
     for how in ("wrong version", "leave"):
         with broadcasting(weights_file, [(v, "whole") for v in plan], timeout_s=60.0) as (spec, out):
-            vllm_engine.join_weight_group({**spec, "rank_offset": 1})
+            join_group(vllm_engine, {**spec, "rank_offset": 1})
             if how == "wrong version":
                 with pytest.raises(WorkerCallFailed, match=f"delivered version {plan[0]}, the control plane"):
-                    vllm_engine.stage_collective(plan[0] + 1000)
+                    receive(vllm_engine, plan[0] + 1000)
             else:
-                vllm_engine.stage_collective(plan[0])
+                receive(vllm_engine, plan[0])
             assert out.get(timeout=60)[:2] == (plan[0], "sent")
             t0 = time.monotonic()
             if how == "leave":
@@ -693,7 +695,7 @@ def test_a_weight_update_that_failed_ends_the_session_in_every_worker(vllm_engin
     assert vllm_engine.collective_staged is None
     vllm_engine._rpc("start_weight_update")
     with pytest.raises(WorkerCallFailed, match="already active"):
-        vllm_engine.stage_collective(next(versions))
+        receive(vllm_engine, next(versions))
     assert vllm_engine.collective_staged is None
     vllm_engine._rpc("start_weight_update")  # refused while the session stayed open
     vllm_engine._rpc("vcpo_end_failed_weight_update")  # and ended again, as the other tests expect it
@@ -715,13 +717,13 @@ def test_a_broadcast_version_that_fails_to_load_does_not_stop_the_next(
     weights_file = tmp_path / "versions.pt"
     torch.save({v_bad: broken, v_good: good}, weights_file)
     with broadcasting(weights_file, [(v_bad, "whole"), (v_good, "whole")]) as (spec, out):
-        vllm_engine.join_weight_group({**spec, "rank_offset": 1})
-        vllm_engine.stage_collective(v_bad)
+        join_group(vllm_engine, {**spec, "rank_offset": 1})
+        receive(vllm_engine, v_bad)
         assert out.get(timeout=60)[:2] == (v_bad, "sent")
         with pytest.raises(Exception, match="size"):
             vllm_engine.apply_collective(v_bad)
         assert vllm_engine.loaded_version is None and vllm_engine.collective_staged is None
-        vllm_engine.stage_collective(v_good)
+        receive(vllm_engine, v_good)
         assert out.get(timeout=60)[:2] == (v_good, "sent")
         vllm_engine.apply_collective(v_good)
         assert vllm_engine.loaded_version == v_good

@@ -268,8 +268,7 @@ def test_a_prepared_version_whose_reload_fails_is_undone_and_its_file_removed(
     calls = [e[0] for e in events]
     assert calls == [
         "pause",
-        "vcpo_reload_weights",  # from the prepared file: fails
-        "vcpo_finish_interrupted_reload",
+        "vcpo_reload_weights",  # from the prepared file: fails (the worker finishes vLLM's reload state)
         "write",  # the previous version, for the restore
         "vcpo_reload_weights",
         "wake",

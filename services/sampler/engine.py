@@ -268,7 +268,7 @@ class VllmSettings:
     enforce_eager: bool = False
     seed: int = 0
     # build the engine able to join a weight group (services/sampler/weight_transfer.py): it then takes
-    # versions by ``join_weight_group`` and ``receive_collective`` besides the broker path's ``stage``/``apply``
+    # versions by ``begin_join``/``begin_receive`` besides the broker path's ``stage``/``apply``
     collective_weights: bool = False
 
 
@@ -451,16 +451,10 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
 
     def _reload(self, **source: Any) -> None:
         """Every load into the engine goes through here: a new prefix-cache salt first (whatever happens,
-        nothing computed earlier is reused), and vLLM's reload state finished should the load fail."""
+        nothing computed earlier is reused); a load that fails part-way leaves every layer on the device, on
+        its own tensors, for a whole version to be loaded next (``vcpo_reload_weights``)."""
         self._weights_epoch += 1
-        try:
-            self._rpc("vcpo_reload_weights", **source)
-        except BaseException:
-            # vLLM reloads layer by layer, holding unloaded layers on the meta device: put every layer back
-            # on the device (loaded or not) so the caller can load a whole version again; a named worker
-            # method (vllm_worker.py), since a multi-process engine refuses to ship a function
-            self._rpc("vcpo_finish_interrupted_reload")
-            raise
+        self._rpc("vcpo_reload_weights", **source)
 
     def _load_initial(self) -> None:
         self._reload(weights_path=str(self.model_dir))

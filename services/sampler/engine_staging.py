@@ -1,13 +1,11 @@
 """How a version reaches vLLM workers in other processes: through one safetensors file they load from.
 
-Where the model is not in the sampler's process (an engine core in another process, or worker processes for
-tensor parallelism), a broker-path version is written to ``$VCPO_WEIGHT_STAGING`` (default ``/dev/shm``) and
-each worker's ``reload_weights`` reads it: vLLM's message queue would otherwise pickle the whole version to
-every worker. Writing billions of parameters takes seconds, so :meth:`GenerationEngine.prepare` writes the
-file *before* the sampler pauses the engine (the engine core goes on generating meanwhile), and ``apply``
-then only reloads from it; a load that was not prepared (a restore after a failed load, or a caller that
-skips ``prepare``) writes the file itself. The sampler's loop alone writes, reads and removes the file: the
-weight-sync thread only stages tensors in memory.
+Where the model is not in the sampler's process (an engine core or tensor-parallel workers in other
+processes), a broker-path version is written to ``$VCPO_WEIGHT_STAGING`` (default ``/dev/shm``) and each
+worker's ``reload_weights`` reads it: vLLM's message queue would otherwise pickle the whole version to every
+worker. Writing billions of parameters takes seconds, so :meth:`GenerationEngine.prepare` writes the file
+*before* the sampler pauses the engine, and ``apply`` then only reloads from it (a load not prepared writes
+it itself). The sampler's loop alone writes, reads and removes the file.
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,9 +43,7 @@ class StagingFile:
     # the staged version the file holds now, if any: a weak reference, so that a version a newer one replaced
     # before it was applied does not keep its tensors in memory
     _file: weakref.ref[_Staged] | None
-
-    def _reload(self, **source: Any) -> None:
-        raise NotImplementedError
+    _reload: Callable[..., None]  # a load into the workers (``VllmEngine._reload``)
 
     def _staging_dir(self) -> Path:
         return self._staging_root / STAGING_DIR.format(pid=os.getpid())
@@ -72,45 +68,38 @@ class StagingFile:
             ) from exc
 
     def _drop_file(self) -> None:
-        """Remove the staging file and its directory (a process killed first leaves both: the next engine to
-        start here sweeps them); never an error of its own in place of the load's."""
+        """Remove the staging file and its directory (the next engine here sweeps a killed process's); never an
+        error of its own in place of the load's."""
         self._file = None
-        directory = self._staging_dir()
         with contextlib.suppress(OSError):
-            (directory / "model.safetensors").unlink(missing_ok=True)
-            directory.rmdir()
-
-    def _holds(self, staged: _Staged) -> bool:
-        return self._file is not None and self._file() is staged
+            (self._staging_dir() / "model.safetensors").unlink(missing_ok=True)
+            self._staging_dir().rmdir()
 
     def _prepare(self, staged: _Staged) -> None:
-        # the file write (seconds for billions of parameters) while the engine core goes on generating; only
-        # the reload from it happens while paused. The main loop alone writes, reads and removes the file.
-        if self._model_here or self._holds(staged):
+        # the file write while the engine core goes on generating; only the reload from it happens while paused
+        if self._model_here or (self._file is not None and self._file() is staged):
             return
         t0 = time.monotonic()
         self._write(staged.tensors.items())
         self._file = weakref.ref(staged)
-        log.info(
-            "version %d written for the engine's workers in %.1fs", staged.version, time.monotonic() - t0
-        )
+        log.info("version %d written for the workers in %.1fs", staged.version, time.monotonic() - t0)
 
     def _load_staged(self, staged: _Staged) -> None:
-        if self._model_here or not self._holds(staged):
+        if self._model_here or self._file is None or self._file() is not staged:
             self._load(staged.tensors.items())
-            return
-        try:
-            self._reload(weights_path=str(self._staging_dir()))
-        finally:
-            self._drop_file()
+        else:
+            self._load_file()
 
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._model_here:  # the model is in this process: hand it the tensors
+        """Load a version: as tensors where the model is in this process, else through the file (a failure
+        while writing it leaves the engine untouched)."""
+        if self._model_here:
             self._reload(weights_iterator=iter(tensors))
-            return
-        # worker processes read the version from a local safetensors file (shared memory by default); a
-        # failure while writing it has touched nothing in the engine
-        self._write(tensors)
+        else:
+            self._write(tensors)
+            self._load_file()
+
+    def _load_file(self) -> None:
         try:
             self._reload(weights_path=str(self._staging_dir()))
         finally:

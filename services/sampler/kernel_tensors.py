@@ -1,23 +1,18 @@
 """The tensors a vLLM model's layers were built with, put back after a reload that failed part-way.
 
-vLLM reloads weights layer by layer (``vllm/model_executor/model_loader/reload/layerwise.py``): every layer's
-tensors go to the meta device; once all of a layer's weights have arrived, the layer is materialized (new
-tensors), loaded and processed, and its values are copied back into the tensors it had before, which are
-registered again. Those are the storages a GPU engine's CUDA graphs were captured on.
-
-A reload that fails inside that processing (an out-of-memory error while materializing a layer, in the
-headroom vLLM leaves beside its KV cache; a weight loader's error) leaves that layer on its new tensors, or
-partly on meta, and vLLM's finalize drops the originals. Loading the previous version back then goes into
-those tensors: on a GPU the captured graphs go on reading the originals, so graphed steps would serve one
-version and eager ones another, silently, from then on; a layer left on meta fails every step. So the worker
-holds each layer's tensors at its first reload and, after a failed one, registers them again before anything
-is loaded (:func:`put_back`). Their values are then the last version's or part of the failed one: the sampler
-loads a whole version into them next.
+vLLM reloads weights layer by layer (``model_loader/reload/layerwise.py``): a layer whose weights have all
+arrived is materialized on new tensors, loaded, processed, and its values copied back into the tensors it had
+before, those a GPU engine's CUDA graphs were captured on. A reload that fails inside that processing (out of
+memory, a weight loader's error) leaves the layer on new tensors or partly on meta, and vLLM's finalize drops
+the originals: graphed steps would then serve one version and eager ones another, silently. So every reload
+runs inside :func:`guarded_reload`, which registers the layers' own tensors again after a failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -40,17 +35,13 @@ def hold(model: Any) -> None:
     object.__setattr__(model, _ATTR, held)
 
 
-def put_back(model: Any) -> list[str]:
-    """After a failed reload and vLLM's finalize: register again, in every layer, each tensor held that the
-    layer no longer has. Returns their names (qualified), logged; nothing where :func:`hold` never ran."""
-    held = getattr(model, _ATTR, None)
-    if held is None:
-        return []
+def put_back(model: Any) -> None:
+    """After a failed reload and vLLM's finalize: register again, in every layer, each tensor :func:`hold`
+    held that the layer no longer has."""
     names = {id(m): prefix for prefix, m in model.named_modules()}
     changed = []
-    for module, name, tensor, is_param, persistent in held:
-        current = (module._parameters if is_param else module._buffers).get(name)
-        if current is tensor:
+    for module, name, tensor, is_param, persistent in getattr(model, _ATTR):
+        if (module._parameters if is_param else module._buffers).get(name) is tensor:
             continue
         if hasattr(module, name):
             delattr(module, name)
@@ -66,14 +57,19 @@ def put_back(model: Any) -> list[str]:
             len(changed),
             ", ".join(changed[:3]),
         )
-    return changed
 
 
-def finish_interrupted_reload(model: Any, model_config: Any) -> list[str]:
-    """After a reload raised part-way: vLLM's reload state finished (every layer back on the device, the
-    layers it had not reached on meta included), then every layer on its own tensors (:func:`put_back`, whose
-    names it returns)."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+@contextlib.contextmanager
+def guarded_reload(model: Any, model_config: Any) -> Iterator[None]:
+    """Around every reload: the layers' tensors held first; should it raise part-way, vLLM's reload state
+    finished (every layer back on the device, where the whole previous version can be loaded) and every layer
+    on its own tensors again (:func:`put_back`)."""
+    hold(model)
+    try:
+        yield
+    except BaseException:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    finalize_layerwise_reload(model, model_config)
-    return put_back(model)
+        finalize_layerwise_reload(model, model_config)
+        put_back(model)
+        raise

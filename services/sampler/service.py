@@ -107,7 +107,7 @@ class SamplerService:
         self.evaluator: Cotenant | None = cotenant_for(share)
         announcements = StreamTail(client, specs["weights"], metrics=stream_metrics)
         sync: WeightSync
-        if cfg.weight_broker.transport == "collective" and hasattr(self.engine, "join_weight_group"):
+        if cfg.weight_broker.transport == "collective" and hasattr(self.engine, "begin_join"):
             wb = cfg.weight_broker
             member = Member.here(self.replica_id, s.tensor_parallel_size, "sampler")
             seat = MemberSeat(GroupRegistry(client, run.run_id, wb.group_member_ttl_s), member)

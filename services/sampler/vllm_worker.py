@@ -1,24 +1,20 @@
-"""What the sampler runs inside vLLM's workers, as named methods (vLLM's ``worker_extension_cls``).
-
-A multi-process engine (every GPU engine: the engine core and its workers are separate processes) ships a
-``collective_rpc`` call to its workers by name; a Python function is refused unless insecure serialization
-is switched on, and that refusal would hide the error that made the call necessary. So each worker-side step
-the sampler needs is a method here, mixed into vLLM's worker class, and called as
-``llm.collective_rpc("vcpo_<name>")`` in-process and out alike.
+"""What the sampler runs inside vLLM's workers, as named methods (vLLM's ``worker_extension_cls``): a
+multi-process engine (every GPU engine) ships a ``collective_rpc`` call to its workers by name, and refuses a
+Python function unless insecure serialization is switched on.
 
 Every call the sampler makes goes through :meth:`VcpoWorkerExtension.vcpo_call`, which returns a worker's
 error instead of raising it. vLLM's multi-process executor (every engine with tensor parallelism) reads the
 workers' replies one by one and raises at the first failure, leaving the other workers' replies queued:
-every later call, vLLM's own too, would then read the reply of the call before it (a failed join made the
-next pause raise that join's error, and a join that worked look failed).
+every later call, vLLM's own too, would then read the reply of the call before it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
-from services.sampler.kernel_tensors import finish_interrupted_reload, hold
+from services.sampler.kernel_tensors import guarded_reload
 
 WORKER_EXTENSION = "services.sampler.vllm_worker.VcpoWorkerExtension"
 
@@ -29,32 +25,29 @@ from services.sampler.weight_transfer import register as _register_weight_transf
 _register_weight_transfer()
 
 log = logging.getLogger(__name__)
-_logging_checked = False
 
 
+@functools.cache
 def _worker_logging() -> None:
-    """A worker process that vLLM spawned (every GPU engine's) starts with no logging set up: the project's
-    own lines (joining the weight group, each version received) would be lost below warnings, and those
-    would come bare. Set up where nothing is (a forked or in-process worker keeps what its parent set up).
-    Checked at the first call into the worker rather than at import, so that a service which imports this
-    module before setting up its own logging (``actor_logging``) does not print every line twice."""
-    global _logging_checked
-    if _logging_checked:
-        return
-    _logging_checked = True
-    if not logging.getLogger().handlers and not logging.getLogger("services").handlers:
+    """A worker process that vLLM spawned starts with no logging: the project's lines would be lost. Set up
+    where nothing is, once, at the first call rather than at import (a service that imports this module
+    before setting up its own logging would print every line twice)."""
+    services = logging.getLogger("services")
+    if not logging.getLogger().handlers and not services.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(
             logging.Formatter("%(asctime)s sampler worker %(levelname)s %(name)s: %(message)s")
         )
-        logging.getLogger("services").addHandler(handler)
-        logging.getLogger("services").setLevel(logging.INFO)
+        services.addHandler(handler)
+        services.setLevel(logging.INFO)
 
 
 class VcpoWorkerExtension:
     """Mixed into each vLLM worker; ``self`` is the worker (``self.model_runner`` is its model runner)."""
 
     model_runner: Any
+    weight_transfer_engine: Any  # the collective transport's (weight_transfer.py), where the engine has one
+    _weight_update_active: bool  # vLLM's worker's: a weight-update session is open
 
     def vcpo_call(self, method: str, *args: Any, **kwargs: Any) -> str | None:
         """Run this worker's ``method``; None once it returned, or its error as text (never raised: see the
@@ -68,43 +61,26 @@ class VcpoWorkerExtension:
         return None
 
     def vcpo_reload_weights(self, **source: Any) -> None:
-        """vLLM's ``reload_weights``, with the layers' own tensors held first (``kernel_tensors.py``)."""
-        hold(self.model_runner.get_model())
-        self.reload_weights(**source)  # type: ignore[attr-defined]
-
-    def vcpo_finish_interrupted_reload(self) -> None:
-        """After ``reload_weights`` raised part-way: vLLM reloads layer by layer and holds the layers it has
-        not reached on the meta device; finish its reload state so every layer is back on the device, on the
-        tensors it was built with (those a GPU engine's CUDA graphs read, ``kernel_tensors.py``), and a whole
-        version can be loaded again (the sampler then loads the previous version back)."""
-        runner = self.model_runner
-        finish_interrupted_reload(runner.get_model(), runner.model_config)
+        """vLLM's ``reload_weights``; should it fail, every layer back on its own tensors (kernel_tensors.py)."""
+        with guarded_reload(self.model_runner.get_model(), self.model_runner.model_config):
+            self.reload_weights(**source)  # type: ignore[attr-defined]
 
     def vcpo_leave_weight_group(self, why: str | None) -> None:
-        """Leave the weight group this worker is in (``CollectiveWeightTransferEngine.leave``); nothing where it
-        is in none."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if engine is not None and hasattr(engine, "leave"):
-            engine.leave(why)
+        if getattr(self, "weight_transfer_engine", None) is not None:
+            self.weight_transfer_engine.shutdown(why)
 
     def vcpo_weight_work(self) -> str | None:
-        """Where this worker's weight-group work (a join, a receive) stands: None once it ended well (or where
-        there is none), "running", or its error. Called without ``vcpo_call``: it never raises."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        work = getattr(engine, "work", None)
+        """Where this worker's join or receive stands (``Background.state``); never raises: no ``vcpo_call``."""
+        work = getattr(getattr(self, "weight_transfer_engine", None), "work", None)
         return None if work is None else work.state()
 
     def vcpo_end_failed_weight_update(self) -> None:
-        """After a weight update failed in any worker: vLLM's worker clears its "update session active" mark
-        only after a load that succeeded, or where its own ``update_weights`` raised, and refuses every later
-        ``start_weight_update`` while it is set, so the engine could never take a broadcast version again
-        (after ``finish_weight_update`` raised, or, with tensor parallelism, where another worker's part of the
-        update failed). End the session as vLLM does after a failed ``update_weights``, dropping what this
-        worker staged; nothing where no session is open."""
+        """vLLM's worker clears its "update session active" mark only after a load that succeeded or where its
+        own ``update_weights`` raised, and refuses every later ``start_weight_update`` while it is set: after
+        ``finish_weight_update`` raised, or another worker's part of an update failed, the engine could never
+        take a broadcast version again. End the session as vLLM does, dropping what this worker staged."""
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is not None and hasattr(engine, "discard_staged"):
+        if engine is not None:
             engine.discard_staged()
-        if getattr(self, "_weight_update_active", False):
-            if engine is not None:
-                engine.reset_weight_update_target()
+            engine.reset_weight_update_target()
             self._weight_update_active = False
