@@ -1,16 +1,11 @@
 """Publish the learner's weights from ZeRO-3 shards, bucket by bucket, in Hugging Face naming.
 
-    every rank:  for each bucket of parameters (≤ bucket_bytes, or one large parameter):
-                     GatheredParameters(bucket)   ── all-gather: the bucket's full tensors exist on all ranks
-                     rank 0: stream them to the transport (publish_once consumes them lazily)
-                     others: nothing (they only take part in the all-gathers)
-                 broadcast rank 0's outcome; a transient failure is retried by all ranks together
-
-No rank ever holds more than one bucket of gathered parameters beyond its shards, and the model is never
-copied into one extra buffer. Every rank must call :func:`publish_version` (the gathers are collectives),
-and every rank drains the gathers even when rank 0's publish fails part-way, so no rank is left waiting.
-Names are the module's ``named_parameters()`` names, which for a Hugging Face model are the checkpoint names
-vLLM loads (tied output embeddings appear once, as in ``save_pretrained``).
+Every rank gathers one bucket at a time while rank 0 sends or stages it, so no rank holds more than one bucket
+of gathered parameters beyond its shards. Every rank must call :func:`publish_version` or
+:func:`publish_collective` (the gathers are collectives) and drains the gathers even when rank 0's send fails
+part-way, then all agree on rank 0's outcome, so no rank is left waiting. Names are ``named_parameters()``'s,
+which for a Hugging Face model are the checkpoint names vLLM loads (tied output embeddings appear once, as in
+``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -73,11 +68,8 @@ class GatherStats:
 def gathered_tensors(
     module: nn.Module, bucket_bytes: int = 256 << 20, stats: GatherStats | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's full tensor, gathered bucket by bucket; valid until the next item is requested.
-
-    All ranks of a ZeRO-3 group must iterate it to the end together. Without ZeRO-3 it just yields the
-    parameters.
-    """
+    """Every parameter's full tensor, gathered in buckets of ``bucket_bytes`` (a larger parameter alone); valid
+    until the next item is requested. All ranks of a ZeRO-3 group must iterate it to the end together."""
     params = list(module.named_parameters())
     bucket: list[tuple[str, nn.Parameter]] = []
     size = 0
@@ -146,8 +138,8 @@ def publish_version(
     weights stay exact even where a redone step's weights differ in the last bits).
 
     A transient failure (the broker unreachable, or restarting on the same ports) is retried by all ranks
-    together, ``backoff_s`` doubling up to ``max_backoff_s``, at least ``attempts`` times and for ``retry_s``
-    seconds since the first failure. Raises on every rank if rank 0's publish fails for good.
+    together, with doubling backoff, at least ``attempts`` times and for ``retry_s`` seconds since the first
+    failure. Raises on every rank if it fails for good.
     """
     specs = tensor_specs(module)
     first_failure: float | None = None
@@ -167,9 +159,8 @@ def publish_version(
                 result = PublishResult(version, sum(s.nbytes for s in specs), 0.0)
             except Exception as exc:
                 error = exc
-        deque(
-            source, maxlen=0
-        )  # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
+        # finish the gathers the other ranks are waiting in (all of them, on ranks != 0)
+        deque(source, maxlen=0)
         outcome = rank0_code(
             0 if error is None else (1 if transport is not None and transport.is_transient(error) else 2)
         )
@@ -205,15 +196,13 @@ def publish_collective(
     background: bool = False,
 ) -> TransferStats | None:
     """Broadcast ``module``'s weights as ``version`` into the weight group: a collective every learner rank
-    calls, gathering bucket by bucket; rank 0 passes its publisher.
+    calls; rank 0 passes its publisher. Returns rank 0's stats (None elsewhere, and with ``background``).
 
-    Returns rank 0's transfer stats (None elsewhere, and with ``background``). Raises :class:`TransferFailed`
-    on every rank, after all finished the gathers, if the version did not reach every receiver
+    Raises :class:`TransferFailed` on every rank if the version did not reach every receiver
     (:class:`VersionNotSent` where rank 0's own error stopped it before anything was announced). Nothing is
     retried: a failed collective broke the group; the caller forms a new one or uses the broker path.
-
-    ``background``: rank 0 broadcasts from a thread (:meth:`CollectivePublisher.send_background`), so the next
-    step overlaps it; its failure is raised, on every rank, by the next call.
+    ``background``: rank 0 broadcasts from a thread, overlapping the next step; its failure is raised, on every
+    rank, by the next call.
     """
     specs = tensor_specs(module)
     source = gathered_tensors(module, bucket_bytes, stats)

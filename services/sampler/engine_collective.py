@@ -1,7 +1,8 @@
-"""The vLLM engine's side of the collective transport (:class:`~services.sampler.engine.VllmEngine` takes it
-in): its workers join the weight group, receive versions into their staging (weight_transfer.py) and load
-them, through ``collective_rpc``. ``begin_join`` and ``begin_receive`` return at once (the workers' own
-threads do the work while the engine steps); ``weight_work_done``, asked between steps, says when it ended."""
+"""The vLLM engine's side of the collective transport, beside the broker path's ``stage``/``apply``
+(:class:`~services.sampler.engine.VllmEngine` takes it in): through ``collective_rpc`` its workers
+(vllm_worker.py, weight_transfer.py) join the weight group, receive versions and load them. ``begin_join`` and
+``begin_receive`` return at once (the workers' own threads do the work while the engine steps);
+``weight_work_done``, asked between steps, says when it ended."""
 
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ log = logging.getLogger(__name__)
 
 
 class CollectiveWeights:
-    """Versions from the weight group beside the broker path's ``stage``/``apply``; for an engine whose
-    workers run the worker extension (services/sampler/vllm_worker.py)."""
-
     collective_staged: int | None  # a version received from the weight group, not yet loaded
     loaded_version: int | None
     _current: Any
@@ -37,8 +35,7 @@ class CollectiveWeights:
         self._weight_work = ("join", None)
 
     def begin_receive(self, version: int) -> None:
-        """Every worker starts receiving the announced ``version`` into its staging; the model is untouched,
-        so the engine goes on generating under its loaded version. It replaces a version staged, not applied."""
+        """Every worker starts receiving the announced ``version``; it replaces a version staged, not applied."""
         self.collective_staged = None
         try:
             if not self._update_open:

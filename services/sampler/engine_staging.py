@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# where a multi-process engine's workers read each broker-path version from (under $VCPO_WEIGHT_STAGING)
 STAGING_DIR = "vcpo-weights-{pid}"
 
 
@@ -76,7 +75,6 @@ class StagingFile:
             self._staging_dir().rmdir()
 
     def _prepare(self, staged: _Staged) -> None:
-        # the file write while the engine core goes on generating; only the reload from it happens while paused
         if self._model_here or (self._file is not None and self._file() is staged):
             return
         t0 = time.monotonic()

@@ -3,11 +3,10 @@ with vLLM 0.32's factory and driven through its worker methods (``init_weight_tr
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``).
 
 vLLM's own NCCL engine loads each tensor as it arrives; this one receives a whole version through the weight
-group (services/weight_transport: gloo on CPU, NCCL on GPU) into buffers on the worker's device and loads
-nothing until every member voted to commit it, so a broadcast that fails part-way leaves the model as it was;
-``finish_weight_update`` then loads it with vLLM's ``reload_weights``, as the broker path does. Joining and
-receiving run on a thread of the worker's own (``Background``): vLLM's engine core runs a worker call inline
-in its busy loop, so a receive inside the call held every engine in the group still until its commit.
+group into buffers on the worker's device and loads nothing until every member voted to commit it, so a
+broadcast that fails part-way leaves the model as it was. Joining and receiving run on a thread of the worker's
+own (``Background``): vLLM's engine core runs a worker call inline in its busy loop, so a receive inside the call
+would hold the engine still until the commit. Design: docs/design/weight-transport.md, "Into vLLM's workers".
 """
 
 from __future__ import annotations
@@ -139,7 +138,7 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
 
     def shutdown(self, why: str | None = None) -> None:
         """Leave the weight group; ``why``: this engine gave up on its epoch, which every rank is told first (a
-        member gone quiet with its group open held the next broadcast for the group's timeout)."""
+        member gone quiet with its group open would hold the next broadcast for the group's timeout)."""
         if self.group is not None and why is not None and not self.group.closed:
             self.group.part_failed(f"it left the group: {why}")
         with self._lock:  # a join still forming closes its own group once formed

@@ -7,10 +7,8 @@ safe points.
     sampler loop:  ready() ─► prepare(v)                                    the engine still generating
                              ─► engine.apply(v) between two engine steps  the whole version at once
 
-Generation keeps running while a version downloads and while ``prepare`` writes what the engine's workers
-read it from; only ``apply`` (the load itself) stops it. A fetch that fails leaves nothing applied: the
-engine keeps serving its version, admission control starts groups only while that version is within the
-lag bound, and :meth:`WeightSync.waiting_reason` says why it stopped.
+Only ``apply`` (the load itself) stops generation. A failed fetch leaves the engine on its version: admission
+starts groups only while that is within the lag bound, and :meth:`WeightSync.waiting_reason` says why.
 """
 
 from __future__ import annotations
@@ -192,14 +190,11 @@ LOOK_S = 0.005  # how often the loop asks the workers about their work, and the 
 
 
 class CollectiveWeightSync(WeightSync):
-    """Weight sync with the collective transport. At each turn of the loop (``pump``) the sampler joins an
-    epoch its seat was given, leaves a superseded or failed one, and begins receiving each announced version
-    (``engine.begin_receive``: the workers' own threads receive it while the engine steps); once
-    ``engine.weight_work_done()``, it is applied at the loop's safe points like a fetched one. The fetch
-    thread takes through the broker what the group did not carry. A failed broadcast leaves the engine on
-    its version (nothing is loaded before the group's vote) and out of the group until a new one forms. A
-    replica registers once it serves a version: a member whose loop spent its ticks in that first load would
-    hold every broadcast of an epoch naming it, and every other engine's loop inside it."""
+    """Weight sync with the collective transport: at each turn of the loop (``pump``) join the epoch the seat
+    was given, leave a superseded or failed one, begin receiving each announced version, and apply it once
+    received like a fetched one; the fetch thread takes through the broker what the group did not carry (design:
+    docs/design/weight-transport.md, "In a run"). A replica registers only once it serves a version: a member
+    whose loop spent its ticks in that first load would hold every broadcast of an epoch naming it."""
 
     def __init__(
         self,
@@ -237,7 +232,6 @@ class CollectiveWeightSync(WeightSync):
 
     def pump(self) -> None:
         now = time.monotonic()
-        # registered once it serves a version; a registry out of reach is tried again SEAT_RETRY_S later
         serving = self.engine.loaded_version is not None
         if serving and not (self._seated or self.withdrawn) and now - self._seat_tried >= SEAT_RETRY_S:
             try:

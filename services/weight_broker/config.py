@@ -9,6 +9,4 @@ from services.weight_transport.config import WeightBrokerConfig
 
 
 class WeightBrokerServiceConfig(ServiceConfig):
-    """Everything the broker reads: the shared sections and ``[weight_broker]``."""
-
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)

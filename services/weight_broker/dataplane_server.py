@@ -51,9 +51,8 @@ class _Handler(socketserver.BaseRequestHandler):
         except (PublishRejected, OSError) as exc:
             if isinstance(exc, OSError) and not is_store_error(exc):
                 raise  # the connection's own failure: nobody to answer
-            # refused, perhaps at the manifest, or the store's disk failed (counted): answer at once, then read
-            # and drop what the client still had in flight until it sees the answer and closes (closing with
-            # unread data would reset the connection and could lose the answer)
+            # answer at once (perhaps at the manifest), then drain what the client still sends until it closes:
+            # closing with unread data would reset the connection and could lose the answer
             reason = exc.reason if isinstance(exc, PublishRejected) else "store_error"
             send_json(sock, {"ok": False, "reason": reason, "message": str(exc)})
             sock.shutdown(socket.SHUT_WR)

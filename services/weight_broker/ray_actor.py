@@ -1,6 +1,5 @@
-"""The weight broker as a Ray actor (what the Ray launcher places); the same :class:`BrokerService` as the
-plain entry point. Samplers and the learner reach it through its gRPC and data-plane ports, never through
-Ray object refs."""
+"""The weight broker as a Ray actor, the same :class:`BrokerService` as the plain entry point. Samplers and the
+learner reach it through its gRPC and data-plane ports, never through Ray object refs."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from services.weight_transport.config import WeightBrokerConfig, broker_host
 
 
 def advertised_host(wb: WeightBrokerConfig, local_ray: bool, node_ip: str) -> str:
-    """Where samplers and the learner reach the broker: the configured host; else, on a Ray cluster, the IP of
-    the node the broker's actor landed on (127.0.0.1 would send every other node to itself); with a local Ray
-    (one machine by construction), :func:`broker_host`'s loopback."""
+    """Where samplers and the learner reach the broker: the configured host; else, on a Ray cluster, the broker
+    node's IP (127.0.0.1 would send every other node to itself); with a local Ray, :func:`broker_host`'s."""
     if wb.advertise_host or local_ray:
         return broker_host(wb)
     return node_ip
@@ -36,8 +34,8 @@ class WeightBrokerActor:
         self.broker = BrokerService(cfg.model_copy(update={"weight_broker": wb}))
 
     def endpoints(self) -> dict[str, Any]:
-        """The bound ports (free ones when the config asked for 0), this node's address and the host the
-        broker advertises (``advertise_host``: what the learner and the samplers must be given)."""
+        """The bound ports (free ones where the config says 0), this node's address and ``advertise_host``
+        (what the learner and the samplers must be given)."""
         return {"host": ray.util.get_node_ip_address(), **self.broker.endpoints()}
 
     def stop(self) -> None:
@@ -47,10 +45,10 @@ class WeightBrokerActor:
 def start_broker(
     cfg: WeightBrokerServiceConfig, local_ray: bool = True, max_restarts: int = 0
 ) -> tuple[Any, dict[str, Any]]:
-    """Start the broker actor and wait until it serves; returns the actor and its endpoints. ``local_ray``:
-    the Ray cluster is this machine alone (see :func:`advertised_host`). With ``max_restarts``, Ray restarts
-    a broker whose process dies, on the same ports (give the config concrete ones): its clients retry across
-    the restart; versions survive it with disk storage, else the learner publishes its current one again."""
+    """Start the broker actor and wait until it serves. ``local_ray``: the Ray cluster is this machine alone.
+    With ``max_restarts``, Ray restarts a broker whose process dies, on the same ports (give the config concrete
+    ones): its clients retry across the restart; versions survive it with disk storage, else the learner
+    publishes its current one again."""
     actor = WeightBrokerActor.options(  # type: ignore[attr-defined]
         name=f"vcpo-weight-broker-{cfg.run.run_id}",
         resources=dict(cfg.weight_broker.ray_resources),

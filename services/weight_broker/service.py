@@ -1,8 +1,5 @@
-"""The weight broker, wired: version store, gRPC service, TCP data plane, `weights` announcements, metrics.
-
-Used by the plain entry point (:func:`main`: ``python -m services.weight_broker --config run.toml``) and the
-Ray actor alike.
-"""
+"""The weight broker, wired: version store, gRPC service, TCP data plane, `weights` announcements, metrics; for
+the plain entry point (``python -m services.weight_broker --config run.toml``) and the Ray actor alike."""
 
 from __future__ import annotations
 
@@ -31,9 +28,6 @@ class BrokerService:
     :meth:`endpoints`)."""
 
     def __init__(self, cfg: WeightBrokerServiceConfig) -> None:
-        """The broker is never a member of the weight group: under ``transport = "collective"`` it holds what
-        the learner publishes through it (versions published while a group forms, and those a late or
-        restarted receiver needs), on GPUs and CPUs alike."""
         wb, run = cfg.weight_broker, cfg.run
         self.host = broker_host(wb)  # what announcements and endpoints() name
         self.metrics = Metrics("weight_broker")
@@ -43,9 +37,8 @@ class BrokerService:
             store, BrokerMetrics(self.metrics), None, wb.chunk_bytes, run.run_id
         )
         self.server = grpc_server(lambda s: add_to_server(self.servicer, s), port=wb.grpc_port)
-        if (
-            run.redis_url
-        ):  # announce each version on the run's `weights` stream, with the address actually bound
+        # announce each version on the run's `weights` stream, with the port actually bound
+        if run.redis_url:
             weights = stream_specs(run, cfg.streams)["weights"]
             producer = StreamProducer(connect(run.redis_url), weights, StreamMetrics(self.metrics))
             self.servicer.announcer = Announcer(producer, f"{self.host}:{self.server.port}")

@@ -1,9 +1,5 @@
 """The broker's service: publishes and fetches (for the TCP data plane, ``dataplane_server.py``), its gRPC
-control calls (latest, list, status), its metrics, and announcements on the `weights` stream.
-
-A refused publish names its reason (``PublishRejected.reason``: ``stale``, ``duplicate``, ``in_progress``,
-``integrity``, ``invalid``, ``store_error``) and says which version and why.
-"""
+control calls (latest, list, status), its metrics, and announcements on the `weights` stream."""
 
 from __future__ import annotations
 
@@ -95,8 +91,8 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         metrics.stored.set(store.stored_bytes())
 
     def publish(self, frames: Iterator[memoryview]) -> StoredVersion:
-        """Run a publish's frames into the store (``protocol.apply_publish``), then count the version and
-        announce it; a refusal (PublishRejected) or the store's own failure is counted and logged, and raised."""
+        """Store a publish's frames, then count and announce the version; a refusal (PublishRejected) or the
+        store's own failure is counted, logged and raised."""
         started = time.monotonic()
         try:
             stored = apply_publish(self.store, frames)
@@ -131,8 +127,8 @@ class WeightBrokerServicer(weights_pb2_grpc.WeightBrokerServicer, common_pb2_grp
         return stored
 
     def fetch(self, version: int | None, start_tensor: str = "", chunk_bytes: int = 0) -> Iterator[Buffer]:
-        """The frames of one fetch (``protocol.fetch_frames``, for the data plane), counted; raises
-        VersionNotFound (counted) at once when the version is not retained."""
+        """The frames of one fetch, counted; raises VersionNotFound (counted) at once when the version is not
+        retained."""
         try:
             frames = fetch_frames(self.store, version, start_tensor, chunk_bytes or self.chunk_bytes)
             head = next(frames)

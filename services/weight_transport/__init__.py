@@ -1,34 +1,23 @@
-"""How policy versions travel from the learner to the samplers' engines: the library the learner, the samplers,
-the evaluator and the weight broker share. The broker's process (``services/weight_broker/``) is the service
-that keeps versions and serves them; this package is what every side speaks.
+"""How policy versions travel from the learner to the samplers' engines (docs/design/weight-transport.md): the
+library the learner, the samplers, the evaluator and the weight broker share. The broker's process
+(``services/weight_broker/``) keeps versions and serves them; this package is what every side speaks.
 
 Other services import the names below from this package, never its modules (an import contract in
 pyproject.toml holds them to it); the broker, which serves what this package defines, may use its modules.
-Names load lazily, so reading a run file's ``[weight_broker]`` table imports no torch.
+Names load lazily, so reading a run file's ``[weight_broker]`` table (``WeightBrokerConfig``, ``broker_host``)
+imports no torch.
 
-What the learner sends:
-
-- ``transport_from_config``, ``WeightTransport``, ``PublishResult``, ``StalePublish``, ``VersionExists``: a
-  version published through the broker (``transport``).
-- ``TensorSpec``, ``dtype_name``: a version's tensors as the wire names them (``tensors``).
-- ``GroupCoordinator``, ``coordinator_from_config``, ``CollectivePublisher``, ``TransferStats``: the weight
-  group's control plane on learner rank 0 and its broadcasts (``group_control``, ``collective``).
-- ``TransferFailed``, ``survive_weight_group_failures``: a failed broadcast, and the NCCL setting that keeps a
-  process alive after one (``weight_group``, ``nccl_group``).
-
-What an engine receives:
-
-- ``Sink``, ``BrokerUnavailable``, ``VersionNotFound``: where a version fetched whole from the broker goes, and why
-  a fetch failed (``protocol``, ``transport``, ``store``).
-- ``GroupRegistry``, ``Member``, ``MemberSeat``, ``Seat``, ``AnnouncementWatch``: an engine's membership of the
-  weight group (``seats``, ``weight_group``).
-- ``GroupSpec``, ``WeightGroup``, ``CollectiveReceiver``, ``Background``, ``NoRoom``: a worker joining the
-  group and receiving versions on a thread of its own (``weight_group``, ``receiver``).
-
-Configuration: ``WeightBrokerConfig`` (the ``[weight_broker]`` table), ``broker_host`` (``config``).
-
-What the broker serves, the modules it uses: ``store`` (versioned storage), ``protocol`` (the publish and fetch
-streams, both halves), ``dataplane`` (the TCP data plane's frames and client calls), ``tensors``.
+- What the learner sends: a version through the broker (``transport_from_config``, ``WeightTransport``,
+  ``PublishResult``, ``StalePublish``, ``VersionExists``), described by ``TensorSpec`` (``dtype_name``); over
+  the weight group (``coordinator_from_config``, ``GroupCoordinator``, ``CollectivePublisher``,
+  ``TransferStats``); ``survive_weight_group_failures`` keeps its process alive after a failed NCCL broadcast
+  (``TransferFailed``).
+- What an engine receives: a version fetched whole from the broker into a ``Sink`` (or ``BrokerUnavailable``,
+  ``VersionNotFound``); its membership of the weight group (``GroupRegistry``, ``Member``, ``MemberSeat``,
+  ``Seat``, ``AnnouncementWatch``); a worker joining the group and receiving on a thread of its own
+  (``WeightGroup``, ``GroupSpec``, ``CollectiveReceiver``, ``Background``; ``NoRoom``).
+- What the broker serves, with the modules: ``store``, ``protocol`` (the publish and fetch streams, both halves),
+  ``dataplane`` (the TCP data plane's frames) and ``tensors``.
 """
 
 from __future__ import annotations

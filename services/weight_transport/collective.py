@@ -1,31 +1,18 @@
-"""The collective weight transport: the learner broadcasts a version into every receiving engine worker.
-
-The weight group (``weight_group.py``) joins the publisher (rank 0, the learner's exporting rank) and every
-receiver (each sampler engine's workers, ranks 1..N): NCCL on GPU, gloo on CPU, the same code. This module is
-what travels over it: :class:`CollectivePublisher` sends, ``receiver.py``'s ``CollectiveReceiver`` receives.
-A version travels as:
+"""What travels over the weight group (``weight_group.py``): :class:`CollectivePublisher` on rank 0 sends,
+``receiver.py``'s ``CollectiveReceiver`` receives. Design: docs/design/weight-transport.md, "A version on the wire".
 
     announce  rank 0 sets ``announce/<n>`` = version in the group's store; receivers poll for it (no collective
               is pending while the group is idle, so no timeout runs), then enter the broadcast
     header    int64 [3] (version, header bytes, buckets), then the header: JSON of the tensors' names, dtypes
-              and shapes in Hugging Face naming, and the bucket size; both sides derive the same bucket layout
-    buckets   the version's tensors packed into buckets (64-byte aligned; a tensor larger than a bucket is one
-              of its own), each broadcast as uint8 pieces of at most the bucket size (``buckets.py``) out of
-              rank 0's staged copy of the version; receivers' tensors are views of their bucket buffers, on
-              the receiver's device (a GPU worker's GPU under NCCL: the engine loads the version from there,
-              device to device)
+              and shapes (Hugging Face naming) and the bucket size, from which both sides derive the layout
+    buckets   uint8 pieces of at most the bucket size (``buckets.py``) out of rank 0's staged copy; receivers'
+              tensors are views of their bucket buffers, on their own device
     vote      an all-reduce every rank enters once it has it all: completed, it commits the version on every
-              rank; a failed collective anywhere discards it on every rank
+              rank; a failed collective anywhere discards it on every rank, and the group must be re-formed
 
-The buckets carry no checksums, as vLLM's and torch's own weight broadcasts carry none: under NCCL (the GPU
-default) hashing a bucket would copy it to the host. The broker path keeps its xxh3 checksums of the bytes it
-stores and serves.
-
-Rank 0 stages the whole version before it announces it, so a source that fails or does not match the header
-raises there: nothing is announced or sent, and the group goes on. Nothing is handed to an engine before the
-vote, so a broadcast that fails part-way (a receiver killed, a timeout) leaves every engine on its previous
-version. A failed collective leaves the group unusable: its members close it and the control plane forms a new
-one (``GroupSpec.epoch``).
+No checksums, as in vLLM's and torch's own weight broadcasts: under NCCL hashing a bucket would copy it to the host.
+The packing is not vLLM's ``packed_tensor`` producer and consumer: they run on CUDA streams only (no gloo, so no
+CPU run or CI), broadcast through vLLM's PyNccl group, which has no timeout, and would make the learner import vLLM.
 """
 
 from __future__ import annotations
@@ -56,10 +43,9 @@ from services.weight_transport.tensors import TensorSpec, check_exhausted, next_
 from services.weight_transport.weight_group import TransferFailed, WeightGroup
 
 log = logging.getLogger(__name__)
-# CUDA: the background broadcasts' stream of each device, one for the process's life. torch's caching allocator
-# reuses a freed block only on the stream that last used it: with a stream per publisher, each new epoch's
-# publisher would leave its predecessor's bucket buffers reserved and unusable (until an allocation that
-# fails makes the allocator synchronize the device and free its cache)
+# CUDA: one background-broadcast stream per device for the process's life. torch's caching allocator reuses a
+# freed block only on its last stream: a stream per publisher would leave each old epoch's bucket buffers
+# reserved and unusable (until a failed allocation makes the allocator synchronize and free its cache)
 _STREAMS: dict[torch.device, Any] = {}
 IN_FLIGHT = 4  # pieces queued at a time from a staged version on the group's device
 
@@ -82,10 +68,10 @@ def _pinned_allocator() -> bool:
 
 
 class PinnedStaging:
-    """The publisher's host staging buffer: exactly the size asked for, page-locked where CUDA is there, kept
-    for the next version (replaced by a new one if that is bigger). From torch's pinned allocator, set to make
-    large buffers at their size and free them when dropped: by default it rounds each allocation up to a power
-    of two and caches it, and a 65 GB version would pin 128 GB of the learner's host for the run's life."""
+    """The publisher's host staging buffer, page-locked where CUDA is there, kept for the next version (replaced
+    only by a bigger one). torch's pinned allocator is set to make large buffers at their exact size and free
+    them when dropped: by default it rounds up to a power of two and caches, so a 65 GB version would pin
+    128 GB of the learner's host for the run's life."""
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
@@ -113,8 +99,7 @@ class CollectivePublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         staging: PinnedStaging | None = None,
     ) -> None:
-        """``staging``: a caller's host staging buffer that outlives this publisher (the coordinator's, kept
-        across epochs: a page-locked buffer of the model's size is costly to make)."""
+        """``staging``: the coordinator's, kept across epochs (a page-locked buffer of a model's size is costly)."""
         if group.rank != 0:
             raise ValueError(
                 f"the publisher is rank 0 of the weight group, this process is rank {group.rank}"
@@ -146,7 +131,7 @@ class CollectivePublisher:
         failure is raised by the next call here, to :meth:`send` or :meth:`wait`. Returns the seconds blocked."""
         t0 = time.monotonic()
         buckets = self._stage(version, specs, tensors)
-        # a daemon thread of its own (broadcast_thread.py); close() joins it, unless left behind
+        # a daemon, not an executor's thread: see broadcast_thread.py
         self._thread, self._pending = start(
             f"weight-broadcast-{version}", self._send_in_thread, version, specs, buckets
         )
@@ -306,10 +291,9 @@ class CollectivePublisher:
         )
 
     def _send_pieces(self, buckets: list[torch.Tensor]) -> None:
-        """Every bucket in its :func:`pieces`. Staged on the group's device (gloo), each piece goes out from
-        the staging, :data:`IN_FLIGHT` queued at a time, so the sockets never idle. Under NCCL each is copied,
-        non-blocking from the page-locked staging, into one of two piece-sized device buffers, the next copied
-        while the last travels: the GPU holds two pieces beside the training, never a version."""
+        """Every bucket in its :func:`pieces`. gloo: straight from the staging, :data:`IN_FLIGHT` queued so the
+        sockets never idle. NCCL: through two piece-sized device buffers, the next copied (non-blocking) while
+        the last travels, so the GPU holds two pieces beside the training, never a version."""
         group = self.group
         in_place = buckets[0].device == group.device
         in_flight: deque[Any] = deque()

@@ -1,13 +1,11 @@
 """The broker's TCP data plane: publish and fetch over a plain socket of length-prefixed frames.
 
-This module is the framing both ends speak and the client's two calls; what the frames hold is
-``protocol.py``, the broker's server ``dataplane_server.py``.
+The framing both ends speak and the client's two calls; what the frames hold is ``protocol.py``, the broker's
+server ``dataplane_server.py``.
 
-Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
-Python bytes object and the GIL), a loopback socket about twice that. Weight bytes are the one bulk flow,
-so they take this path; everything else (latest, list, status, health) stays on gRPC. A payload frame is
-only bytes, so it is sent from where the tensor lies (a gather write) and received where the tensor will
-lie, and no message format copies it on the way.
+Not gRPC: Python gRPC moves at most ~1.3-1.5 GB/s of large messages here (every message crosses the C core, a
+Python bytes object and the GIL), a loopback socket about twice that. Weight bytes are the one bulk flow, so
+they take this path; everything else (latest, list, status, health) stays on gRPC.
 
     frame:        4-byte big-endian length, then that many bytes; length 0 ends a stream
     connection:   client → request frame: JSON {"op": "publish"} or

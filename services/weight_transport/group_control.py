@@ -1,4 +1,6 @@
-"""The collective transport's control plane: who is in the weight group, and when it is formed again.
+"""The collective transport's control plane: who is in the weight group, and when it is formed again. torch has
+no group whose members come and go: this plane re-forms a fixed-size one (an epoch) as they do. Design:
+docs/design/weight-transport.md, "In a run".
 
     receivers (each sampler engine)                      Redis (the run's)                learner rank 0
     MemberSeat ── heartbeat every ttl/3 ─────────► vcpo:<run>:wg:member:<id> (expires)
@@ -8,21 +10,14 @@
          │ arrives at the epoch's rendezvous (the store on learner rank 0) with every other member
          └─► take(): the loop that owns the engine joins (WeightGroup), then receives what rank 0 announces
 
-(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.) torch has no
-group whose members come and go: this plane re-forms a fixed-size one (an epoch) as they do.
+(The receivers' side, ``MemberSeat`` and the ``GroupRegistry`` of those keys, is ``seats.py``.)
 
-The coordinator (learner rank 0, the publisher, which hosts the rendezvous) forms a new epoch when there is
-no group and some receiver is alive, or when the live members differ from the group's (one joined, one's
-heartbeat expired, one restarted under a new id), once the registered members have stayed the same for
-``settle_s`` or kept changing for ``settle_max_s``: samplers register one by one as their engines load
-version 0, and forming at each registration would hold the engines already in the group in a join each time.
-Until then a group whose members only grew goes on carrying versions (new members get theirs through the
-broker); one that lost a member is left at once, since its broadcasts cannot reach every rank. Forming runs in
-a background thread; meanwhile the learner publishes through the broker, so it never waits for a group. A
-failed broadcast closes the group on every member; the next publish goes through the broker and forms a new
-epoch. Members that did not arrive in time (or, where the ranks could not connect, those new since the last
-epoch that formed) are left out for 3 heartbeat lifetimes, twice that each time in a row, up to 10 minutes.
-Epochs come from a Redis counter, so a restarted learner never reuses an epoch's keys.
+A change of the live members forms a new epoch once they have stayed the same for ``settle_s`` (or kept
+changing for ``settle_max_s``): samplers register one by one as their engines load version 0, and forming at
+each registration would hold the engines already in the group in a join each time. Until then a group whose
+members only grew goes on carrying versions (new members get theirs through the broker); one that lost a
+member is left at once, since its broadcasts cannot reach every rank. Epochs come from a Redis counter, so a
+restarted learner never reuses an epoch's keys.
 """
 
 from __future__ import annotations
@@ -71,10 +66,9 @@ class _Formed:
 
 
 class GroupCoordinator:
-    """Learner rank 0's side: forms the weight group in the background and hands out its publisher.
-
-    Call :meth:`publisher` before each publish (between steps): the formed group's publisher, or None while
-    there is none (publish through the broker). Call :meth:`failed` when a broadcast failed."""
+    """Learner rank 0's side: forms the weight group in the background. Call :meth:`publisher` before each
+    publish (between steps): None while there is no group (publish through the broker). Call :meth:`failed`
+    when a broadcast failed."""
 
     def __init__(
         self,

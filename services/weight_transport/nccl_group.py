@@ -12,10 +12,9 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
-# torch's NCCL error handling, read by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp) has
-# the watchdog take the process down when a collective fails or times out: a sampler killed mid-broadcast would
-# kill learner rank 0. The weight group's failures are survivable (a new epoch forms), so its group is built
-# with 2 (CleanUpOnly): the watchdog aborts the communicator and WeightGroup.wait reads the failure.
+# torch's NCCL error handling, read by each ProcessGroupNCCL it constructs. Its default (3, SkipCleanUp) has the
+# watchdog end the process when a collective fails or times out: a sampler killed mid-broadcast would kill learner
+# rank 0. 2 (CleanUpOnly): the watchdog aborts the communicator and WeightGroup.wait reads the failure.
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 # After a failure torch's watchdog sleeps 4 x this (a minute by default) before it aborts the communicator,
 # every collective issued meanwhile blocking in torch. Read when the group is built.

@@ -8,8 +8,6 @@ order as payload frames of at most ``chunk_bytes``, none spanning two tensors (a
 which tensor and offset each belongs to follows from the manifest's sizes, so a payload frame is nothing but
 bytes. A publish ends with a commit frame, JSON ``{"checksums": [per tensor], "checksum": version}``: the
 publisher knows the checksums only once it has streamed the bytes (a ZeRO-3 learner gathers as it sends).
-The broker checks them all before the version becomes visible; the fetching side checks each tensor before
-the sink sees it.
 """
 
 from __future__ import annotations
@@ -51,10 +49,7 @@ def publish_frames(
     run_id: str = "",
 ) -> Iterator[Buffer]:
     """The publish's frames: manifest, payloads (views of the tensors' bytes, for gather writes), commit.
-
-    ``tensors`` is consumed lazily, one tensor at a time, in the order of ``specs`` (a ZeRO-3 learner gathers
-    each bucket inside that iterator, so the whole model never sits in one extra buffer).
-    """
+    ``tensors`` is consumed lazily, in the order of ``specs`` (a ZeRO-3 learner gathers inside that iterator)."""
     yield manifest_of(specs, version, run_id).SerializeToString()
     digests: list[tuple[str, str]] = []
     source = iter(tensors)
@@ -71,8 +66,7 @@ def publish_frames(
 
 def apply_publish(store: VersionStore, frames: Iterator[memoryview]) -> StoredVersion:
     """Run a publish's frames into ``store``; the version is visible only if the frames end with a valid
-    commit. Anything else (frames that break off, raise, or end without the commit) leaves nothing behind.
-    """
+    commit. Anything else (frames that break off, raise, or end without the commit) leaves nothing behind."""
     try:
         manifest = _manifest(next(frames, None), "publish")
     except ValueError as exc:
@@ -140,12 +134,9 @@ def receive_fetch(
     on_manifest: Callable[[weights_pb2.VersionManifest], None] | None = None,
 ) -> weights_pb2.VersionManifest:
     """Read a fetch's frames from ``sock``, each tensor's payloads straight into a buffer of its own (the one
-    copy of the data on this side, allocated without zero-filling); verify each tensor and hand it to
-    ``sink(name, tensor)`` in order; return the manifest (``on_manifest`` is told it first).
-
-    Raises IntegrityError on a checksum mismatch (before the sink sees the tensor), BrokenStream on a stream
-    that is malformed or ends early.
-    """
+    copy on this side, not zero-filled); verify each tensor and hand it to ``sink(name, tensor)`` in order;
+    return the manifest (``on_manifest`` is told it first). Raises IntegrityError on a checksum mismatch
+    (before the sink sees the tensor), BrokenStream on a stream that is malformed or ends early."""
     try:
         manifest = _manifest(recv_frame(sock), "fetch")
     except ValueError as exc:

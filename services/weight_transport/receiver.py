@@ -1,6 +1,6 @@
 """The collective transport's receiving side: each sampler engine's worker (ranks 1..N of the weight group)
-takes every version rank 0 broadcasts (``collective.py`` says how), in the :class:`Background` so that its
-engine goes on generating; nothing is handed to the engine before every rank voted to commit the version."""
+takes every version rank 0 broadcasts (``collective.py``), in the :class:`Background` so that its engine goes on
+generating."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
-"""Closed weight groups' process groups, destroyed on a thread of their own.
+"""Closed weight groups' process groups, destroyed on a reaper thread of their own (:func:`retire`).
 
 A process group's destructor may block: ~ProcessGroupGloo joins its worker threads, one of which may wait, until
 the group's timeout, on a peer that hung or died mid-collective. Dropped by whoever held it last, it would run
 on that thread (a receiving thread, and the learner's next broadcast, stuck for the timeout). Kept forever,
 every failed or re-formed epoch kept its threads and sockets (about 3 threads and 10 descriptors per rank on
-gloo): a long run whose samplers restart now and then would reach a container's open-files limit.
-
-So :func:`retire` hands a closed group to one daemon thread, which destroys it once it holds the last reference
-(CPython's reference count tells) and the collectives issued on it have ended (gloo ends a pending one at the
-group's timeout): the destructor then has nothing to wait for.
+gloo): a long run whose samplers restart now and then would reach a container's open-files limit. The reaper
+destroys a group once it holds the last reference (CPython's reference count tells) and the collectives issued
+on it have ended (gloo ends a pending one at the group's timeout), so the destructor has nothing to wait for.
 
 At interpreter exit the reaper is stopped and a destroy under way waited for: a thread that takes the GIL back
 while Python finalizes is ended by a forced unwind, which torch's destructor frames turn into std::terminate.

@@ -1,8 +1,5 @@
-"""The weight group's receivers in the control plane (``group_control.py`` draws the whole of it): their
-registration in Redis (``GroupRegistry``: ``vcpo:<run>:wg:member:<id>``, expiring, in the set
-``vcpo:<run>:wg:members``; the epoch counter; the newest epoch's spec) and their seat in an epoch
-(``MemberSeat``: heartbeats, arrives at each epoch that names it, hands it to the loop that owns the engine).
-"""
+"""The weight group's receivers in the control plane that ``group_control.py`` draws (its Redis keys too): their
+registration (:class:`GroupRegistry`) and their seat in an epoch (:class:`MemberSeat`)."""
 
 from __future__ import annotations
 

@@ -4,20 +4,15 @@
                               └── abort() / any error: nothing of it remains
     get(version | None) ─► StoredVersion ── payload(start_tensor) ─► the tensors' bytes (from the stored copy)
 
-A publish's payloads are the tensors' bytes in manifest order, cut anywhere but never across two tensors; the
-writer knows from the manifest's sizes which tensor each belongs to.
+Payloads are cut as ``protocol.py`` says. ``[weight_broker] storage`` picks the storage:
 
-One store, two storages, chosen by ``[weight_broker] storage``:
+- :class:`MemoryStore` keeps each version as the payloads it received (read-only buffers nobody else holds) and
+  serves fetches views of them, so concurrent fetchers add only their in-flight frames, never a model each.
+- :class:`DiskStore` keeps ``v<version>/`` (``model.safetensors``, ``manifest.json``), renamed into place on
+  commit, read back by ``pread``; it survives restarts, and vLLM or ``safetensors`` can load it as it is.
 
-- in memory (:class:`MemoryStore`) it keeps each retained version as the payloads it received (read-only buffers nobody else
-  holds), and a fetch is served views of them: no copy, so any number of concurrent fetchers add only their
-  in-flight frames, never a copy of the model each.
-- on disk (:class:`DiskStore`, a ``root``) it keeps each version as a directory ``v<version>/`` holding ``model.safetensors`` and
-  ``manifest.json``, written under a temporary name and renamed on commit (atomic), read back by ``pread``.
-  It survives restarts, and vLLM or ``safetensors`` can load a version directory as it is.
-
-Retention keeps the newest ``retain`` versions; a fetch in progress keeps reading a version dropped under
-it (the buffer stays referenced; the unlinked file stays open).
+A fetch in progress keeps reading a version retention dropped under it (the buffer stays referenced; the
+unlinked file stays open).
 """
 
 from __future__ import annotations
@@ -130,8 +125,8 @@ class VersionWriter:
         return self.received == len(self.manifest.tensors)
 
     def write(self, data: memoryview) -> None:
-        """Take the next payload: the bytes of tensor ``received`` from where the last payload ended. Raises
-        PublishRejected (and aborts) on one that is empty or runs past its tensor's end."""
+        """The next payload of tensor ``received``. Raises PublishRejected (and aborts) on one that is empty or
+        runs past its tensor's end."""
         try:
             if self.complete:
                 raise PublishRejected("invalid", f"bytes after the last tensor of version {self.version}")
@@ -164,8 +159,8 @@ class VersionWriter:
             self.received += 1
 
     def commit(self, checksums: list[str], expected_checksum: str) -> StoredVersion:
-        """Make the version visible, if every tensor arrived, each matches its checksum in ``checksums``
-        (the publisher's, in manifest order) and the version checksum matches."""
+        """Make the version visible, if every tensor arrived and matches ``checksums`` (the publisher's, in
+        manifest order) and ``expected_checksum``."""
         try:
             if not self.complete:
                 missing = len(self.manifest.tensors) - self.received
@@ -200,9 +195,8 @@ class VersionWriter:
         return stored
 
     def abort(self) -> None:
-        """Drop everything written; idempotent. The store takes the next publish whatever happens here (a full
-        disk may fail the discard too, on the file's buffered bytes): otherwise this publish would stay "in
-        progress" and the store refuse every later one until a restart."""
+        """Drop everything written; idempotent. The store takes the next publish even if the discard fails (a
+        full disk, on the file's buffered bytes): else every later publish is refused until a restart."""
         if not self._done:
             self._done = True
             try:

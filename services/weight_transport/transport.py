@@ -8,12 +8,9 @@ The client is custom because the data plane skips gRPC for bulk bytes (``datapla
 messages at about half a loopback socket's rate); control calls (latest, list) stay gRPC.
 
 Every call has a deadline; transient failures (unavailable, deadline, broken stream, corrupted bytes, another
-publish in progress) are retried with exponential backoff a bounded number of times, and a fetch resumes the same
-version from the first tensor its sink has not received. When retries run out the call raises
-:class:`BrokerUnavailable` saying what failed; a sampler then keeps generating with the weights it has while the
-lag bound allows. The broker's refusals come back as :class:`VersionExists` (a duplicate), :class:`StalePublish`
-(an older version), ``PublishRejected`` (any other) and ``VersionNotFound``. The collective path
-(``weight_group``, ``collective``) is not this one: what the weight group does not carry comes through here.
+publish in progress) are retried with exponential backoff a bounded number of times, then raise
+:class:`BrokerUnavailable`. The broker's refusals are :class:`VersionExists`, :class:`StalePublish`,
+``PublishRejected`` (any other) and ``VersionNotFound``. What the weight group does not carry comes through here.
 """
 
 from __future__ import annotations
@@ -129,9 +126,7 @@ class WeightTransport:
         self, sink: Sink, version: int | None = None, start_tensor: str = ""
     ) -> weights_pb2.VersionManifest:
         """Hand every tensor of ``version`` (None: the latest), verified and in order, to ``sink(name, tensor)``.
-
-        A retry continues the same version from the first tensor the sink has not received.
-        """
+        A retry continues the same version from the first tensor the sink has not received."""
         pinned: list[int | None] = [version]
         names: list[str] = []
         delivered: list[str] = []

@@ -1,14 +1,12 @@
-"""The weight group: one process group joining the learner's publishing rank and every receiving worker.
+"""The weight group: a process group of the learner's publishing rank and every receiving worker, outside
+torch.distributed's default one (which ZeRO-3 or vLLM's tensor parallelism may own). Design:
+docs/design/weight-transport.md, "The weight group"; what travels over it: ``collective.py``.
 
-Every rank of an epoch (``GroupSpec``) counts itself in at the epoch's TCP store on rank 0 and waits, up to
-``form_timeout_s``, for all the others, then joins a process group outside torch.distributed's default one
-(which ZeRO-3 or vLLM's tensor parallelism may own): NCCL on GPU, gloo on CPU (and where NCCL ranks would share
-a GPU), the same code. Rank 0 announces each version in the store (``announce/<n>``), so an idle group waits in
-no collective and never reaches its timeout. torch.distributed's own rendezvous and collectives wait the whole
-timeout for a rank that died, and a failed NCCL collective ends the process; here any rank that gives up marks
-the store ``failed``, every other rank's wait ends at once, and any failure is a :class:`TransferFailed`: the
-group closes on every member and the control plane (``group_control.py``) forms a new epoch. What travels over
-the group is ``collective.py``.
+Not torch.distributed's own rendezvous and waits: those wait the whole timeout for a rank that died, and a
+failed NCCL collective ends the process. Here every rank counts itself in at the epoch's TCP store on rank 0,
+waiting at most ``form_timeout_s``; any rank that gives up marks the store ``failed``, every other rank's wait
+ends at once, and any failure is a :class:`TransferFailed`: the group closes on every member and the control
+plane (``group_control.py``) forms a new epoch.
 """
 
 from __future__ import annotations
@@ -168,9 +166,7 @@ class WeightGroup:
         self, spec: GroupSpec, rank: int, device: torch.device | None = None, store: Any = None
     ) -> None:
         """Join as ``rank``: rank 0 hosts the store (or passes ``store``, a master it opened already, to learn a
-        free port before announcing the spec). Every rank first waits, up to ``form_timeout_s``, until all
-        ``world_size`` have arrived (:class:`TransferFailed` otherwise), so a member that never comes costs the
-        others that long, not the collective timeout."""
+        free port before announcing the spec). :class:`TransferFailed` unless all ranks arrive and connect."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside the weight group of {spec.world_size}")
         self.spec, self.rank, self.backend = spec, rank, spec.backend
@@ -289,9 +285,8 @@ class WeightGroup:
 
     def wait_ready(self, seq: int, stage: str = "", poll_s: float = 0.002) -> None:
         """Rank 0: wait in the store until every receiver is :meth:`ready` for broadcast ``seq``, before issuing
-        any of its collectives. Under NCCL a collective waiting for a late receiver is a kernel on this rank's
-        GPU, which every device-wide synchronize of the training step would wait for, up to the group's
-        timeout. Gives up as :meth:`wait` does."""
+        any of its collectives: under NCCL a collective waiting for a late receiver is a kernel that every
+        device-wide synchronize of the training step would wait for. Gives up as :meth:`wait` does."""
         expected = self.spec.world_size - 1
         deadline = asked = time.monotonic()
         deadline += self.spec.timeout_s
