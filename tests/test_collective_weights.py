@@ -138,6 +138,11 @@ def no_room(buffers: Any) -> Any:
     return without_room
 
 
+# receivers are spawned processes that import torch before they arrive: on a loaded 2-core machine that has
+# taken over 30 s (the default form timeout); these tests are about what follows the forming
+SPAWNED_FORM_S = 120.0
+
+
 def start_receivers(spec: GroupSpec, behaviours: list[str], versions: int) -> tuple[list[Any], Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -175,7 +180,7 @@ def test_group_spec_names_bad_values() -> None:
 
 
 def test_versions_reach_every_receiver_bit_exact() -> None:
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=60)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=60, form_timeout_s=SPAWNED_FORM_S)
     procs, out = start_receivers(spec, ["ok", "ok", "ok"], versions=2)
     group = WeightGroup(spec, 0)
     publisher = CollectivePublisher(group, bucket_bytes=8192)
@@ -193,7 +198,7 @@ def test_versions_reach_every_receiver_bit_exact() -> None:
 
 
 def test_a_receiver_killed_mid_broadcast_fails_the_version_everywhere() -> None:
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=120)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=4, timeout_s=120, form_timeout_s=SPAWNED_FORM_S)
     procs, out = start_receivers(spec, ["ok", "die-after-header", "ok"], versions=1)
     group = WeightGroup(spec, 0)
     tensors = version_tensors(7)
@@ -217,7 +222,7 @@ def test_a_receiver_killed_between_broadcasts_fails_the_next_one_fast(world: int
     not after the group's timeout: the rank that meets the dead peer (rank 0, or a receiver whose link to it
     breaks while rank 0 waits on another) marks the broadcast failed in the store, which rank 0 watches. A
     chaos run saw rank 0 wait the whole 120 s timeout here, the samplers starved of versions meanwhile."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=world, timeout_s=90)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=world, timeout_s=90, form_timeout_s=SPAWNED_FORM_S)
     behaviours = ["ok", "die-idle", "ok"][: world - 1]
     procs, out = start_receivers(spec, behaviours, versions=1)
     group = WeightGroup(spec, 0)
@@ -239,7 +244,7 @@ def test_a_receiver_whose_part_failed_stops_every_rank_at_once() -> None:
     would wait for that receiver until the group's timeout) and the other receivers give up within a second of
     their next check. Seen in a chaos run: the broker's link to a killed sampler broke at once, but rank 0
     waited the whole 120 s in the vote."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90, form_timeout_s=SPAWNED_FORM_S)
     procs, out = start_receivers(spec, ["fail-and-linger", "ok"], versions=1)
     group = WeightGroup(spec, 0)
     tensors = version_tensors(7)
@@ -260,7 +265,7 @@ def test_a_receiver_whose_own_step_fails_names_it_to_every_rank_at_once() -> Non
     next check with that reason, the one to act on (how much room, and the settings that make it), and nobody
     commits the version. Under NCCL nothing else would wake them (an aborted rank's peers wait in the next
     bucket until the group's timeout, 90 s here)."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=90, form_timeout_s=SPAWNED_FORM_S)
     procs, out = start_receivers(spec, ["no-room-and-linger", "ok"], versions=1)
     group = WeightGroup(spec, 0)
     tensors = version_tensors(7)
@@ -452,7 +457,7 @@ def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes()
     """The learner's next step overlaps the broadcast: ``send_background`` returns once the version is copied
     into the staging buffer; changing the weights after that does not change what the receivers get. A
     ``send`` right after it stages into the same buffer only once that broadcast has ended."""
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=3, timeout_s=30, form_timeout_s=SPAWNED_FORM_S)
     procs, out = start_receivers(spec, ["late", "late"], versions=3)
     group = WeightGroup(spec, 0)
     publisher = CollectivePublisher(group, bucket_bytes=8192)
@@ -478,7 +483,7 @@ def test_a_background_broadcast_returns_once_staged_and_sends_the_staged_bytes()
 
 
 def test_a_failed_background_broadcast_is_raised_by_the_next_call() -> None:
-    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=5)
+    spec = GroupSpec("127.0.0.1", free_port(), world_size=2, timeout_s=5, form_timeout_s=SPAWNED_FORM_S)
     procs, _ = start_receivers(spec, ["die-after-header"], versions=1)
     group = WeightGroup(spec, 0)
     publisher = CollectivePublisher(group, bucket_bytes=8192)

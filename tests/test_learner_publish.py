@@ -179,7 +179,15 @@ def _weight_receiver(spec: dict[str, Any], behaviour: str, out: Any) -> None:
 def run_collective(model_dir: Path, behaviour: str) -> tuple[list[tuple[Any, ...]], Any]:
     ctx = mp.get_context("spawn")
     got = ctx.Queue()
-    spec = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 20.0}
+    # the receiver waits at the rendezvous while both ranks build their ZeRO-3 module, which has taken over the
+    # default 30 s on a loaded 2-core machine
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "timeout_s": 20.0,
+        "form_timeout_s": 120.0,
+    }
     receiver = ctx.Process(target=_weight_receiver, args=(spec, behaviour, got))
     receiver.start()
     results = _spawn_ranks(_collective_rank, str(model_dir), spec)
