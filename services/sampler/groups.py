@@ -71,6 +71,19 @@ class Response:
         self.mask += [False] * len(tokens)
         self.detokenized = False  # the text is the decoded whole: turns and observations
 
+    def prepend_context(self, tokens: list[int]) -> None:
+        """Context read before the response (masked, log-prob 0): an agent episode's part of its prompt that
+        the group's common prompt does not cover. Later version segments shift by it; the first still
+        starts at 0, so the prepended tokens carry the version the response began with."""
+        if not tokens:
+            return
+        k = len(tokens)
+        self.tokens = [*tokens, *self.tokens]
+        self.logprobs = [0.0] * k + self.logprobs
+        self.mask = [False] * k + self.mask
+        self.segments = [(0, self.segments[0][1])] + [(s + k, v) for s, v in self.segments[1:]]
+        self.detokenized = False
+
     def to_proto(self, decode: Callable[[list[int]], str]) -> rollout_pb2.Trajectory:
         trajectory = rollout_pb2.Trajectory(
             response_tokens=self.tokens,
