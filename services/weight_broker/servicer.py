@@ -45,8 +45,18 @@ class BrokerMetrics:
 
 # a full, failing or read-only disk, a volume the broker may not write (a PVC's wrong fsGroup), no descriptors
 STORE_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in "ENOSPC EDQUOT EIO EROFS EFBIG EACCES EPERM EMFILE ENFILE ESTALE".split()  # noqa: SIM905
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EIO,
+        errno.EROFS,
+        errno.EFBIG,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ESTALE,
+    }
 )
 
 

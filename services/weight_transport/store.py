@@ -18,7 +18,6 @@ unlinked file stays open).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import threading
@@ -32,8 +31,8 @@ from google.protobuf import json_format
 from services.weight_transport.tensors import (
     Buffer,
     Hasher,
+    TensorSpec,
     safetensors_header,
-    torch_dtype,
     version_checksum,
 )
 from vcpo.v1 import weights_pb2
@@ -315,7 +314,7 @@ def _validate(manifest: weights_pb2.VersionManifest) -> None:
             raise PublishRejected("invalid", f"tensor name {t.name!r} is empty or repeated")
         names.add(t.name)
         try:
-            size = torch_dtype(t.dtype).itemsize * math.prod(t.shape)
+            size = TensorSpec(t.name, t.dtype, tuple(t.shape)).nbytes
         except ValueError as exc:
             raise PublishRejected("invalid", f"tensor {t.name!r}: {exc}") from None
         if any(d < 0 for d in t.shape):
