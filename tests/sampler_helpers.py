@@ -58,9 +58,15 @@ def announcing_broker(client: Any, run: Any, retain: int = 4) -> Any:
     return Broker(MemoryStore(retain=retain), Announcer(StreamProducer(client, weights), ""))
 
 
-def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = None, **sampler: Any) -> Any:
+def sampler_config(
+    run: Any,
+    broker: Any,
+    evaluation: dict[str, Any] | None = None,
+    agents: dict[str, Any] | None = None,
+    **sampler: Any,
+) -> Any:
     """A sampler of ``run`` fetching from ``broker`` over its data plane: the tiny model on CPU, free ports, ``sampler``
-    on top (and an ``[evaluation]`` section, if given)."""
+    on top (and ``[evaluation]`` and ``[agents]`` sections, if given)."""
     from services.sampler.config import SamplerServiceConfig
 
     settings = {
@@ -79,7 +85,13 @@ def sampler_config(run: Any, broker: Any, evaluation: dict[str, Any] | None = No
         "data_port": broker.plane.port,
     }
     return SamplerServiceConfig.model_validate(
-        {"run": run.model_dump(), "sampler": settings, "weight_broker": wb, "evaluation": evaluation or {}}
+        {
+            "run": run.model_dump(),
+            "sampler": settings,
+            "weight_broker": wb,
+            "evaluation": evaluation or {},
+            "agents": agents or {},
+        }
     )
 
 

@@ -72,6 +72,7 @@ class Stack:
         k: int,
         groups_per_step: int,
         evaluation: dict[str, Any] | None = None,
+        agents: dict[str, Any] | None = None,
         **sampler: Any,
     ) -> None:
         self.run = RunConfig(
@@ -92,7 +93,7 @@ class Stack:
             "max_requests_in_flight": 4 * n,
             **sampler,
         }
-        self.cfg = sampler_config(self.run, self.broker, evaluation, **settings)
+        self.cfg = sampler_config(self.run, self.broker, evaluation, agents, **settings)
         engine.loaded_version = None  # a starting sampler does not know what it holds: it fetches a version
         self.service = SamplerService(self.cfg, 0, engine)
         self.learner = LearnerStandIn(client, self.run, self.broker.client(), model_dir)

@@ -44,6 +44,7 @@ SYSTEM_SECTIONS = (
     "weight_broker",
     "launcher",
     "evaluation",
+    "agents",
 )
 
 

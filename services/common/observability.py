@@ -175,14 +175,15 @@ class WindowRate:
         return self._total / span
 
 
-def write_endpoints(directory: Path, name: str, grpc_port: int, metrics_url: str) -> Path:
+def write_endpoints(directory: Path, name: str, grpc_port: int, metrics_url: str, **more: Any) -> Path:
     """Say where a started replica listens: ``<directory>/<name>.endpoints.json`` with its gRPC port, metrics
-    URL and PID (launchers wait for this file; the PID tells a fresh file from a dead replica's). Written
-    atomically, so a reader never sees half of it."""
+    URL, PID (launchers wait for this file; the PID tells a fresh file from a dead replica's) and ``more``
+    (a sampler's ``agents_url``). Written atomically, so a reader never sees half of it."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.endpoints.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_url": metrics_url, "pid": os.getpid()}))
+    body = {"grpc_port": grpc_port, "metrics_url": metrics_url, "pid": os.getpid(), **more}
+    tmp.write_text(json.dumps(body))
     tmp.replace(path)
     return path
 

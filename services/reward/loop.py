@@ -17,7 +17,8 @@ write a group that another replica has taken over). While a slow group is scored
 
 Which scorer: the task's ``scorer``; else ``environment`` for a task of a tool-use environment whose
 trajectories carry the environment's reward (set by the sampler on ``Trajectory.reward``); else the
-configured default.
+configured default. A response an agent finished with a reward (``Trajectory.reward.scorer = "agent"``) is
+judged by that reward, whatever its group's scorer.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def scorer_for(group: Group, default: str) -> str:
     if task.environment and any(t.HasField("reward") for t in group.trajectories):
         return "environment"
     return default
+
+
+def scorer_of(trajectory: rollout_pb2.Trajectory, group_scorer: str) -> str:
+    """An agent that finished its episode with a reward is judged by it (the environment scorer reads the
+    reward a trajectory carries); any other response by its group's scorer."""
+    agent = trajectory.HasField("reward") and trajectory.reward.scorer == "agent"
+    return "environment" if agent else group_scorer
 
 
 def score_input(task: rollout_pb2.Task, trajectory: rollout_pb2.Trajectory) -> ScoreInput:
@@ -154,7 +162,7 @@ class RewardLoop:
         for entry in entries:
             group = entry.message
             scorer = scorer_for(group, self.default_scorer)
-            jobs += [(scorer, score_input(group.task, t)) for t in group.trajectories]
+            jobs += [(scorer_of(t, scorer), score_input(group.task, t)) for t in group.trajectories]
         outcomes = iter(self.pool.score_many(jobs))
         forwarded = 0
         for entry in entries:

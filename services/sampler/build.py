@@ -76,3 +76,29 @@ def environment_spec(env: EnvironmentConfig) -> registry_pb2.EnvironmentSpec:
     the entry names: the run file holds no secret)."""
     fields = env.model_dump(exclude_defaults=True, exclude={"auth_token_file", "auth_token_env"})
     return registry_pb2.EnvironmentSpec(**fields, auth_token=env.auth_token())
+
+
+def request_cap(engine: GenerationEngine, configured: int, n: int) -> int:
+    """The cap on requests in flight: ``configured`` (``sampler.max_requests_in_flight``), or with 0 the
+    engine's batch limit; a ValueError naming the key if no group of ``n`` could ever start."""
+    limit = engine.batch_limit
+    cap = configured or limit
+    if not cap:
+        raise ValueError(
+            f"{type(engine).__name__} states no batch limit: set sampler.max_requests_in_flight (requests, "
+            "i.e. groups in flight x sampler.n)"
+        )
+    if cap < n:
+        source = "sampler.max_requests_in_flight" if configured else "the engine's batch limit"
+        raise ValueError(
+            f"{source} is {cap}, below sampler.n = {n}: no group could ever start; set "
+            f"sampler.max_requests_in_flight to at least {n}"
+        )
+    if limit and cap > limit:
+        log.warning(
+            "sampler.max_requests_in_flight = %d exceeds the engine's batch limit %d (vLLM's max_num_seqs): "
+            "the rest wait in its queue",
+            cap,
+            limit,
+        )
+    return cap

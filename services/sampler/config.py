@@ -13,6 +13,7 @@ from pydantic import Field, PositiveFloat, SecretStr, model_validator
 from services.common.config import Section, ServiceConfig
 from services.common.tls import ClientTls, ServerTls
 from services.reward.config import RewardConfig
+from services.sampler.agents.config import AgentsConfig
 from services.weight_transport import WeightBrokerConfig
 
 EVAL_SET_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -377,3 +378,4 @@ class SamplerServiceConfig(ServiceConfig):
     weight_broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)  # where versions come from
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)

@@ -37,6 +37,8 @@ class Response:
     multi_turn: bool = False  # the end of a turn is not the end of the response (the agent loop ends it)
     turns: int = 1
     environment_reward: float | None = None  # the sum of the environment's step rewards (multi-turn)
+    agent_reward: float | None = None  # the reward an agent finished its episode with (agents/episodes.py)
+    final_text: str | None = None  # an agent episode's text: its last answer (what a scorer judges)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -84,12 +86,17 @@ class Response:
         self.segments = [(0, self.segments[0][1])] + [(s + k, v) for s, v in self.segments[1:]]
         self.detokenized = False
 
+    def _text(self, decode: Callable[[list[int]], str]) -> str:
+        if self.final_text is not None:
+            return self.final_text
+        return "".join(self.text) if self.detokenized else decode(self.tokens)
+
     def to_proto(self, decode: Callable[[list[int]], str]) -> rollout_pb2.Trajectory:
         trajectory = rollout_pb2.Trajectory(
             response_tokens=self.tokens,
             behaviour_logprobs=self.logprobs,
             loss_mask=self.mask,
-            text="".join(self.text) if self.detokenized else decode(self.tokens),
+            text=self._text(decode),
             finish_reason=self.finish_reason or "",
             policy_version_start=self.segments[0][1],
             policy_version_end=self.version_end,
@@ -102,6 +109,8 @@ class Response:
             trajectory.reward.CopyFrom(
                 rollout_pb2.Reward(value=self.environment_reward, scorer="environment")
             )
+        elif self.agent_reward is not None:
+            trajectory.reward.CopyFrom(rollout_pb2.Reward(value=self.agent_reward, scorer="agent"))
         return trajectory
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.observability import Metrics, WindowRate
 
-ABORT_REASONS = ("lag", "environment", "shutdown", "weights_lost")
+ABORT_REASONS = ("lag", "environment", "shutdown", "weights_lost", "agent_abandoned", "agent_expired")
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -95,6 +95,20 @@ class SamplerMetrics:
         )
         self.env_paused = metrics.gauge(
             "vcpo_sampler_env_paused", "1 while an environment's circuit breaker holds its tasks back", e
+        )
+        self.agent_breaks = metrics.counter(
+            "vcpo_agent_prefix_breaks_total",
+            "Agent turns whose prompt did not extend the episode's ids (a new segment starts), by reason",
+            ["replica", "reason"],
+        )
+        self.agent_episodes = metrics.counter(
+            "vcpo_agent_episodes_total", "Agent episodes claimed and finished", ["replica", "event"]
+        )
+        self.agent_turn = metrics.histogram(
+            "vcpo_agent_turn_seconds", "Agent API chat completions: request to answer", r
+        )
+        self.agent_errors = metrics.counter(
+            "vcpo_agent_errors_total", "Agent API requests refused, by error code", ["replica", "code"]
         )
         self.rate = WindowRate()
 

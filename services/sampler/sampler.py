@@ -34,7 +34,9 @@ it the deltas of the requests it owns; its requests never become groups.
 A task of a tool-use environment is admitted only when its environment can take a group (sessions free,
 circuit breaker closed); its group's responses are multi-turn episodes run by the agent loop (agent.py),
 whose environment calls are collected every tick; a group the environment failed is given up like a stale
-one (its task retried, up to the feed's limit).
+one (its task retried, up to the feed's limit). With the agent API (``[agents]``), the tasks without an
+environment are admitted when agents claim their episodes (:meth:`Sampler.admit_agents`), and the agents'
+requests are served every tick (agents/episodes.py).
 
 What blocks what: a full `rollouts` stream blocks step 4 and so the whole loop (back-pressure); the lag bound
 blocks step 2 until newer weights are applied; fetching weights never blocks the loop (a background thread),
@@ -49,60 +51,26 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.admission import Admission, AdmissionCounter
 from services.common.streams.producer import StreamProducer
 from services.sampler.agent import AgentLoop
+from services.sampler.agents.commands import AgentError, stale_error
+from services.sampler.agents.episodes import EpisodeBook
+from services.sampler.build import request_cap
 from services.sampler.cotenant import Cotenant
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
 from services.sampler.feed import PreparedTask, TaskFeed
 from services.sampler.groups import Group
 from services.sampler.metrics import SamplerMetrics
+from services.sampler.servicer import SamplerState
 from services.sampler.weights import WeightSync
 from vcpo.v1 import common_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
 State = common_pb2.ServiceStatus
-
-
-@dataclass
-class SamplerState:
-    """What Status reports; written by the loop, read by the gRPC thread."""
-
-    state: int = State.STARTING
-    detail: str = "starting"
-    policy_version: int = 0
-    figures: dict[str, float] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-
-
-def request_cap(engine: GenerationEngine, configured: int, n: int) -> int:
-    """The cap on requests in flight: ``configured`` (``sampler.max_requests_in_flight``), or with 0 the
-    engine's batch limit; a ValueError naming the key if no group of ``n`` could ever start."""
-    limit = engine.batch_limit
-    cap = configured or limit
-    if not cap:
-        raise ValueError(
-            f"{type(engine).__name__} states no batch limit: set sampler.max_requests_in_flight (requests, "
-            "i.e. groups in flight x sampler.n)"
-        )
-    if cap < n:
-        source = "sampler.max_requests_in_flight" if configured else "the engine's batch limit"
-        raise ValueError(
-            f"{source} is {cap}, below sampler.n = {n}: no group could ever start; set "
-            f"sampler.max_requests_in_flight to at least {n}"
-        )
-    if limit and cap > limit:
-        log.warning(
-            "sampler.max_requests_in_flight = %d exceeds the engine's batch limit %d (vLLM's max_num_seqs): "
-            "the rest wait in its queue",
-            cap,
-            limit,
-        )
-    return cap
 
 
 class Sampler:
@@ -138,6 +106,8 @@ class Sampler:
         self.k = admission.k
         self.agent = agent
         self.cotenant = cotenant  # shares the engine (held-out evaluation, shared placement)
+        # with one, agents play the tasks without an environment over the agent API (agents/episodes.py)
+        self.book: EpisodeBook | None = None
         self.status = SamplerState()
         self.groups: dict[str, Group] = {}
         self._by_request: dict[str, Group] = {}
@@ -196,6 +166,8 @@ class Sampler:
         self._unblock()
         if self.agent is not None:
             self.agent.close()
+        if self.book is not None:
+            self.book.close()
         if self.cotenant is not None:
             self.cotenant.close()
 
@@ -271,7 +243,7 @@ class Sampler:
         """Responses of the groups in flight that have not finished: the seats they hold in the engine."""
         return sum(group.unfinished for group in self.groups.values())
 
-    def _start(self, prepared: PreparedTask, version: int) -> None:
+    def _start(self, prepared: PreparedTask, version: int) -> Group:
         self._counter += 1
         group_id = f"{self.replica_id}.{self.incarnation}-{self._counter}"
         budget = self.feed.encoder.response_budget(len(prepared.prompt_tokens))
@@ -279,6 +251,7 @@ class Sampler:
         if budget < sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=budget)
         environment = prepared.task.environment
+        agents = self.book is not None and not environment
         group = Group(
             group_id,
             prepared.task,
@@ -287,7 +260,7 @@ class Sampler:
             sampling,
             self.n,
             prepared,
-            multi_turn=bool(environment),
+            multi_turn=bool(environment) or agents,
         )
         self.groups[group_id] = group
         if environment:
@@ -295,15 +268,40 @@ class Sampler:
             if handle is None or self.agent is None:
                 raise RuntimeError(f"group {group_id}: environment {environment!r} vanished after admission")
             self.agent.start(group, handle)
-            return
-        for request_id in group.request_ids:
-            self.engine.add(request_id, prepared.prompt_tokens, sampling)
-            self._by_request[request_id] = group
+        elif not agents:  # agents' groups wait for agents to claim their episodes
+            for request_id in group.request_ids:
+                self.engine.add(request_id, prepared.prompt_tokens, sampling)
+                self._by_request[request_id] = group
+        return group
+
+    def admit_agents(self) -> tuple[Group | None, str]:
+        """A group of a task for agents, admitted now (for the agent API's claims), or (None, why not)."""
+        version, active, cap = (
+            self.engine.loaded_version,
+            self.requests_in_flight(),
+            self.max_requests_in_flight,
+        )
+        if version is None or self._draining:
+            return None, "no policy version is loaded yet" if version is None else "a new version is loading"
+        if active + self.n > cap:
+            return None, f"{active} requests in flight, at most {cap} (sampler.max_requests_in_flight)"
+        if self.max_groups and self.emitted + len(self.groups) >= self.max_groups:
+            return None, f"this replica's {self.max_groups} groups are written or in flight"
+        prepared = self.feed.next(lambda task: not task.environment)
+        if prepared is None:
+            return None, "no task is waiting (dataset or tasks stream)"
+        decision = self.admission.try_admit(version, holder=self.replica_id)
+        if not decision.admitted:
+            self.feed.retry(prepared)  # first in line again
+            self._refused(decision)
+            return None, self.status.detail
+        self._unblock()
+        return self._start(prepared, version), ""
 
     def _can_start(self, task: rollout_pb2.Task) -> bool:
-        """Whether a task's environment can take a group now (single-turn tasks always can)."""
+        """Whether a task's environment can take a group now (single-turn tasks: unless agents play them)."""
         if not task.environment:
-            return True
+            return self.book is None
         handle = self.agent.registry.get(task.environment) if self.agent is not None else None
         return handle is not None and handle.can_start(self.n)
 
@@ -341,6 +339,10 @@ class Sampler:
                 self.agent.absorb(delta, version)
                 tokens += len(delta.token_ids)
                 continue
+            if self.book is not None and self.book.owns(delta.request_id):
+                self.book.absorb(delta, version)
+                tokens += len(delta.token_ids)
+                continue
             group = self._by_request.get(delta.request_id)
             if group is None:  # a request of a group given up in this step
                 continue
@@ -351,7 +353,7 @@ class Sampler:
         self.metrics.add_tokens(tokens)
 
     def _emit(self, group: Group) -> None:
-        lag = self._lag(group)
+        lag = self.lag(group)
         if lag > self.k:  # the learner has moved on while this group finished: it cannot be used
             self._give_up(group, "lag", retry=True)
             return
@@ -366,32 +368,43 @@ class Sampler:
         self.metrics.lag.labels(self.replica_id).observe(lag)
 
     # ------------------------------------------------------------------ 5. give up stale groups
-    def _lag(self, group: Group) -> int:
+    def lag(self, group: Group) -> int:
         """The least lag any learner step could still consume the group with: newest published - its version."""
         newest = self.sync.newest_known
         return 0 if newest is None else max(0, newest - group.version)
 
     def _give_up_stale(self) -> None:
         for group in list(self.groups.values()):
-            if self._lag(group) > self.k:
-                self._stop(group)
+            if (lag := self.lag(group)) > self.k:
+                self._stop(group, stale_error(group, lag, self.k))
                 self._give_up(group, "lag", retry=True)
 
     def _give_up_all(self, reason: str, retry: bool) -> None:
         """Stop and give up every group in flight: at shutdown, or after a load that failed part-way (the
         engine's weights are then no version's, and no token they produce could be trained on)."""
+        error = AgentError(503, "sampler_stopping", "this sampler replica is stopping; its episodes ended")
+        if reason != "shutdown":
+            error = AgentError(409, "episode_failed", "a weight load failed part-way; the group was given up")
         for group in list(self.groups.values()):
-            self._stop(group)
+            self._stop(group, error)
             self._give_up(group, reason, retry=retry)
 
-    def _stop(self, group: Group) -> None:
-        """Stop generating a group (its environment sessions, if any, are closed)."""
-        if group.multi_turn and self.agent is not None:
+    def _stop(self, group: Group, error: AgentError) -> None:
+        """Stop generating a group (its environment sessions, if any, are closed; its agents get ``error``)."""
+        if self.book is not None and group.group_id in self.book.groups:
+            self.book.abort(group, error)
+        elif group.multi_turn and self.agent is not None:
             self.agent.abort(group)
         else:
             self.engine.abort(group.request_ids)
 
     def _poll_environments(self) -> None:
+        if self.book is not None:
+            done, given_up = self.book.pump()
+            for group in done:
+                self._emit(group)
+            for group, reason, failure in given_up:  # a stale group's task is retried without a strike
+                self._give_up(group, reason, retry=True, failure=None if reason == "lag" else failure)
         if self.agent is None:
             return
         finished, failed = self.agent.poll()
@@ -466,6 +479,7 @@ class Sampler:
             "tokens_per_second": rate,
             "task_errors": float(sum(self.feed.errors.values())),
             "groups_aborted": float(sum(self.aborted.values())),
+            **({"agent_episodes_open": float(self.book.episodes_open())} if self.book is not None else {}),
             "busy_seconds": self.busy_s,
             **(self.cotenant.figures() if self.cotenant is not None else {}),
         }

@@ -25,6 +25,9 @@ from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
 from services.common.tls import server_credentials
 from services.sampler.agent import AgentLoop
+from services.sampler.agents.api import AgentApi
+from services.sampler.agents.episodes import EpisodeBook
+from services.sampler.agents.tokens import ChatRenderer, PrefixRule
 from services.sampler.build import environment_registry, make_engine
 from services.sampler.config import SamplerServiceConfig
 from services.sampler.cotenant import Cotenant, EngineShare, cotenant_for
@@ -172,8 +175,40 @@ class SamplerService:
             credentials=server_credentials(s.api_tls),
         )
         self.http = serve_metrics(self.registry, port=s.metrics_port + offset if s.metrics_port else 0)
+        self.agents = self._agent_api(token, offset, encoder) if cfg.agents.enabled else None
+        more = {"agents_url": self.agents.url} if self.agents is not None else {}
         self.endpoints = write_endpoints(
-            run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url
+            run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url, **more
+        )
+
+    def _agent_api(self, token: str, offset: int, encoder: PromptEncoder) -> AgentApi:
+        """The agent API on this replica: its episodes are the tasks without an environment."""
+        a, sampler = self.cfg.agents, self.sampler
+        renderer = ChatRenderer(self.engine.tokenizer, template_kwargs=a.chat_template_kwargs)
+        sampler.book = EpisodeBook(
+            self.engine,
+            PrefixRule(renderer, a.prefix_mode),
+            sampler.sampling,
+            admit=sampler.admit_agents,
+            messages=lambda group: encoder.messages(group.task),
+            lag=sampler.lag,
+            k=sampler.k,
+            episode_timeout_s=a.episode_timeout_s,
+            max_turns=a.max_turns,
+            id_prefix=f"{self.replica_id}.{sampler.incarnation}-",
+            on_break=lambda reason: self.metrics.agent_breaks.labels(self.replica_id, reason).inc(),
+        )
+        return AgentApi(
+            sampler.book,
+            model=self.cfg.run.model or "policy",
+            token=token,
+            tokenizer=self.engine.tokenizer,
+            tool_parser=a.tool_parser,
+            claim_timeout_s=a.claim_timeout_s,
+            metrics=self.metrics,
+            host=a.host,
+            port=a.port + offset if a.port else 0,
+            tls=self.cfg.sampler.api_tls,
         )
 
     def _task_error(self, exc: TaskError) -> None:
@@ -192,6 +227,8 @@ class SamplerService:
         return self.sampler.summary()
 
     def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
         self.server.stop(grace=1)
         self.environments.close()
         self.http.close()

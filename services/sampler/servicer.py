@@ -17,14 +17,25 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 
 from services.common.prompts import TaskError
 from services.common.streams.producer import StreamProducer
 from services.sampler.environments.registry import EnvironmentRegistry, SpecError, Unreachable, public
-from services.sampler.sampler import SamplerState
 from vcpo.v1 import common_pb2, common_pb2_grpc, registry_pb2, registry_pb2_grpc, rollout_pb2
+
+
+@dataclass
+class SamplerState:
+    """What Status reports; written by the loop, read by the gRPC thread."""
+
+    state: int = common_pb2.ServiceStatus.STARTING
+    detail: str = "starting"
+    policy_version: int = 0
+    figures: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
 
 class StatusServicer(common_pb2_grpc.StatusServicer):

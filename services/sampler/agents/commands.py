@@ -1,0 +1,126 @@
+"""What the agent API hands the sampler's loop (:class:`~services.sampler.agents.episodes.EpisodeBook`), the
+errors and results it gets back (a command's ``future`` is answered on the loop's thread), and the records the
+book keeps of open groups and episodes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.sampler.agents.tokens import EpisodeTokens, Message
+from services.sampler.groups import Group
+
+
+class AgentError(Exception):
+    """A request the book refuses: ``status`` (HTTP), ``code`` (OpenAI-style ``error.code``), ``param``."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+# ---------------------------------------------------------------------------------------------- commands
+@dataclass
+class Claim:
+    deadline: float
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+
+@dataclass
+class Turn:
+    """A chat completion: ``answer`` makes the assistant message of the turn's text (tool calls parsed);
+    ``on_text`` gets each new piece of text as it is sampled (streaming)."""
+
+    episode_id: str
+    messages: Sequence[Any]
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]  # temperature, top_p, max_tokens, stop, seed: those the request set
+    answer: Callable[[str], Message]
+    on_text: Callable[[str], None] | None = None
+    future: Future[TurnResult] = field(default_factory=Future)
+
+
+@dataclass
+class Finish:
+    episode_id: str
+    reward: float | None
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+
+@dataclass
+class Abandon:
+    episode_id: str
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+
+@dataclass
+class Cancel:
+    """The client of the episode's turn went away: roll the turn back (never answered)."""
+
+    episode_id: str
+    turn: Turn
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+
+Command = Claim | Turn | Finish | Abandon | Cancel
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    message: Message  # the assistant message, as returned (and as the next request must repeat it)
+    text: str
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+
+
+# ---------------------------------------------------------------------------------------------- state
+@dataclass
+class InFlight:
+    turn: Turn
+    request_id: str
+    start: int  # index in the response where the turn's sampled ids begin
+    prompt_len: int
+    before: tuple[EpisodeTokens | None, list[Message], list[dict[str, Any]] | None, int]  # to roll back
+    sent: int = 0  # characters of text streamed
+
+
+@dataclass
+class Episode:
+    id: str
+    group: AgentGroup
+    claimed: bool = False
+    expires_at: float = 0.0
+    tokens: EpisodeTokens | None = None
+    log: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    turns: int = 0
+    turn: InFlight | None = None
+    finished: bool = False
+    reward: float | None = None
+
+
+@dataclass
+class AgentGroup:
+    group: Group
+    messages: list[dict[str, str]]  # the task's prompt as chat messages (what a claim hands out)
+    deadline: float  # the latest an unclaimed episode may still be claimed
+    episodes: list[Episode] = field(default_factory=list)
+    failure: AgentError | None = None  # given up: every later request of its episodes gets this
+
+    @property
+    def done(self) -> bool:
+        return all(e.finished for e in self.episodes)
+
+
+def stale_error(group: Group, lag: int, k: int) -> AgentError:
+    return AgentError(
+        409,
+        "episode_stale",
+        f"the policy moved on: group {group.group_id} started at version {group.version} and the newest is "
+        f"{group.version + lag}, more than the run's lag bound k = {k} ahead; the group was given up and its "
+        "task retried: claim a new episode",
+    )
