@@ -244,6 +244,8 @@ def test_an_openai_client_agent_calls_a_tool_and_its_episode_is_the_sampled_ids(
             c.post(f"/v1/episodes/{first['id']}/finish", json={"reward": 1.0}).json()["group_complete"]
             is False
         )
+        # a finished episode gives its seat back at once (the sampler's request cap counts the rest)
+        assert loop.book.groups[first["group_id"]].group.unfinished == 1
         assert c.post(f"/v1/episodes/{second['id']}/finish", json={}).json()["group_complete"] is True
         again = c.post(f"/v1/episodes/{first['id']}/finish", json={})
     assert again.status_code == 404 and again.json()["error"]["code"] == "episode_not_found"
@@ -436,3 +438,75 @@ def test_the_launcher_writes_agents_json_with_every_replicas_url_and_the_token_f
     Services.agents_file(SimpleNamespace(cfg=cfg, run_dir=tmp_path))  # type: ignore[arg-type]
     written = json.loads((tmp_path / "agents.json").read_text())
     assert written["token_setting"] == "sampler.api_token" and "s3cret" not in json.dumps(written)
+
+
+def test_completions_extend_the_episodes_ids_with_only_the_new_texts_ids(
+    api: tuple[AgentApi, LoopStandIn], tok: Any
+) -> None:
+    server, loop = api
+    engine = loop.engine
+    breaks: list[str] = []
+    loop.book.on_break = breaks.append
+    episode = claim(server)
+    agent = openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN)
+    engine.script.extend(["twelve", "and more", "again"])
+    prompt = "Q: what is 7 plus 5?\nA:"
+    first = agent.completions.create(model="tiny", prompt=prompt)
+    assert first.choices[0].text == "twelve" and first.choices[0].finish_reason == "stop"
+    turn1 = f"{episode['id']}#0"
+    assert engine.prompts[turn1] == tok.encode(prompt)
+    follow = prompt + "twelve" + "\nQ: and then?\nA:"
+    pieces = [c.choices[0].text for c in agent.completions.create(model="tiny", prompt=follow, stream=True)]
+    assert "".join(pieces) == "and more"
+    # the sampled ids (one per character, then EOS), then only the new text's ids: nothing re-tokenised
+    assert engine.prompts[f"{episode['id']}#1"] == (
+        engine.prompts[turn1]
+        + engine.ids("twelve")
+        + tok.encode("\nQ: and then?\nA:", add_special_tokens=False)
+    )
+    assert breaks == []
+    with pytest.raises(openai.BadRequestError) as caught:  # one kind of turn per episode
+        agent.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.code == "mixed_turns"
+    with pytest.raises(openai.BadRequestError) as caught:
+        agent.completions.create(model="tiny", prompt="x", echo=True)
+    assert caught.value.code == "unsupported_parameter"
+    agent.completions.create(model="tiny", prompt="a different start")  # does not extend: a new segment
+    assert breaks == ["token_mismatch"]
+    assert engine.prompts[f"{episode['id']}#2"] == tok.encode("a different start")
+    record = loop.book.episodes[episode["id"]].tokens
+    assert record is not None and record.untrained == len(engine.ids("twelve") + engine.ids("and more"))
+    other = claim(server)
+    engine.script.append("nine")
+    openai.OpenAI(base_url=other["base_url"], api_key=TOKEN).completions.create(
+        model="tiny", prompt="a different question"
+    )
+    with http(server) as c:
+        assert c.post(f"/v1/episodes/{episode['id']}/finish", json={}).status_code == 200
+        assert c.post(f"/v1/episodes/{other['id']}/finish", json={}).json()["group_complete"]
+    (group,) = wait_for(lambda: loop.finished)
+    response = group.responses[episode["id"]]
+    assert response.final_text == "again" and response.turns == 3
+    # trained: the ids sampled after the break only, in the context they were sampled in
+    assert [t for t, m in zip(response.tokens, response.mask, strict=True) if m] == engine.ids("again")
+    assert list(group.prompt_tokens) + response.tokens == tok.encode("a different start") + engine.ids(
+        "again"
+    )
+
+
+def test_a_group_whose_episodes_share_no_prompt_token_is_given_up_not_written(
+    api: tuple[AgentApi, LoopStandIn],
+) -> None:
+    server, loop = api
+    first, second = claim(server), claim(server)
+    loop.engine.script.extend(["one", "two"])
+    for episode, prompt in ((first, "apples"), (second, "7 pears")):
+        openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN).completions.create(
+            model="tiny", prompt=prompt
+        )
+    with http(server) as c:
+        assert c.post(f"/v1/episodes/{first['id']}/finish", json={}).status_code == 200
+        refused = c.post(f"/v1/episodes/{second['id']}/finish", json={})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_common_prompt"
+    ((_, reason, _),) = wait_for(lambda: loop.given_up)
+    assert reason == "agent_invalid" and not loop.finished

@@ -313,3 +313,15 @@ def test_sampler_benchmark_keeps_the_engine_batch_full_under_long_tailed_lengths
     assert (setting["cap"], setting["n"], setting["max_tokens"]) == (128, 8, 128)
     assert 0.03 <= setting["share_at_max"] <= 0.08 and setting["mean_length_over_max"] < 0.5  # long-tailed
     assert figures["active_over_cap"] >= 0.9 and figures["meets_active_over_cap"], figures
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_agents_benchmark_quick_mode_prints_its_figures() -> None:
+    lines, figures = run_quick("agents.py")
+    assert any(line.startswith("endpoint_over_inprocess ") for line in lines)
+    assert figures["endpoint_over_inprocess"] > 0 and figures["endpoint_over_inprocess_same_load"] > 0
+    assert (
+        figures["turns_timed"] == 4 * 4 * 2
+    )  # every episode's every turn, one round: 4 groups of 4, 2 turns
+    assert 0 <= figures["added_latency_ms"]["p50"] <= figures["added_latency_ms"]["p99"]

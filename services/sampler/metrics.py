@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from services.common.observability import Metrics, WindowRate
 
-ABORT_REASONS = ("lag", "environment", "shutdown", "weights_lost", "agent_abandoned", "agent_expired")
+ABORT_REASONS = (
+    "lag",
+    "environment",
+    "shutdown",
+    "weights_lost",
+    "agent_abandoned",
+    "agent_expired",
+    "agent_invalid",
+)
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 

@@ -239,8 +239,7 @@ class Sampler:
             self._start(prepared, version)
             active += self.n
 
-    def requests_in_flight(self) -> int:
-        """Responses of the groups in flight that have not finished: the seats they hold in the engine."""
+    def requests_in_flight(self) -> int:  # the seats the groups in flight hold in the engine
         return sum(group.unfinished for group in self.groups.values())
 
     def _start(self, prepared: PreparedTask, version: int) -> Group:
@@ -437,7 +436,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ status
     def _idle_wait(self) -> None:
-        time.sleep(0.01 if self.engine.loaded_version is not None else 0.05)
+        timeout = 0.01 if self.engine.loaded_version is not None else 0.05
+        self.book.idle(timeout) if self.book is not None else time.sleep(timeout)
 
     def _report_environments(self) -> None:
         """Every 2 s: each environment's queued tasks and breaker here, for EnvironmentStatus and metrics."""

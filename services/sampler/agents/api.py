@@ -27,12 +27,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -45,6 +45,11 @@ from services.sampler.metrics import SamplerMetrics
 
 log = logging.getLogger(__name__)
 
+TEXT_UNSUPPORTED = {
+    "echo": "the prompt is the agent's own",
+    "suffix": "insertion is not sampling a continuation",
+    "best_of": "it samples several completions and returns one",
+}
 UNSUPPORTED = {
     "logprobs": "log-probs are recorded for training, not returned",
     "response_format": "structured outputs would change the behaviour policy's distribution",
@@ -143,22 +148,24 @@ class AgentApi:
 
     # ------------------------------------------------------------------ the app
     def _build(self) -> FastAPI:
-        app = FastAPI(title="vcpo-rl agent API", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Callable[[Request], Any]) -> Any:
+        def authenticate(request: Request) -> None:
             header = request.headers.get("authorization", "")
             scheme, _, given = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-                return self._error(
-                    AgentError(
-                        401,
-                        "invalid_api_key",
-                        "missing or wrong API token: send 'Authorization: Bearer <the run's API token>' "
-                        "(sampler.api_token, or <run_dir>/api_token)",
-                    )
+                raise AgentError(
+                    401,
+                    "invalid_api_key",
+                    "missing or wrong API token: send 'Authorization: Bearer <the run's API token>' "
+                    "(sampler.api_token, or <run_dir>/api_token)",
                 )
-            return await call_next(request)
+
+        app = FastAPI(
+            title="vcpo-rl agent API",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+            dependencies=[Depends(authenticate)],
+        )
 
         @app.exception_handler(AgentError)
         async def agent_error(request: Request, exc: AgentError) -> JSONResponse:
@@ -207,37 +214,52 @@ class AgentApi:
         async def chat(episode_id: str, request: Request) -> Any:
             return await self._chat(episode_id, request)
 
+        @app.post("/v1/episodes/{episode_id}/v1/completions", response_model=None)
+        async def completions(episode_id: str, request: Request) -> Any:
+            return await self._chat(episode_id, request, text=True)
+
         return app
 
-    async def _chat(self, episode_id: str, request: Request) -> Any:
+    async def _chat(self, episode_id: str, request: Request, text: bool = False) -> Any:
+        """A chat completion, or with ``text`` a completion (a text prompt)."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
         started = time.monotonic()
         body = await _json(request)
         try:
-            parsed = self._request_model.model_validate(body)
+            parsed = (CompletionRequest if text else self._request_model).model_validate(body)
         except ValidationError as exc:
             raise AgentError(400, "invalid_request", _describe(exc.errors())) from None
-        for key, why in UNSUPPORTED.items():
+        for key, why in {**UNSUPPORTED, **(TEXT_UNSUPPORTED if text else {})}.items():
             if body.get(key):
                 raise AgentError(400, "unsupported_parameter", f"{key} is not supported here: {why}", key)
         if (parsed.n or 1) != 1:
             raise AgentError(400, "unsupported_parameter", "n must be 1: an episode is one conversation", "n")
-        if parsed.tool_choice not in (None, "auto", "none"):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if text and (not isinstance(prompt, str) or not prompt):
+            raise AgentError(400, "invalid_prompt", "prompt must be one non-empty string", "prompt")
+        tool_choice = getattr(parsed, "tool_choice", None)
+        if tool_choice not in (None, "auto", "none"):
             raise AgentError(
                 400, "unsupported_parameter", "tool_choice may be 'auto' or 'none' here", "tool_choice"
             )
-        tools = [t.model_dump(exclude_none=True) for t in parsed.tools] if parsed.tools else None
-        reads_calls = self.tools is not None and bool(tools) and parsed.tool_choice != "none"
+        tools = None if text or not parsed.tools else [t.model_dump(exclude_none=True) for t in parsed.tools]
+        reads_calls = self.tools is not None and bool(tools) and tool_choice != "none"
 
-        def answer(text: str) -> Message:
+        def answer(completion: str) -> Message:
+            if text:
+                return {"role": "completion", "content": completion}
             if reads_calls and self.tools is not None:
-                return self.tools.message(text, parsed)
-            return {"role": "assistant", "content": text}
+                return self.tools.message(completion, parsed)
+            return {"role": "assistant", "content": completion}
 
         stop = parsed.stop if isinstance(parsed.stop, list) else [parsed.stop] if parsed.stop else []
         sampling = {
             "temperature": parsed.temperature,
             "top_p": parsed.top_p,
-            "max_tokens": parsed.max_completion_tokens or body.get("max_tokens"),
+            "max_tokens": getattr(parsed, "max_completion_tokens", None) or body.get("max_tokens"),
             "stop": tuple(stop) or None,
             "seed": parsed.seed,
         }
@@ -249,12 +271,13 @@ class AgentApi:
             def on_text(piece: str) -> None:
                 loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
-        turn = Turn(episode_id, body.get("messages") or [], tools, sampling, answer, on_text)
+        messages = [] if text else body.get("messages") or []
+        turn = Turn(episode_id, messages, tools, sampling, answer, on_text, prompt if text else None)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             future = asyncio.wrap_future(self.book.submit(turn))
             return StreamingResponse(
-                self._stream(episode_id, turn, future, pieces, include_usage, started),
+                self._stream(episode_id, turn, future, pieces, include_usage, started, text),
                 media_type="text/event-stream",
             )
         result = await _unless_gone(request, self.book.submit(turn))
@@ -262,7 +285,12 @@ class AgentApi:
             self.book.submit(Cancel(episode_id, turn))  # a turn that began: rolled back
             return {}
         self._observe(started)
-        return self._completion(result).model_dump(exclude_none=True)
+        headers = {  # like OpenAI's openai-processing-ms: where a turn's time went
+            "x-vcpo-engine-ms": f"{result.engine_seconds * 1000:.1f}",
+            "x-vcpo-server-ms": f"{(time.monotonic() - started) * 1000:.1f}",
+        }
+        reply = self._text_completion(result) if text else self._completion(result)
+        return JSONResponse(reply.model_dump(exclude_none=True), headers=headers)
 
     def _completion(self, result: TurnResult) -> Any:
         from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -274,7 +302,24 @@ class AgentApi:
 
         message = ChatMessage.model_validate(result.message)
         choice = ChatCompletionResponseChoice(index=0, message=message, finish_reason=result.finish_reason)
-        return ChatCompletionResponse(model=self.model, choices=[choice], usage=_usage(result, UsageInfo))
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{result.request_id}",
+            model=self.model,
+            choices=[choice],
+            usage=_usage(result, UsageInfo),
+        )
+
+    def _text_completion(self, result: TurnResult) -> Any:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        choice = CompletionResponseChoice(index=0, text=result.text, finish_reason=result.finish_reason)
+        return CompletionResponse(
+            id=f"cmpl-{result.request_id}",
+            model=self.model,
+            choices=[choice],
+            usage=_usage(result, UsageInfo),
+        )
 
     async def _stream(
         self,
@@ -284,16 +329,29 @@ class AgentApi:
         pieces: asyncio.Queue[str],
         include_usage: bool,
         started: float,
+        text: bool,
     ) -> AsyncIterator[str]:
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponseStreamChoice,
             ChatCompletionStreamResponse,
         )
+        from vllm.entrypoints.openai.completion.protocol import (
+            CompletionResponseStreamChoice,
+            CompletionStreamResponse,
+        )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-        chunk_id = f"chatcmpl-{episode_id}-{int(time.time() * 1000)}"
+        chunk_id = f"{'cmpl' if text else 'chatcmpl'}-{episode_id}-{int(time.time() * 1000)}"
 
         def chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> str:
+            if text:
+                piece = CompletionResponseStreamChoice(
+                    index=0, text=delta.get("content", ""), finish_reason=finish
+                )
+                body: Any = CompletionStreamResponse(
+                    id=chunk_id, model=self.model, choices=[] if usage else [piece], usage=usage
+                )
+                return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
             choices = (
                 []
                 if usage
@@ -308,7 +366,8 @@ class AgentApi:
 
         done = False
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            if not text:
+                yield chunk({"role": "assistant", "content": ""})
             while not future.done() or not pieces.empty():
                 getter = asyncio.ensure_future(pieces.get())
                 either: set[asyncio.Future[Any]] = {getter, future}

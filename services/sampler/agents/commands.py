@@ -4,12 +4,15 @@ book keeps of open groups and episodes."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.sampler.agents.tokens import EpisodeTokens, Message
+from services.sampler.engine import Sampling
 from services.sampler.groups import Group
 
 
@@ -39,6 +42,7 @@ class Turn:
     sampling: dict[str, Any]  # temperature, top_p, max_tokens, stop, seed: those the request set
     answer: Callable[[str], Message]
     on_text: Callable[[str], None] | None = None
+    prompt: str | None = None  # a completions turn's prompt (then ``messages`` is empty)
     future: Future[TurnResult] = field(default_factory=Future)
 
 
@@ -75,6 +79,8 @@ class TurnResult:
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int]
+    request_id: str = ""  # the engine request of the turn
+    engine_seconds: float = 0.0  # from the turn's request to the engine until its last token
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -86,6 +92,7 @@ class InFlight:
     prompt_len: int
     before: tuple[EpisodeTokens | None, list[Message], list[dict[str, Any]] | None, int]  # to roll back
     sent: int = 0  # characters of text streamed
+    added_at: float = field(default_factory=time.monotonic)  # when the turn went to the engine
 
 
 @dataclass
@@ -101,6 +108,7 @@ class Episode:
     turn: InFlight | None = None
     finished: bool = False
     reward: float | None = None
+    text: bool = False  # played with completions (text prompts), not chat completions
 
 
 @dataclass
@@ -114,6 +122,32 @@ class AgentGroup:
     @property
     def done(self) -> bool:
         return all(e.finished for e in self.episodes)
+
+
+def turn_sampling(max_model_len: int, prompt_len: int, default: Sampling, asked: dict[str, Any]) -> Sampling:
+    """A turn's sampling: the request's settings over the run's (``default``), ``max_tokens`` within the
+    context; 400 ``context_length_exceeded`` naming the limit when the prompt or ``max_tokens`` does not fit."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise AgentError(
+            400,
+            "context_length_exceeded",
+            f"the conversation is {prompt_len} tokens; the model's context (sampler.max_model_len) is "
+            f"{max_model_len}, which leaves no room for an answer",
+            "messages",
+        )
+    max_tokens = asked.get("max_tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise AgentError(
+            400,
+            "context_length_exceeded",
+            f"max_tokens = {max_tokens}, but the conversation is {prompt_len} tokens and the model's context "
+            f"(sampler.max_model_len) is {max_model_len}: at most {room}",
+            "max_tokens",
+        )
+    values = {key: value for key, value in asked.items() if value is not None}
+    values["max_tokens"] = max_tokens or min(default.max_tokens, room)
+    return dataclasses.replace(default, **values)
 
 
 def stale_error(group: Group, lag: int, k: int) -> AgentError:

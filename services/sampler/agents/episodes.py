@@ -11,8 +11,7 @@
                                             (exactly once, as any group); abandoned or expired: given up
 
 Everything that touches the engine or the episodes' tokens runs on the loop's thread, as the in-process agent
-loop (``services/sampler/agent.py``) does: the HTTP threads only wait for futures. Errors go back as
-:class:`AgentError` (HTTP status, OpenAI-style code, message, param).
+loop (``services/sampler/agent.py``) does: the HTTP threads only wait for futures (or :class:`AgentError`).
 
 An episode is a response of its group: its first prompt (or the prompt of its last prefix break) and every
 id after it, sampled (trained, with behaviour log-probs and the version of each token) or read (the new
@@ -28,9 +27,9 @@ retried), as the sampler gives up any group grown that stale.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -49,12 +48,12 @@ from services.sampler.agents.commands import (
     Turn,
     TurnResult,
     stale_error,
+    turn_sampling,
 )
 from services.sampler.agents.tokens import (
     EpisodeTokens,
     MessageError,
     PrefixRule,
-    TurnPrompt,
     group_prompt,
 )
 from services.sampler.engine import GenerationEngine, Sampling, TokenDelta
@@ -95,6 +94,7 @@ class EpisodeBook:
         self.on_break = on_break or (lambda reason: None)
         self.clock = clock
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by submit: an idle loop takes the command at once
         self.groups: dict[str, AgentGroup] = {}
         self.episodes: dict[str, Episode] = {}
         self.requests: dict[str, Episode] = {}  # engine request id -> the episode of its turn
@@ -115,7 +115,13 @@ class EpisodeBook:
             )
         else:
             self.inbox.put(command)
+            self._wake.set()
         return command.future
+
+    def idle(self, timeout_s: float) -> None:
+        """The loop has nothing to step: wait up to ``timeout_s``, less if a request comes in."""
+        if self._wake.wait(timeout_s):
+            self._wake.clear()
 
     # ------------------------------------------------------------------ the loop's thread
     def pump(self) -> tuple[list[Group], list[tuple[Group, str, str]]]:
@@ -180,15 +186,20 @@ class EpisodeBook:
         episode.log.append(message)
         episode.turns += 1
         self.counts["turns"] += 1
-        reason = "tool_calls" if message.get("tool_calls") else delta.finish_reason
+        if message.get("tool_calls"):
+            finish = "tool_calls"
+        else:
+            finish = "length" if delta.finish_reason == "length" else "stop"
         turn.future.set_result(
             TurnResult(
                 message,
                 text,
-                "length" if reason == "length" else reason if reason == "tool_calls" else "stop",
+                finish,
                 flight.prompt_len,
                 len(sampled),
                 list(sampled),
+                flight.request_id,
+                time.monotonic() - flight.added_at,
             )
         )
 
@@ -340,16 +351,22 @@ class EpisodeBook:
         version = self.engine.loaded_version
         if version is None:
             raise AgentError(503, "no_weights", "the engine holds no policy version right now; retry")
+        text = turn.prompt is not None  # a completions turn: all of an episode's turns are of one kind
+        if episode.tokens is not None and text != episode.text:
+            played = "completions" if episode.text else "chat completions"
+            raise AgentError(400, "mixed_turns", f"episode {episode.id!r} is played with {played} only")
+        context = episode.tokens.context if episode.tokens is not None else []
         try:
-            if episode.tokens is None:
+            if turn.prompt is not None:
+                prompt = self.rule.text_turn(context, "".join(m["content"] for m in episode.log), turn.prompt)
+            elif episode.tokens is None:
                 prompt = self.rule.first_turn(turn.messages, turn.tools)
             else:
-                prompt = self.rule.next_turn(
-                    episode.tokens.context, episode.log, turn.messages, turn.tools, episode.tools
-                )
+                prompt = self.rule.next_turn(context, episode.log, turn.messages, turn.tools, episode.tools)
         except MessageError as exc:
             raise AgentError(400, exc.code, str(exc), exc.param) from None
-        sampling = self._sampling(prompt, turn.sampling)
+        episode.text = text
+        sampling = turn_sampling(self.engine.max_model_len, len(prompt.ids), self.sampling, turn.sampling)
         before = (copy.deepcopy(episode.tokens), episode.log, episode.tools, episode.turns)
         if episode.tokens is None:
             episode.tokens = EpisodeTokens.first(prompt, version)
@@ -364,29 +381,6 @@ class EpisodeBook:
         )
         self.requests[request_id] = episode
         self.engine.add(request_id, prompt.ids, sampling)
-
-    def _sampling(self, prompt: TurnPrompt, asked: dict[str, Any]) -> Sampling:
-        room = self.engine.max_model_len - len(prompt.ids)
-        if room < 1:
-            raise AgentError(
-                400,
-                "context_length_exceeded",
-                f"the conversation is {len(prompt.ids)} tokens; the model's context (sampler.max_model_len) is "
-                f"{self.engine.max_model_len}, which leaves no room for an answer",
-                "messages",
-            )
-        max_tokens = asked.get("max_tokens")
-        if max_tokens is not None and max_tokens > room:
-            raise AgentError(
-                400,
-                "context_length_exceeded",
-                f"max_tokens = {max_tokens}, but the conversation is {len(prompt.ids)} tokens and the model's "
-                f"context (sampler.max_model_len) is {self.engine.max_model_len}: at most {room}",
-                "max_tokens",
-            )
-        values = {key: value for key, value in asked.items() if value is not None}
-        values["max_tokens"] = max_tokens or min(self.sampling.max_tokens, room)
-        return dataclasses.replace(self.sampling, **values)
 
     def _cancel(self, cancel: Cancel) -> dict[str, Any]:
         episode = self.episodes.get(cancel.episode_id)
@@ -418,6 +412,8 @@ class EpisodeBook:
         episode.finished, episode.reward = True, finish.reward
         self.counts["finished"] += 1
         agent_group = episode.group
+        slot = agent_group.episodes.index(episode)  # its seat is free (the sampler's requests_in_flight)
+        list(agent_group.group.responses.values())[slot].finish_reason = "stop"
         if agent_group.done:
             self._complete(agent_group)
         return {"id": episode.id, "finished": True, "group_complete": agent_group.done}
@@ -457,14 +453,21 @@ class EpisodeBook:
     def _complete(self, agent_group: AgentGroup) -> None:
         group, episodes = agent_group.group, agent_group.episodes
         records = [e.tokens for e in episodes if e.tokens is not None]
-        group.prompt_tokens = group_prompt(records)
+        try:
+            group.prompt_tokens = group_prompt(records)
+        except ValueError:  # nothing to train it as a group with: its episodes began with different text
+            why = "the group's episodes share no prompt token: begin every episode with the claim's messages"
+            self._give_up(agent_group, "agent_invalid", AgentError(409, "no_common_prompt", why))
+            raise agent_group.failure or AgentError(409, "no_common_prompt", why) from None
         group.responses = {}
         for episode in episodes:
             assert episode.tokens is not None
             response = episode.tokens.response
             response.finish_reason = "stop"
             response.turns = episode.turns
-            last = next((m for m in reversed(episode.log) if m.get("role") == "assistant"), {})
+            last = next(
+                (m for m in reversed(episode.log) if m.get("role") in ("assistant", "completion")), {}
+            )
             response.final_text = str(last.get("content") or "")
             response.agent_reward = episode.reward
             group.responses[episode.id] = response

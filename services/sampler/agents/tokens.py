@@ -22,6 +22,8 @@ so a turn's prompt is built from the episode's own ids, never from a re-tokenisa
   from the episode's is a break too (``tools_changed``): the template renders them ahead of every message.
   Those templates also give the *last* answer an empty ``<think></think>`` when it has no reasoning, so an
   answer without a think block (thinking off) re-renders on every turn, a tool result included.
+- **completions** (``/completions``, text prompts): a prompt that starts with the previous prompt and its
+  completion is the episode's ids followed by the ids of the rest; any other is a break (``token_mismatch``).
 - **template** (opt-in): the prompt is always ``encode(R(M, True))``, what vLLM's own server would show; the
   turn is a break (``token_mismatch``) whenever it does not start with ``S``.
 - At a break the episode **restarts** (:meth:`EpisodeTokens.begin_turn`): its sampled ids so far become
@@ -321,6 +323,18 @@ class PrefixRule:
         if new_ids and new_ids[0] == context[-1] and new_ids[0] in render.tokenizer.all_special_ids:
             new_ids = new_ids[1:]  # the turn stopped on the token the glue starts with: it is already in S
         return TurnPrompt([*context, *new_ids], new_ids, convo)
+
+    def text_turn(self, context: Sequence[int], transcript: str, prompt: str) -> TurnPrompt:
+        """A completions turn: the first prompt is encoded whole (as vLLM's server encodes one); a later
+        prompt that starts with ``transcript`` (the previous prompt and its completion, as returned) is
+        ``context`` followed by the ids of the rest, any other a break (``token_mismatch``). The log is the
+        prompt, to which the completion is appended."""
+        log: list[Message] = [{"role": "prompt", "content": prompt}]
+        if context and prompt.startswith(transcript):
+            new_ids = self.renderer.encode(prompt[len(transcript) :])
+            return TurnPrompt([*context, *new_ids], new_ids, log)
+        ids = [int(t) for t in self.renderer.tokenizer.encode(prompt)]
+        return TurnPrompt(ids, list(ids), log, "token_mismatch" if context else None)
 
 
 # ---------------------------------------------------------------------------------------------- records
