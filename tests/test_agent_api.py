@@ -89,8 +89,16 @@ class LoopStandIn:
     """The sampler's loop as far as the book sees it: admits groups of its tasks, pumps the book, steps the engine;
     ``newest`` is the newest published version (the lag bound's)."""
 
-    def __init__(self, tok: Any, engine: ScriptedEngine, n: int = 2, k: int = 1, **book: Any) -> None:
-        self.engine, self.n, self.k, self.newest = engine, n, k, 0
+    def __init__(
+        self,
+        tok: Any,
+        engine: ScriptedEngine,
+        n: int = 2,
+        k: int = 1,
+        replica: str = "sampler-0",
+        **book: Any,
+    ) -> None:
+        self.engine, self.n, self.k, self.newest, self.replica = engine, n, k, 0, replica
         self.tasks: deque[rollout_pb2.Task] = deque(
             rollout_pb2.Task(task_id=f"t{i}", prompt=f"what is {i} plus 2") for i in range(8)
         )
@@ -105,7 +113,7 @@ class LoopStandIn:
             messages=lambda group: [{"role": "user", "content": group.task.prompt}],
             lag=lambda group: self.newest - group.version,
             k=k,
-            id_prefix="sampler-0.abcd-",
+            id_prefix=f"{replica}.abcd-",
             **{"episode_timeout_s": 60.0, "max_turns": 4, **book},
         )
         self.stop = threading.Event()
@@ -117,9 +125,8 @@ class LoopStandIn:
             return None, "no task is waiting"
         self.count += 1
         task = self.tasks.popleft()
-        return Group(
-            f"sampler-0.abcd-{self.count}", task, [1], self.newest, Sampling(), self.n, multi_turn=True
-        ), ""
+        group_id = f"{self.replica}.abcd-{self.count}"
+        return Group(group_id, task, [1], self.newest, Sampling(), self.n, multi_turn=True), ""
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -510,3 +517,55 @@ def test_a_group_whose_episodes_share_no_prompt_token_is_given_up_not_written(
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_common_prompt"
     ((_, reason, _),) = wait_for(lambda: loop.given_up)
     assert reason == "agent_invalid" and not loop.finished
+
+
+def test_any_replica_passes_an_episodes_requests_on_to_the_replica_that_holds_it(tok: Any) -> None:
+    """Behind one Kubernetes Service a turn may reach any replica: it goes on to the episode's own."""
+    loops = {name: LoopStandIn(tok, ScriptedEngine(tok), replica=name) for name in ("sampler-0", "sampler-1")}
+    urls: dict[str, str] = {}
+    servers = {
+        name: AgentApi(
+            loop.book,
+            model="tiny",
+            token=TOKEN,
+            tokenizer=tok,
+            tool_parser="hermes",
+            claim_timeout_s=0.5,
+            replica=name,
+            peer=urls.get,
+        )
+        for name, loop in loops.items()
+    }
+    urls.update({name: server.url for name, server in servers.items()})
+    try:
+        held = claim(servers["sampler-1"])
+        assert held["id"].startswith("sampler-1.")
+        front = f"{servers['sampler-0'].url}/v1/episodes/{held['id']}/v1"  # the Service sent it to sampler-0
+        agent = openai.OpenAI(base_url=front, api_key=TOKEN)
+        loops["sampler-1"].engine.script.extend(["five", "six"])
+        reply = agent.chat.completions.with_raw_response.create(model="tiny", messages=held["messages"])
+        assert reply.parse().choices[0].message.content == "five"
+        assert float(reply.headers["x-vcpo-engine-ms"]) >= 0
+        messages = [
+            *held["messages"],
+            {"role": "assistant", "content": "five"},
+            {"role": "user", "content": "+1"},
+        ]
+        stream = agent.chat.completions.create(model="tiny", messages=messages, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "six"
+        assert not loops["sampler-0"].engine.prompts  # sampler-0 generated nothing
+        with http(servers["sampler-0"]) as c:
+            assert c.post(f"/v1/episodes/{held['id']}/finish", json={}).json()["finished"] is True
+            unknown = c.post("/v1/episodes/sampler-7.abcd-1.0/finish", json={})
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "episode_lost"
+            refused = httpx.post(f"{front}/chat/completions", json={"messages": []})  # no token: refused
+            assert refused.status_code == 401
+            servers["sampler-1"].close()
+            gone = c.post(f"/v1/episodes/{held['id']}/abandon")
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "replica_unreachable"
+    finally:
+        for name, loop in loops.items():
+            loop.stop.set()
+            loop.thread.join(5)
+            loop.book.close()
+            servers[name].close()

@@ -15,9 +15,9 @@ import pytest
 import redis
 import torch
 
-from services.common.ports import free_port
+from services.common.ports import free_port, reachable_host
 from services.sampler.weights import CollectiveWeightSync
-from services.weight_transport.group_control import GroupCoordinator, reachable_host
+from services.weight_transport.group_control import GroupCoordinator
 from services.weight_transport.receiver import CollectiveReceiver, NoRoom
 from services.weight_transport.seats import GroupRegistry, Member, MemberSeat, Seat
 from services.weight_transport.transport import WeightTransport
@@ -145,12 +145,14 @@ def test_the_group_host_follows_the_redis_hosts_address_family() -> None:
     IPv6-only cluster's Redis resolves to IPv6 only: an IPv4 socket could not even look the route up); a
     group forms and moves bytes at that address. A Redis host that does not resolve names the setting that
     takes the guess's place."""
-    assert reachable_host("redis://127.0.0.1:6379/0") == "127.0.0.1"
+    assert reachable_host("redis://127.0.0.1:6379/0", "weight_broker.group_host") == "127.0.0.1"
     with pytest.raises(ValueError, match=r"'no-such-host\.invalid'.*set weight_broker\.group_host"):
-        reachable_host("redis://no-such-host.invalid:6379/0")
+        reachable_host("redis://no-such-host.invalid:6379/0", "weight_broker.group_host")
     if not _ipv6_route():
         pytest.skip("this machine has no IPv6 route")
-    host = reachable_host("redis://[2001:db8::1]:6379/0")  # a documentation address: only its route is used
+    host = reachable_host(
+        "redis://[2001:db8::1]:6379/0", "weight_broker.group_host"
+    )  # a documentation address: only its route is used
     assert ":" in host, host
     groups = form(GroupSpec(host, free_port(), world_size=2, timeout_s=20))
     sent, got = torch.arange(8.0), torch.zeros(8)

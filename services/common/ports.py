@@ -18,6 +18,7 @@ import random
 import socket
 import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 LOW = 20000  # below: Ray's default worker ports (10002-19999) and well-known services
 RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -83,3 +84,29 @@ def free_port(host: str = "127.0.0.1") -> int:
             if _bindable(host, port):
                 return port
     return _os_port(host)
+
+
+def reachable_host(redis_url: str, setting: str) -> str:
+    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
+    address of the interface that routes there (what other nodes of the run reach this one at), IPv4 or IPv6
+    as the Redis host resolves (first what resolves first). ``setting`` names the key that overrides it."""
+    host = urlparse(redis_url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    advice = f"set {setting} to the address this machine is reached at"
+    try:
+        found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address for the "
+            f"weight group ({exc}): {advice}"
+        ) from exc
+    tried = []
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.connect(address)  # UDP: no packet is sent, the route is looked up
+                return str(s.getsockname()[0])
+        except OSError as exc:
+            tried.append(f"{address[0]}: {exc}")
+    raise ValueError(f"no route from this machine to the Redis host {host!r} ({'; '.join(tried)}): {advice}")

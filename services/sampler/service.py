@@ -13,11 +13,13 @@ import threading
 from typing import Any
 
 import grpc
+import redis
 
 from services.common.admission import AdmissionCounter
 from services.common.auth import TokenAuthInterceptor, resolve_api_token
 from services.common.datasets import load_dataset
 from services.common.observability import Metrics, grpc_server, serve_metrics, write_endpoints
+from services.common.ports import reachable_host
 from services.common.prompts import PromptEncoder, TaskError
 from services.common.streams.consumer import StreamConsumer, StreamTail
 from services.common.streams.metrics import StreamMetrics
@@ -42,6 +44,10 @@ from services.weight_transport import GroupRegistry, Member, MemberSeat, transpo
 from vcpo.v1 import common_pb2_grpc, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class SamplerService:
@@ -175,15 +181,17 @@ class SamplerService:
             credentials=server_credentials(s.api_tls),
         )
         self.http = serve_metrics(self.registry, port=s.metrics_port + offset if s.metrics_port else 0)
-        self.agents = self._agent_api(token, offset, encoder) if cfg.agents.enabled else None
+        self.agents = self._agent_api(token, offset, encoder, client) if cfg.agents.enabled else None
         more = {"agents_url": self.agents.url} if self.agents is not None else {}
         self.endpoints = write_endpoints(
             run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url, **more
         )
 
-    def _agent_api(self, token: str, offset: int, encoder: PromptEncoder) -> AgentApi:
-        """The agent API on this replica: its episodes are the tasks without an environment."""
-        a, sampler = self.cfg.agents, self.sampler
+    def _agent_api(self, token: str, offset: int, encoder: PromptEncoder, client: redis.Redis) -> AgentApi:
+        """The agent API on this replica: its episodes are the tasks without an environment. Every replica's
+        address is in Redis, so a replica passes an episode's requests on to the one that holds it."""
+        a, sampler, run = self.cfg.agents, self.sampler, self.cfg.run
+        peers = f"vcpo:{run.run_id}:agents:replicas"
         renderer = ChatRenderer(self.engine.tokenizer, template_kwargs=a.chat_template_kwargs)
         sampler.book = EpisodeBook(
             self.engine,
@@ -198,7 +206,7 @@ class SamplerService:
             id_prefix=f"{self.replica_id}.{sampler.incarnation}-",
             on_break=lambda reason: self.metrics.agent_breaks.labels(self.replica_id, reason).inc(),
         )
-        return AgentApi(
+        api = AgentApi(
             sampler.book,
             model=self.cfg.run.model or "policy",
             token=token,
@@ -209,7 +217,12 @@ class SamplerService:
             host=a.host,
             port=a.port + offset if a.port else 0,
             tls=self.cfg.sampler.api_tls,
+            replica=self.replica_id,
+            peer=lambda replica: _text(client.hget(peers, replica)),
         )
+        host = a.advertise_host or reachable_host(run.redis_url, "agents.advertise_host")
+        client.hset(peers, self.replica_id, f"{api.scheme}://{host}:{api.port}")
+        return api
 
     def _task_error(self, exc: TaskError) -> None:
         self.metrics.task_errors.labels(self.replica_id, exc.reason).inc()

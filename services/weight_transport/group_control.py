@@ -23,18 +23,17 @@ restarted learner never reuses an epoch's keys.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 import torch
 import torch.distributed as dist
 
+from services.common.ports import reachable_host
 from services.weight_transport.buckets import DEFAULT_BUCKET_BYTES
 from services.weight_transport.collective import BroadcastOverdue, CollectivePublisher, PinnedStaging
 from services.weight_transport.seats import GroupRegistry, Member
@@ -322,32 +321,6 @@ class GroupCoordinator:
         return _Formed(group, CollectivePublisher(group, self.bucket_bytes, staging=self._staging), members)
 
 
-def reachable_host(redis_url: str) -> str:
-    """This machine's address as seen from the run's Redis host: 127.0.0.1 when Redis is local, else the
-    address of the interface that routes there (what receivers on other nodes reach the publisher at), IPv4 or
-    IPv6 as the Redis host resolves (first what resolves first)."""
-    host = urlparse(redis_url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    advice = "set weight_broker.group_host to the address the samplers reach this learner at"
-    try:
-        found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
-    except OSError as exc:
-        raise ValueError(
-            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address for the "
-            f"weight group ({exc}): {advice}"
-        ) from exc
-    tried = []
-    for family, kind, proto, _, address in found:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.connect(address)  # UDP: no packet is sent, the route is looked up
-                return str(s.getsockname()[0])
-        except OSError as exc:
-            tried.append(f"{address[0]}: {exc}")
-    raise ValueError(f"no route from this machine to the Redis host {host!r} ({'; '.join(tried)}): {advice}")
-
-
 def coordinator_from_config(
     wb: Any,
     redis_url: str,
@@ -372,7 +345,7 @@ def coordinator_from_config(
         timeout_s = wait_budget_s
     return GroupCoordinator(
         GroupRegistry(client, run_id, wb.group_member_ttl_s),
-        wb.group_host or reachable_host(redis_url),
+        wb.group_host or reachable_host(redis_url, "weight_broker.group_host"),
         backend,
         wb.group_port,
         timeout_s=timeout_s,

@@ -27,8 +27,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -36,54 +35,27 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from services.common.tls import ServerTls
 from services.sampler.agents.commands import Abandon, AgentError, Cancel, Claim, Finish, Turn, TurnResult
 from services.sampler.agents.episodes import EpisodeBook
+from services.sampler.agents.protocol import (
+    GONE,
+    TEXT_UNSUPPORTED,
+    UNSUPPORTED,
+    Forward,
+    ToolCalls,
+    describe,
+    error_body,
+    read_json,
+    unless_gone,
+    usage_of,
+)
 from services.sampler.agents.tokens import Message
 from services.sampler.metrics import SamplerMetrics
 
 log = logging.getLogger(__name__)
-
-TEXT_UNSUPPORTED = {
-    "echo": "the prompt is the agent's own",
-    "suffix": "insertion is not sampling a continuation",
-    "best_of": "it samples several completions and returns one",
-}
-UNSUPPORTED = {
-    "logprobs": "log-probs are recorded for training, not returned",
-    "response_format": "structured outputs would change the behaviour policy's distribution",
-    "use_beam_search": "beam search is not sampling from the policy",
-}
-
-
-def error_body(error: AgentError) -> dict[str, Any]:
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
-
-
-class ToolCalls:
-    """Reads tool calls out of an answer's text with a vLLM tool parser (``name``: its registered name)."""
-
-    def __init__(self, name: str, tokenizer: Any) -> None:
-        from vllm.tool_parsers import ToolParserManager
-
-        try:
-            self.parser = ToolParserManager.get_tool_parser(name)
-        except KeyError:
-            known = ", ".join(sorted(ToolParserManager.list_registered()))
-            raise ValueError(
-                f"agents.tool_parser = {name!r} is not a vLLM tool parser; known: {known}"
-            ) from None
-        self.tokenizer = tokenizer
-
-    def message(self, text: str, request: Any) -> Message:
-        parser = self.parser(self.tokenizer, request.tools)
-        info = parser.extract_tool_calls(text, request)
-        if not info.tools_called:
-            return {"role": "assistant", "content": text}
-        calls = [call.model_dump(exclude_none=True) for call in info.tool_calls]
-        return {"role": "assistant", "content": info.content or None, "tool_calls": calls}
 
 
 class AgentApi:
@@ -102,12 +74,18 @@ class AgentApi:
         host: str = "0.0.0.0",
         port: int = 0,
         tls: ServerTls | None = None,
+        replica: str = "",
+        peer: Callable[[str], str | None] | None = None,
     ) -> None:
+        """``replica``: this replica's name (what its episode ids start with); ``peer``: another replica's
+        agent API URL by its name (None: unknown), for the requests of episodes it holds."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         self.book, self.model, self.claim_timeout_s, self.metrics = book, model, claim_timeout_s, metrics
         self._request_model = ChatCompletionRequest
         self._token = token.encode()
+        self.replica, self.peer = replica, peer
+        self._client: Any = None  # the httpx client that passes requests on (made in the server's loop)
         self.tools = ToolCalls(tool_parser, tokenizer) if tool_parser else None
         self.app = self._build()
         tls = tls or ServerTls()
@@ -173,7 +151,7 @@ class AgentApi:
 
         @app.exception_handler(RequestValidationError)
         async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return self._error(AgentError(400, "invalid_request", _describe(exc.errors())))
+            return self._error(AgentError(400, "invalid_request", describe(exc.errors())))
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -184,16 +162,28 @@ class AgentApi:
 
         @app.post("/v1/episodes")
         async def claim(request: Request) -> Any:
-            episode = await _unless_gone(request, self.book.submit(Claim(time.time() + self.claim_timeout_s)))
+            episode = await unless_gone(request, self.book.submit(Claim(time.time() + self.claim_timeout_s)))
             if episode is GONE:
                 return {}
             episode["base_url"] = f"{str(request.base_url).rstrip('/')}/v1/episodes/{episode['id']}/v1"
             self._count("claimed")
             return episode
 
-        @app.post("/v1/episodes/{episode_id}/finish")
+        def route(episode_id: str) -> None:
+            """An episode another replica holds: its requests go there (they check the token too)."""
+            owner = episode_id.split(".", 1)[0]
+            if self.peer is not None and owner != self.replica and owner.startswith("sampler-"):
+                raise Forward(owner)
+
+        @app.exception_handler(Forward)
+        async def forward(request: Request, exc: Forward) -> Any:
+            return await self._forward(exc.owner, request)
+
+        routed = [Depends(route)]
+
+        @app.post("/v1/episodes/{episode_id}/finish", dependencies=routed)
         async def finish(episode_id: str, request: Request) -> dict[str, Any]:
-            body = await _json(request)
+            body = await read_json(request)
             reward = body.get("reward")
             if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
                 raise AgentError(400, "invalid_reward", f"reward must be a number, got {reward!r}", "reward")
@@ -205,16 +195,16 @@ class AgentApi:
             self._count("finished")
             return result
 
-        @app.post("/v1/episodes/{episode_id}/abandon")
+        @app.post("/v1/episodes/{episode_id}/abandon", dependencies=routed)
         async def abandon(episode_id: str) -> dict[str, Any]:
             result: dict[str, Any] = await asyncio.wrap_future(self.book.submit(Abandon(episode_id)))
             return result
 
-        @app.post("/v1/episodes/{episode_id}/v1/chat/completions", response_model=None)
+        @app.post("/v1/episodes/{episode_id}/v1/chat/completions", response_model=None, dependencies=routed)
         async def chat(episode_id: str, request: Request) -> Any:
             return await self._chat(episode_id, request)
 
-        @app.post("/v1/episodes/{episode_id}/v1/completions", response_model=None)
+        @app.post("/v1/episodes/{episode_id}/v1/completions", response_model=None, dependencies=routed)
         async def completions(episode_id: str, request: Request) -> Any:
             return await self._chat(episode_id, request, text=True)
 
@@ -225,11 +215,11 @@ class AgentApi:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         started = time.monotonic()
-        body = await _json(request)
+        body = await read_json(request)
         try:
             parsed = (CompletionRequest if text else self._request_model).model_validate(body)
         except ValidationError as exc:
-            raise AgentError(400, "invalid_request", _describe(exc.errors())) from None
+            raise AgentError(400, "invalid_request", describe(exc.errors())) from None
         for key, why in {**UNSUPPORTED, **(TEXT_UNSUPPORTED if text else {})}.items():
             if body.get(key):
                 raise AgentError(400, "unsupported_parameter", f"{key} is not supported here: {why}", key)
@@ -280,7 +270,7 @@ class AgentApi:
                 self._stream(episode_id, turn, future, pieces, include_usage, started, text),
                 media_type="text/event-stream",
             )
-        result = await _unless_gone(request, self.book.submit(turn))
+        result = await unless_gone(request, self.book.submit(turn))
         if result is GONE:
             self.book.submit(Cancel(episode_id, turn))  # a turn that began: rolled back
             return {}
@@ -306,7 +296,7 @@ class AgentApi:
             id=f"chatcmpl-{result.request_id}",
             model=self.model,
             choices=[choice],
-            usage=_usage(result, UsageInfo),
+            usage=usage_of(result, UsageInfo),
         )
 
     def _text_completion(self, result: TurnResult) -> Any:
@@ -318,7 +308,7 @@ class AgentApi:
             id=f"cmpl-{result.request_id}",
             model=self.model,
             choices=[choice],
-            usage=_usage(result, UsageInfo),
+            usage=usage_of(result, UsageInfo),
         )
 
     async def _stream(
@@ -389,12 +379,45 @@ class AgentApi:
                 yield chunk({**message, "tool_calls": calls} if calls else message)
             yield chunk({}, result.finish_reason)
             if include_usage:
-                yield chunk({}, usage=_usage(result, UsageInfo))
+                yield chunk({}, usage=usage_of(result, UsageInfo))
             yield "data: [DONE]\n\n"
             self._observe(started)
         finally:
             if not done:  # the client went away mid-turn
                 self.book.submit(Cancel(episode_id, turn))
+
+    async def _forward(self, owner: str, request: Request) -> Any:
+        import httpx
+
+        assert self.peer is not None
+        url = await asyncio.to_thread(self.peer, owner)
+        if not url:
+            return self._error(
+                AgentError(
+                    404, "episode_lost", f"no sampler replica {owner!r} serves the agent API in this run"
+                )
+            )
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=None, verify=False)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        upstream = self._client.build_request(
+            request.method, url + request.url.path, headers=headers, content=await request.body()
+        )
+        try:
+            reply = await self._client.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            return self._error(
+                AgentError(503, "replica_unreachable", f"sampler replica {owner!r} at {url}: {exc}")
+            )
+        passed = {
+            k: v for k, v in reply.headers.items() if k.lower() in ("content-type",) or k.startswith("x-vcpo")
+        }
+        return StreamingResponse(
+            reply.aiter_raw(),
+            status_code=reply.status_code,
+            headers=passed,
+            background=BackgroundTask(reply.aclose),
+        )
 
     # ------------------------------------------------------------------ helpers
     def _error(self, error: AgentError) -> JSONResponse:
@@ -409,48 +432,3 @@ class AgentApi:
     def _observe(self, started: float) -> None:
         if self.metrics is not None:
             self.metrics.agent_turn.labels(self.metrics.replica).observe(time.monotonic() - started)
-
-
-def _usage(result: TurnResult, usage: Any) -> Any:
-    return usage(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
-    )
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise AgentError(400, "invalid_json", f"the request body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise AgentError(400, "invalid_json", "the request body must be a JSON object")
-    return body
-
-
-GONE: Any = object()
-
-
-async def _unless_gone(request: Request, future: Future[Any]) -> Any:
-    """``future``'s result, or :data:`GONE` once the client has disconnected (``future`` is then cancelled if
-    the loop has not taken it up yet)."""
-    wrapped = asyncio.wrap_future(future)
-    while True:
-        done, _ = await asyncio.wait({wrapped}, timeout=0.5)
-        if done:
-            return wrapped.result()
-        if await request.is_disconnected():
-            wrapped.cancel()
-            return GONE
-
-
-def _describe(errors: Any) -> str:
-    parts = []
-    for e in list(errors)[:5]:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-        parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"

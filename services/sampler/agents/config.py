@@ -19,6 +19,12 @@ class AgentsConfig(Section):
         "claim them (POST /v1/episodes), not by the sampler itself.",
     )
     host: str = Field("0.0.0.0", description="Address the agent API binds.")
+    advertise_host: str = Field(
+        "",
+        description="Address the other sampler replicas reach this one's agent API at, to pass on an episode's "
+        "requests that reached them (behind one Service, any replica may get them); empty: the address of "
+        "the interface that routes to the run's Redis.",
+    )
     port: int = Field(
         8000,
         ge=0,
