@@ -1804,3 +1804,23 @@ def test_the_samplers_request_cap_reaches_the_run_file(tmp_path: Path) -> None:
     _, cfg = run_config(render(*scenario_args("environments-values.yaml")), tmp_path)
     (python,) = [e for e in cfg.sampler.environments if e.name == "python"]
     assert (cfg.sampler.max_requests_in_flight, python.max_concurrency) == (256, 768)
+
+
+def test_the_agent_api_is_served_on_the_sampler_pods_and_their_service(tmp_path: Path) -> None:
+    """agents.enabled: the run file's [agents] (port 8000, the chart's), the sampler pods' port and the sampler
+    Service's; off by default; the chart's own keys cannot be set through extraConfig."""
+    docs = render()
+    assert [p["name"] for p in one(docs, "Service", "r-vcpo-rl-sampler")["spec"]["ports"]] == ["grpc"]
+    _, cfg = run_config(docs, tmp_path)
+    assert not cfg.agents.enabled
+    docs = render(
+        "--set", "agents.enabled=true", "--set", "agents.service.port=8443", "--set", "agents.maxTurns=4"
+    )
+    _, cfg = run_config(docs, tmp_path)
+    assert (cfg.agents.enabled, cfg.agents.port, cfg.agents.max_turns) == (True, 8000, 4)
+    ports = {p["name"]: p for p in one(docs, "Service", "r-vcpo-rl-sampler")["spec"]["ports"]}
+    assert ports["agents"]["port"] == 8443 and ports["agents"]["targetPort"] == "vcpo-agents"
+    (container,) = group(docs, "sampler")["template"]["spec"]["containers"]
+    assert {"name": "vcpo-agents", "containerPort": 8000} in container["ports"]
+    out = helm("template", "r", str(CHART), "--set", "extraConfig=[agents]\nport = 9000")
+    assert out.returncode != 0 and "extraConfig sets agents.port" in errors(out)

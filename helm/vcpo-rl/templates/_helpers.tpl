@@ -58,7 +58,7 @@ fails here (before any other check), printing how to build and push it.
 
 {{/* Ports the services bind in their pods (written into the run file; one service per pod). */}}
 {{- define "vcpo-rl.ports" -}}
-{{- dict "samplerGrpc" 50051 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50055 "brokerMetrics" 9104 "evaluatorMetrics" 9105 "launcherMetrics" 9106 | toJson -}}
+{{- dict "samplerGrpc" 50051 "samplerAgents" 8000 "samplerMetrics" 9101 "learnerGrpc" 50054 "learnerMetrics" 9102 "rewardGrpc" 50053 "rewardMetrics" 9103 "brokerGrpc" 50052 "brokerData" 50055 "brokerMetrics" 9104 "evaluatorMetrics" 9105 "launcherMetrics" 9106 | toJson -}}
 {{- end -}}
 
 {{/* Secret names and keys. */}}
@@ -251,6 +251,12 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "data_port" (int $p.brokerData)
     "metrics_port" (int $p.brokerMetrics)
     "ray_resources" (dict "vcpo_broker" 1.0))
+  "agents" (dict
+    "enabled" $v.agents.enabled
+    "port" (int $p.samplerAgents)
+    "episode_timeout_s" (float64 $v.agents.episodeTimeoutSeconds)
+    "max_turns" (int $v.agents.maxTurns)
+    "tool_parser" $v.agents.toolParser)
   "evaluation" (dict
     "sets" $sets
     "every" (int $v.evaluation.every)
@@ -282,6 +288,7 @@ too, so a run that would be refused fails at `helm install` instead of after its
   "weight_broker" (list "grpc_port" "data_port" "metrics_port" "ray_resources" "advertise_host" "group_port")
   "evaluation" (list "placement" "gpus" "metrics_port" "ray_resources")
   "launcher" (list "ray_address" "metrics_port")
+  "agents" (list "port" "host" "advertise_host")
 -}}
 {{- range $section, $keys := $owned -}}
 {{- $given := get $extra $section -}}

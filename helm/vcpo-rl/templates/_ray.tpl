@@ -279,6 +279,9 @@ workerGroupSpecs:
       vcpo_sampler: "1"
     template:
       {{- $ports := list (dict "name" "vcpo-grpc" "containerPort" (int $p.samplerGrpc)) (dict "name" "vcpo-metrics" "containerPort" (int $p.samplerMetrics)) }}
+      {{- if $v.agents.enabled }}
+      {{- $ports = append $ports (dict "name" "vcpo-agents" "containerPort" (int $p.samplerAgents)) }}
+      {{- end }}
       {{- include "vcpo-rl.rayPod" (dict "ctx" . "component" "sampler" "container" "ray-worker" "resources" $v.sampler.resources "gpus" (int $v.sampler.gpusPerReplica) "ports" $ports "env" (list) "scheduling" $v.sampler "grace" 0 "securityContext" $v.sampler.securityContext) | nindent 6 }}
   - groupName: learner
     replicas: {{ $learnerPods }}
