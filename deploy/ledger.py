@@ -13,7 +13,8 @@ three independent records that must agree:
                        scored added   = learner consumed + scored left + scored dead-lettered
     counted apart:     foreign entries (added - produced: written by anything but the services, e.g. a
                        person's XADD), which the consumers dead-letter when malformed; "groups sampled" is
-                       what the samplers produced
+                       what the samplers produced, of which agents (the agent API) played
+                       ``agent_groups_produced``
     nothing counted twice: consumed = trained + rejected + dropped; the audit log's trained group ids are all
                        distinct and as many as the learner's trained count
     the lag bound:     every trained group's lag is at most k
@@ -27,7 +28,7 @@ from typing import Any
 import redis
 
 from deploy.progress import entries_added
-from services.common.streams.specs import produced_key
+from services.common.streams.specs import agent_groups_key, produced_key
 
 
 def take_ledger(
@@ -54,6 +55,12 @@ def take_ledger(
         counts[f"{name}_dead_lettered"] = int(client.xlen(dead_letter_keys[name]))
         if produced > added:
             problems.append(f"{name}: the services counted {produced} entries written, the stream {added}")
+    counts["agent_groups_produced"] = int(client.get(agent_groups_key(stream_keys["rollouts"])) or 0)
+    if counts["agent_groups_produced"] > counts["rollouts_produced"]:
+        problems.append(
+            f"the samplers counted {counts['agent_groups_produced']} agents' groups written of "
+            f"{counts['rollouts_produced']} in all"
+        )
     scored_out = counts["scored_produced"] + counts["rollouts_left"] + counts["rollouts_dead_lettered"]
     if counts["rollouts_added"] != scored_out:
         problems.append(

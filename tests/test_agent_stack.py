@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 
+from deploy.ledger import take_ledger
 from tests.sampler_helpers import assert_logprobs_match, hf_model, version_weights
 from tests.sampler_stack import Stack, rollouts, wait_until
 
@@ -79,6 +80,11 @@ def test_an_agents_episodes_train_on_the_sampled_ids_with_each_versions_log_prob
             span = [i for i in range(segment.start_token, end) if mask[i]]
             assert span, f"segment {segment} holds no sampled token"
             assert_logprobs_match([got[i] for i in span], [float(expected[i]) for i in span])
+    # the ledger counts the agents' groups apart (raised in the script that wrote the group)
+    keys = {name: stack.specs[name].key for name in ("rollouts", "scored")}
+    dead = {name: stack.specs[name].dead_letter_key for name in keys}
+    ledger = take_ledger(stack.client, keys, dead, None, {}, k=3)
+    assert (ledger["agent_groups_produced"], ledger["rollouts_produced"]) == (1, 1)
     metrics = service.registry.exposition().decode()
     assert 'vcpo_agent_episodes_total{event="claimed",replica="sampler-0"} 2.0' in metrics
     assert 'vcpo_agent_turn_seconds_count{replica="sampler-0"} 4.0' in metrics

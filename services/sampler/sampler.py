@@ -20,11 +20,9 @@ is the run's: every group passes ``try_admit`` at the loaded version before it s
 has room for. The in-flight cap is the engine's: it counts *requests* (responses not finished yet, of every
 group in flight; a multi-turn episode counts until it ends), so a response that finishes frees its seat at
 once, and a new group starts as soon as ``n`` seats are free, while the last responses of older groups run
-on. Response lengths are long-tailed (a few run to ``max_tokens``), so a cap of whole groups, whose slot
-frees only with its last response, would keep the engine's batch at about 0.4 of what it can run
-(benchmarks/sampler.py, ``active_over_cap``). The cap's default is the engine's own batch limit (vLLM's
-``max_num_seqs``): more requests would wait in its queue. A co-tenant's requests (shared evaluation) come on
-top of it: vLLM queues them first come, first served, so they take seats as training responses finish.
+on: with long-tailed lengths a cap of whole groups would keep the engine's batch at about 0.4 of what it
+can run (benchmarks/sampler.py, ``active_over_cap``). The cap's default is the engine's own batch limit (vLLM's
+``max_num_seqs``). A co-tenant's requests (shared evaluation) come on top of it, taking seats as they free.
 
 A co-tenant (cotenant.py; held-out evaluation with ``[evaluation] placement = "shared"``, services/evaluator/)
 shares the engine: step 1 offers it each version applied and asks it whether a newer one must wait (an
@@ -39,8 +37,7 @@ environment are admitted when agents claim their episodes (:meth:`Sampler.admit_
 requests are served every tick (agents/episodes.py).
 
 What blocks what: a full `rollouts` stream blocks step 4 and so the whole loop (back-pressure); the lag bound
-blocks step 2 until newer weights are applied; fetching weights never blocks the loop (a background thread),
-and neither do environment calls (a pool of threads).
+blocks step 2 until newer weights are applied; weight fetches and environment calls run on other threads.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ from typing import Any, Literal
 
 from services.common.admission import Admission, AdmissionCounter
 from services.common.streams.producer import StreamProducer
+from services.common.streams.specs import agent_groups_key
 from services.sampler.agent import AgentLoop
 from services.sampler.agents.commands import AgentError, stale_error
 from services.sampler.agents.episodes import EpisodeBook
@@ -334,12 +332,13 @@ class Sampler:
                 continue
             if version is None:  # the weights are no version's (a load failed part-way): no group is left
                 continue
-            if self.agent is not None and self.agent.owns(delta.request_id):
-                self.agent.absorb(delta, version)
-                tokens += len(delta.token_ids)
-                continue
-            if self.book is not None and self.book.owns(delta.request_id):
-                self.book.absorb(delta, version)
+            loops = (
+                self.agent,
+                self.book,
+            )  # a turn of an episode: the agent loop's or an agent's (agent API)
+            loop = next((o for o in loops if o is not None and o.owns(delta.request_id)), None)
+            if loop is not None:
+                loop.absorb(delta, version)
                 tokens += len(delta.token_ids)
                 continue
             group = self._by_request.get(delta.request_id)
@@ -358,7 +357,8 @@ class Sampler:
             return
         self._forget(group)
         message = group.to_proto(self.run_id, self.replica_id, self.engine.decode)
-        self.rollouts.put(message, int(message.policy_version_start), write_id=message.group_id)
+        kind = [agent_groups_key(self.rollouts.spec.key)] if self.book and not group.task.environment else []
+        self.rollouts.put(message, message.policy_version_start, write_id=message.group_id, count_in=kind)
         self.admission.settle(self.replica_id)  # after the write: a crash between gives back, never loses
         self.feed.done(group.source)
         self.emitted += 1

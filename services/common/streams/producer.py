@@ -27,7 +27,7 @@ class StreamFullError(TimeoutError):
     """A producer waited longer than its timeout for room on a full stream."""
 
 
-# KEYS[1] stream, KEYS[2] its produced counter; ARGV: cap (0 = none), trim (0 = none), type, the seconds a
+# KEYS[1] stream, KEYS[2] its produced counter (and any further KEYS: counters of a kind of entry); ARGV: cap (0 = none), trim (0 = none), type, the seconds a
 # write's id is remembered, then (policy_version, payload, write id) triples. Adds entries while the stream
 # holds fewer than `cap` and counts them in KEYS[2]; returns the ids added (maybe fewer than asked). A write
 # id ('' = none) makes the write idempotent: `<stream>:written:<id>` holds the entry id it got, and a second
@@ -58,7 +58,9 @@ for i = 5, #ARGV, 3 do
   end
   ids[#ids + 1] = id
 end
-if added > 0 then redis.call('INCRBY', KEYS[2], added) end
+if added > 0 then
+  for k = 2, #KEYS do redis.call('INCRBY', KEYS[k], added) end
+end
 return ids
 """
 
@@ -89,15 +91,21 @@ class StreamProducer(Generic[M]):
             for counter in (metrics.written, metrics.wait):  # exported at 0 until the first write or wait
                 counter.labels(spec.name)
 
-    def put(self, message: M, policy_version: int, write_id: str = "") -> str:
+    def put(self, message: M, policy_version: int, write_id: str = "", count_in: Sequence[str] = ()) -> str:
         """Append one message; blocks while the queue is full. Returns the entry id. With a ``write_id``
         (a group id, say) the write is idempotent: writing the same id again returns the first entry's id and
-        adds nothing, so a retry across a Redis restart cannot duplicate it."""
-        return self.put_many([(message, policy_version)], [write_id])[0]
+        adds nothing, so a retry across a Redis restart cannot duplicate it. ``count_in``: counter keys raised
+        by the same script when the entry is added (a kind of entry the ledger counts apart)."""
+        return self.put_many([(message, policy_version)], [write_id], count_in)[0]
 
-    def put_many(self, items: Sequence[tuple[M, int]], write_ids: Sequence[str] | None = None) -> list[str]:
+    def put_many(
+        self,
+        items: Sequence[tuple[M, int]],
+        write_ids: Sequence[str] | None = None,
+        count_in: Sequence[str] = (),
+    ) -> list[str]:
         """Append messages in order (batched through one script call); blocks while the queue is full.
-        ``write_ids``: one per item ('' for none), as in :meth:`put`."""
+        ``write_ids``: one per item ('' for none), and ``count_in``, as in :meth:`put`."""
         if write_ids is not None and len(write_ids) != len(items):
             raise ValueError(f"{len(write_ids)} write ids for {len(items)} items")
         args: list[bytes | int | str] = []
@@ -115,7 +123,7 @@ class StreamProducer(Generic[M]):
         while pending:
             batch = pending[: 3 * self.max_batch]
             added = self._put(
-                keys=[self.spec.key, self.spec.produced_key],
+                keys=[self.spec.key, self.spec.produced_key, *count_in],
                 args=[self._cap, self._trim, self._type, self.remember_writes_s, *batch],
             )
             ids += [i.decode() if isinstance(i, bytes) else str(i) for i in added]

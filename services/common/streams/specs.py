@@ -73,6 +73,12 @@ def produced_key(stream: str) -> str:
     return f"{stream}:produced"
 
 
+def agent_groups_key(rollouts: str) -> str:
+    """The counter of the groups agents played (the samplers' agent API) among those written to ``rollouts``,
+    raised in the same script as their XADD, for the ledger."""
+    return f"{rollouts}:produced:agents"
+
+
 def connect(url: str, retries: int = 5) -> redis.Redis:
     """A Redis client that rides out short outages: each command is retried with bounded exponential backoff.
 

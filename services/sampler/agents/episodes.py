@@ -61,6 +61,9 @@ from services.sampler.groups import Group
 
 log = logging.getLogger(__name__)
 
+AGENT_GROUPS = (
+    "{}:produced:agents"  # of the rollouts stream's key: the agents' groups it was written, for the ledger
+)
 REMEMBERED = 4096  # episodes of given-up groups whose clients are told why, newest first
 
 
