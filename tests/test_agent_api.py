@@ -50,6 +50,8 @@ class ScriptedEngine:
         self.sampling: dict[str, Sampling] = {}
         self.aborted: list[str] = []
         self.ending: dict[str, str] = {}
+        self.taken: dict[str, list[int]] = {}  # with stop strings: the ids so far and their text
+        self.said: dict[str, str] = {}
         self.lock = threading.Lock()
 
     def ids(self, text: str) -> list[int]:
@@ -70,7 +72,19 @@ class ScriptedEngine:
             for request_id, left in list(self.active.items()):
                 token = left.pop(0)
                 ending = None if left else self.ending[request_id]
-                out.append(TokenDelta(request_id, [token], [-0.5], "", ending, False))
+                stop = self.sampling[request_id].stop
+                if stop:  # as vLLM: it detokenizes, ends at a stop string and leaves it out of the text
+                    taken = self.taken.setdefault(request_id, [])
+                    taken.append(token)
+                    seen, said = self.decode(taken), self.said.get(request_id, "")
+                    hit = next((s for s in stop if s in seen), None)
+                    if hit is not None:
+                        left.clear()
+                        ending, seen = "stop", seen[: seen.index(hit)]
+                    self.said[request_id] = seen
+                    out.append(TokenDelta(request_id, [token], [-0.5], seen[len(said) :], ending, True))
+                else:
+                    out.append(TokenDelta(request_id, [token], [-0.5], "", ending, False))
                 if not left:
                     del self.active[request_id]
         return out
@@ -569,3 +583,56 @@ def test_any_replica_passes_an_episodes_requests_on_to_the_replica_that_holds_it
             loop.thread.join(5)
             loop.book.close()
             servers[name].close()
+
+
+def test_a_stopping_sampler_ends_its_open_turns_and_claims_with_503_not_a_hang(
+    api: tuple[AgentApi, LoopStandIn],
+) -> None:
+    server, loop = api
+    episode = claim(server)
+    loop.engine.script.append("y" * 200)
+    original_step = loop.engine.step
+
+    def slow_step() -> list[TokenDelta]:
+        time.sleep(0.01)
+        return original_step()
+
+    loop.engine.step = slow_step  # type: ignore[method-assign]
+    agent = openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN, max_retries=0)
+    answered: list[BaseException] = []
+
+    def turn() -> None:
+        try:
+            agent.chat.completions.create(model="tiny", messages=episode["messages"])
+        except openai.APIStatusError as exc:
+            answered.append(exc)
+
+    thread = threading.Thread(target=turn)
+    thread.start()
+    wait_for(lambda: loop.book.requests)  # the turn is in the engine
+    loop.stop.set()  # the sampler's loop stops, then closes the book on its thread
+    loop.thread.join(5)
+    loop.book.close()
+    thread.join(10)
+    (error,) = answered
+    assert (
+        isinstance(error, openai.APIStatusError)
+        and error.status_code == 503
+        and error.code == "sampler_stopping"
+    )
+    with http(server) as c:
+        late = c.post("/v1/episodes")
+    assert late.status_code == 503 and late.json()["error"]["code"] == "sampler_stopping"
+
+
+def test_a_stop_string_ends_the_answer_and_is_left_out_of_its_text_but_not_out_of_its_ids(
+    api: tuple[AgentApi, LoopStandIn],
+) -> None:
+    server, loop = api
+    episode = claim(server)
+    loop.engine.script.append("four. The end")
+    agent = openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN)
+    reply = agent.chat.completions.create(model="tiny", messages=episode["messages"], stop=["."])
+    assert reply.choices[0].message.content == "four" and reply.choices[0].finish_reason == "stop"
+    tokens = loop.book.episodes[episode["id"]].tokens
+    assert tokens is not None and tokens.response.tokens == loop.engine.ids("four.")[:-1]  # sampled up to "."

@@ -9,7 +9,8 @@
 A stream entry is acknowledged only when its group is on the `rollouts` stream (:meth:`TaskFeed.done`); a
 sampler that stops before that leaves it pending, and a replica reclaims it. A task whose group had to be
 given up (it grew too stale) goes back with :meth:`TaskFeed.retry` and is generated again; one whose
-environment failed it ``max_attempts`` times is dead-lettered (``environment_failed``), not retried forever.
+environment (or whose agents, over the agent API) failed it ``max_attempts`` times is dead-lettered
+(``environment_failed``), not retried forever.
 
 Tasks of tool-use environments: ``next(can_start)`` asks whether the task's environment can take a group now
 (its circuit breaker is closed and it has sessions free). Tasks it cannot take yet wait here, per environment
@@ -127,8 +128,7 @@ class TaskFeed:
                 exc = TaskError(
                     "environment_failed",
                     prepared.task.task_id,
-                    f"its environment {prepared.task.environment!r} failed it {len(prepared.failures)} times; "
-                    f"last: {failure}",
+                    f"{_who(prepared.task)} failed it {len(prepared.failures)} times; last: {failure}",
                 )
                 entry = None
                 if prepared.entry_id is not None:
@@ -249,3 +249,7 @@ class TaskFeed:
             self._settled(entry.message)
         if self.on_error is not None:
             self.on_error(exc)
+
+
+def _who(task: rollout_pb2.Task) -> str:
+    return f"its environment {task.environment!r}" if task.environment else "its agents (the agent API)"

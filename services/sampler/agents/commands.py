@@ -92,6 +92,8 @@ class InFlight:
     prompt_len: int
     before: tuple[EpisodeTokens | None, list[Message], list[dict[str, Any]] | None, int]  # to roll back
     sent: int = 0  # characters of text streamed
+    pieces: list[str] = field(default_factory=list)  # the engine's own text of each delta (stop strings cut)
+    raw: bool = False  # some delta came without text: the turn's text is its ids decoded
     added_at: float = field(default_factory=time.monotonic)  # when the turn went to the engine
 
 

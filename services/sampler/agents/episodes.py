@@ -82,7 +82,6 @@ class EpisodeBook:
         k: int,
         episode_timeout_s: float,
         max_turns: int,
-        base_url: Callable[[str], str] = lambda episode_id: "",
         id_prefix: str = "",
         on_break: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.time,
@@ -92,7 +91,7 @@ class EpisodeBook:
         ``id_prefix``: what this run of the replica starts its group ids with (``<replica>.<incarnation>-``)."""
         self.engine, self.rule, self.sampling = engine, rule, sampling
         self.admit, self.messages_of, self.lag, self.k = admit, messages, lag, k
-        self.episode_timeout_s, self.max_turns, self.base_url = episode_timeout_s, max_turns, base_url
+        self.episode_timeout_s, self.max_turns = episode_timeout_s, max_turns
         self.id_prefix = id_prefix
         self.on_break = on_break or (lambda reason: None)
         self.clock = clock
@@ -167,8 +166,11 @@ class EpisodeBook:
         response = episode.tokens.response
         response.extend(delta, version)
         sampled = response.tokens[flight.start :]
+        flight.pieces.append(delta.text)
+        flight.raw |= not delta.detokenized
         if flight.turn.on_text is not None and delta.token_ids:
-            text = self.engine.decode(sampled)
+            # the engine's text where it detokenizes (with stop strings: cut before them), else the ids decoded
+            text = "".join(flight.pieces) if not flight.raw else self.engine.decode(sampled)
             if len(text) > flight.sent and not text.endswith("\ufffd"):  # not mid-way through a character
                 try:
                     flight.turn.on_text(text[flight.sent :])
@@ -179,7 +181,7 @@ class EpisodeBook:
             return
         del self.requests[delta.request_id]
         episode.turn = None
-        text = self.engine.decode(sampled)
+        text = "".join(flight.pieces) if not flight.raw else self.engine.decode(sampled)
         turn = flight.turn
         try:
             message = turn.answer(text)
@@ -273,7 +275,7 @@ class EpisodeBook:
                     "task_id": agent_group.group.task.task_id,
                     "group_id": agent_group.group.group_id,
                     "messages": copy.deepcopy(agent_group.messages),
-                    "base_url": self.base_url(episode.id),
+                    "base_url": "",  # the API's address as the claim reached it (api.py)
                     "max_turns": self.max_turns,
                     "expires_at": episode.expires_at,
                 }
