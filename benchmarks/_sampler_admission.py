@@ -140,7 +140,9 @@ class Written:
     def __init__(self) -> None:
         self.groups: list[rollout_pb2.TrajectoryGroup] = []
 
-    def put(self, message: rollout_pb2.TrajectoryGroup, version: int, write_id: str = "") -> None:
+    def put(
+        self, message: rollout_pb2.TrajectoryGroup, version: int, write_id: str = "", count_in: Any = ()
+    ) -> None:
         self.groups.append(message)
 
 

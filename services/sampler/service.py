@@ -27,7 +27,6 @@ from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import connect, stream_specs
 from services.common.tls import server_credentials
 from services.sampler.agent import AgentLoop
-from services.sampler.agents.api import AgentApi
 from services.sampler.agents.episodes import EpisodeBook
 from services.sampler.agents.tokens import ChatRenderer, PrefixRule
 from services.sampler.build import environment_registry, make_engine
@@ -187,9 +186,11 @@ class SamplerService:
             run.run_dir / "sampler", self.replica_id, self.server.port, self.http.url, **more
         )
 
-    def _agent_api(self, token: str, offset: int, encoder: PromptEncoder, client: redis.Redis) -> AgentApi:
+    def _agent_api(self, token: str, offset: int, encoder: PromptEncoder, client: redis.Redis) -> Any:
         """The agent API on this replica: its episodes are the tasks without an environment. Every replica's
         address is in Redis, so a replica passes an episode's requests on to the one that holds it."""
+        from services.sampler.agents.api import AgentApi  # FastAPI and uvicorn: only where agents are served
+
         a, sampler, run = self.cfg.agents, self.sampler, self.cfg.run
         peers = f"vcpo:{run.run_id}:agents:replicas"
         renderer = ChatRenderer(self.engine.tokenizer, template_kwargs=a.chat_template_kwargs)
