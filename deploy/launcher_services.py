@@ -277,39 +277,40 @@ class Services(Waits):
         )
         write_prometheus_targets(self.run_dir, groups)
 
-    def client_api(self) -> str:
-        """Where clients register environments and submit tasks, and which token they need."""
-        s = self.cfg.sampler
-        ports = []
-        for i in range(s.replicas):
+    def _sampler_endpoints(self) -> list[dict[str, Any]]:
+        """What each sampler replica that serves says of itself (its ``*.endpoints.json``)."""
+        found = []
+        for i in range(self.cfg.sampler.replicas):
             path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
             if path.exists():
-                ports.append(str(json.loads(path.read_text())["grpc_port"]))
-        token = (
-            "sampler.api_token"
-            if s.api_token.get_secret_value()
-            else s.api_token_file or str(self.run_dir / "api_token")
+                found.append(json.loads(path.read_text()))
+        return found
+
+    def _token_source(self) -> str:
+        """Where the client API's token is: the run file's setting, or the file holding it."""
+        s = self.cfg.sampler
+        if s.api_token.get_secret_value():
+            return "sampler.api_token"
+        return s.api_token_file or str(self.run_dir / "api_token")
+
+    def client_api(self) -> str:
+        """Where clients register environments and submit tasks, and which token they need."""
+        ports = [str(e["grpc_port"]) for e in self._sampler_endpoints()]
+        return (
+            f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {self._token_source()}"
         )
-        return f"EnvironmentRegistry on port(s) {', '.join(ports) or '?'}; bearer token: {token}"
 
     def agents_file(self) -> str:
         """Write ``<run_dir>/agents.json`` (where agents claim episodes, and the token they send); returns the
         ``agents`` line."""
-        s = self.cfg.sampler
-        urls = []
-        for i in range(s.replicas):
-            path = self.run_dir / "sampler" / f"sampler-{i}.endpoints.json"
-            url = json.loads(path.read_text()).get("agents_url") if path.exists() else None
-            if url:
-                urls.append(url)
-        if s.api_token.get_secret_value():
-            token = {"token_setting": "sampler.api_token"}
-        else:
-            token = {"token_file": str(Path(s.api_token_file or self.run_dir / "api_token").resolve())}
+        urls = [e["agents_url"] for e in self._sampler_endpoints() if e.get("agents_url")]
+        where = self._token_source()
+        if where != "sampler.api_token":
+            where = str(Path(where).resolve())
+        token = {"token_setting": where} if where == "sampler.api_token" else {"token_file": where}
         body = {"base_url": urls[0] if urls else "", "base_urls": urls, **token}
         path = self.run_dir / "agents.json"
         path.write_text(json.dumps(body, indent=2) + "\n")
-        where = token.get("token_file") or "sampler.api_token"
         return (
             f"OpenAI-compatible API at {', '.join(urls) or '?'} (POST /v1/episodes); token: {where}; {path}"
         )

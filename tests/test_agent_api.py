@@ -437,17 +437,21 @@ def test_the_openai_agent_example_plays_episodes_with_its_calculator(
 
 
 def test_the_launcher_writes_agents_json_with_every_replicas_url_and_the_token_file(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
     from deploy.config import SystemConfig
     from deploy.launcher_services import Services
+
+    def launcher(cfg: SystemConfig, run_dir: Path) -> Services:
+        """The launcher's services as far as agents.json needs them (no Ray, nothing started)."""
+        services = Services.__new__(Services)
+        services.cfg, services.run_dir = cfg, run_dir
+        return services
 
     cfg = SystemConfig.model_validate({"sampler": {"replicas": 2}, "agents": {"enabled": True}})
     (tmp_path / "sampler").mkdir()
     for i in range(2):
         body = {"grpc_port": 1, "metrics_url": "", "pid": 1, "agents_url": f"http://127.0.0.1:{8000 + i}"}
         (tmp_path / "sampler" / f"sampler-{i}.endpoints.json").write_text(json.dumps(body))
-    line = Services.agents_file(SimpleNamespace(cfg=cfg, run_dir=tmp_path))  # type: ignore[arg-type]
+    line = launcher(cfg, tmp_path).agents_file()
     written = json.loads((tmp_path / "agents.json").read_text())
     assert written == {
         "base_url": "http://127.0.0.1:8000",
@@ -456,7 +460,7 @@ def test_the_launcher_writes_agents_json_with_every_replicas_url_and_the_token_f
     }
     assert "http://127.0.0.1:8000, http://127.0.0.1:8001" in line and str(tmp_path / "agents.json") in line
     cfg = SystemConfig.model_validate({"sampler": {"api_token": "s3cret"}, "agents": {"enabled": True}})
-    Services.agents_file(SimpleNamespace(cfg=cfg, run_dir=tmp_path))  # type: ignore[arg-type]
+    launcher(cfg, tmp_path).agents_file()
     written = json.loads((tmp_path / "agents.json").read_text())
     assert written["token_setting"] == "sampler.api_token" and "s3cret" not in json.dumps(written)
 

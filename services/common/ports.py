@@ -98,8 +98,8 @@ def reachable_host(redis_url: str, setting: str) -> str:
         found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
     except OSError as exc:
         raise ValueError(
-            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address for the "
-            f"weight group ({exc}): {advice}"
+            f"cannot resolve the Redis host {host!r} of {redis_url} to find this machine's address ({exc}): "
+            f"{advice}"
         ) from exc
     tried = []
     for family, kind, proto, _, address in found:

@@ -54,7 +54,7 @@ from services.common.admission import Admission, AdmissionCounter
 from services.common.streams.producer import StreamProducer
 from services.common.streams.specs import agent_groups_key
 from services.sampler.agent import AgentLoop
-from services.sampler.agents.commands import AgentError, stale_error
+from services.sampler.agents.commands import AgentError, stale_error, stopping_error
 from services.sampler.agents.episodes import EpisodeBook
 from services.sampler.build import request_cap
 from services.sampler.cotenant import Cotenant
@@ -332,12 +332,9 @@ class Sampler:
                 continue
             if version is None:  # the weights are no version's (a load failed part-way): no group is left
                 continue
-            loops = (
-                self.agent,
-                self.book,
-            )  # a turn of an episode: the agent loop's or an agent's (agent API)
-            loop = next((o for o in loops if o is not None and o.owns(delta.request_id)), None)
-            if loop is not None:
+            # a turn of an episode: the agent loop's, or an agent's over the agent API
+            loop = self.agent if self.agent is not None and self.agent.owns(delta.request_id) else self.book
+            if loop is not None and loop.owns(delta.request_id):
                 loop.absorb(delta, version)
                 tokens += len(delta.token_ids)
                 continue
@@ -381,7 +378,7 @@ class Sampler:
     def _give_up_all(self, reason: str, retry: bool) -> None:
         """Stop and give up every group in flight: at shutdown, or after a load that failed part-way (the
         engine's weights are then no version's, and no token they produce could be trained on)."""
-        error = AgentError(503, "sampler_stopping", "this sampler replica is stopping; its episodes ended")
+        error = stopping_error()
         if reason != "shutdown":
             error = AgentError(409, "episode_failed", "a weight load failed part-way; the group was given up")
         for group in list(self.groups.values()):

@@ -27,12 +27,13 @@ class StreamFullError(TimeoutError):
     """A producer waited longer than its timeout for room on a full stream."""
 
 
-# KEYS[1] stream, KEYS[2] its produced counter (and any further KEYS: counters of a kind of entry); ARGV: cap (0 = none), trim (0 = none), type, the seconds a
-# write's id is remembered, then (policy_version, payload, write id) triples. Adds entries while the stream
-# holds fewer than `cap` and counts them in KEYS[2]; returns the ids added (maybe fewer than asked). A write
-# id ('' = none) makes the write idempotent: `<stream>:written:<id>` holds the entry id it got, and a second
-# write with the same id (a client retrying a call whose reply a Redis restart cut off) returns that entry id
-# and adds nothing. Marker and entry are written by one script, so they reach the append-only file together.
+# KEYS[1] stream, KEYS[2] its produced counter, any further KEYS counters of a kind of entry; ARGV: cap
+# (0 = none), trim (0 = none), type, the seconds a write's id is remembered, then (policy_version, payload,
+# write id) triples. Adds entries while the stream holds fewer than `cap` and counts them in KEYS[2] (and the
+# further KEYS); returns the ids added (maybe fewer than asked). A write id ('' = none) makes the write
+# idempotent: `<stream>:written:<id>` holds the entry id it got, and a second write with the same id (a client
+# retrying a call whose reply a Redis restart cut off) returns that entry id and adds nothing. Marker and entry
+# are written by one script, so they reach the append-only file together.
 _PUT_LUA = """
 local key, cap, trim, typ, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local room = -1

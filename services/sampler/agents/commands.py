@@ -152,6 +152,11 @@ def turn_sampling(max_model_len: int, prompt_len: int, default: Sampling, asked:
     return dataclasses.replace(default, **values)
 
 
+def stopping_error() -> AgentError:
+    """What the requests of a stopping sampler replica get (each its own: raised on many threads)."""
+    return AgentError(503, "sampler_stopping", "this sampler replica is stopping; its episodes ended")
+
+
 def stale_error(group: Group, lag: int, k: int) -> AgentError:
     return AgentError(
         409,

@@ -48,6 +48,7 @@ from services.sampler.agents.commands import (
     Turn,
     TurnResult,
     stale_error,
+    stopping_error,
     turn_sampling,
 )
 from services.sampler.agents.tokens import (
@@ -112,9 +113,7 @@ class EpisodeBook:
     def submit(self, command: Command) -> Any:
         """Queue ``command`` for the loop; returns its future."""
         if self.closed:
-            command.future.set_exception(
-                AgentError(503, "sampler_stopping", "this sampler replica is stopping; its episodes ended")
-            )
+            command.future.set_exception(stopping_error())
         else:
             self.inbox.put(command)
             self._wake.set()
@@ -214,24 +213,26 @@ class EpisodeBook:
         agent_group = self.groups.get(group.group_id)
         if agent_group is None:
             return
-        if agent_group.failure is None:
-            agent_group.failure = error
+        agent_group.failure = error
         for episode in agent_group.episodes:
-            flight = episode.turn
-            if flight is not None:
-                self.engine.abort([flight.request_id])
-                self.requests.pop(flight.request_id, None)
-                episode.turn = None
-                if not flight.turn.future.done():
-                    flight.turn.future.set_exception(agent_group.failure)
+            self._end_turn(episode, error)
         self._forget(agent_group)
+
+    def _end_turn(self, episode: Episode, error: AgentError) -> InFlight | None:
+        """Stop the episode's turn in the engine, if it has one, and answer it with ``error``."""
+        flight, episode.turn = episode.turn, None
+        if flight is not None:
+            self.engine.abort([flight.request_id])
+            self.requests.pop(flight.request_id, None)
+            if not flight.turn.future.done():
+                flight.turn.future.set_exception(error)
+        return flight
 
     def close(self) -> None:
         """The sampler stops: every waiting request is answered (503), later ones at once."""
         self.closed = True
-        stopping = AgentError(503, "sampler_stopping", "this sampler replica is stopping; its episodes ended")
         for agent_group in list(self.groups.values()):
-            self.abort(agent_group.group, stopping)
+            self.abort(agent_group.group, stopping_error())
         waiting: list[Command] = list(self.claims)
         self.claims.clear()
         while True:
@@ -241,7 +242,7 @@ class EpisodeBook:
                 break
         for command in waiting:
             if command.future.set_running_or_notify_cancel():
-                command.future.set_exception(stopping)
+                command.future.set_exception(stopping_error())
 
     def episodes_open(self) -> int:
         return sum(not e.finished for g in self.groups.values() for e in g.episodes if e.claimed)
@@ -293,13 +294,9 @@ class EpisodeBook:
 
     def _unclaimed(self) -> Episode | None:
         for agent_group in self.groups.values():
-            if agent_group.failure is not None:
-                continue
-            if self.lag(agent_group.group) > self.k:  # no turn of it could start: give it up, try the next
-                self._give_up(
-                    agent_group, "lag", stale_error(agent_group.group, self.lag(agent_group.group), self.k)
-                )
-                return self._unclaimed()
+            if (lag := self.lag(agent_group.group)) > self.k:  # no turn of it could start: give it up
+                self._give_up(agent_group, "lag", stale_error(agent_group.group, lag, self.k))
+                return self._unclaimed()  # the groups changed: look again
             for episode in agent_group.episodes:
                 if not episode.claimed:
                     return episode
@@ -313,7 +310,9 @@ class EpisodeBook:
             self.episodes[episode.id] = episode
 
     # ------------------------------------------------------------------ turns
-    def _episode(self, episode_id: str) -> Episode:
+    def _episode(self, episode_id: str, idle: bool = False) -> Episode:
+        """The open episode ``episode_id`` (``idle``: with no completion in progress), or the error that says
+        why there is none."""
         episode = self.episodes.get(episode_id)
         if episode is None:
             if episode_id in self.gone:
@@ -333,14 +332,14 @@ class EpisodeBook:
             raise AgentError(404, "episode_not_found", f"episode {episode_id!r} was not claimed")
         if episode.finished:
             raise AgentError(409, "episode_finished", f"episode {episode_id!r} was already finished")
-        return episode
-
-    def _turn(self, turn: Turn) -> None:
-        episode = self._episode(turn.episode_id)
-        if episode.turn is not None:
+        if idle and episode.turn is not None:
             raise AgentError(
                 409, "turn_in_progress", f"episode {episode.id!r} has a completion in progress; wait for it"
             )
+        return episode
+
+    def _turn(self, turn: Turn) -> None:
+        episode = self._episode(turn.episode_id, idle=True)
         if episode.turns >= self.max_turns:
             raise AgentError(
                 400,
@@ -392,22 +391,14 @@ class EpisodeBook:
         flight = episode.turn if episode is not None else None
         if episode is None or flight is None or flight.turn is not cancel.turn:
             return {"cancelled": False}  # ended meanwhile (answered, or its group given up)
-        self.engine.abort([flight.request_id])
-        self.requests.pop(flight.request_id, None)
-        episode.turn = None
+        self._end_turn(episode, AgentError(499, "cancelled", "the client went away"))
         episode.tokens, episode.log, episode.tools, episode.turns = flight.before
         self.counts["cancelled"] += 1
-        if not flight.turn.future.done():
-            flight.turn.future.set_exception(AgentError(499, "cancelled", "the client went away"))
         return {"cancelled": True}
 
     # ------------------------------------------------------------------ the end of episodes and groups
     def _finish(self, finish: Finish) -> dict[str, Any]:
-        episode = self._episode(finish.episode_id)
-        if episode.turn is not None:
-            raise AgentError(
-                409, "turn_in_progress", f"episode {episode.id!r} has a completion in progress; wait for it"
-            )
+        episode = self._episode(finish.episode_id, idle=True)
         if episode.tokens is None or not episode.turns:
             raise AgentError(
                 409,
@@ -441,7 +432,7 @@ class EpisodeBook:
                 for e in agent_group.episodes
                 if not e.finished and (now >= e.expires_at if e.claimed else now >= agent_group.deadline)
             ]
-            if late and agent_group.failure is None:
+            if late:
                 episode = late[0]
                 what = "was not finished" if episode.claimed else "was not claimed"
                 self._give_up(
@@ -462,8 +453,9 @@ class EpisodeBook:
             group.prompt_tokens = group_prompt(records)
         except ValueError:  # nothing to train it as a group with: its episodes began with different text
             why = "the group's episodes share no prompt token: begin every episode with the claim's messages"
-            self._give_up(agent_group, "agent_invalid", AgentError(409, "no_common_prompt", why))
-            raise agent_group.failure or AgentError(409, "no_common_prompt", why) from None
+            error = AgentError(409, "no_common_prompt", why)
+            self._give_up(agent_group, "agent_invalid", error)
+            raise error from None
         group.responses = {}
         for episode in episodes:
             assert episode.tokens is not None
