@@ -31,12 +31,15 @@ def _zero3_module(rank: int, port: int, model_dir: str) -> Any:
 
     init_distributed("gloo", 1800)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # torch's AdamW, as the trainer passes it: DeepSpeed's own "AdamW" is its FusedAdam, JIT-compiled on a
+    # machine's first use (a minute here)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_allow_untested_optimizer": True,
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     assert hasattr(next(engine.module.parameters()), "ds_id")  # really partitioned
     return engine.module
 

@@ -15,6 +15,9 @@ under ZeRO-3 every backward reduce-scatters, so per-trajectory gradients never e
       RMSNorm w:     ‖Σ_t δ_t ⊙ x̂_t‖²          (x̂: the normalised input, recomputed from x)
       tied E/lm_head: ‖G_emb‖² + ‖G_head‖² + 2⟨G_emb, G_head⟩, the cross term
                       Σ_{t,s} δhead_{s, id_t} (δemb_t · h_s) without forming either matrix
+      LoRA (peft):   a projection's A and B are Linear modules (the Linear rule); an embedding's
+                     out = E[id] + s·Aᵀ[id] Bᵀ gives B the Linear rule with input s·Aᵀ[id] and Aᵀ the
+                     Embedding rule with δ' = s·δ B (norm_rules.LoraEmbedding); the frozen base adds nothing
     ‖∇θ log π(τ_i)‖² = the sum over parameters.
 
 Padding contributes nothing: padded positions get δ = 0 (masked out of f, and masked keys receive no
@@ -51,7 +54,14 @@ from torch import Tensor, nn
 
 from services.learner.logprobs import acc, decoder_and_head, decoder_hidden, token_logprobs
 from services.learner.mm32 import mm32
-from services.learner.norm_rules import RowNorms, full_shape, head_pass, rms_normalised
+from services.learner.norm_rules import (
+    LoraEmbedding,
+    RowNorms,
+    full_shape,
+    head_parts,
+    head_pass,
+    rms_normalised,
+)
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -65,15 +75,45 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
 
+def _lora_embedding_params(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]] | None:
+    """A peft LoRA embedding's trainable adapter matrices as ``("A:<adapter>" | "B:<adapter>", param)``;
+    None for any other module. Variants (DoRA, ...) and scaled embeddings have no rule and are refused."""
+    if not (hasattr(module, "lora_embedding_A") and hasattr(module, "base_layer")):
+        return None
+    out = []
+    for adapter in module.lora_embedding_A:
+        pair = (("A", module.lora_embedding_A[adapter]), ("B", module.lora_embedding_B[adapter]))
+        trainable = [(f"{which}:{adapter}", p) for which, p in pair if p.requires_grad]
+        if not trainable:
+            continue
+        if adapter not in module.active_adapters:
+            raise NotImplementedError(f"{name}: adapter {adapter!r} trains but is not active")
+        if adapter in getattr(module, "lora_variant", {}) or module._get_embed_scale() is not None:
+            raise NotImplementedError(
+                f"{name}: only plain LoRA on an unscaled embedding has a norm rule (adapter {adapter!r})"
+            )
+        out += trainable
+    base = module.base_layer
+    if out and (base.max_norm is not None or base.scale_grad_by_freq):
+        raise NotImplementedError(f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported")
+    return out
+
+
+def _adapters(roles: Sequence[str]) -> list[str]:
+    return sorted({role.split(":", 1)[1] for role in roles})
+
+
 @dataclass
 class _Capture:
     """What one module saw in the forward: its input, its output, and (after backward) the output's grad."""
 
     module: nn.Module
-    kind: str  # "linear" | "embedding" | "rmsnorm"
+    kind: str  # "linear" | "embedding" | "rmsnorm" | "lora_embedding"
     x: Tensor | None = None  # input activations (token ids for an embedding)
     y: Tensor | None = None  # output, kept until the backward
     delta: Tensor | None = None  # ∂f/∂y
+    roles: list[str] = field(default_factory=list)  # a LoRA embedding's trainable "A:<adapter>", "B:..."
+    lora: LoraEmbedding | None = None  # its adapters' values, copied in the forward
 
 
 @dataclass
@@ -189,6 +229,15 @@ def _weighted_grad_fn(
                 grad.index_add_(0, cap.x.reshape(-1), d.reshape(-1, d.shape[-1]))
             elif cap.kind == "rmsnorm":
                 grad += (d * acc(rms_normalised(cap.module, cap.x))).sum((0, 1))
+            elif cap.kind == "lora_embedding":
+                assert cap.lora is not None
+                which, adapter = role.split(":", 1)
+                if which == "B":  # [out, r]: Σ_t d_t u_tᵀ
+                    u = cap.lora.inputs_of_b(adapter, cap.x)
+                    grad += mm32(d.reshape(-1, d.shape[-1]).T, u.reshape(-1, u.shape[-1]))
+                else:  # [r, vocab]: column id_t receives s·d_t B
+                    g = cap.lora.signal_of_a(adapter, d)
+                    grad.T.index_add_(0, cap.x.reshape(-1), g.reshape(-1, g.shape[-1]))
         return grad.to(param.dtype)
 
     return make
@@ -197,8 +246,18 @@ def _weighted_grad_fn(
 def _trainable_uses(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
     """Every trainable parameter and the (module, kind, role) uses of it; unsupported owners are errors."""
     uses: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    lora_owned: set[int] = set()  # a LoRA embedding's matrices live in ParameterDicts below it
     for name, module in model.named_modules():
-        own = [(pn, p) for pn, p in module.named_parameters(recurse=False) if p.requires_grad]
+        lora = _lora_embedding_params(name, module)
+        if lora:
+            for role, p in lora:
+                uses[id(p)] = (p, [(module, "lora_embedding", role)])
+                lora_owned.add(id(p))
+        own = [
+            (pn, p)
+            for pn, p in module.named_parameters(recurse=False)
+            if p.requires_grad and id(p) not in lora_owned
+        ]
         if not own:
             continue
         if isinstance(module, nn.Linear):
@@ -237,6 +296,8 @@ def _capturing(model: nn.Module, captures: dict[int, _Capture]) -> Iterator[None
             )
         cap.x = inputs[0].detach()
         cap.y = output
+        if cap.kind == "lora_embedding":
+            cap.lora = LoraEmbedding(module, _adapters(cap.roles))
 
     handles = [cap.module.register_forward_hook(hook) for cap in captures.values()]
     try:
@@ -277,6 +338,9 @@ def _sq_norms(
                 norms.linear(cap.x, cap.delta, role)
             elif cap.kind == "embedding":
                 norms.embedding(cap.x, cap.delta)
+            elif cap.kind == "lora_embedding":
+                assert cap.lora is not None
+                norms.lora_embedding(cap.x, cap.delta, cap.lora, [role])
             else:
                 norms.rmsnorm(cap.module, cap.x, cap.delta)
         if len(us) == 2:  # tied embedding / lm_head: the cross term 2⟨G_emb, G_head⟩
@@ -303,8 +367,10 @@ def norm_pass(
         raise ValueError("the model has no trainable parameters")
     captures: dict[int, _Capture] = {}
     for _, us in raw_uses.values():
-        for module, kind, _ in us:
-            captures.setdefault(id(module), _Capture(module, kind))
+        for module, kind, role in us:
+            cap = captures.setdefault(id(module), _Capture(module, kind))
+            if kind == "lora_embedding":
+                cap.roles.append(role)
     with torch.enable_grad(), _capturing(model, captures):
         logp = token_logprobs(model, input_ids, attention_mask)
     f = torch.where(mask, logp, torch.zeros_like(logp)).sum()
@@ -328,10 +394,11 @@ class _TapSpec:
     """One parametrised module of the streaming pass: which of its parameters train, and its tied role."""
 
     module: nn.Module
-    kind: str  # "linear" | "embedding" | "rmsnorm"
-    roles: list[str] = field(default_factory=list)  # "weight", "bias"
+    kind: str  # "linear" | "embedding" | "rmsnorm" | "lora_embedding"
+    roles: list[str] = field(default_factory=list)  # "weight", "bias"; a LoRA embedding's "A:<adapter>", ...
     tied: bool = False  # its weight is the tied embedding / output head
     called: bool = False
+    lora: LoraEmbedding | None = None  # a LoRA embedding's adapters, copied in the forward
 
 
 class _Tap(torch.autograd.Function):
@@ -368,6 +435,9 @@ def _on_delta(spec: _TapSpec, norms: RowNorms) -> Callable[[Tensor, Tensor], Non
             norms.embedding(x, delta)
             if spec.tied:
                 norms.tied_cross(delta)
+        elif spec.kind == "lora_embedding":
+            assert spec.lora is not None
+            norms.lora_embedding(x, delta, spec.lora, spec.roles)
         else:
             norms.rmsnorm(spec.module, x, delta)
 
@@ -390,6 +460,8 @@ def _tapping(specs: dict[int, _TapSpec], norms: RowNorms, anchor: Tensor) -> Ite
                     f"{type(module).__name__} was called twice in one forward: not supported"
                 )
             spec.called = True
+            if spec.kind == "lora_embedding":
+                spec.lora = LoraEmbedding(module, _adapters(spec.roles))
         return _Tap.apply(output, anchor, inputs[0].detach(), handlers[id(module)])
 
     handles = [spec.module.register_forward_hook(hook) for spec in specs.values()]
@@ -427,14 +499,19 @@ def streaming_norm_pass(
             spec = specs.setdefault(id(module), _TapSpec(module, kind))
             spec.roles.append(role)
             spec.tied = spec.tied or len(us) == 2
-    head_spec = specs.pop(id(head), None) if head is not None else None
+    head_spec, adapter_roles = None, {}
+    if head is not None:  # the sliced head pass forms the head's norms (and its LoRA adapters') itself
+        base, adapters = head_parts(head)
+        head_spec = specs.pop(id(base), None)
+        for name, a, b, _ in adapters:
+            adapter_roles[name] = [m for m, mod in (("A", a), ("B", b)) if specs.pop(id(mod), None)]
     norms = RowNorms(input_ids, gram_cache=2)
     anchor = torch.zeros((), device=input_ids.device, requires_grad=True)
     with torch.enable_grad(), _tapping(specs, norms, anchor) as backward:
         if head is not None:
             hidden = decoder_hidden(decoder_and_head(model)[0], input_ids, attention_mask)
             logp, grad_hidden = head_pass(
-                norms if head_spec is not None else None,
+                norms if head_spec is not None or any(adapter_roles.values()) else None,
                 head,
                 head_spec.roles if head_spec else [],
                 hidden,
@@ -442,6 +519,7 @@ def streaming_norm_pass(
                 mask,
                 chunks,
                 head_spec is not None and head_spec.tied,
+                adapter_roles,
             )
         else:
             logp = token_logprobs(model, input_ids, attention_mask)

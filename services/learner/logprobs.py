@@ -60,12 +60,14 @@ def chunk_count(tokens: int, chunk_tokens: int) -> int:
 CHUNKABLE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
-    """The model's decoder (hidden states after the final norm) and output head, for chunked log-probs."""
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The model's decoder (hidden states after the final norm) and output head (an ``nn.Linear``, or peft's
+    LoRA on one), for chunked log-probs."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if model_type not in CHUNKABLE_MODEL_TYPES or not isinstance(head, nn.Linear) or decoder is None:
+    linear = isinstance(head, nn.Linear) or isinstance(getattr(head, "base_layer", None), nn.Linear)
+    if model_type not in CHUNKABLE_MODEL_TYPES or not linear or decoder is None:
         raise ValueError(
             f"chunked log-probs need a causal LM whose logits are lm_head(decoder(x)) "
             f"(model types {', '.join(CHUNKABLE_MODEL_TYPES)}); this model is {model_type!r} "

@@ -86,6 +86,18 @@ class RowNorms:
     def rmsnorm(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
         self.add((acc(delta) * acc(rms_normalised(module, x))).sum(1).pow(2).sum(-1))
 
+    def lora_embedding(
+        self, ids: Tensor, delta: Tensor, adapters: LoraEmbedding, roles: Sequence[str]
+    ) -> None:
+        """A peft LoRA embedding's adapters, out = base(ids) + s·Aᵀ[ids] Bᵀ: B is a linear map of the input
+        u = s·Aᵀ[ids]; Aᵀ is an embedding whose row id_t receives s·δ_t B."""
+        for role in roles:
+            which, name = role.split(":", 1)
+            if which == "B":
+                self.linear(adapters.inputs_of_b(name, ids), delta, "weight")
+            else:
+                self.embedding(ids, adapters.signal_of_a(name, delta))
+
     def hold_head_cross(self, head_delta: Tensor, head_x: Tensor) -> None:
         """Keep the output head's part of the tied cross term: its δ gathered at the token ids, its input."""
         d_head = acc(head_delta)
@@ -102,6 +114,32 @@ class RowNorms:
         self.head_cross = None
 
 
+class LoraEmbedding:
+    """The full values of a peft LoRA embedding's adapters (Aᵀ [vocab, r], B [out, r], scaling s), copied
+    in the forward, where ZeRO-3 can gather them, for the rules that need them after (or inside) the
+    backward, when a partitioned parameter holds only its shard."""
+
+    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
+        params = [p for n in names for p in (module.lora_embedding_A[n], module.lora_embedding_B[n])]
+        with torch.no_grad(), gathered(params):
+            self.weights = {
+                n: (
+                    acc(module.lora_embedding_A[n]).t().contiguous(),
+                    acc(module.lora_embedding_B[n]).clone(),
+                    float(module.scaling[n]),
+                )
+                for n in names
+            }
+
+    def inputs_of_b(self, name: str, ids: Tensor) -> Tensor:
+        a_t, _, scaling = self.weights[name]
+        return nn.functional.embedding(ids, a_t) * scaling
+
+    def signal_of_a(self, name: str, delta: Tensor) -> Tensor:
+        _, b, scaling = self.weights[name]
+        return (mm32(delta.reshape(-1, delta.shape[-1]), b) * scaling).reshape(*delta.shape[:-1], -1)
+
+
 @contextmanager
 def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
     """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise."""
@@ -115,16 +153,46 @@ def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
         yield
 
 
+HeadAdapter = tuple[str, nn.Linear, nn.Linear, float]  # a LoRA adapter of the head: name, A, B, scaling
+
+
+def head_parts(head: nn.Module) -> tuple[nn.Linear, list[HeadAdapter]]:
+    """The output head's base linear map and its active peft LoRA adapters (logits = base(h) + Σ s·B(A(h)));
+    a plain ``nn.Linear`` head has none. Adapters the sliced pass cannot reproduce exactly are refused."""
+    if isinstance(head, nn.Linear):
+        return head, []
+    base = getattr(head, "base_layer", None)
+    if not isinstance(base, nn.Linear) or not hasattr(head, "lora_A"):
+        raise ValueError(f"the output head is a {type(head).__name__}: neither nn.Linear nor LoRA on one")
+    adapters: list[HeadAdapter] = []
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        a, b, dropout = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
+        if name in getattr(head, "lora_variant", {}) or b.bias is not None:
+            raise NotImplementedError(
+                f"output head: adapter {name!r} is not plain LoRA (a variant or a bias)"
+            )
+        if head.training and not isinstance(dropout, nn.Identity) and dropout.p > 0:
+            raise NotImplementedError(
+                f"output head: adapter {name!r} has dropout {dropout.p}, which the sliced head pass cannot "
+                "reproduce: set the head's LoRA dropout to 0 or learner.logit_chunk_tokens = 0"
+            )
+        adapters.append((name, a, b, float(head.scaling[name])))
+    return base, adapters
+
+
 @torch.no_grad()
 def head_pass(
     norms: RowNorms | None,
-    head: nn.Linear,
+    head: nn.Module,
     roles: Sequence[str],
     hidden: Tensor,
     input_ids: Tensor,
     response_mask: Tensor,
     chunks: int,
     tied: bool,
+    adapter_roles: dict[str, list[str]] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The output head's whole share of the norm pass, without autograd: ``(log-probs [B, T] as
     :func:`token_logprobs`, ∂f/∂hidden [B, T, H] in hidden's dtype)``, and the head's per-row squared gradient
@@ -141,56 +209,89 @@ def head_pass(
     The decoder's backward then starts from ∂f/∂hidden, so the head is never recomputed or differentiated
     through (a checkpointed head would run its forward twice more). ``tied``: also keep the head's part of the
     cross term with the embedding (δhead_{s, id_t}) for :meth:`RowNorms.tied_cross`.
+
+    A LoRA head (:func:`head_parts`) adds s·(h Aᵀ) B_vᵀ to each slice's logits. ``adapter_roles`` names which
+    of each adapter's matrices train ("A", "B"): B's gradient is a linear map's of the input s·h Aᵀ and that
+    slice's δ (a sum over slices, like the weight's); A's is a linear map's of h and s·e with
+    e_t = Σ_v δ_t[v] B_v, summed over the slices first. e also carries the adapters' part of ∂f/∂hidden.
     """
     h = hidden[:, :-1].detach()
     targets, m = input_ids[:, 1:], response_mask[:, 1:]
     hdt = acc_dtype(h.dtype)
     mf = m.to(hdt)
     b_rows, s_len, width = h.shape
-    vocab = full_shape(head.weight)[0]
+    base, adapters = head_parts(head)
+    adapter_roles = adapter_roles or {}
+    vocab = full_shape(base.weight)[0]
     vocab_chunk = -(-vocab // chunks)
     train_weight = norms is not None and "weight" in roles
-    dd = (
-        h.new_zeros(b_rows, s_len, s_len, dtype=hdt) if train_weight and _ghost(s_len, width, vocab) else None
-    )
+    ghost_weight = train_weight and _ghost(s_len, width, vocab)
+    train_b = [norms is not None and "B" in adapter_roles.get(n, []) for n, *_ in adapters]
+    ghost_b = [
+        t and _ghost(s_len, full_shape(b.weight)[1], vocab)
+        for t, (_, _, b, _) in zip(train_b, adapters, strict=True)
+    ]
+    dd = h.new_zeros(b_rows, s_len, s_len, dtype=hdt) if ghost_weight or any(ghost_b) else None
+    b_sq = h.new_zeros(b_rows, dtype=hdt)
     weight_sq = h.new_zeros(b_rows, dtype=hdt)
     bias_sq = h.new_zeros(b_rows, dtype=hdt)
     cross = h.new_zeros(b_rows, s_len, input_ids.shape[1], dtype=hdt) if norms is not None and tied else None
     grad_h = h.new_zeros(b_rows, s_len, width, dtype=hdt)
     logp = h.new_zeros(b_rows, input_ids.shape[1], dtype=hdt)
     with gathered(list(head.parameters())):
-        weight, bias = head.weight, head.bias
+        weight, bias = base.weight, base.bias
+        # each adapter's A(h), in the model's dtype as peft forms it, and s·A(h), B's input, for the norms
+        lora_in = [nn.functional.linear(h, a.weight) for _, a, _, _ in adapters]
+        lora_x = [acc(u) * scaling for u, (_, _, _, scaling) in zip(lora_in, adapters, strict=True)]
+        lora_e = [h.new_zeros(b_rows, s_len, u.shape[-1], dtype=hdt) for u in lora_in]
+
+        def logits_of(rows: slice, v0: int, v1: int) -> Tensor:
+            out = nn.functional.linear(h[:, rows], weight[v0:v1], None if bias is None else bias[v0:v1])
+            for u, (_, _, b, scaling) in zip(lora_in, adapters, strict=True):
+                out = out + nn.functional.linear(u[:, rows], b.weight[v0:v1]) * scaling
+            return acc(out)
+
         lses = []
         for a, b in slices(s_len, chunks):
-            logp[:, a + 1 : b + 1], lse = target_logprobs(
-                acc(nn.functional.linear(h[:, a:b], weight, bias)), targets[:, a:b]
-            )
+            logp[:, a + 1 : b + 1], lse = target_logprobs(logits_of(slice(a, b), 0, vocab), targets[:, a:b])
             lses.append(lse)
         logsumexp = torch.cat(lses, dim=1)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             w = weight[v0:v1]
-            logits = acc(nn.functional.linear(h, w, None if bias is None else bias[v0:v1]))
+            logits = logits_of(slice(None), v0, v1)
             d = logits.sub_(logsumexp[..., None]).exp_().mul_(-mf[..., None])  # −m_s p_s, in place
             del logits
             hit = ((targets >= v0) & (targets < v1)).to(hdt) * mf
             d.scatter_add_(2, (targets - v0).clamp(0, v1 - v0 - 1)[..., None], hit[..., None])
             grad_h += d.to(w.dtype) @ w
-            if train_weight:
-                if dd is not None:
-                    dd += gram32(d)
-                else:
-                    weight_sq += mm32(d.transpose(1, 2), h).pow(2).sum((1, 2))
+            for i, (_, _, b, _) in enumerate(adapters):
+                lora_e[i] += mm32(d.reshape(-1, v1 - v0), b.weight[v0:v1]).reshape(lora_e[i].shape)
+                if train_b[i] and not ghost_b[i]:
+                    b_sq += mm32(d.transpose(1, 2), lora_x[i]).pow(2).sum((1, 2))
+            if dd is not None:
+                dd += gram32(d)
+            if train_weight and not ghost_weight:
+                weight_sq += mm32(d.transpose(1, 2), h).pow(2).sum((1, 2))
             if norms is not None and "bias" in roles:
                 bias_sq += d.sum(1).pow(2).sum(-1)
             if cross is not None:
                 inside = (input_ids >= v0) & (input_ids < v1)
                 idx = (input_ids - v0).clamp(0, v1 - v0 - 1)[:, None, :].expand(-1, s_len, -1)
                 cross += torch.where(inside[:, None, :], d.gather(2, idx), 0.0)
+        for e, (name, a, _, scaling) in zip(lora_e, adapters, strict=True):
+            grad_h += (e * scaling).to(a.weight.dtype) @ a.weight
+            if norms is not None and "A" in adapter_roles.get(name, []):
+                norms.linear(h, e * scaling, "weight")
     if norms is not None:
-        if dd is not None:
+        if ghost_weight:
+            assert dd is not None
             weight_sq = (norms.input_gram(h) * dd).sum((1, 2))
-        norms.add(weight_sq + bias_sq)
+        for i, x in enumerate(lora_x):
+            if ghost_b[i]:
+                assert dd is not None
+                b_sq += (gram32(x) * dd).sum((1, 2))
+        norms.add(weight_sq + bias_sq + b_sq)
         if cross is not None:  # cross[b, s, t] = δhead_{s, id_t} = m_s ([y_s = id_t] − p_s[id_t])
             norms.head_cross = (cross, h)
     grad_hidden = torch.cat([grad_h, grad_h.new_zeros(b_rows, 1, width)], dim=1).to(hidden.dtype)
