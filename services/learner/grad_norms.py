@@ -57,10 +57,12 @@ from services.learner.mm32 import mm32
 from services.learner.norm_rules import (
     LoraEmbedding,
     RowNorms,
+    adapter_names,
     full_shape,
     head_parts,
     head_pass,
     rms_normalised,
+    trainable_uses,
 )
 
 
@@ -69,38 +71,6 @@ def _is_fake(t: Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
-
-
-def _is_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
-
-
-def _lora_embedding_params(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]] | None:
-    """A peft LoRA embedding's trainable adapter matrices as ``("A:<adapter>" | "B:<adapter>", param)``;
-    None for any other module. Variants (DoRA, ...) and scaled embeddings have no rule and are refused."""
-    if not (hasattr(module, "lora_embedding_A") and hasattr(module, "base_layer")):
-        return None
-    out = []
-    for adapter in module.lora_embedding_A:
-        pair = (("A", module.lora_embedding_A[adapter]), ("B", module.lora_embedding_B[adapter]))
-        trainable = [(f"{which}:{adapter}", p) for which, p in pair if p.requires_grad]
-        if not trainable:
-            continue
-        if adapter not in module.active_adapters:
-            raise NotImplementedError(f"{name}: adapter {adapter!r} trains but is not active")
-        if adapter in getattr(module, "lora_variant", {}) or module._get_embed_scale() is not None:
-            raise NotImplementedError(
-                f"{name}: only plain LoRA on an unscaled embedding has a norm rule (adapter {adapter!r})"
-            )
-        out += trainable
-    base = module.base_layer
-    if out and (base.max_norm is not None or base.scale_grad_by_freq):
-        raise NotImplementedError(f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported")
-    return out
-
-
-def _adapters(roles: Sequence[str]) -> list[str]:
-    return sorted({role.split(":", 1)[1] for role in roles})
 
 
 @dataclass
@@ -243,49 +213,6 @@ def _weighted_grad_fn(
     return make
 
 
-def _trainable_uses(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
-    """Every trainable parameter and the (module, kind, role) uses of it; unsupported owners are errors."""
-    uses: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
-    lora_owned: set[int] = set()  # a LoRA embedding's matrices live in ParameterDicts below it
-    for name, module in model.named_modules():
-        lora = _lora_embedding_params(name, module)
-        if lora:
-            for role, p in lora:
-                uses[id(p)] = (p, [(module, "lora_embedding", role)])
-                lora_owned.add(id(p))
-        own = [
-            (pn, p)
-            for pn, p in module.named_parameters(recurse=False)
-            if p.requires_grad and id(p) not in lora_owned
-        ]
-        if not own:
-            continue
-        if isinstance(module, nn.Linear):
-            kind = "linear"
-        elif isinstance(module, nn.Embedding):
-            kind = "embedding"
-            if module.max_norm is not None or module.scale_grad_by_freq:
-                raise NotImplementedError(
-                    f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported"
-                )
-        elif _is_rmsnorm(module):
-            kind = "rmsnorm"
-        else:
-            raise NotImplementedError(
-                f"per-trajectory gradient norms: module {name!r} ({type(module).__name__}) owns trainable "
-                f"parameters {[pn for pn, _ in own]} and has no norm rule; freeze it or add a rule"
-            )
-        for pn, p in own:
-            uses.setdefault(id(p), (p, []))[1].append((module, kind, pn))
-    for p, us in uses.values():
-        kinds = sorted(k for _, k, _ in us)
-        if len(us) > 1 and not (kinds == ["embedding", "linear"] and all(r == "weight" for _, _, r in us)):
-            raise NotImplementedError(
-                f"a parameter of shape {tuple(p.shape)} is shared as {kinds}: no cross-term rule"
-            )
-    return uses
-
-
 @contextmanager
 def _capturing(model: nn.Module, captures: dict[int, _Capture]) -> Iterator[None]:
     def hook(module: nn.Module, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -297,7 +224,7 @@ def _capturing(model: nn.Module, captures: dict[int, _Capture]) -> Iterator[None
         cap.x = inputs[0].detach()
         cap.y = output
         if cap.kind == "lora_embedding":
-            cap.lora = LoraEmbedding(module, _adapters(cap.roles))
+            cap.lora = LoraEmbedding(module, adapter_names(cap.roles))
 
     handles = [cap.module.register_forward_hook(hook) for cap in captures.values()]
     try:
@@ -362,7 +289,7 @@ def norm_pass(
     call ``release()`` if the weighted gradient will come from an ordinary backward instead.
     """
     mask = _check_inputs(input_ids, attention_mask, response_mask)
-    raw_uses = _trainable_uses(model)
+    raw_uses = trainable_uses(model)
     if not raw_uses:
         raise ValueError("the model has no trainable parameters")
     captures: dict[int, _Capture] = {}
@@ -461,7 +388,7 @@ def _tapping(specs: dict[int, _TapSpec], norms: RowNorms, anchor: Tensor) -> Ite
                 )
             spec.called = True
             if spec.kind == "lora_embedding":
-                spec.lora = LoraEmbedding(module, _adapters(spec.roles))
+                spec.lora = LoraEmbedding(module, adapter_names(spec.roles))
         return _Tap.apply(output, anchor, inputs[0].detach(), handlers[id(module)])
 
     handles = [spec.module.register_forward_hook(hook) for spec in specs.values()]
@@ -489,7 +416,7 @@ def streaming_norm_pass(
     ``(sq_grad_norms [B] float64, token_logprobs [B, T] detached)``; no parameter gradient is formed.
     """
     mask = _check_inputs(input_ids, attention_mask, response_mask)
-    raw_uses = _trainable_uses(model)
+    raw_uses = trainable_uses(model)
     if not raw_uses:
         raise ValueError("the model has no trainable parameters")
     head = decoder_and_head(model)[1] if chunks > 0 else None

@@ -2,10 +2,12 @@
 
 A module's share of ``‖∇θ log π(τ_i)‖²`` follows from its input x and its output gradient δ alone: Linear
 weights in the ghost Gram form or per-row materialised (whichever is cheaper), biases, embeddings,
-RMSNorm weights, and the cross term of a tied embedding / output head. :class:`RowNorms` sums them row by row
-in float64 from float32-or-better products (:mod:`mm32`: on the tensor cores on a GPU); :func:`head_pass`
-forms the output head's share (and the decoder's backward signal) without autograd, over slices of the
-vocabulary, for the streaming pass.
+RMSNorm weights, the cross term of a tied embedding / output head, and peft LoRA adapters (a projection's A
+and B are Linear modules; a LoRA embedding's through :class:`LoraEmbedding`). :func:`trainable_uses` names
+the rule of every trainable parameter and refuses one without a rule. :class:`RowNorms` sums the shares row
+by row in float64 from float32-or-better products (:mod:`mm32`: on the tensor cores on a GPU);
+:func:`head_pass` forms the output head's share (a LoRA head's too) and the decoder's backward signal
+without autograd, over slices of the vocabulary, for the streaming pass.
 """
 
 from __future__ import annotations
@@ -112,6 +114,81 @@ class RowNorms:
         a = mm32(emb_delta, h.transpose(1, 2))  # [B, t, s] = δemb_t · h_s
         self.add(2 * (a * g.transpose(1, 2)).sum((1, 2)))
         self.head_cross = None
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _lora_embedding_params(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]] | None:
+    """A peft LoRA embedding's trainable adapter matrices as ``("A:<adapter>" | "B:<adapter>", param)``;
+    None for any other module. Variants (DoRA, ...) and scaled embeddings have no rule and are refused."""
+    if not (hasattr(module, "lora_embedding_A") and hasattr(module, "base_layer")):
+        return None
+    out = []
+    for adapter in module.lora_embedding_A:
+        pair = (("A", module.lora_embedding_A[adapter]), ("B", module.lora_embedding_B[adapter]))
+        trainable = [(f"{which}:{adapter}", p) for which, p in pair if p.requires_grad]
+        if not trainable:
+            continue
+        if adapter not in module.active_adapters:
+            raise NotImplementedError(f"{name}: adapter {adapter!r} trains but is not active")
+        if adapter in getattr(module, "lora_variant", {}) or module._get_embed_scale() is not None:
+            raise NotImplementedError(
+                f"{name}: only plain LoRA on an unscaled embedding has a norm rule (adapter {adapter!r})"
+            )
+        out += trainable
+    base = module.base_layer
+    if out and (base.max_norm is not None or base.scale_grad_by_freq):
+        raise NotImplementedError(f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported")
+    return out
+
+
+def adapter_names(roles: Sequence[str]) -> list[str]:
+    return sorted({role.split(":", 1)[1] for role in roles})
+
+
+def trainable_uses(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
+    """Every trainable parameter and the (module, kind, role) uses of it; unsupported owners are errors."""
+    uses: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    lora_owned: set[int] = set()  # a LoRA embedding's matrices live in ParameterDicts below it
+    for name, module in model.named_modules():
+        lora = _lora_embedding_params(name, module)
+        if lora:
+            for role, p in lora:
+                uses[id(p)] = (p, [(module, "lora_embedding", role)])
+                lora_owned.add(id(p))
+        own = [
+            (pn, p)
+            for pn, p in module.named_parameters(recurse=False)
+            if p.requires_grad and id(p) not in lora_owned
+        ]
+        if not own:
+            continue
+        if isinstance(module, nn.Linear):
+            kind = "linear"
+        elif isinstance(module, nn.Embedding):
+            kind = "embedding"
+            if module.max_norm is not None or module.scale_grad_by_freq:
+                raise NotImplementedError(
+                    f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported"
+                )
+        elif _is_rmsnorm(module):
+            kind = "rmsnorm"
+        else:
+            raise NotImplementedError(
+                f"per-trajectory gradient norms: module {name!r} ({type(module).__name__}) owns trainable "
+                f"parameters {[pn for pn, _ in own]} and has no norm rule; freeze it or add a rule"
+            )
+        for pn, p in own:
+            uses.setdefault(id(p), (p, []))[1].append((module, kind, pn))
+    for p, us in uses.values():
+        kinds = sorted(k for _, k, _ in us)
+        if len(us) > 1 and not (kinds == ["embedding", "linear"] and all(r == "weight" for _, _, r in us)):
+            raise NotImplementedError(
+                f"a parameter of shape {tuple(p.shape)} is shared as {kinds}: no cross-term rule"
+            )
+    return uses
 
 
 class LoraEmbedding:
