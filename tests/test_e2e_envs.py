@@ -22,8 +22,8 @@ from tests.test_e2e import Launch, _audit, _ledger, _steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 120
-EVERY = 50
+STEPS = 80
+EVERY = 30
 
 
 @pytest.mark.timeout(900)
