@@ -350,6 +350,7 @@ class Guessing(Environment):
         )
 
     def close(self, session_id: str, timeout_s: float) -> None:
+        time.sleep(0.05)  # closes still queued when the evaluator stops: it waits for them, never drops them
         self.closed.append(session_id)
 
     def healthy(self, timeout_s: float) -> bool:

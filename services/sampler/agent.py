@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,8 @@ class AgentLoop:
         self.turns = 0
         self.calls: dict[str, int] = {}  # "reset"/"step"/"close" -> calls made
         self.close_errors = 0
+        self._closing: set[Future[Any]] = set()  # session closes not yet done
+        self._close_wait_s = 0.0  # the longest reset timeout a close was given
 
     # ------------------------------------------------------------------ start
     def start(self, group: Group, handle: Handle) -> None:
@@ -274,19 +276,33 @@ class AgentLoop:
         self.groups.pop(eg.group.group_id, None)
         eg.handle.open_sessions -= len(eg.episodes)
         timeout = eg.handle.spec.reset_timeout_seconds
+        self._close_wait_s = max(self._close_wait_s, float(timeout))
         for ep in eg.episodes.values():
             future = self.pool.submit(eg.handle.env.close, ep.key, timeout)
+            self._closing.add(future)
             future.add_done_callback(self._closed)
         self.calls["close"] = self.calls.get("close", 0) + len(eg.episodes)
 
     def _closed(self, future: Future[Any]) -> None:
-        if future.exception() is not None:
+        self._closing.discard(future)
+        if future.cancelled() or future.exception() is not None:
             self.close_errors += 1
-            log.debug("closing a session failed: %s", future.exception())
+            log.debug(
+                "closing a session failed: %s", "cancelled" if future.cancelled() else future.exception()
+            )
 
     def close(self) -> None:
+        """Abort every group and close its sessions: their queued calls are cancelled, and the closes (queued
+        behind any call still running) get one reset timeout to finish before the pool stops; any left are
+        cancelled and counted in ``close_errors``, so a stop never waits on a dead environment for long."""
+        calls = [ep.call for eg in self.groups.values() for ep in eg.episodes.values() if ep.call is not None]
         for eg in list(self.groups.values()):
             self.abort(eg.group)
+        for call in calls:
+            call.cancel()  # only a call not yet started: a running one ends by its own timeout
+        pending = self._closing.copy()
+        if pending:
+            wait(pending, timeout=self._close_wait_s + DEADLINE_GRACE_S)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
