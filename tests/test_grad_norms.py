@@ -14,9 +14,8 @@ from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms,
 from services.learner.logprobs import token_logprobs
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    root = tmp_path_factory.mktemp("models")
+def tiny_model_dirs(root: Path) -> dict[bool, Path]:
+    """The tiny Qwen2 model of these tests, with its output head untied and tied to the embedding."""
     spec = {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -31,15 +30,26 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    return tiny_model_dirs(tmp_path_factory.mktemp("models"))
+
+
+def perturb(model: nn.Module) -> None:
+    """Add small noise to every weight: fresh RMSNorm weights are all 1 and one matrix of each LoRA adapter
+    starts at 0, which would leave terms of the norms untested."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
 def load(model_dirs: dict[bool, Path], tied: bool, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs[tied], dtype=dtype)  # sdpa, the default
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    with torch.no_grad():  # fresh random weights would leave RMSNorm weights at 1: make every term count
-        g = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    perturb(model)
     return model.train()
 
 

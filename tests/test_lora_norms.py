@@ -16,10 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, streaming_norm_pass
 from services.learner.logprobs import token_logprobs
-from tests.test_grad_norms import STREAMING, brute_force, make_batch, rel_err
+from tests.test_grad_norms import STREAMING, brute_force, make_batch, perturb, rel_err, tiny_model_dirs
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"projections": PROJECTIONS, "with-embedding-and-head": [*PROJECTIONS, "embed_tokens", "lm_head"]}
@@ -27,19 +26,7 @@ TARGETS = {"projections": PROJECTIONS, "with-embedding-and-head": [*PROJECTIONS,
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    root = tmp_path_factory.mktemp("lora-models")
-    spec = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "intermediate_size": 96,
-        "vocab_size": 300,
-    }
-    return {
-        tied: build_tiny_model(root / f"tied-{tied}", TinyModelSpec(tie_word_embeddings=tied, **spec))
-        for tied in (False, True)
-    }
+    return tiny_model_dirs(tmp_path_factory.mktemp("lora-models"))
 
 
 def lora_model(
@@ -51,10 +38,7 @@ def lora_model(
     model = AutoModelForCausalLM.from_pretrained(model_dirs[tied], dtype=dtype)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS[targets])
     model = get_peft_model(model, config)
-    with torch.no_grad():  # peft starts one matrix of each adapter at 0: make every term count
-        g = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    perturb(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), trainable  # only the adapters train
     return model.train()

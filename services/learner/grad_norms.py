@@ -82,7 +82,7 @@ class _Capture:
     x: Tensor | None = None  # input activations (token ids for an embedding)
     y: Tensor | None = None  # output, kept until the backward
     delta: Tensor | None = None  # ∂f/∂y
-    roles: list[str] = field(default_factory=list)  # a LoRA embedding's trainable "A:<adapter>", "B:..."
+    roles: list[str] = field(default_factory=list)  # as _TapSpec.roles
     lora: LoraEmbedding | None = None  # its adapters' values, copied in the forward
 
 
@@ -295,9 +295,7 @@ def norm_pass(
     captures: dict[int, _Capture] = {}
     for _, us in raw_uses.values():
         for module, kind, role in us:
-            cap = captures.setdefault(id(module), _Capture(module, kind))
-            if kind == "lora_embedding":
-                cap.roles.append(role)
+            captures.setdefault(id(module), _Capture(module, kind)).roles.append(role)
     with torch.enable_grad(), _capturing(model, captures):
         logp = token_logprobs(model, input_ids, attention_mask)
     f = torch.where(mask, logp, torch.zeros_like(logp)).sum()

@@ -120,6 +120,11 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
 
+def _refuse_unsupported_embedding(name: str, embedding: nn.Embedding) -> None:
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq:
+        raise NotImplementedError(f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported")
+
+
 def _lora_embedding_params(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]] | None:
     """A peft LoRA embedding's trainable adapter matrices as ``("A:<adapter>" | "B:<adapter>", param)``;
     None for any other module. Variants (DoRA, ...) and scaled embeddings have no rule and are refused."""
@@ -138,9 +143,8 @@ def _lora_embedding_params(name: str, module: nn.Module) -> list[tuple[str, nn.P
                 f"{name}: only plain LoRA on an unscaled embedding has a norm rule (adapter {adapter!r})"
             )
         out += trainable
-    base = module.base_layer
-    if out and (base.max_norm is not None or base.scale_grad_by_freq):
-        raise NotImplementedError(f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported")
+    if out:
+        _refuse_unsupported_embedding(name, module.base_layer)
     return out
 
 
@@ -169,10 +173,7 @@ def trainable_uses(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[tuple
             kind = "linear"
         elif isinstance(module, nn.Embedding):
             kind = "embedding"
-            if module.max_norm is not None or module.scale_grad_by_freq:
-                raise NotImplementedError(
-                    f"{name}: embeddings with max_norm/scale_grad_by_freq are not supported"
-                )
+            _refuse_unsupported_embedding(name, module)
         elif _is_rmsnorm(module):
             kind = "rmsnorm"
         else:
