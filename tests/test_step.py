@@ -450,3 +450,63 @@ def test_the_memory_mode_is_sized_by_the_micro_batches_the_step_runs(monkeypatch
         )
         assert Trainer._memory_mode(trainer, mixed(SPEC.vocab_size)) == "saved"  # type: ignore[arg-type]
         assert sized.pop() == expected
+
+
+def _adapted_with_dropout(model_dir: Path) -> nn.Module:
+    from services.learner.config import LoraConfig
+    from services.learner.lora import apply_lora
+
+    model = apply_lora(load(model_dir), LoraConfig(rank=4, dropout=0.5))
+    for name, p in model.named_parameters():  # peft starts B at 0: give the adapters something to carry
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float64
+    return model
+
+
+def test_every_pass_over_a_micro_batch_draws_the_dropout_masks_of_its_first(model_dir: Path) -> None:
+    """LoRA with adapter dropout: the recompute path's norm pass and gradient pass of a micro-batch drop the
+    same activations, so its step is the saved path's, whose single pass draws each micro-batch's masks once
+    (without the replay the norms would be of one mask and the gradient of another)."""
+    from services.learner.step import MemoryOptions, backward
+
+    model = _adapted_with_dropout(model_dir)
+    batch = trajectories(model, seed=5)
+
+    def step(seed: int, memory: MemoryOptions) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        metrics = backward(StepInputs(model, batch, ObjectiveConfig(), micro_batch_size=3, memory=memory))
+        return grads(model), metrics
+
+    saved, saved_metrics = step(0, MemoryOptions())
+    assert all(("lora_A" in n or "lora_B" in n) for n in saved)  # the base is frozen
+    recompute, metrics = step(0, MemoryOptions("recompute", 4))
+    close(recompute, saved, RMSNORM_TOL)
+    for key in ("loss", "ess_ratio"):
+        assert metrics[key] == pytest.approx(saved_metrics[key], rel=1e-9), key
+    other, _ = step(1, MemoryOptions())  # other masks, another gradient: the dropout is really on
+    assert max(float((other[n] - saved[n]).norm() / saved[n].norm()) for n in saved) > 0.01
+
+
+def test_the_live_pass_of_a_micro_batch_drops_what_its_detached_pass_dropped(model_dir: Path) -> None:
+    """The ordinary path (grpo) over several micro-batches: whole-step statistics from a detached pass, then a
+    live pass per micro-batch; with dropout both draw the same masks, so the gradient is that of one pass."""
+    from services.learner.step import plan_step
+
+    model = _adapted_with_dropout(model_dir)
+    batch = trajectories(model, seed=6)
+    config = ObjectiveConfig(objective="grpo")
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    policy_gradient_backward(StepInputs(model, batch, config, micro_batch_size=3))
+    stepped = grads(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the reference: each micro-batch's forward once, with its graph
+    plan = plan_step(batch, 3)
+    logprobs = plan.gather([token_logprobs(model, r.input_ids, r.attention_mask) for r in plan.rows()])
+    policy = PolicyBatch(
+        logprobs, batch.behaviour_logprobs, batch.response_mask.bool(), batch.rewards, batch.group_ids
+    )
+    policy_loss(policy, config)[0].backward()
+    close(stepped, grads(model), 1e-10)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 import torch
@@ -163,6 +163,22 @@ class StepPlan:
 
     batch: TrajectoryTensors
     micro: list[MicroBatch]
+    # each micro-batch's random-number state at its first forward (replay_masks)
+    _rng: dict[int, tuple[Tensor, Tensor | None]] = field(default_factory=dict)
+
+    def replay_masks(self, i: int) -> None:
+        """Before every forward of micro-batch ``i``: the first records the random-number state, later ones
+        restore it, so every pass draws the first's dropout masks (LoRA's, a model's own): the norm pass's
+        norms are those of the gradient pass's gradient, a detached pass's log-probs the live pass's."""
+        device = self.batch.input_ids.device
+        state = self._rng.get(i)
+        if state is None:
+            cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+            self._rng[i] = (torch.get_rng_state(), cuda)
+            return
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
 
     def rows(self) -> list[TrajectoryTensors]:
         """Every micro-batch's model inputs: its rows, trimmed to its columns."""
@@ -280,7 +296,7 @@ def backward(step: StepInputs) -> dict[str, float]:
     norms = None
     if config.spec.needs_sq_grad_norms:  # with PPO clipping: the norm pass's norms, then the per-token loss
         chunks = head_chunks(plan, step.memory, step.collectives)
-        norms = plan.gather([n for n, _ in _streaming_norms(step.model, plan.rows(), chunks)])
+        norms = plan.gather([n for n, _ in _streaming_norms(step.model, plan, plan.rows(), chunks)])
     return _policy_gradient_backward(step, plan, norms)
 
 
@@ -348,21 +364,25 @@ def _policy_gradient_backward(
         return policy_loss(policy, config, rho)
 
     if len(rows) == 1:
+        plan.replay_masks(0)
         live = token_logprobs(model, *_ids(rows[0]), chunks[0])
         loss, metrics = objective(plan.gather([live]), step.ess_ratio)
         scale = _scale(step, metrics)
         step.run_backward(loss * scale)
         return metrics
     with torch.no_grad():
-        detached = plan.gather(
-            [token_logprobs(model, *_ids(r), n) for r, n in zip(rows, chunks, strict=True)]
-        )
+        passes = []
+        for i, (r, n) in enumerate(zip(rows, chunks, strict=True)):
+            plan.replay_masks(i)
+            passes.append(token_logprobs(model, *_ids(r), n))
+        detached = plan.gather(passes)
     _, metrics = objective(detached, step.ess_ratio)
     scale = _scale(step, metrics)
     rho = metrics["ess_ratio"] if step.ess_ratio is None else step.ess_ratio
     # every micro-batch's loss is the whole-step loss restricted to its rows, with the whole-step statistics:
     # run the full-batch loss with the graph only through this micro-batch's log-probs
-    for r, m, n in zip(rows, plan.micro, chunks, strict=True):
+    for i, (r, m, n) in enumerate(zip(rows, plan.micro, chunks, strict=True)):
+        plan.replay_masks(i)
         live = token_logprobs(model, *_ids(r), n)
         if not len(
             m.index
@@ -378,11 +398,12 @@ def _vcpo_recompute(step: StepInputs, plan: StepPlan) -> dict[str, float]:
     """VCPO with memory bounded by one micro-batch: norms first, then one weighted pass per micro-batch."""
     chunks = head_chunks(plan, step.memory, step.collectives)
     rows = plan.rows()
-    streamed = _streaming_norms(step.model, rows, chunks)
+    streamed = _streaming_norms(step.model, plan, rows, chunks)
     logprobs, norms = plan.gather([lp for _, lp in streamed]), plan.gather([n for n, _ in streamed])
     coefficients, metrics = _step_coefficients(step, logprobs, norms)
     # a padding micro-batch weighs its row by 0: no gradient, the same collectives as its peers
-    for r, c, n in zip(rows, plan.split(coefficients), chunks, strict=True):
+    for i, (r, c, n) in enumerate(zip(rows, plan.split(coefficients), chunks, strict=True)):
+        plan.replay_masks(i)
         logp = token_logprobs(step.model, *_ids(r), n)
         terms = torch.where(r.response_mask.bool(), logp, torch.zeros_like(logp)).sum(1)
         step.run_backward((c.to(terms.dtype) * terms).sum())
@@ -403,12 +424,14 @@ def _step_coefficients(
 
 
 def _streaming_norms(
-    model: nn.Module, rows: list[TrajectoryTensors], chunks: list[int]
+    model: nn.Module, plan: StepPlan, rows: list[TrajectoryTensors], chunks: list[int]
 ) -> list[tuple[Tensor, Tensor]]:
     """``(sq_grad_norms, token_logprobs)`` of every micro-batch, keeping no activations."""
-    return [
-        streaming_norm_pass(model, *_ids(r), r.response_mask, n) for r, n in zip(rows, chunks, strict=True)
-    ]
+    out = []
+    for i, (r, n) in enumerate(zip(rows, chunks, strict=True)):
+        plan.replay_masks(i)
+        out.append(streaming_norm_pass(model, *_ids(r), r.response_mask, n))
+    return out
 
 
 def head_chunks(
