@@ -16,12 +16,15 @@ import pytest
 import torch
 from torch import nn
 
+from services.learner.config import PROJECTIONS
 from services.learner.grad_norms import norm_pass, per_trajectory_sq_grad_norms, streaming_norm_pass
 from services.learner.logprobs import token_logprobs
 from tests.test_grad_norms import STREAMING, brute_force, make_batch, perturb, rel_err, tiny_model_dirs
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TARGETS = {"projections": PROJECTIONS, "with-embedding-and-head": [*PROJECTIONS, "embed_tokens", "lm_head"]}
+TARGETS = {
+    "projections": list(PROJECTIONS),
+    "with-embedding-and-head": [*PROJECTIONS, "embed_tokens", "lm_head"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +146,27 @@ def test_what_the_rules_cannot_reproduce_is_refused_by_name(model_dirs) -> None:
     dora = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens"], use_dora=True))
     with pytest.raises(NotImplementedError, match="embed_tokens: only plain LoRA on an unscaled embedding"):
         norm_pass(dora, ids, attn, resp)
+
+
+def test_the_learner_refuses_targets_it_cannot_adapt_or_publish_naming_them(model_dirs) -> None:
+    """``[learner.lora]`` at start-up (services/learner/lora.py): a name that matches no module, a name that
+    matches only modules LoRA cannot adapt, and the head or embedding of a tied model (a merged version would
+    put one adapter into both uses of the tied matrix)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.config import LoraConfig
+    from services.learner.lora import apply_lora
+
+    def adapt(tied: bool, targets: list[str]) -> nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(model_dirs[tied], dtype=torch.float32)
+        return apply_lora(model, LoraConfig(rank=4, target_modules=targets))
+
+    with pytest.raises(ValueError, match=r"'qproj' names no module of Qwen2ForCausalLM .*q_proj"):
+        adapt(False, ["q_proj", "qproj"])
+    with pytest.raises(ValueError, match=r"'mlp' names modules LoRA cannot adapt \(Qwen2MLP\)"):
+        adapt(False, ["mlp"])
+    for name in ("lm_head", "embed_tokens", "model.embed_tokens"):
+        with pytest.raises(ValueError, match="tied"):
+            adapt(True, ["q_proj", name])
+    model = adapt(False, ["q_proj", "lm_head"])  # untied: both fine
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) == model.config.num_hidden_layers + 1

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
-from services.learner.config import LearnerConfig
+from services.learner.config import PROJECTIONS, LearnerConfig, LoraConfig
 from services.learner.memory import (
     CUDA_CONTEXT,
     HEADROOM,
     GiB,
     LiveBytes,
     drop_gradients_as_zero3,
+    model_shape,
+    model_state_bytes,
     plan_memory,
     run_micro_batch,
     step_memory,
@@ -63,21 +65,30 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("memory") / "model", spec)
 
 
+LORA = LoraConfig(rank=8, target_modules=[*PROJECTIONS, "lm_head", "embed_tokens"])
+
+
 @pytest.mark.parametrize(
-    ("mode", "checkpointing", "chunk"),
+    ("mode", "checkpointing", "chunk", "lora"),
     [
-        ("saved", False, 0),
-        ("recompute", False, 0),
-        ("recompute", True, 32),
-        ("grpo", False, 0),
-        ("grpo", True, 32),
+        ("saved", False, 0, False),
+        ("recompute", False, 0, False),
+        ("recompute", True, 32, False),
+        ("grpo", False, 0, False),
+        ("grpo", True, 32, False),
+        ("saved", False, 0, True),
+        ("recompute", True, 32, True),
     ],
 )
-def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointing: bool, chunk: int) -> None:
-    """Fake tensors at one and two layers, extrapolated to three, against the real three-layer step."""
+def test_the_simulated_step_is_the_real_step(
+    tiny: Path, mode: str, checkpointing: bool, chunk: int, lora: bool
+) -> None:
+    """Fake tensors at one and two layers, extrapolated to three, against the real three-layer step (with
+    LoRA: gradients of the adapters alone, the adapters' activations beside the base's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.learner.logprobs import chunk_count
+    from services.learner.lora import apply_lora
 
     rows, tokens = 2, 96
     estimate = step_memory(
@@ -88,10 +99,13 @@ def test_the_simulated_step_is_the_real_step(tiny: Path, mode: str, checkpointin
         dtype=torch.float32,
         checkpointing=checkpointing,
         logit_chunk_tokens=chunk,
+        lora=LORA if lora else None,
     )
     model = AutoModelForCausalLM.from_pretrained(
         tiny, dtype=torch.float32, attn_implementation="sdpa"
     ).train()
+    if lora:
+        apply_lora(model, LORA)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     drop_gradients_as_zero3(model)
@@ -228,3 +242,33 @@ def test_a_rank_with_a_fraction_of_a_gpu_plans_within_its_share(monkeypatch: pyt
     assert device_budget(LearnerConfig(gpus_per_rank=2), gpu) == 80 * GiB  # one rank, one GPU of its two
     assert device_budget(LearnerConfig(gpus_per_rank=0.5), gpu) == 40 * GiB
     assert device_budget(LearnerConfig(gpus_per_rank=0.5, device_memory_gb=70), gpu) == 70 * GiB  # as set
+
+
+@pytest.mark.slow
+def test_a_lora_learner_counts_the_frozen_base_and_the_adapters_optimizer_state() -> None:
+    """Qwen2.5-7B with rank-16 adapters on every projection: ~40M trained weights (fp32 master, AdamW moments,
+    gradient) beside a frozen bf16 base; one 80 GB GPU holds the learner, which full fine-tuning cannot."""
+    cfg = qwen25_7b_config()
+    lora = LoraConfig(rank=16)
+    full, adapted = model_shape(cfg), model_shape(cfg, lora)
+    # per layer: r·(in + out) for q, k, v, o, gate, up and down
+    h, kv, ffn = (
+        cfg.hidden_size,
+        cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads),
+        18944,
+    )
+    per_layer = 16 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + ffn))
+    assert adapted.trainable_params == cfg.num_hidden_layers * per_layer == 40_370_176
+    assert adapted.num_params == full.num_params + adapted.trainable_params
+    states = model_state_bytes(adapted, "bf16", 1)
+    assert states["partitions"] == full.num_params * 2 + adapted.trainable_params * (2 + 4 + 8 + 4)
+    assert model_state_bytes(full, "bf16", 1)["partitions"] > 80 * 10**9  # full fine-tuning's states alone
+    learner = LearnerConfig(
+        micro_batch_size=4,
+        max_sequence_tokens=4096,
+        activation_checkpointing=True,
+        memory_mode="recompute",
+        lora=lora,
+    )
+    plan = plan_memory(cfg, learner, "bf16", 1, 80 * 10**9, CUDA_CONTEXT)
+    assert plan.peak("recompute") <= plan.usable, plan.summary()

@@ -206,8 +206,17 @@ def save(engine: Any, directory: Path, step: int, client_state: dict[str, Any], 
         shutil.rmtree(staging, ignore_errors=True)  # an earlier save of this step that was cut short
     dist.barrier()
     written: list[tuple[str, int]] = []
+    # frozen weights (a LoRA run's base) are the model the run starts from, loaded again on resume: a
+    # checkpoint holds what training changes, the adapters and their optimizer state
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
     with durable_writes(engine.checkpoint_engine, written):
-        engine.save_checkpoint(str(directory), tag=staging.name, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(
+            str(directory),
+            tag=staging.name,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=frozen,
+        )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, written)
     outcome: list[str | None] = [None]

@@ -13,6 +13,49 @@ from services.learner.objectives import get as objective_named
 from services.learner.objectives import settings_of as objective_settings_of
 from services.weight_transport import WeightBrokerConfig
 
+# peft's usual LoRA targets on Qwen2/Llama-style decoders: every attention and MLP projection
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) trained in place of the full weights: ``W x + (alpha / rank)·B A x`` on each
+    targeted module, the base frozen. ``rank = 0`` trains every weight."""
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = full fine-tuning (no adapters).")
+    alpha: int = Field(
+        0, ge=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank; 0 = 2 · rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on each adapter's input (peft's lora_dropout); a second pass over a micro-batch "
+        "replays the first one's masks, so VCPO's norms stay those of the gradient taken.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(PROJECTIONS),
+        min_length=1,
+        description="Modules that get adapters, by name or name suffix as peft matches them (e.g. q_proj, "
+        "model.layers.0.mlp.down_proj); lm_head and embed_tokens may be named too. A name that matches no "
+        "module is an error.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _plain_names(cls, v: list[str]) -> list[str]:
+        bad = [name for name in v if not name or name != name.strip() or name.startswith(".")]
+        if bad or len(set(v)) != len(v):
+            raise ValueError(f"target_modules must be distinct module names or suffixes, got {v}")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha or 2.0 * self.rank) / self.rank
+
 
 class LearnerConfig(Section):
     """Distributed training, the optimizer and the objective (docs/research/vcpo.md) of the learner."""
@@ -114,6 +157,10 @@ class LearnerConfig(Section):
     )
     grpc_port: int = Field(50054, ge=0, le=65535, description="Status and health gRPC port; 0 = a free port.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 = a free port.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on a frozen base instead of full fine-tuning (docs/guides/lora.md).",
+    )
     ray_resources: dict[str, PositiveFloat] = Field(
         default_factory=dict,
         description="Custom Ray resources added to every rank's placement-group bundle, e.g. "

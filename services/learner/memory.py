@@ -1,6 +1,7 @@
 """The learner's memory: a start-up estimate of a step's peak per rank, and the choice of the step's mode.
 
-    peak per rank = model states (ZeRO-3 partitions: weights, fp32 master, AdamW moments, fp32 gradients)
+    peak per rank = model states (ZeRO-3 partitions: weights, fp32 master, AdamW moments, fp32 gradients;
+                    with LoRA those of the adapters, and the frozen base's weights alone)
                   + ZeRO-3 working buffers (gathered weights, reduce bucket; sizes from deepspeed_config)
                   + the step's tensors, found by running the step's own code on fake tensors
                     (torch's FakeTensorMode: shapes and dtypes, no memory, no arithmetic) at the configured
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from services.learner.config import LearnerConfig
+from services.learner.config import LearnerConfig, LoraConfig
 
 GiB = 2**30
 HEADROOM = 0.10  # of the device memory, kept free for the allocator's fragmentation and kernel workspaces
@@ -101,18 +102,31 @@ def _without_zero3() -> Iterator[None]:
 class ModelShape:
     """What the estimate needs of a model's config."""
 
-    num_params: int
+    num_params: int  # every weight, a LoRA model's frozen base and adapters together
     largest_param: int  # elements of the largest single weight (ZeRO-3 gathers it whole)
+    trainable_params: int = -1  # what the optimizer holds (LoRA: the adapters); -1: every weight
+
+    @property
+    def trained(self) -> int:
+        return self.num_params if self.trainable_params < 0 else self.trainable_params
 
 
-def model_shape(hf_config: Any) -> ModelShape:
-    """Parameter counts of a Hugging Face causal-LM config, from a model built on the meta device."""
+def model_shape(hf_config: Any, lora: LoraConfig | None = None) -> ModelShape:
+    """Parameter counts of a Hugging Face causal-LM config (with ``lora``'s adapters when it is enabled),
+    from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
+
+    from services.learner.lora import apply_lora
 
     with torch.device("meta"), _without_zero3():
         model = AutoModelForCausalLM.from_config(hf_config)
-    params = {id(p): p.numel() for p in model.parameters()}  # tied weights once
-    return ModelShape(sum(params.values()), max(params.values()))
+        if lora is not None and lora.enabled:
+            apply_lora(model, lora)
+    params = {id(p): p for p in model.parameters()}  # tied weights once
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    return ModelShape(
+        sum(p.numel() for p in params.values()), max(p.numel() for p in params.values()), trainable
+    )
 
 
 def weight_bytes(precision: str) -> int:
@@ -123,13 +137,14 @@ def weight_bytes(precision: str) -> int:
 def model_state_bytes(shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
     """Per-rank bytes of ZeRO-3's partitions and working buffers (see deepspeed_config in trainer.py)."""
     weight = weight_bytes(precision)
-    # bf16: the bf16 partition, its fp32 master, AdamW's two fp32 moments, the fp32 gradient partition;
-    # fp32: the weights are the master
+    # a trained weight, bf16: the bf16 partition, its fp32 master, AdamW's two fp32 moments, the fp32
+    # gradient partition; fp32: the weights are the master. A frozen one (a LoRA run's base): its partition
     per_param = (2 + 4 + 8 + 4) if precision == "bf16" else (4 + 8 + 4)
-    partitions = math.ceil(shape.num_params / world_size) * per_param
+    frozen = shape.num_params - shape.trained
+    partitions = math.ceil(shape.trained / world_size) * per_param + math.ceil(frozen / world_size) * weight
     gathered = (max(shape.largest_param, ZERO3_MAX_LIVE_PARAMETERS) + ZERO3_PREFETCH_BUCKET) * weight
     gathered = min(gathered, shape.num_params * weight)
-    reduce_bucket = min(ZERO3_REDUCE_BUCKET, shape.num_params) * 4 * 2  # the bucket and its reduced copy
+    reduce_bucket = min(ZERO3_REDUCE_BUCKET, shape.trained) * 4 * 2  # the bucket and its reduced copy
     return {"partitions": partitions, "gathered_weights": gathered, "reduce_bucket": reduce_bucket}
 
 
@@ -144,11 +159,16 @@ class StepMemory:
 def drop_gradients_as_zero3(model: nn.Module) -> None:
     """Free each parameter's gradient as soon as it is formed, as ZeRO-3's reduce-scatter does."""
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        if p.requires_grad:  # a frozen weight (a LoRA run's base) never has one
+            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
 
 
-def _fake_model(hf_config: Any, layers: int, dtype: torch.dtype, checkpointing: bool) -> nn.Module:
+def _fake_model(
+    hf_config: Any, layers: int, dtype: torch.dtype, checkpointing: bool, lora: LoraConfig | None = None
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
+
+    from services.learner.lora import apply_lora
 
     values = {**hf_config.to_dict(), "num_hidden_layers": layers}
     if isinstance(values.get("layer_types"), list):
@@ -156,6 +176,14 @@ def _fake_model(hf_config: Any, layers: int, dtype: torch.dtype, checkpointing: 
     cfg = type(hf_config).from_dict(values)
     with _without_zero3():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    if lora is not None and lora.enabled:
+        # peft moves new adapters to their base layer's device and dtype, which a fake tensor cannot take
+        # (torch swaps a tensor subclass's storage, and a fake tensor is weakly referenced): the adapters are
+        # real tensors (a layer or two's, small), which the fake mode takes as inputs like any constant
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            apply_lora(model, lora)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -213,6 +241,7 @@ def simulate_micro_batch(
     checkpointing: bool,
     logit_chunk_tokens: int,
     device_type: str = "cpu",
+    lora: LoraConfig | None = None,
 ) -> StepMemory:
     """Peak bytes of one micro-batch of the step in ``mode`` on fake tensors (:func:`run_micro_batch`), as
     it runs on a ``device_type`` device (on CUDA the norm pass forms float32 products from bf16 parts)."""
@@ -222,7 +251,7 @@ def simulate_micro_batch(
     from services.learner.mm32 import products
 
     with FakeTensorMode(allow_non_fake_inputs=True), products("split" if device_type == "cuda" else "plain"):
-        model = _fake_model(hf_config, layers, dtype, checkpointing)
+        model = _fake_model(hf_config, layers, dtype, checkpointing, lora)
         ids, attention, response = _batch(rows, tokens, int(hf_config.vocab_size))
         tracker = LiveBytes()
         with tracker:
@@ -242,6 +271,7 @@ def step_memory(
     checkpointing: bool,
     logit_chunk_tokens: int,
     device_type: str = "cpu",
+    lora: LoraConfig | None = None,
 ) -> StepMemory:
     """:func:`simulate_micro_batch` at the model's real depth, from one- and two-layer simulations."""
     one, two = (
@@ -255,6 +285,7 @@ def step_memory(
             checkpointing=checkpointing,
             logit_chunk_tokens=logit_chunk_tokens,
             device_type=device_type,
+            lora=lora,
         )
         for n in (1, 2)
     )
@@ -366,6 +397,7 @@ def plan_memory(
         checkpointing=learner.activation_checkpointing,
         logit_chunk_tokens=learner.logit_chunk_tokens,
         device_type=device_type,
+        lora=learner.lora,
     )
     rows, tokens = learner.micro_batch_size, learner.max_sequence_tokens
     recompute = step_memory(hf_config, mode="recompute", rows=rows, tokens=tokens, **common)
@@ -376,7 +408,7 @@ def plan_memory(
     t2, r2 = max(tokens // 2, 2), half.retained
     b = (r1 / t1 - r2 / t2) / (t1 - t2) if t1 != t2 else 0.0
     a = r1 / t1 - b * t1
-    shape = model_shape(hf_config)
+    shape = model_shape(hf_config, learner.lora)
     states = model_state_bytes(shape, precision, world_size)
     if broadcast_bucket_bytes > 0:
         states["weight_broadcast"] = broadcast_buffer_bytes(shape, precision, broadcast_bucket_bytes)

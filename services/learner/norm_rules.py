@@ -220,12 +220,20 @@ class LoraEmbedding:
 
 @contextmanager
 def gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
-    """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
+    """The full values of ZeRO-3-partitioned parameters for the duration (read-only); a no-op otherwise.
+    A parameter ZeRO-3 already holds whole (a small persistent one, or one the running forward fetched: a
+    LoRA embedding's adapters, read in its forward) is left as it is: its owner releases it."""
+    from_zero3 = [p for p in params if hasattr(p, "ds_id")]
+    if not from_zero3:
         yield
         return
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    partitioned = [p for p in from_zero3 if p.ds_status != ZeroParamStatus.AVAILABLE]
+    if not partitioned:
+        yield
+        return
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield

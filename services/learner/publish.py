@@ -5,7 +5,7 @@ of gathered parameters beyond its shards. Every rank must call :func:`publish_ve
 :func:`publish_collective` (the gathers are collectives) and drains the gathers even when rank 0's send fails
 part-way, then all agree on rank 0's outcome, so no rank is left waiting. Names are ``named_parameters()``'s,
 which for a Hugging Face model are the checkpoint names vLLM loads (tied output embeddings appear once, as in
-``save_pretrained``).
+``save_pretrained``); a LoRA model publishes its merged weights under the base's names (``lora.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.learner.lora import PublishedUnit, published_units
 from services.learner.norm_rules import full_shape
 from services.weight_transport import (
     CollectivePublisher,
@@ -48,8 +49,9 @@ def collective_device(group: Any = None) -> torch.device:
 
 
 def tensor_specs(module: nn.Module) -> list[TensorSpec]:
-    """The manifest of a (possibly ZeRO-3 partitioned) module: names, dtypes and full shapes, no gathering."""
-    return [TensorSpec(name, dtype_name(p.dtype), full_shape(p)) for name, p in module.named_parameters()]
+    """The manifest of a (possibly ZeRO-3 partitioned) module: names, dtypes and full shapes, no gathering
+    (a LoRA model's: its merged weights, ``lora.published_units``)."""
+    return [TensorSpec(u.name, dtype_name(u.like.dtype), full_shape(u.like)) for u in published_units(module)]
 
 
 class VersionNotSent(TransferFailed):
@@ -68,14 +70,15 @@ class GatherStats:
 def gathered_tensors(
     module: nn.Module, bucket_bytes: int = 256 << 20, stats: GatherStats | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's full tensor, gathered in buckets of ``bucket_bytes`` (a larger parameter alone); valid
-    until the next item is requested. All ranks of a ZeRO-3 group must iterate it to the end together."""
-    params = list(module.named_parameters())
-    bucket: list[tuple[str, nn.Parameter]] = []
+    """Every published tensor (:func:`tensor_specs`), its parameters gathered in buckets of ``bucket_bytes``
+    (a larger tensor alone); valid until the next item is requested. All ranks of a ZeRO-3 group must iterate
+    it to the end together."""
+    units = published_units(module)
+    bucket: list[PublishedUnit] = []
     size = 0
     # the gathers run on whichever thread pulls this (the broker path's gRPC thread, whose current CUDA
     # device was never chosen: DeepSpeed would gather onto cuda:0 there, whatever this rank's device)
-    device = next((p.device for _, p in params if p.device.type == "cuda"), None)
+    device = next((u.like.device for u in units if u.like.device.type == "cuda"), None)
 
     def flush() -> Iterator[tuple[str, torch.Tensor]]:
         if device is not None:
@@ -83,16 +86,16 @@ def gathered_tensors(
         if stats is not None:
             stats.buckets += 1
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, size)
-        with _gathered([p for _, p in bucket]):
-            for name, p in bucket:
-                yield name, p.data
+        with _gathered([p for u in bucket for p in u.params]):
+            for u in bucket:
+                yield u.name, u.value()
 
-    for name, p in params:
-        nbytes = p.element_size() * int(torch.Size(full_shape(p)).numel())
+    for unit in units:
+        nbytes = sum(p.element_size() * int(torch.Size(full_shape(p)).numel()) for p in unit.params)
         if bucket and size + nbytes > bucket_bytes:
             yield from flush()
             bucket, size = [], 0
-        bucket.append((name, p))
+        bucket.append(unit)
         size += nbytes
     if bucket:
         yield from flush()

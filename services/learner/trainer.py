@@ -31,6 +31,7 @@ from torch import Tensor
 from services.learner import checkpoints, objectives
 from services.learner.config import LearnerConfig
 from services.learner.ess import distributed_effective_sample_size, lr_scale
+from services.learner.lora import apply_lora, register_with_zero3, trainable_parameters
 from services.learner.lr_schedule import lr_factor
 from services.learner.memory import (
     CUDA_CONTEXT,
@@ -261,12 +262,14 @@ class Trainer:
         )  # must stay alive: from_pretrained loads partitioned
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+        if learner.lora.enabled:  # adapters in place of the targeted modules, the base frozen (lora.py)
+            apply_lora(module, learner.lora)
         module.train()
         if learner.activation_checkpointing:
             # non-reentrant: the norm pass's taps save their inputs like any activation (grad_norms.py)
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW(
-            module.parameters(),
+            trainable_parameters(module),
             lr=learner.lr,
             betas=learner.betas,
             eps=1e-8,
@@ -274,6 +277,8 @@ class Trainer:
             foreach=False,
         )
         self.engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+        if learner.lora.enabled:
+            register_with_zero3(module)
         self.device = self.engine.device
         self.collectives = DistCollectives(self.world_size, self.device)
         self.version = 0  # the policy version the current weights are
@@ -376,6 +381,8 @@ class Trainer:
         """Write a DeepSpeed checkpoint (weights, optimizer, ``client_state``) tagged by step; keep ``keep``.
         ``latest`` names it only once every rank's shards are on disk (services/learner/checkpoints.py)."""
         state = dict(client_state, version=self.version, step=self.step)
+        if self.config.lora.enabled:  # what an export needs to merge the adapters into the base
+            state["lora"] = self.config.lora.model_dump()
         return checkpoints.save(self.engine, directory, self.step, state, self.rank, keep)
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
@@ -385,7 +392,11 @@ class Trainer:
         checkpoints.agree(found, directory, self.rank, self.world_size, self.device)
         if found.tag is None:
             return None
-        path, state = self.engine.load_checkpoint(str(directory), tag=found.tag)
+        # a LoRA checkpoint leaves out the frozen base (checkpoints.save), which from_pretrained loaded
+        frozen = any(not p.requires_grad for p in self.module.parameters())
+        path, state = self.engine.load_checkpoint(
+            str(directory), tag=found.tag, load_module_strict=not frozen
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory / found.tag}")
         self.version, self.step = int(state["version"]), int(state["step"])
