@@ -11,6 +11,9 @@
 
 What it decides:
 
+- A LoRA run's checkpoint holds the adapters, not the frozen base: each adapted weight is exported merged,
+  ``W + (alpha / rank)·B A`` (``lora.merged_checkpoint``, in float32 from the adapters' master weights), with
+  ``W`` and every other tensor read from the base model.
 - The weights are the optimizer's fp32 master weights, consolidated from every rank's partition by DeepSpeed's
   ``zero_to_fp32`` (lazily: one full tensor at a time beside the memory-mapped partitions), then cast to the
   dtype the base model stores each tensor in. That is what the learner published for that version: a bf16
@@ -115,6 +118,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def read_client_state(tag_dir: Path) -> tuple[int, int]:
     """``(step, version)`` of a learner checkpoint tag, from the client state in rank 0's model states."""
+    step, version, _ = _client_state(tag_dir)
+    return step, version
+
+
+def _client_state(tag_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """``(step, version, [learner.lora] of a LoRA run or None)`` of a learner checkpoint tag."""
     import torch
 
     files = [tag_dir / name for name in MODEL_STATES if (tag_dir / name).is_file()]
@@ -128,7 +137,7 @@ def read_client_state(tag_dir: Path) -> tuple[int, int]:
     named = _TAG_STEP.fullmatch(tag_dir.name)
     if named and int(named.group(1)) != step:
         raise ValueError(f"{tag_dir}: the tag names step {int(named.group(1))}, its client state step {step}")
-    return step, version
+    return step, version, state.get("lora")
 
 
 def base_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -251,9 +260,14 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
         log.info("%s already holds the export of %s", out, tag_dir)
         return done
 
-    step, version = read_client_state(tag_dir)
+    step, version, lora = _client_state(tag_dir)
     expected = base_tensors(base_dir)
     state = _consolidated(tag_dir)
+    if lora is not None:  # the adapters alone: merged into the base's weights (lora.merged_checkpoint)
+        from services.learner.config import LoraConfig
+        from services.learner.lora import merged_checkpoint
+
+        state = merged_checkpoint(state, base_dir, LoraConfig(**lora))
     names = check_tensors(state, expected)
     tensors: dict[str, torch.Tensor] = {}
     written: dict[int, str] = {}
