@@ -386,7 +386,7 @@ class Services(Waits):
         if self.learner is None:
             return
         self.learner.stop()
-        checkpoint = learner_checkpoint_bytes(self.cfg.run.model, self.checkpoints())
+        checkpoint = learner_checkpoint_bytes(self.cfg.run.model, self.checkpoints(), self.cfg.learner.lora)
         wait = learner_stop_wait(self.cfg.launcher.stop_timeout_s, checkpoint)
         print(f"  [..] learner        stopping; waiting up to {wait.detail}", flush=True)
         summaries = _get(self.learner.runs, wait.seconds, "learner") or []

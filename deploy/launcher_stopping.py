@@ -115,14 +115,15 @@ def learner_stop_wait(stop_timeout_s: float, checkpoint_bytes: int | None) -> Le
     )
 
 
-def learner_checkpoint_bytes(model: str, checkpoint_dir: Path) -> int | None:
-    """Bytes of the learner's next checkpoint: the model's parameters × ``checkpoints.BYTES_PER_PARAMETER``;
+def learner_checkpoint_bytes(model: str, checkpoint_dir: Path, lora: Any = None) -> int | None:
+    """Bytes of the learner's next checkpoint: the parameters it holds (a LoRA run's adapters, ``lora`` being
+    its ``learner.lora``) × ``checkpoints.BYTES_PER_PARAMETER``;
     where its config cannot be read here (a hub id and no network on the launcher's node), the size of the
     last checkpoint on disk; None without either."""
     from services.learner import checkpoints
 
     try:
-        return checkpoints.checkpoint_bytes(checkpoints.model_parameters(model))
+        return checkpoints.checkpoint_bytes(checkpoints.model_parameters(model, lora))
     except Exception as exc:  # the stop goes on: the wait falls back to what is on disk, or the setting
         log.warning("could not count the parameters of %s to size the learner's stop wait: %s", model, exc)
     found = checkpoints.resolve(checkpoint_dir).tag

@@ -63,6 +63,7 @@ bench vcpo_step_200m_bf16 benchmarks/vcpo_step.py --device cuda --dtype bfloat16
     --repeats 5
 bench learner_step_10m benchmarks/learner_step.py --device cuda --rounds 5
 bench learner_step_200m benchmarks/learner_step.py --device cuda --size 200m --rounds 5
+bench lora_32m benchmarks/lora.py --device cuda --rounds 5
 # issue 22: peak memory of VCPO (saved, recompute) and GRPO on Qwen2.5-0.5B's shape at 2k tokens in bf16; its
 # estimate_over_measured is the start-up estimate against torch.cuda.max_memory_allocated (target within 15%)
 bench learner_memory_0.5b benchmarks/learner_memory.py --device cuda --size 0.5b --lengths 1024 2048

@@ -65,6 +65,14 @@ def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
 
 
 @pytest.mark.gpu
+def test_lora_benchmark_runs_on_a_gpu() -> None:
+    _, figures = run_quick("lora.py", "--device", "cuda")
+    assert (figures["device"], figures["precision"]) == ("cuda", "bf16")
+    for key in ("adapter_bytes_over_full", "step_time_over_full", "peak_memory_over_full"):
+        assert figures[key] > 0
+
+
+@pytest.mark.gpu
 def test_learner_step_benchmark_runs_on_a_gpu() -> None:
     _, figures = run_quick("learner_step.py", "--device", "cuda")
     assert (figures["ranks"], figures["backend"], figures["precision"]) == (1, "nccl", "bf16")

@@ -30,7 +30,7 @@ from services.common.ports import free_port
 from services.common.tiny_model import TinyModelSpec, build_tiny_model, count_parameters, qwen2_config
 from services.learner import checkpoints
 from services.learner.checkpoints import LATEST, REPLACED, STAGING, resolve, tag_name
-from services.learner.config import LearnerConfig
+from services.learner.config import LearnerConfig, LoraConfig
 from services.learner.local_ranks import run_ranks, scored_groups
 from services.learner.supervisor import set_rank_env
 
@@ -158,6 +158,12 @@ def test_the_learner_stop_wait_covers_a_7b_checkpoint_and_keeps_the_setting_for_
     assert 500 < wait.seconds < 600  # inside the Helm chart's stop grace period (600 s)
     assert "~91.4 GB" in wait.detail and "launcher.stop_timeout_s = 120" in wait.detail
     assert learner_stop_wait(900.0, big).seconds == 900.0  # a longer setting stands
+    # with LoRA a checkpoint holds the adapters (rank 16 on every projection: 40.4M weights), not the base
+    adapters = learner_checkpoint_bytes(
+        _config_dir(tmp_path / "7b", qwen25_7b_config()), tmp_path / "none", LoraConfig(rank=16)
+    )
+    assert adapters == 40_370_176 * 12
+    assert learner_stop_wait(120.0, adapters).seconds == 120.0
 
     tiny = learner_checkpoint_bytes(_config_dir(tmp_path / "tiny", _tiny_config()), tmp_path / "none")
     assert tiny is not None and tiny < 10e6

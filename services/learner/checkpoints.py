@@ -44,7 +44,10 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.learner.config import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -276,13 +279,14 @@ def prune(directory: Path, committed: str, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def model_parameters(model: str) -> int:
-    """Parameters of a model (a hub id or a local directory), counted from its config on the meta device."""
+def model_parameters(model: str, lora: LoraConfig | None = None) -> int:
+    """Parameters a checkpoint of a model (a hub id or a local directory) holds, counted from its config on the
+    meta device: every weight, or with ``lora`` enabled the adapters alone (the frozen base is left out)."""
     from transformers import AutoConfig
 
     from services.learner.memory import model_shape
 
-    return model_shape(AutoConfig.from_pretrained(model)).num_params
+    return model_shape(AutoConfig.from_pretrained(model), lora).trained
 
 
 def checkpoint_bytes(num_parameters: int) -> int:
