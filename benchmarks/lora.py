@@ -10,8 +10,11 @@ of 2 scored groups of 8 trajectories (64 prompt + 192 response tokens), one grou
   step_time_over_full       a LoRA step's median time over a full fine-tuning step's, the two trainers held by
                             the same ranks and stepped alternately, round by round
   peak_memory_over_full     the growth of a rank's peak memory from before its trainer is built to after its
-                            steps, LoRA over full (each in processes of its own; on the CPU the resident set's
-                            high-water mark, ru_maxrss; on a GPU torch.cuda.max_memory_allocated)
+                            steps, LoRA over full (each in processes of its own; on a GPU
+                            torch.cuda.max_memory_allocated; on the CPU the resident set's high-water mark,
+                            ru_maxrss, which also holds what the allocator keeps after tensors are freed)
+  estimated_peak_over_full  the learner's start-up estimate of a rank's peak (services/learner/memory.py: model
+                            states counted, the step's tensors simulated), LoRA over full, for the same step
 
 The time from a publish until a sampler serves the version (adapter against full) needs the sampler to load
 adapters, which it does not yet: not measured. The last line is one JSON object with the figures.
@@ -113,6 +116,26 @@ def _memory(rank: int, model_dir: str, groups: list[Any], lora: bool, steps: int
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
+def _estimate(model_dir: Path, lora: bool, tokens: int, ranks: int, gpus: int) -> int:
+    """The start-up estimate of a rank's peak for this benchmark's step (one micro-batch of 8 rows, saved)."""
+    from transformers import AutoConfig
+
+    from services.learner.memory import CUDA_CONTEXT, GiB, plan_memory
+
+    learner = _config(lora, gpus).model_copy(update={"max_sequence_tokens": tokens, "memory_mode": "saved"})
+    cuda = gpus > 0
+    plan = plan_memory(
+        AutoConfig.from_pretrained(model_dir),
+        learner,
+        "bf16" if cuda else "fp32",
+        ranks,
+        1024 * GiB,
+        CUDA_CONTEXT if cuda else 0,
+        device_type="cuda" if cuda else "cpu",
+    )
+    return plan.peak("saved")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,6 +160,9 @@ def main() -> None:
             )
             for name in ("full", "lora")
         }
+        estimate = {
+            name: _estimate(model_dir, name == "lora", prompt + response, ranks, gpus) for name in memory
+        }
     med = {name: statistics.median(timed["times"][name]) for name in ("full", "lora")}
     figures = {
         "parameters": params,
@@ -144,14 +170,14 @@ def main() -> None:
         "adapter_bytes_over_full": round(timed["adapter_bytes"] / timed["full_bytes"], 4),
         "step_time_over_full": round(med["lora"] / med["full"], 3),
         "peak_memory_over_full": round(memory["lora"] / memory["full"], 3),
+        "estimated_peak_over_full": round(estimate["lora"] / estimate["full"], 3),
         "device": args.device,
         "precision": timed["precision"],
     }
     print(f"model: {params / 1e6:.1f}M parameters; {ranks} ranks ({args.device}, {timed['precision']})")
     print(f"step: full {med['full']:.3f}s, LoRA rank {RANK} {med['lora']:.3f}s (median of {rounds})")
-    print(
-        f"peak memory growth per rank: full {memory['full'] / 2**20:.0f} MiB, LoRA {memory['lora'] / 2**20:.0f} MiB"
-    )
+    for what, d in (("measured peak memory growth", memory), ("estimated peak", estimate)):
+        print(f"{what} per rank: full {d['full'] / 2**20:.0f} MiB, LoRA {d['lora'] / 2**20:.0f} MiB")
     print(
         f"adapter {timed['adapter_bytes'] / 2**20:.2f} MiB of {timed['full_bytes'] / 2**20:.1f} MiB "
         f"(target <= {TARGET_ADAPTER_BYTES}); versions are published merged today"

@@ -54,11 +54,11 @@ def resolve_target(
     if model and checkpoint:
         raise ValueError("give --model or --checkpoint, not both")
     if checkpoint:
-        from services.common.tiny_model import run_model
         from services.learner.export import export_checkpoint, find_checkpoint
 
         tag = find_checkpoint(cfg.run.run_dir if checkpoint == "latest" else checkpoint)
-        base = run_model(cfg.run)  # config, tokenizer and tensor shapes (unchanged by training)
+        # config, tokenizer and tensor shapes (unchanged by training), and a LoRA checkpoint's base weights
+        base = start_model(cfg)
         exported = export_checkpoint(tag, base, cfg.run.run_dir / "exports" / tag.name)
         about = {"checkpoint": str(exported.checkpoint), "step": exported.step, "model": str(exported.path)}
         return str(exported.path), tag.name, exported.version, about

@@ -197,3 +197,8 @@ def test_lora_on_zero3_trains_the_adapters_publishes_merged_versions_and_resumes
     for name, w in published.items():
         torch.testing.assert_close(tensors[name], w, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     assert not torch.equal(tensors["lm_head.weight"], base["lm_head.weight"])
+    # adapters are deltas on the weights they were trained on: merged into another model of the same shapes
+    # (the model before a warm start, say) they would make a wrong model without a word
+    other = build_tiny_model(tmp_path / "other-base", TinyModelSpec(seed=1))
+    with pytest.raises(ValueError, match=r"adapters were trained on .*export it with"):
+        export_checkpoint(tmp_path, other, tmp_path / "wrong")

@@ -192,6 +192,19 @@ def check_tensors(state: dict[str, Any], expected: dict[str, tuple[tuple[int, ..
     return list(expected)
 
 
+def _check_lora_base(trained: str, given: str, base_dir: Path, tag_dir: Path) -> None:
+    """A LoRA checkpoint's adapters are deltas on the weights of the model its learner loaded: merged into any
+    other model (the same shapes, say the model before a warm start), they make a wrong model silently."""
+    if not trained:
+        return
+    same = given == trained or (Path(trained).is_dir() and Path(trained).resolve() == base_dir.resolve())
+    if not same:
+        raise ValueError(
+            f"{tag_dir} is a LoRA checkpoint whose adapters were trained on {trained}; merging them into "
+            f"{given} would give another model: export it with {trained} as the base model"
+        )
+
+
 def _existing(out: Path, marker: dict[str, Any]) -> ExportedVersion | None:
     """The export ``out`` already holds of the same checkpoint tag and base; None when ``out`` is free."""
     marker_path = out / MARKER_FILENAME
@@ -267,7 +280,9 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
         from services.learner.config import LoraConfig
         from services.learner.lora import merged_checkpoint
 
-        state = merged_checkpoint(state, base_dir, LoraConfig(**lora))
+        settings = dict(lora)
+        _check_lora_base(str(settings.pop("base_model", "")), str(base_model), base_dir, tag_dir)
+        state = merged_checkpoint(state, base_dir, LoraConfig(**settings))
     names = check_tensors(state, expected)
     tensors: dict[str, torch.Tensor] = {}
     written: dict[int, str] = {}

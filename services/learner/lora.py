@@ -7,10 +7,12 @@
       └─ the optimizer holds the adapters alone (trainable_parameters)
       └─ a published version is the merged model in the base's names: ``X.weight`` = base + Σ peft's
          get_delta_weight, formed bucket by bucket from gathered base and adapter partitions (published_units)
+      └─ a checkpoint holds the adapters; its export merges them into the base read from disk (merged_checkpoint)
 
-The merge is this module's own because peft's ``merge_adapter`` writes into the base weight, which under
+The merges are this module's own because peft's ``merge_adapter`` writes into the base weight, which under
 ZeRO-3 is a partition that would have to be gathered, modified and re-partitioned on every rank, and undone
-before the next step; here the merged tensor exists only in the publish bucket.
+before the next step (here the merged tensor exists only in the publish bucket), and because an export reads
+the adapters from DeepSpeed's consolidated checkpoint, not from a model.
 """
 
 from __future__ import annotations

@@ -225,6 +225,7 @@ class Trainer:
         from transformers.integrations import HfDeepSpeedConfig
 
         self.config = learner
+        self.model_source = model  # the base a LoRA checkpoint's adapters belong to
         self.objective = objective_config(learner)
         self.backend = resolve_backend(learner)
         self.precision = resolve_precision(learner)
@@ -381,8 +382,8 @@ class Trainer:
         """Write a DeepSpeed checkpoint (weights, optimizer, ``client_state``) tagged by step; keep ``keep``.
         ``latest`` names it only once every rank's shards are on disk (services/learner/checkpoints.py)."""
         state = dict(client_state, version=self.version, step=self.step)
-        if self.config.lora.enabled:  # what an export needs to merge the adapters into the base
-            state["lora"] = self.config.lora.model_dump()
+        if self.config.lora.enabled:  # what an export needs to merge the adapters into their base
+            state["lora"] = dict(self.config.lora.model_dump(), base_model=self.model_source)
         return checkpoints.save(self.engine, directory, self.step, state, self.rank, keep)
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
