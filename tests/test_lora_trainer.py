@@ -34,11 +34,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _weights(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the published version's tensors, every adapter matrix), gathered from ZeRO-3, as numpy arrays (a
     tensor's storage would not outlive its rank's process)."""
-    from services.learner.publish import _gathered, gathered_tensors
+    from services.learner.norm_rules import gathered
+    from services.learner.publish import gathered_tensors
 
     published = {n: t.detach().numpy().copy() for n, t in gathered_tensors(trainer.module)}
     adapters = {n: p for n, p in trainer.module.named_parameters() if "lora_" in n}
-    with _gathered(list(adapters.values())):
+    with gathered(list(adapters.values())):
         return published, {n: p.detach().numpy().copy() for n, p in adapters.items()}
 
 

@@ -197,6 +197,12 @@ def durable_writes(checkpoint_engine: Any, written: list[tuple[str, int]]) -> It
             del checkpoint_engine.save
 
 
+def has_frozen_weights(module: Any) -> bool:
+    """Whether ``module`` has weights that do not train (a LoRA run's base): the model the run starts from,
+    loaded again on resume, so a checkpoint leaves them out and its load does not expect them."""
+    return any(not p.requires_grad for p in module.parameters())
+
+
 def save(engine: Any, directory: Path, step: int, client_state: dict[str, Any], rank: int, keep: int) -> Path:
     """Every rank's shards of ``step`` under ``directory``, then ``latest`` (module docstring); a
     collective."""
@@ -209,16 +215,13 @@ def save(engine: Any, directory: Path, step: int, client_state: dict[str, Any], 
         shutil.rmtree(staging, ignore_errors=True)  # an earlier save of this step that was cut short
     dist.barrier()
     written: list[tuple[str, int]] = []
-    # frozen weights (a LoRA run's base) are the model the run starts from, loaded again on resume: a
-    # checkpoint holds what training changes, the adapters and their optimizer state
-    frozen = any(not p.requires_grad for p in engine.module.parameters())
     with durable_writes(engine.checkpoint_engine, written):
         engine.save_checkpoint(
             str(directory),
             tag=staging.name,
             client_state=client_state,
             save_latest=False,
-            exclude_frozen_parameters=frozen,
+            exclude_frozen_parameters=has_frozen_weights(engine.module),
         )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, written)

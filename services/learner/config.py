@@ -53,8 +53,13 @@ class LoraConfig(Section):
         return self.rank > 0
 
     @property
+    def lora_alpha(self) -> int:
+        """alpha, its 0 read as 2 · rank."""
+        return self.alpha or 2 * self.rank
+
+    @property
     def scaling(self) -> float:
-        return (self.alpha or 2.0 * self.rank) / self.rank
+        return self.lora_alpha / self.rank
 
 
 class LearnerConfig(Section):

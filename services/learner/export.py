@@ -142,12 +142,17 @@ def _client_state(tag_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
 
 def base_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, torch dtype name) of the safetensors files in ``model_dir`` (headers only)."""
+    return {name: (shape, dtype) for name, (_, shape, dtype) in base_tensor_files(model_dir).items()}
+
+
+def base_tensor_files(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Tensor name -> (its safetensors file, shape, torch dtype name) in ``model_dir`` (headers only)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in the base model {model_dir}")
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    out: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -155,7 +160,7 @@ def base_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 stored = piece.get_dtype()
                 if stored not in _SAFETENSORS_DTYPES:
                     raise ValueError(f"{path}: {name} is stored as {stored}, not a floating-point dtype")
-                out[name] = (tuple(piece.get_shape()), _SAFETENSORS_DTYPES[stored])
+                out[name] = (path, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[stored])
     return out
 
 
@@ -274,7 +279,8 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
         return done
 
     step, version, lora = _client_state(tag_dir)
-    expected = base_tensors(base_dir)
+    files = base_tensor_files(base_dir)
+    expected = {name: (shape, dtype) for name, (_, shape, dtype) in files.items()}
     state = _consolidated(tag_dir)
     if lora is not None:  # the adapters alone: merged into the base's weights (lora.merged_checkpoint)
         from services.learner.config import LoraConfig
@@ -282,7 +288,8 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
 
         settings = dict(lora)
         _check_lora_base(str(settings.pop("base_model", "")), str(base_model), base_dir, tag_dir)
-        state = merged_checkpoint(state, base_dir, LoraConfig(**settings))
+        base = {name: (path, shape) for name, (path, shape, _) in files.items()}
+        state = merged_checkpoint(state, base, LoraConfig(**settings))
     names = check_tensors(state, expected)
     tensors: dict[str, torch.Tensor] = {}
     written: dict[int, str] = {}

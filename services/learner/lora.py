@@ -38,7 +38,7 @@ def peft_config(cfg: LoraConfig) -> Any:
 
     return peft.LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha or 2 * cfg.rank,
+        lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
         bias="none",
@@ -119,14 +119,14 @@ def published_units(model: nn.Module) -> list[PublishedUnit]:
     from peft.tuners.lora import LoraLayer
 
     layers: dict[str, Any] = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    adapter_params: dict[int, str] = {}
-    for name, layer in layers.items():
-        for sub, p in layer.named_parameters():
-            if not sub.startswith("base_layer."):
-                adapter_params[id(p)] = f"{name}.{sub}"
+    adapters_of = {
+        name: tuple(q for sub, q in layer.named_parameters() if not sub.startswith("base_layer."))
+        for name, layer in layers.items()
+    }
+    adapter_ids = {id(q) for params in adapters_of.values() for q in params}
     units: list[PublishedUnit] = []
     for name, p in model.named_parameters():
-        if id(p) in adapter_params:
+        if id(p) in adapter_ids:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = layers.get(owner) if leaf else None
@@ -137,8 +137,9 @@ def published_units(model: nn.Module) -> list[PublishedUnit]:
             units.append(PublishedUnit(f"{owner}.{leaf}", p, (p,), _as_is(p)))
             continue
         adapters = [a for a in layer.active_adapters if a in layer.scaling]
-        params = (p, *(q for sub, q in layer.named_parameters() if not sub.startswith("base_layer.")))
-        units.append(PublishedUnit(f"{owner}.weight", p, params, _merged(layer, p, adapters)))
+        units.append(
+            PublishedUnit(f"{owner}.weight", p, (p, *adapters_of[owner]), _merged(layer, p, adapters))
+        )
     return units
 
 
@@ -196,18 +197,14 @@ def _full(value: Any) -> Tensor:
     return (value if isinstance(value, Tensor) else value.contiguous()).float()
 
 
-def merged_checkpoint(state: dict[str, Any], base_dir: Path, cfg: LoraConfig) -> dict[str, Any]:
+def merged_checkpoint(
+    state: dict[str, Any], base: dict[str, tuple[Path, tuple[int, ...]]], cfg: LoraConfig
+) -> dict[str, Any]:
     """A LoRA checkpoint's consolidated tensors (the adapters; the base is not in it) as the merged model's,
     by the base's names: ``W + (alpha / rank)·B A`` for each adapted weight (in float32, from the adapters'
-    fp32 master weights), the base's other tensors as they are. A ``ValueError`` names adapters whose base
-    tensor the base model lacks."""
-    from safetensors import safe_open
-
-    files: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for path in sorted(base_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                files[name] = (path, tuple(f.get_slice(name).get_shape()))
+    fp32 master weights), the base's other tensors as they are. ``base``: each of the base model's tensors'
+    safetensors file and shape (``export.base_tensor_files``). A ``ValueError`` names adapters whose base tensor
+    the base model lacks."""
     pairs: dict[tuple[str, str], dict[str, Any]] = {}
     merged: dict[str, Any] = {}
     for name, value in state.items():
@@ -227,10 +224,10 @@ def merged_checkpoint(state: dict[str, Any], base_dir: Path, cfg: LoraConfig) ->
         if a is None or b is None:
             raise ValueError(f"the checkpoint holds one matrix of {owner}'s adapter, not both A and B")
         deltas.setdefault(f"{owner}.weight", []).append((embedding, a, b))
-    unknown = sorted(n for n in deltas if n not in files)
+    unknown = sorted(n for n in deltas if n not in base)
     if unknown:
         raise ValueError(f"the checkpoint adapts tensors the base model does not have: {', '.join(unknown)}")
-    for name, (path, shape) in files.items():
+    for name, (path, shape) in base.items():
         if name in merged:
             continue
         merged[name] = _MergedTensor(path, name, shape, deltas.get(name, []), cfg.scaling)

@@ -14,7 +14,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from services.learner.lora import PublishedUnit, published_units
-from services.learner.norm_rules import full_shape
+from services.learner.norm_rules import full_shape, gathered
 from services.weight_transport import (
     CollectivePublisher,
     PublishResult,
@@ -86,7 +85,7 @@ def gathered_tensors(
         if stats is not None:
             stats.buckets += 1
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, size)
-        with _gathered([p for u in bucket for p in u.params]):
+        with gathered([p for u in bucket for p in u.params]):
             for u in bucket:
                 yield u.name, u.value()
 
@@ -111,14 +110,6 @@ def rank0_code(code: int) -> int:
     flag = torch.tensor([code], dtype=torch.int64, device=collective_device())
     dist.broadcast(flag, src=0)
     return int(flag.item())
-
-
-def _gathered(params: list[nn.Parameter]) -> AbstractContextManager[Any]:
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return nullcontext()
 
 
 def publish_version(

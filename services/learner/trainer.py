@@ -393,10 +393,8 @@ class Trainer:
         checkpoints.agree(found, directory, self.rank, self.world_size, self.device)
         if found.tag is None:
             return None
-        # a LoRA checkpoint leaves out the frozen base (checkpoints.save), which from_pretrained loaded
-        frozen = any(not p.requires_grad for p in self.module.parameters())
         path, state = self.engine.load_checkpoint(
-            str(directory), tag=found.tag, load_module_strict=not frozen
+            str(directory), tag=found.tag, load_module_strict=not checkpoints.has_frozen_weights(self.module)
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory / found.tag}")
