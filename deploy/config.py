@@ -19,7 +19,12 @@ from services.learner.config import (
 )
 from services.reward.config import RewardConfig
 from services.sampler.agents.config import AgentsConfig
-from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
+from services.sampler.config import (
+    EvaluationConfig,
+    SamplerConfig,
+    check_adapter_transport,
+    eval_set_environment,
+)
 from services.weight_transport import WeightBrokerConfig
 
 
@@ -160,6 +165,7 @@ class SystemConfig(ServiceConfig):
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
         check_sampler_gpus(s, self.learner.gpus_per_rank)
+        check_adapter_transport(self.learner.lora, self.weight_broker)
         for spec in ev.sets:
             eval_set_environment(s, spec)
         if (

@@ -43,7 +43,9 @@ def receive(engine: Any, version: int) -> float:
     return time.monotonic() - t0
 
 
-def in_flight_swap(engine: Any, prompts: list[list[int]], new: dict[str, Any]) -> list[dict[str, Any]]:
+def in_flight_swap(
+    engine: Any, prompts: list[list[int]], new: dict[str, Any], max_tokens: int = 300
+) -> list[dict[str, Any]]:
     """Requests generate under the loaded version; the core runs ahead of this process for a moment; then a
     swap the way the sampler does it (quiesce, apply, resume). Each request's tokens before and after."""
     from services.sampler.engine import Sampling
@@ -54,7 +56,7 @@ def in_flight_swap(engine: Any, prompts: list[list[int]], new: dict[str, Any]) -
         for i, p in enumerate(prompts)
     }
     for rid, r in out.items():
-        engine.add(rid, r["prompt"], Sampling(temperature=1.0, max_tokens=300, seed=7))
+        engine.add(rid, r["prompt"], Sampling(temperature=1.0, max_tokens=max_tokens, seed=7))
 
     def absorb(deltas: list[Any]) -> None:
         for d in deltas:

@@ -150,16 +150,17 @@ def test_what_the_rules_cannot_reproduce_is_refused_by_name(model_dirs) -> None:
 
 def test_the_learner_refuses_targets_it_cannot_adapt_or_publish_naming_them(model_dirs) -> None:
     """``[learner.lora]`` at start-up (services/learner/lora.py): a name that matches no module, a name that
-    matches only modules LoRA cannot adapt, and the head or embedding of a tied model (a merged version would
-    put one adapter into both uses of the tied matrix)."""
+    matches only modules LoRA cannot adapt, the head or embedding of a tied model (a merged version would
+    put one adapter into both uses of the tied matrix), and the head or embedding of any model when versions are
+    the adapters alone (vLLM serves no adapter on them)."""
     from transformers import AutoModelForCausalLM
 
     from services.learner.config import LoraConfig
     from services.learner.lora import apply_lora
 
-    def adapt(tied: bool, targets: list[str]) -> nn.Module:
+    def adapt(tied: bool, targets: list[str], publish: str = "adapter") -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_dirs[tied], dtype=torch.float32)
-        return apply_lora(model, LoraConfig(rank=4, target_modules=targets))
+        return apply_lora(model, LoraConfig(rank=4, target_modules=targets, publish=publish))
 
     with pytest.raises(ValueError, match=r"'qproj' names no module of Qwen2ForCausalLM .*q_proj"):
         adapt(False, ["q_proj", "qproj"])
@@ -167,6 +168,9 @@ def test_the_learner_refuses_targets_it_cannot_adapt_or_publish_naming_them(mode
         adapt(False, ["mlp"])
     for name in ("lm_head", "embed_tokens", "model.embed_tokens"):
         with pytest.raises(ValueError, match="tied"):
-            adapt(True, ["q_proj", name])
-    model = adapt(False, ["q_proj", "lm_head"])  # untied: both fine
+            adapt(True, ["q_proj", name], publish="merged")
+        for tied in (False, True):  # an adapter version could not carry it, tied or not
+            with pytest.raises(ValueError, match=rf"\['{name}'\] adapt the output head or input embedding"):
+                adapt(tied, ["q_proj", name])
+    model = adapt(False, ["q_proj", "lm_head"], publish="merged")  # untied and merged: both fine
     assert sum("lora_A" in n for n, _ in model.named_parameters()) == model.config.num_hidden_layers + 1

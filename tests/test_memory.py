@@ -16,6 +16,7 @@ from services.learner.memory import (
     HEADROOM,
     GiB,
     LiveBytes,
+    broadcast_buffer_bytes,
     drop_gradients_as_zero3,
     model_shape,
     model_state_bytes,
@@ -65,7 +66,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("memory") / "model", spec)
 
 
-LORA = LoraConfig(rank=8, target_modules=[*PROJECTIONS, "lm_head", "embed_tokens"])
+LORA = LoraConfig(rank=8, target_modules=[*PROJECTIONS, "lm_head", "embed_tokens"], publish="merged")
 
 
 @pytest.mark.parametrize(
@@ -272,3 +273,14 @@ def test_a_lora_learner_counts_the_frozen_base_and_the_adapters_optimizer_state(
     )
     plan = plan_memory(cfg, learner, "bf16", 1, 80 * 10**9, CUDA_CONTEXT)
     assert plan.peak("recompute") <= plan.usable, plan.summary()
+    # a background broadcast's two buffers hold no more than a version: the adapters alone (bf16), or with
+    # publish = "merged" the base's weights, more than two buckets
+    bucket = 256 << 20
+    assert broadcast_buffer_bytes(adapted, "bf16", bucket, lora) == 2 * adapted.trainable_params * 2
+    merged = lora.model_copy(update={"publish": "merged"})
+    assert broadcast_buffer_bytes(adapted, "bf16", bucket, merged) == 2 * bucket
+    assert broadcast_buffer_bytes(adapted, "bf16", 1 << 40, merged) == 2 * full.num_params * 2
+    broadcasting = plan_memory(
+        cfg, learner, "bf16", 1, 80 * 10**9, CUDA_CONTEXT, broadcast_bucket_bytes=bucket
+    )
+    assert broadcasting.states["weight_broadcast"] == 2 * adapted.trainable_params * 2

@@ -7,59 +7,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.common.lora import PROJECTIONS as PROJECTIONS
+from services.common.lora import LoraConfig as LoraConfig
 from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
 from services.learner.objectives import get as objective_named
 from services.learner.objectives import settings_of as objective_settings_of
 from services.weight_transport import WeightBrokerConfig
-
-# peft's usual LoRA targets on Qwen2/Llama-style decoders: every attention and MLP projection
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoraConfig(Section):
-    """LoRA adapters (peft) trained in place of the full weights: ``W x + (alpha / rank)·B A x`` on each
-    targeted module, the base frozen. ``rank = 0`` trains every weight."""
-
-    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = full fine-tuning (no adapters).")
-    alpha: int = Field(
-        0, ge=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank; 0 = 2 · rank."
-    )
-    dropout: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Dropout on each adapter's input (peft's lora_dropout); a second pass over a micro-batch "
-        "replays the first one's masks, so VCPO's norms stay those of the gradient taken.",
-    )
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(PROJECTIONS),
-        min_length=1,
-        description="Modules that get adapters, by name or name suffix as peft matches them (e.g. q_proj, "
-        "model.layers.0.mlp.down_proj); lm_head and embed_tokens may be named too. A name that matches no "
-        "module is an error.",
-    )
-
-    @field_validator("target_modules")
-    @classmethod
-    def _plain_names(cls, v: list[str]) -> list[str]:
-        bad = [name for name in v if not name or name != name.strip() or name.startswith(".")]
-        if bad or len(set(v)) != len(v):
-            raise ValueError(f"target_modules must be distinct module names or suffixes, got {v}")
-        return v
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def lora_alpha(self) -> int:
-        """alpha, its 0 read as 2 · rank."""
-        return self.alpha or 2 * self.rank
-
-    @property
-    def scaling(self) -> float:
-        return self.lora_alpha / self.rank
 
 
 class LearnerConfig(Section):

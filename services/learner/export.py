@@ -286,7 +286,8 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | Path, out_dir: s
         from services.learner.config import LoraConfig
         from services.learner.lora import merged_checkpoint
 
-        settings = dict(lora)
+        # a checkpoint from before [learner.lora].publish existed published merged versions (any target)
+        settings = {"publish": "merged", **lora}
         _check_lora_base(str(settings.pop("base_model", "")), str(base_model), base_dir, tag_dir)
         base = {name: (path, shape) for name, (path, shape, _) in files.items()}
         state = merged_checkpoint(state, base, LoraConfig(**settings))

@@ -5,8 +5,10 @@
          Hugging Face model itself (no PeftModel wrapper, so the decoder, the head and the norm rules see the
          usual module tree); peft freezes every base weight; deepspeed.initialize partitions the adapters
       └─ the optimizer holds the adapters alone (trainable_parameters)
-      └─ a published version is the merged model in the base's names: ``X.weight`` = base + Σ peft's
-         get_delta_weight, formed bucket by bucket from gathered base and adapter partitions (published_units)
+      └─ a published version (published_units) is either the adapters alone, in peft's saved names
+         (``publish = "adapter"``: only the adapter partitions are gathered), or the merged model in the base's
+         names (``"merged"``): ``X.weight`` = base + Σ peft's get_delta_weight, formed bucket by bucket from
+         gathered base and adapter partitions
       └─ a checkpoint holds the adapters; its export merges them into the base read from disk (merged_checkpoint)
 
 The merges are this module's own because peft's ``merge_adapter`` writes into the base weight, which under
@@ -26,27 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from services.learner.config import LoraConfig
+from services.common.lora import HEAD_AND_EMBEDDING, LoraConfig, adapter_tensor_name, matches, peft_config
 
-HEAD_AND_EMBEDDING = ("lm_head", "embed_tokens")
 ADAPTABLE = (nn.Linear, nn.Embedding)
-
-
-def peft_config(cfg: LoraConfig) -> Any:
-    """peft's ``LoraConfig`` for ``[learner.lora]``."""
-    import peft
-
-    return peft.LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        bias="none",
-    )
-
-
-def _targets(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -55,7 +39,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     import peft
 
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    if tied and any(_targets(t, h) or _targets(h, t) for t in cfg.target_modules for h in HEAD_AND_EMBEDDING):
+    if tied and any(matches(t, h) or matches(h, t) for t in cfg.target_modules for h in HEAD_AND_EMBEDDING):
         raise ValueError(
             f"learner.lora.target_modules = {list(cfg.target_modules)} adapts the input embedding or output head "
             "of a model whose word embeddings are tied (config.tie_word_embeddings): the merged version would "
@@ -64,7 +48,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     modules = dict(model.named_modules())
     leaves = sorted({n.rpartition(".")[2] for n, m in modules.items() if isinstance(m, ADAPTABLE)})
     for target in cfg.target_modules:
-        matched = [m for n, m in modules.items() if _targets(n, target)]
+        matched = [m for n, m in modules.items() if matches(n, target)]
         if not matched:
             raise ValueError(
                 f"learner.lora.target_modules: {target!r} names no module of {type(model).__name__} "
@@ -77,6 +61,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
                 f"name Linear or Embedding modules ({', '.join(leaves)})"
             )
     peft.inject_adapter_in_model(peft_config(cfg), model)
+    model.vcpo_adapter_versions = cfg.adapter_versions  # what published_units forms a version of
     return model
 
 
@@ -110,12 +95,20 @@ class PublishedUnit:
 
 
 def published_units(model: nn.Module) -> list[PublishedUnit]:
-    """The tensors of a version in the base model's names, in ``named_parameters()`` order: a parameter as it
-    is, except that a LoRA layer's base weight is published merged (base + its active adapters' deltas, summed
-    in float32, one rounding to the weight's dtype), its base bias under the plain name, its adapters not at
-    all. Tied weights appear once, as in ``named_parameters()``."""
+    """The tensors of a version, in ``named_parameters()`` order. Without adapters: every parameter as it is
+    (tied weights once, as in ``named_parameters()``). With ``publish = "adapter"``: the adapters' matrices
+    alone, in peft's saved names (``services/common/lora.py``), the base never gathered. With ``"merged"``: the
+    base model's names, a LoRA layer's base weight merged (base + its active adapters' deltas, summed in
+    float32, one rounding to the weight's dtype), its base bias under the plain name, its adapters not at
+    all."""
     if not any(hasattr(m, "lora_A") for m in model.modules()):  # no adapters: no need to import peft
         return [PublishedUnit(name, p, (p,), _as_is(p)) for name, p in model.named_parameters()]
+    if getattr(model, "vcpo_adapter_versions", False):
+        return [
+            PublishedUnit(tensor, p, (p,), _as_is(p))
+            for name, p in model.named_parameters()
+            if (tensor := adapter_tensor_name(name)) is not None
+        ]
     from peft.tuners.lora import LoraLayer
 
     layers: dict[str, Any] = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}

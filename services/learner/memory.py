@@ -363,12 +363,22 @@ def device_budget(learner: LearnerConfig, device: torch.device) -> int:
     return min(total, int(text)) if text.isdigit() else total
 
 
-def broadcast_buffer_bytes(shape: ModelShape, precision: str, bucket_bytes: int) -> int:
+def version_params(shape: ModelShape, lora: LoraConfig | None = None) -> int:
+    """Weights in a published version: every weight; with ``lora`` enabled the adapters alone
+    (``publish = "adapter"``) or the base's weights with the adapters merged in (``"merged"``)."""
+    if lora is None or not lora.enabled:
+        return shape.num_params
+    return shape.trained if lora.adapter_versions else shape.num_params - shape.trained
+
+
+def broadcast_buffer_bytes(
+    shape: ModelShape, precision: str, bucket_bytes: int, lora: LoraConfig | None = None
+) -> int:
     """Rank 0's GPU memory for a background broadcast into the weight group (the collective transport under
     NCCL), which overlaps the next step: two buffers of at most a bucket, which every piece of the version
     goes through from the host staging buffer, a weight larger than a bucket too (weight_broker/buckets.py);
-    no more than the version holds."""
-    return 2 * min(bucket_bytes, shape.num_params * weight_bytes(precision))
+    no more than the version holds (:func:`version_params`)."""
+    return 2 * min(bucket_bytes, version_params(shape, lora) * weight_bytes(precision))
 
 
 def plan_memory(
@@ -411,7 +421,9 @@ def plan_memory(
     shape = model_shape(hf_config, learner.lora)
     states = model_state_bytes(shape, precision, world_size)
     if broadcast_bucket_bytes > 0:
-        states["weight_broadcast"] = broadcast_buffer_bytes(shape, precision, broadcast_bucket_bytes)
+        states["weight_broadcast"] = broadcast_buffer_bytes(
+            shape, precision, broadcast_bucket_bytes, learner.lora
+        )
     plan = MemoryPlan(
         budget=budget,
         states=states,

@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> GenerationEngine:
-    """vLLM with the sampler's engine settings, on ``model`` (default: the run's policy)."""
+    """vLLM with the sampler's engine settings, on ``model`` (default: the run's policy, whose versions are
+    LoRA adapters with ``[learner.lora] publish = "adapter"``; a ``model`` given serves its own weights)."""
     s, run = cfg.sampler, cfg.run
+    adapter = cfg.learner.lora if cfg.learner.lora.adapter_versions and not model else None
     return VllmEngine(
         VllmSettings(
             model=model or run_model(run),
@@ -34,6 +36,7 @@ def make_engine(cfg: SamplerServiceConfig, replica: int, model: str = "") -> Gen
             enforce_eager=s.enforce_eager,
             seed=run.seed * 1000 + replica,
             collective_weights=cfg.weight_broker.transport == "collective",
+            adapter=adapter,
         )
     )
 

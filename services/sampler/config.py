@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.common.lora import LoraConfig
 from services.common.tls import ClientTls, ServerTls
 from services.reward.config import RewardConfig
 from services.sampler.agents.config import AgentsConfig
@@ -379,3 +380,28 @@ class SamplerServiceConfig(ServiceConfig):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     agents: AgentsConfig = Field(default_factory=AgentsConfig)
+    learner: LearnerLora = Field(default_factory=lambda: LearnerLora())  # what a version is
+
+    @model_validator(mode="after")
+    def _adapters_through_the_broker(self) -> SamplerServiceConfig:
+        check_adapter_transport(self.learner.lora, self.weight_broker)
+        return self
+
+
+class LearnerLora(BaseModel):
+    """The sampler's view of ``[learner]``: ``[learner.lora]``, which says whether a version is an adapter (the
+    learner checks the rest of its table)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+def check_adapter_transport(lora: LoraConfig, weight_broker: WeightBrokerConfig) -> None:
+    """Adapter versions (megabytes) travel through the broker: a ValueError if the run asks for the collective."""
+    if lora.adapter_versions and weight_broker.transport == "collective":
+        raise ValueError(
+            'learner.lora publishes adapter versions (publish = "adapter"), which the samplers load from the '
+            'broker: set weight_broker.transport = "tcp" (the weight group is for full versions), or '
+            'learner.lora.publish = "merged"'
+        )

@@ -42,9 +42,11 @@ from typing import Any
 
 import torch
 
+from services.common.lora import LoraConfig, adapter_shapes
 from services.common.model_dirs import checkpoint_shapes, resolve_model_dir
 from services.common.pids import sweep_dead
 from services.sampler.engine_collective import CollectiveWeights
+from services.sampler.engine_lora import AdapterVersions
 from services.sampler.engine_staging import STAGING_DIR, StagingFile
 from services.sampler.engine_staging import LoadNotStarted as LoadNotStarted  # raised by apply and prepare
 
@@ -270,14 +272,21 @@ class VllmSettings:
     # build the engine able to join a weight group (services/sampler/weight_transfer.py): it then takes
     # versions by ``begin_join``/``begin_receive`` besides the broker path's ``stage``/``apply``
     collective_weights: bool = False
+    # versions are LoRA adapters of this shape (engine_lora.py): vLLM runs with one adapter slot
+    adapter: LoraConfig | None = None
 
 
-class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
+class VllmEngine(AdapterVersions, CollectiveWeights, StagingFile, GenerationEngine):
     """vLLM's ``LLMEngine`` driven step by step. On CPU machines with one worker it runs in this process."""
 
     def __init__(self, settings: VllmSettings) -> None:
         model_dir = resolve_model_dir(settings.model)
-        super().__init__(checkpoint_shapes(model_dir))
+        adapter = settings.adapter if settings.adapter is not None and settings.adapter.enabled else None
+        if adapter is not None and settings.collective_weights:
+            raise ValueError(
+                "adapter versions travel through the broker: an engine with LoRA joins no weight group"
+            )
+        super().__init__(adapter_shapes(model_dir, adapter) if adapter else checkpoint_shapes(model_dir))
         self.model_dir = model_dir
         if not torch.cuda.is_available() and settings.tensor_parallel_size == 1:
             # the engine core and its one worker in this process: no processes to spawn and reap (with tensor
@@ -295,6 +304,8 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
             kwargs["distributed_executor_backend"] = "mp"
         if settings.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        if adapter is not None:  # one slot, whose adapter each version replaces (engine_lora.py)
+            kwargs.update(enable_lora=True, max_lora_rank=adapter.vllm_max_rank, max_loras=1)
         if settings.collective_weights:
             from services.sampler.weight_transfer import BACKEND, register
             from services.weight_transport import survive_weight_group_failures
@@ -338,6 +349,7 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
         self.collective_staged: int | None = None  # a version received from the weight group, not yet loaded
         self._staging_root = Path(os.environ.get("VCPO_WEIGHT_STAGING", "/dev/shm"))
         self._file = None  # the staged version the staging file holds (``prepare``)
+        self._init_adapters(adapter)
         if not self._model_here:  # versions go to the workers through files there (``_load``)
             sweep_dead(
                 self._staging_root,
@@ -366,7 +378,7 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
         if not params.detokenize:
             self._raw.add(request_id)
         prompt = {"prompt_token_ids": list(prompt_tokens), "cache_salt": self.cache_salt}
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
 
     @property
     def cache_salt(self) -> str:
@@ -457,12 +469,16 @@ class VllmEngine(CollectiveWeights, StagingFile, GenerationEngine):
         self._rpc("vcpo_reload_weights", **source)
 
     def _load_initial(self) -> None:
-        self._reload(weights_path=str(self.model_dir))
+        if self.adapter is not None:
+            self._unload_adapter()
+        else:
+            self._reload(weights_path=str(self.model_dir))
 
     def close(self) -> None:
         self.resume()
         if not self._model_here:
             self._drop_file()  # a version prepared but never applied
+        self._close_adapters()
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()

@@ -65,6 +65,17 @@ class VcpoWorkerExtension:
         with guarded_reload(self.model_runner.get_model(), self.model_runner.model_config):
             self.reload_weights(**source)  # type: ignore[attr-defined]
 
+    def vcpo_load_adapter(self, name: str, slot: int, path: str) -> None:
+        """vLLM's ``add_lora`` in place: the adapter in ``slot`` replaced by the one in ``path``, for requests in
+        flight too (services/sampler/engine_lora.py)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.add_lora(LoRARequest(name, slot, path, load_inplace=True)):  # type: ignore[attr-defined]
+            raise RuntimeError(f"vLLM did not load adapter {name} from {path}")
+
+    def vcpo_unload_adapter(self, slot: int) -> None:
+        self.remove_lora(slot)  # type: ignore[attr-defined]
+
     def vcpo_leave_weight_group(self, why: str | None) -> None:
         if getattr(self, "weight_transfer_engine", None) is not None:
             self.weight_transfer_engine.shutdown(why)
