@@ -247,6 +247,7 @@ def test_every_scenario_is_tested() -> None:
         "multi-gpu-values.yaml",
         "environments-values.yaml",
         "evaluation-values.yaml",
+        "lora-values.yaml",
     } <= set(SCENARIOS)
 
 
@@ -974,6 +975,67 @@ def test_extra_config_merges_and_keeps_zero_values(tmp_path: Path) -> None:
     assert cfg.run.k == 0
 
 
+def test_learner_lora_values_render_the_run_files_lora_table_only_when_a_rank_is_set(tmp_path: Path) -> None:
+    """learner.lora reaches the run file's [learner.lora] as the launcher reads it; rank 0 (the default) renders
+    no table (full fine-tuning), and extraConfig still merges into the table."""
+    from services.common.lora import PROJECTIONS, LoraConfig
+
+    text, cfg = run_config(render(), tmp_path)
+    assert "[learner.lora]" not in text and cfg.learner.lora == LoraConfig()
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["learner"]["lora"] == {
+        "rank": 0,
+        "alpha": 0,
+        "dropout": 0.0,
+        "targetModules": list(PROJECTIONS),  # the learner's default
+        "publish": "adapter",
+    }
+    text, cfg = run_config(render(*scenario_args("lora-values.yaml")), tmp_path)
+    assert "[learner.lora]" in text
+    assert cfg.learner.lora == LoraConfig(rank=16, alpha=32, target_modules=list(PROJECTIONS))
+    assert cfg.learner.lora.adapter_versions and cfg.weight_broker.transport == "tcp"
+    tcp = ("--set", "weightBroker.transport=tcp")
+    _, cfg = run_config(
+        render(
+            *tcp,
+            "--set",
+            "learner.lora.rank=8,learner.lora.targetModules={q_proj,v_proj}",
+            "--set-json",
+            "learner.lora.dropout=0.05",  # (--set would give the string "0.05")
+            "--set-string",
+            "extraConfig=[learner.lora]\nalpha = 4\n",
+        ),
+        tmp_path,
+    )
+    lora = cfg.learner.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (8, 4, 0.05, ["q_proj", "v_proj"])
+    # merged versions are whole models: the collective transport carries them
+    docs = render("--set", "learner.lora.rank=8,learner.lora.publish=merged")
+    _, cfg = run_config(docs, tmp_path)
+    assert cfg.learner.lora.publish == "merged" and cfg.weight_broker.transport == "collective"
+
+
+def test_adapter_versions_over_the_collective_transport_fail_at_install_as_the_launcher_refuses_them(
+    tmp_path: Path,
+) -> None:
+    """The chart refuses what deploy/config.py refuses at start (services/sampler/config.py,
+    check_adapter_transport): adapter versions with weightBroker.transport collective, the chart's default,
+    whether the rank comes from values or extraConfig; the message names the fix."""
+    for flags in (
+        ("--set", "learner.lora.rank=16"),
+        ("--set-string", "extraConfig=[learner.lora]\nrank = 16\n"),
+        ("-f", str(CHART / "ci" / "lora-values.yaml"), "--set", "weightBroker.transport=collective"),
+    ):
+        out = helm("template", "r", str(CHART), *flags)
+        assert out.returncode != 0, flags
+        said = errors(out)
+        assert "learner.lora.rank = 16 with learner.lora.publish = adapter" in said, said
+        assert "set weightBroker.transport = tcp" in said and "learner.lora.publish = merged" in said
+    text, _ = run_config(render(*scenario_args("lora-values.yaml")), tmp_path)
+    (tmp_path / "run.toml").write_text(text.replace('transport = "tcp"', 'transport = "collective"'))
+    with pytest.raises(ValueError, match=r'set weight_broker\.transport = "tcp"'):
+        load_config(SystemConfig, [tmp_path / "run.toml"], env={})
+
+
 def test_evaluation_sets_come_through_extra_config(tmp_path: Path) -> None:
     extra = (
         '[evaluation]\nevery = 50\n[[evaluation.sets]]\nname = "gsm8k"\n'
@@ -1282,6 +1344,11 @@ def test_generated_secrets_are_kept_or_given() -> None:
         ),
         (["extraConfig=[sampler]\nreplicas = 9\n"], "extraConfig sets sampler.replicas"),
         (["extraConfig=[learner\n"], "extraConfig is not valid TOML"),
+        (["learner.lora.rank=-1"], "/learner/lora/rank"),
+        (["learner.lora.dropout=1"], "/learner/lora/dropout"),
+        (["learner.lora.publish=full"], "/learner/lora/publish"),
+        (["learner.lora.targetModules={.q_proj}"], "/learner/lora/targetModules/0"),
+        (["learner.lora.rnak=8"], "rnak"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
         # pods too small for the model's weights (templates/_sizing.tpl)
         (

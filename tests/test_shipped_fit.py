@@ -262,15 +262,16 @@ def test_each_shipped_collective_run_leaves_room_for_a_version_on_every_sampler_
     (services/weight_transport/receiver.py), every tensor-parallel worker the whole model: what
     sampler.gpu_memory_utilization leaves free on the stated GPU holds it, with a margin."""
     from deploy.preflight_nodes import version_bytes
-    from services.learner.memory import model_shape
+    from services.learner.memory import model_shape, version_params
 
     s = shipped(name, tmp_path)
     cfg, hw = s.cfg, s.hardware
     wb = cfg.weight_broker
     nccl = wb.group_backend == "nccl" or (wb.group_backend == "auto" and cfg.learner.gpus_per_rank > 0)
     if wb.transport != "collective" or not nccl or cfg.sampler.gpus_per_replica == 0:
-        return  # versions come through the broker, or into host memory
-    version = version_bytes(cfg, model_shape(hf_config(cfg.run.model)).num_params)
+        return  # versions come through the broker (LoRA adapter versions always do), or into host memory
+    lora = cfg.learner.lora  # publish = "merged": the base's weights, the adapters merged in
+    version = version_bytes(cfg, version_params(model_shape(hf_config(cfg.run.model), lora), lora))
     free = (1 - cfg.sampler.gpu_memory_utilization) * hw.gpu_memory_gb * GB
     assert free >= version + RECEIVE_MARGIN, (
         f"{name}: sampler.gpu_memory_utilization = {cfg.sampler.gpu_memory_utilization:g} leaves "
@@ -313,12 +314,65 @@ def test_the_charts_learner_check_is_the_fixed_part_of_the_learners_estimate() -
     assert helm("template", "r", str(CHART), "-f", values).returncode == 0  # as shipped: 4 ranks
 
 
+@pytest.mark.slow
+def test_the_charts_learner_check_counts_a_lora_learners_frozen_base() -> None:
+    """With learner.lora the chart's bound is the estimator's states and buffers for the same parameter count
+    frozen (2 bytes a weight in bf16, no optimizer state): the adapters' own states, whose size the chart
+    cannot know without the architecture, are left out, so it stays below the whole estimate (by about 1.5GB for
+    Qwen2.5-7B at rank 16) and refuses only what every rank would. A 7B LoRA learner of one rank, which the
+    estimate fits on an 80GB GPU (tests/test_memory.py) and full fine-tuning does not, passes at install."""
+    from services.learner.config import LoraConfig
+    from services.learner.memory import (
+        CUDA_CONTEXT,
+        ModelShape,
+        broadcast_buffer_bytes,
+        model_shape,
+        model_state_bytes,
+    )
+    from tests.test_helm import errors, helm
+
+    params = 7_615_616_512
+    values = str(CHART / "ci" / "evaluation-values.yaml")
+    one_rank = [
+        "--set",
+        "learner.ranks=1,learner.ranksPerPod=1",
+        "--set",
+        f"modelSize.parameters={params / 1e9}",
+    ]
+    flags = [*one_rank, "--set", "learner.lora.rank=16"]
+    frozen = ModelShape(params, 0, trainable_params=0)  # the base alone; no weight's size: the 300M floor
+    fixed = sum(model_state_bytes(frozen, "bf16", 1).values()) + CUDA_CONTEXT
+    small = ["--set", "gpuNodes.gpuMemoryGB=16"]  # below the frozen base's 15.2GB + buffers
+    merged = LoraConfig(rank=16, publish="merged")  # whole versions: the collective transport may send them
+    collective = [
+        "--set",
+        "weightBroker.transport=collective,evaluation.placement=shared,learner.lora.publish=merged",
+    ]
+    for extra, buffer in (([], 0), (collective, broadcast_buffer_bytes(frozen, "bf16", 256 << 20, merged))):
+        out = helm("template", "r", str(CHART), "-f", values, *flags, *small, *extra)
+        said = errors(out)
+        assert out.returncode != 0
+        m = re.search(r"on learner\.ranks = 1 takes ([\d.]+)GB per GPU", said)
+        assert m, said
+        assert float(m.group(1)) == pytest.approx((fixed + buffer) / GB, abs=0.05)
+        assert "at 2 bytes per parameter, the frozen base of a LoRA run (learner.lora.rank = 16)" in said
+        assert "raise learner.ranks" in said and "gpuNodes.gpuMemoryGB = 16GB" in said
+    # the learner's own figure for the model's real adapters: above the chart's by their states alone
+    adapted = model_shape(hf_config("Qwen/Qwen2.5-7B"), LoraConfig(rank=16))
+    assert adapted.num_params - adapted.trained == params  # the frozen base is the count the chart takes
+    estimate = sum(model_state_bytes(adapted, "bf16", 1).values()) + CUDA_CONTEXT
+    assert fixed < estimate < fixed + 2 * GB
+    assert helm("template", "r", str(CHART), "-f", values, *flags).returncode == 0  # 80GB GPUs
+    assert helm("template", "r", str(CHART), "-f", values, *one_rank).returncode != 0  # full fine-tuning
+
+
 @pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
 def test_each_values_files_stop_grace_covers_the_launchers_stop_waits(path: Path, tmp_path: Path) -> None:
     """Kubernetes SIGKILLs a stopping RayJob after rayJob.stopGracePeriodSeconds; the launcher stops the
     evaluator, the samplers and the reward service one after another (launcher.stop_timeout_s each at most),
     then waits for the learner's final checkpoint (deploy/launcher_stopping.learner_stop_wait, from the
-    model's size). A grace shorter than that kills a 7B learner mid-checkpoint on every stop."""
+    parameters it holds: every weight, or a LoRA run's adapters, as services/learner/checkpoints.py
+    model_parameters counts them). A grace shorter than that kills a 7B learner mid-checkpoint on every stop."""
     from deploy.launcher_stopping import learner_stop_wait
     from services.learner.checkpoints import checkpoint_bytes
     from services.learner.memory import model_shape
@@ -326,7 +380,8 @@ def test_each_values_files_stop_grace_covers_the_launchers_stop_waits(path: Path
     values = chart_values(path)
     cfg = shipped(path.relative_to(ROOT).as_posix(), tmp_path).cfg
     stop = cfg.launcher.stop_timeout_s
-    learner = learner_stop_wait(stop, checkpoint_bytes(model_shape(hf_config(cfg.run.model)).num_params))
+    held = model_shape(hf_config(cfg.run.model), cfg.learner.lora).trained
+    learner = learner_stop_wait(stop, checkpoint_bytes(held))
     needed = 3 * stop + learner.seconds
     grace = float(values["rayJob"]["stopGracePeriodSeconds"])
     assert grace >= needed, (

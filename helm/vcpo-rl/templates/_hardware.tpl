@@ -11,15 +11,22 @@ pods' host memory takes the name + 10%):
 
   ZeRO-3 partitions     ⌈P / learner.ranks⌉ × 18 bytes (bf16 weights, fp32 master, AdamW's 2 fp32 moments,
                         fp32 gradients; 16 with learner.precision = "fp32")
+                        with LoRA (learner.lora.rank > 0): ⌈P / learner.ranks⌉ × 2 bytes, the frozen base's
+                        weights alone (4 with fp32); the adapters' weights, master, moments and gradients come
+                        on top in the learner's estimate, but their count depends on the architecture (hidden
+                        and MLP sizes, layers), which the chart does not know: left out, as if none
   gathered weights      (300M + 50M) × 2 bytes: the live and prefetched parameters (at least; a weight larger
                         than 300M elements raises it)
-  reduce bucket         50M × 4 bytes × 2
-  broadcast buffers     2 × weightBroker.group.bucketMiB, with the collective transport
+  reduce bucket         50M × 4 bytes × 2 (with LoRA: of the adapters' gradients, fewer than 50M for most
+                        models: left out with them)
+  broadcast buffers     2 × weightBroker.group.bucketMiB, with the collective transport (with LoRA only for
+                        publish = merged: adapter versions go through the broker)
   CUDA context          1GiB
   usable                90% of gpuNodes.gpuMemoryGB
 
-A step's activations come on top, so a learner that passes here can still be refused at start; the learner's
-whole estimate runs for every shipped values file in tests/test_shipped_fit.py.
+A step's activations come on top (and with LoRA the adapters' states), so a learner that passes here can
+still be refused at start; the learner's whole estimate runs for every shipped values file in
+tests/test_shipped_fit.py.
 
 The samplers' GPUs, with weightBroker.transport collective over NCCL (a GPU learner; the sizing's
 receivedOnGpus): each GPU worker of a sampler receives every version whole (W, the whole model, not its
@@ -67,9 +74,12 @@ broker into the pod's host memory, is left.
 {{- $params := mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (ternary 1.0 (divf 1.0 1.1) $exact) -}}
 {{- $fp32 := eq (dig "precision" "auto" $cfg.learner) "fp32" -}}
 {{- $weight := ternary 4.0 2.0 $fp32 -}}
-{{- $partitions := mulf (ceil (divf $params (int $v.learner.ranks))) (ternary 16.0 18.0 $fp32) -}}
+{{- /* LoRA: the base is frozen (its partition alone); the adapters' states, of a size the chart cannot know, are left out */ -}}
+{{- $lora := gt (int (dig "lora" "rank" 0 $cfg.learner)) 0 -}}
+{{- $perParam := ternary $weight (ternary 16.0 18.0 $fp32) $lora -}}
+{{- $partitions := mulf (ceil (divf $params (int $v.learner.ranks))) $perParam -}}
 {{- $gathered := minf (mulf 350000000.0 $weight) (mulf $params $weight) -}}
-{{- $reduce := mulf (minf 50000000.0 $params) 8.0 -}}
+{{- $reduce := ternary 0.0 (mulf (minf 50000000.0 $params) 8.0) $lora -}}
 {{- $broadcast := 0.0 -}}
 {{- if eq $cfg.weight_broker.transport "collective" -}}
 {{- $broadcast = mulf 2.0 (minf (mulf (float64 $cfg.weight_broker.group_bucket_mb) 1048576.0) (mulf $params $weight)) -}}
@@ -78,7 +88,8 @@ broker into the pod's host memory, is left.
 {{- $usable := mulf (float64 $n.gpuMemoryGB) 1000000000.0 0.9 -}}
 {{- if gt $fixed $usable -}}
 {{- $source := ternary "modelSize.parameters" "its name; modelSize.parameters sets the exact count" $exact -}}
-{{- fail (printf "the learner cannot fit its GPUs: run.model %q (%.3gB parameters from %s) on learner.ranks = %d takes %.1fGB per GPU in ZeRO-3 states and buffers alone (%.1fGB of partitions at %s bytes per parameter), before any activation, above the %.1fGB usable of one gpuNodes.gpuMemoryGB = %vGB GPU (90%%; the learner keeps 10%% free); raise learner.ranks (more ranks hold smaller partitions), or set gpuNodes.gpuMemoryGB to the GPUs' memory" $v.run.model (divf $params 1000000000.0) $source (int $v.learner.ranks) (divf $fixed 1000000000.0) (divf $partitions 1000000000.0) (ternary "16" "18" $fp32) (divf $usable 1000000000.0) $n.gpuMemoryGB) -}}
+{{- $frozen := ternary (printf ", the frozen base of a LoRA run (learner.lora.rank = %d), its adapters' states not counted" (int (dig "lora" "rank" 0 $cfg.learner))) "" $lora -}}
+{{- fail (printf "the learner cannot fit its GPUs: run.model %q (%.3gB parameters from %s) on learner.ranks = %d takes %.1fGB per GPU in ZeRO-3 states and buffers alone (%.1fGB of partitions at %v bytes per parameter%s), before any activation, above the %.1fGB usable of one gpuNodes.gpuMemoryGB = %vGB GPU (90%%; the learner keeps 10%% free); raise learner.ranks (more ranks hold smaller partitions), or set gpuNodes.gpuMemoryGB to the GPUs' memory" $v.run.model (divf $params 1000000000.0) $source (int $v.learner.ranks) (divf $fixed 1000000000.0) (divf $partitions 1000000000.0) $perParam $frozen (divf $usable 1000000000.0) $n.gpuMemoryGB) -}}
 {{- end -}}
 {{- end -}}
 {{- $s := include "vcpo-rl.sizing" . | fromJson -}}

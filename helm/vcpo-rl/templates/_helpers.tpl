@@ -275,6 +275,16 @@ too, so a run that would be refused fails at `helm install` instead of after its
     "learner_hang_timeout_s" (float64 $v.run.learnerHangTimeoutSeconds)
     "metrics_port" (int $p.launcherMetrics))
 -}}
+{{- /* [learner.lora] only for a LoRA run: rank 0 leaves the table out (full fine-tuning, the learner's default) */ -}}
+{{- $lora := $v.learner.lora | default dict -}}
+{{- if gt (int (dig "rank" 0 $lora)) 0 -}}
+{{- $_ := set $cfg.learner "lora" (dict
+  "rank" (int $lora.rank)
+  "alpha" (int $lora.alpha)
+  "dropout" (float64 $lora.dropout)
+  "target_modules" $lora.targetModules
+  "publish" $lora.publish) -}}
+{{- end -}}
 {{- with $v.extraConfig -}}
 {{- $extra := fromToml . -}}
 {{- if hasKey $extra "Error" -}}
@@ -322,6 +332,11 @@ too, so a run that would be refused fails at `helm install` instead of after its
 {{- end -}}
 {{- if lt (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas) -}}
 {{- fail (printf "reward.maxReplicas = %d is less than reward.minReplicas = %d" (int $cfg.reward.max_replicas) (int $cfg.reward.min_replicas)) -}}
+{{- end -}}
+{{- /* adapter versions travel through the broker (services/sampler/config.py, check_adapter_transport) */ -}}
+{{- $adapter := dig "lora" (dict) $cfg.learner -}}
+{{- if and (gt (int (dig "rank" 0 $adapter)) 0) (eq (toString (dig "publish" "adapter" $adapter)) "adapter") (eq (toString $cfg.weight_broker.transport) "collective") -}}
+{{- fail (printf "learner.lora.rank = %d with learner.lora.publish = adapter: each policy version is the adapters alone, which the samplers load from the weight broker, and weightBroker.transport = collective broadcasts whole models into the samplers' GPUs (the launcher refuses the pair); set weightBroker.transport = tcp (adapter versions are megabytes: the broker's path carries them), or learner.lora.publish = merged (each version then the whole model with the adapters merged in)" (int (dig "rank" 0 $adapter))) -}}
 {{- end -}}
 {{- $envNames := list -}}
 {{- range $cfg.sampler.environments }}{{ $envNames = append $envNames .name }}{{ end -}}
