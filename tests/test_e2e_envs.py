@@ -1,8 +1,10 @@
-"""Multi-turn rollouts and a dedicated evaluator through the whole system, in one launch.
+"""Multi-turn rollouts, LoRA and a dedicated evaluator through the whole system, in one launch.
 
 The local preset with every dataset task run as an episode of ``tests/envs/scripted_env.py`` (two turns per
 episode, ``turn`` parser), registered from the run file: the sampler's episodes go through reward to the
 learner, which trains on them (loss mask and log-probs checked by its batching), and the ledger balances.
+The learner trains LoRA adapters (``[learner.lora]``), so every version is an adapter: the sampler and the
+evaluator fetch each from the broker and load it into their engines' LoRA slot.
 Beside them, ``evaluation.placement = "dedicated"``: its own Ray actor and vLLM engine follow the published
 versions and evaluate the held-out set (which is not an environment's), while the samplers only train.
 (The shared placement runs end to end in tests/test_e2e.py, whose local preset evaluates on the sampler.)
@@ -11,6 +13,7 @@ versions and evaluate the held-out set (which is not an environment's), while th
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -24,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 80
 EVERY = 30
+LORA_RANK = 8
 
 
 @pytest.mark.timeout(900)
@@ -57,6 +61,8 @@ def test_multi_turn_rollouts_train_while_a_dedicated_evaluator_evaluates_due_ver
             "dedicated",
             "--evaluation.every",
             str(EVERY),
+            "--learner.lora.rank",
+            str(LORA_RANK),
         )
         assert launch.finish(timeout_s=840) == 0, launch.output[-6000:]
         assert f"bearer token: {run_dir / 'api_token'}" in launch.output  # where clients find the API
@@ -111,3 +117,15 @@ def test_multi_turn_rollouts_train_while_a_dedicated_evaluator_evaluates_due_ver
     ends = json.loads((run_dir / "evaluator" / "evaluator.endpoints.json").read_text())
     assert ends["metrics_url"].startswith("http://")
     assert (run_dir / "logs" / "evaluator.log").exists()
+
+    # every version was an adapter (publish = "adapter"), fetched whole by the sampler and the evaluator
+    from services.common.lora import LoraConfig, adapter_shapes
+
+    model = json.loads((run_dir / "config.resolved.json").read_text())["run"]["model"]
+    shapes = adapter_shapes(model, LoraConfig(rank=LORA_RANK))  # the model the run built and trained from
+    adapter_bytes = 4 * sum(math.prod(s) for s in shapes.values())  # fp32 on the CPU
+    for log_name in ("sampler-0.log", "evaluator.log"):
+        fetched = re.findall(
+            r"fetched version (\d+) \((\d+) bytes", (run_dir / "logs" / log_name).read_text()
+        )
+        assert fetched and {int(b) for _, b in fetched} == {adapter_bytes}, (log_name, fetched[:3])
