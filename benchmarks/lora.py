@@ -4,9 +4,10 @@ On a Qwen2-shaped model of about 32M parameters built by code (8 layers of width
 ZeRO-3 ranks on the CPU (gloo, fp32; ``--device cuda``: one GPU per rank, NCCL, bf16), VCPO steps on one batch
 of 2 scored groups of 8 trajectories (64 prompt + 192 response tokens), one group per rank:
 
-  adapter_bytes_over_full   the adapters' bytes (rank 16 on every attention and MLP projection) over the full
-                            model's: what a version carrying the adapter alone would weigh (target <= 0.05).
-                            Versions are published merged today (the whole model), so what travels is 1.0
+  version_bytes_over_full   a LoRA version's bytes (publish = "adapter", the default: the adapters alone, rank
+                            16 on every attention and MLP projection) over a full fine-tuning version's (the
+                            whole model), both from the trainers' publish manifests (tensor_specs): what
+                            travels to the samplers per version (target <= 0.05)
   step_time_over_full       a LoRA step's median time over a full fine-tuning step's, the two trainers held by
                             the same ranks and stepped alternately, round by round
   peak_memory_over_full     the growth of a rank's peak memory from before its trainer is built to after its
@@ -16,8 +17,12 @@ of 2 scored groups of 8 trajectories (64 prompt + 192 response tokens), one grou
   estimated_peak_over_full  the learner's start-up estimate of a rank's peak (services/learner/memory.py: model
                             states counted, the step's tensors simulated), LoRA over full, for the same step
 
-The time from a publish until a sampler serves the version (adapter against full) needs the sampler to load
-adapters, which it does not yet: not measured. The last line is one JSON object with the figures.
+  serve_time_over_full      the seconds from a publish until a sampler's vLLM engine serves the version (through a
+                            broker process, the sampler's fetch, prepare and apply), an adapter version over a
+                            full one, medians of 3 (benchmarks/_publish_to_serve.py); needs vLLM, so not with
+                            --device cuda on a machine without it
+
+The last line is one JSON object with the figures.
 
     python benchmarks/lora.py [--quick] [--rounds 5] [--device cuda]
 """
@@ -51,7 +56,7 @@ SPEC = TinyModelSpec(
 )
 SPEC_QUICK = TinyModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
 RANK = 16
-TARGET_ADAPTER_BYTES = 0.05
+TARGET_VERSION_BYTES = 0.05
 
 
 def _config(lora: bool, gpus: int) -> Any:
@@ -85,19 +90,9 @@ def _times(rank: int, model_dir: str, groups: list[Any], rounds: int, gpus: int)
             torch.distributed.barrier()
             if r:
                 times[name].append(time.perf_counter() - t0)
-    lora = trainers["lora"].module
-    adapters = sum(
-        p.ds_numel * p.element_size() if hasattr(p, "ds_numel") else p.numel() * p.element_size()
-        for n, p in lora.named_parameters()
-        if ".lora_" in n
-    )
-    full = sum(s.nbytes for s in tensor_specs(trainers["full"].module))
-    return {
-        "times": times,
-        "adapter_bytes": adapters,
-        "full_bytes": full,
-        "precision": trainers["full"].precision,
-    }
+    # what a version of each weighs: the manifest each trainer publishes (LoRA: the adapters alone)
+    version = {name: sum(s.nbytes for s in tensor_specs(t.module)) for name, t in trainers.items()}
+    return {"times": times, "version_bytes": version, "precision": trainers["full"].precision}
 
 
 def _memory(rank: int, model_dir: str, groups: list[Any], lora: bool, steps: int, gpus: int) -> int:
@@ -136,6 +131,19 @@ def _estimate(model_dir: Path, lora: bool, tokens: int, ranks: int, gpus: int) -
     return plan.peak("saved")
 
 
+def _serve(model_dir: Path) -> dict[str, Any] | None:
+    """The publish-to-serve figures, or None (said) where vLLM is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed: the time from publish to serve is not measured")
+        return None
+    from benchmarks._publish_to_serve import run_publish_to_serve
+    from services.common.lora import LoraConfig
+
+    return run_publish_to_serve(model_dir, LoraConfig(rank=RANK))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,14 +171,16 @@ def main() -> None:
         estimate = {
             name: _estimate(model_dir, name == "lora", prompt + response, ranks, gpus) for name in memory
         }
+        serve = _serve(model_dir)
     med = {name: statistics.median(timed["times"][name]) for name in ("full", "lora")}
     figures = {
         "parameters": params,
         "lora_rank": RANK,
-        "adapter_bytes_over_full": round(timed["adapter_bytes"] / timed["full_bytes"], 4),
+        "version_bytes_over_full": round(timed["version_bytes"]["lora"] / timed["version_bytes"]["full"], 4),
         "step_time_over_full": round(med["lora"] / med["full"], 3),
         "peak_memory_over_full": round(memory["lora"] / memory["full"], 3),
         "estimated_peak_over_full": round(estimate["lora"] / estimate["full"], 3),
+        "serve_time_over_full": round(serve["serve_time_over_full"], 3) if serve else None,
         "device": args.device,
         "precision": timed["precision"],
     }
@@ -178,10 +188,16 @@ def main() -> None:
     print(f"step: full {med['full']:.3f}s, LoRA rank {RANK} {med['lora']:.3f}s (median of {rounds})")
     for what, d in (("measured peak memory growth", memory), ("estimated peak", estimate)):
         print(f"{what} per rank: full {d['full'] / 2**20:.0f} MiB, LoRA {d['lora'] / 2**20:.0f} MiB")
+    version = timed["version_bytes"]
     print(
-        f"adapter {timed['adapter_bytes'] / 2**20:.2f} MiB of {timed['full_bytes'] / 2**20:.1f} MiB "
-        f"(target <= {TARGET_ADAPTER_BYTES}); versions are published merged today"
+        f"version: LoRA (adapters) {version['lora'] / 2**20:.2f} MiB, full {version['full'] / 2**20:.1f} MiB "
+        f"(target <= {TARGET_VERSION_BYTES} of full)"
     )
+    if serve:
+        print(
+            f"publish to serve: adapter {serve['adapter']['median_s']:.3f}s, full {serve['full']['median_s']:.3f}s "
+            "(median of 3 versions each)"
+        )
     print(json.dumps(figures))
 
 

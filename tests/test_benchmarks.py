@@ -68,7 +68,7 @@ def test_vcpo_step_benchmark_runs_on_a_gpu() -> None:
 def test_lora_benchmark_runs_on_a_gpu() -> None:
     _, figures = run_quick("lora.py", "--device", "cuda")
     assert (figures["device"], figures["precision"]) == ("cuda", "bf16")
-    for key in ("adapter_bytes_over_full", "step_time_over_full", "peak_memory_over_full"):
+    for key in ("version_bytes_over_full", "step_time_over_full", "peak_memory_over_full"):
         assert figures[key] > 0
 
 
