@@ -19,9 +19,11 @@ from tests.test_sampler_engine import _cached_prompt_tokens, generate, prompts_o
 LORA = LoraConfig(rank=8, alpha=16)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lora_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A second vLLM engine of the session (CPU build, in this process, float32) with one LoRA slot."""
+    """A second vLLM engine of the session (CPU build, in this process, float32) with one LoRA slot. Closed
+    at the session's end only: an in-process engine's shutdown destroys vLLM's process-wide parallel groups,
+    which the session's other engine (``vllm_engine``) still steps on."""
     pytest.importorskip("vllm")
     from services.sampler.engine import VllmEngine, VllmSettings
 
