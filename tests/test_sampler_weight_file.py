@@ -54,7 +54,7 @@ class Core:
         self.events.append(("wake", self.file_written()))
         self.paused = False
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, lora_request: Any = None) -> None:
         self.requests[request_id] = 0
 
     def abort_request(self, request_ids: list[str]) -> None:
