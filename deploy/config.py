@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.config import Section, ServiceConfig
+from services.common.lora import check_adapter_transport
 from services.learner.config import (
     LearnerConfig,
     check_groups_per_rank,
@@ -19,12 +20,7 @@ from services.learner.config import (
 )
 from services.reward.config import RewardConfig
 from services.sampler.agents.config import AgentsConfig
-from services.sampler.config import (
-    EvaluationConfig,
-    SamplerConfig,
-    check_adapter_transport,
-    eval_set_environment,
-)
+from services.sampler.config import EvaluationConfig, SamplerConfig, eval_set_environment
 from services.weight_transport import WeightBrokerConfig
 
 
@@ -165,7 +161,7 @@ class SystemConfig(ServiceConfig):
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         ev, s = self.evaluation, self.sampler
         check_sampler_gpus(s, self.learner.gpus_per_rank)
-        check_adapter_transport(self.learner.lora, self.weight_broker)
+        check_adapter_transport(self.learner.lora, self.weight_broker.transport)
         for spec in ev.sets:
             eval_set_environment(s, spec)
         if (

@@ -373,3 +373,7 @@ def test_a_learner_started_on_its_own_is_checked_like_a_whole_run() -> None:
         LearnerServiceConfig.model_validate({"learner": {"num_ranks": 2, "objective": "reinforce"}})
     LearnerServiceConfig.model_validate({"learner": {"num_ranks": 1, "objective": "reinforce"}})
     LearnerServiceConfig.model_validate({"run": {"groups_per_step": 2}, "learner": {"num_ranks": 2}})
+    with pytest.raises(ValueError, match=r'set weight_broker\.transport = "tcp"'):
+        LearnerServiceConfig.model_validate(
+            {"learner": {"lora": {"rank": 8}}, "weight_broker": {"transport": "collective"}}
+        )

@@ -106,6 +106,18 @@ class LoraConfig(Section):
         return next(r for r in VLLM_MAX_RANKS if r >= self.rank)
 
 
+def check_adapter_transport(lora: LoraConfig, transport: str) -> None:
+    """Adapter versions (megabytes) travel through the broker: a ValueError if ``weight_broker.transport`` is
+    the collective, whose weight group broadcasts whole models into the samplers' workers. Every service
+    that reads both tables checks it (the learner, the sampler, the launcher's whole run)."""
+    if lora.adapter_versions and transport == "collective":
+        raise ValueError(
+            'learner.lora publishes adapter versions (publish = "adapter"), which the samplers load from the '
+            'broker: set weight_broker.transport = "tcp" (the weight group is for full versions), or '
+            'learner.lora.publish = "merged"'
+        )
+
+
 def matches(name: str, target: str) -> bool:
     """Whether a module named ``name`` is one that ``target`` names (peft's rule: the name or a suffix)."""
     return name == target or name.endswith("." + target)

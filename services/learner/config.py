@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, PositiveFloat, field_validator, model_val
 from services.common.config import Section, ServiceConfig
 from services.common.lora import PROJECTIONS as PROJECTIONS
 from services.common.lora import LoraConfig as LoraConfig
+from services.common.lora import check_adapter_transport
 from services.learner.lr_schedule import LrDecay
 from services.learner.objectives import NAMES as OBJECTIVES
 from services.learner.objectives import get as objective_named
@@ -238,4 +239,5 @@ class LearnerServiceConfig(ServiceConfig):
     def _run_fits_the_learner(self) -> LearnerServiceConfig:
         check_scored_capacity(self.streams.scored_maxlen, self.learner, self.run.groups_per_step)
         check_groups_per_rank(self.run.groups_per_step, self.learner)
+        check_adapter_transport(self.learner.lora, self.weight_broker.transport)
         return self

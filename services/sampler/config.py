@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, model_validator
 
 from services.common.config import Section, ServiceConfig
-from services.common.lora import LoraConfig
+from services.common.lora import LoraConfig, check_adapter_transport
 from services.common.tls import ClientTls, ServerTls
 from services.reward.config import RewardConfig
 from services.sampler.agents.config import AgentsConfig
@@ -384,7 +384,7 @@ class SamplerServiceConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _adapters_through_the_broker(self) -> SamplerServiceConfig:
-        check_adapter_transport(self.learner.lora, self.weight_broker)
+        check_adapter_transport(self.learner.lora, self.weight_broker.transport)
         return self
 
 
@@ -395,13 +395,3 @@ class LearnerLora(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     lora: LoraConfig = Field(default_factory=LoraConfig)
-
-
-def check_adapter_transport(lora: LoraConfig, weight_broker: WeightBrokerConfig) -> None:
-    """Adapter versions (megabytes) travel through the broker: a ValueError if the run asks for the collective."""
-    if lora.adapter_versions and weight_broker.transport == "collective":
-        raise ValueError(
-            'learner.lora publishes adapter versions (publish = "adapter"), which the samplers load from the '
-            'broker: set weight_broker.transport = "tcp" (the weight group is for full versions), or '
-            'learner.lora.publish = "merged"'
-        )
