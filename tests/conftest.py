@@ -74,26 +74,9 @@ def vllm_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
     asks ``next_version(vllm_engine)`` for a fresh one.
     """
     pytest.importorskip("vllm")
-    from services.sampler.engine import VllmEngine, VllmSettings
+    from tests.sampler_helpers import in_process_engine
 
-    # vLLM writes os.environ (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...): keep that out of later tests
-    environ_before = dict(os.environ)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        engine = VllmEngine(
-            VllmSettings(
-                model=str(tiny_model_dir),
-                dtype="float32",
-                max_model_len=256,
-                kv_cache_memory_bytes=64 << 20,
-                enforce_eager=True,
-                seed=0,
-                collective_weights=True,
-            )
-        )
-    finally:
-        os.environ.clear()
-        os.environ.update(environ_before)
+    engine = in_process_engine(tiny_model_dir, collective_weights=True)
     yield engine
     engine.close()
 

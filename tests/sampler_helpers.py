@@ -31,6 +31,33 @@ def load_into(engine: Any, weights: dict[str, torch.Tensor]) -> int:
     return version
 
 
+def in_process_engine(model_dir: Path, env: dict[str, str] | None = None, **settings: Any) -> Any:
+    """A vLLM engine (CPU build) in this process over ``model_dir`` in float32 with a small KV cache, built
+    with ``env`` on top of this process's environment; vLLM writes os.environ while it starts (LD_PRELOAD,
+    VLLM_WORKER_MULTIPROC_METHOD, ...), which is put back afterwards, out of later tests' way."""
+    import os
+
+    from services.sampler.engine import VllmEngine, VllmSettings
+
+    environ_before = dict(os.environ)
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+    try:
+        return VllmEngine(
+            VllmSettings(
+                model=str(model_dir),
+                dtype="float32",
+                max_model_len=256,
+                kv_cache_memory_bytes=64 << 20,
+                enforce_eager=True,
+                seed=0,
+                **settings,
+            )
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(environ_before)
+
+
 def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(model_dir) / "model.safetensors"))
 

@@ -18,23 +18,13 @@ def main() -> None:
     from pathlib import Path
 
     import services.sampler.engine_lora as engine_lora
-    from services.sampler.engine import VllmEngine, VllmSettings
     from tests.sampler_helpers import load_into
-    from tests.sampler_multiprocess_probe import greedy, in_flight_swap
+    from tests.sampler_multiprocess_probe import greedy, in_flight_swap, probe_engine
     from tests.test_sampler_lora import LORA, adapter_version
 
     staging = Path(tempfile.mkdtemp())
     os.environ["VCPO_WEIGHT_STAGING"] = str(staging)
-    engine = VllmEngine(
-        VllmSettings(
-            model=model_dir,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-            enforce_eager=True,
-            adapter=LORA,
-        )
-    )
+    engine = probe_engine(model_dir, collective_weights=False, adapter=LORA)
     try:
         (_, a), (_, b), (_, c) = (adapter_version(Path(model_dir), s) for s in (seed_a, seed_b, seed_c))
         load_into(engine, a)

@@ -187,7 +187,8 @@ def descendants_env(name: str) -> dict[str, str | None]:
 
 
 def probe_engine(model_dir: str, **settings: Any) -> Any:
-    """The probes' engine: the tiny model in float32, a small KV cache, able to join a weight group."""
+    """The probes' engine: the tiny model in float32, a small KV cache, able to join a weight group unless
+    ``settings`` say ``collective_weights=False``."""
     from services.sampler.engine import VllmEngine, VllmSettings
 
     return VllmEngine(
@@ -197,8 +198,7 @@ def probe_engine(model_dir: str, **settings: Any) -> Any:
             max_model_len=512,
             kv_cache_memory_bytes=32 << 20,
             enforce_eager=True,
-            collective_weights=True,
-            **settings,
+            **{"collective_weights": True, **settings},
         )
     )
 

@@ -491,30 +491,43 @@ def test_a_swap_invalidates_kv_blocks_of_long_shared_prompts(
     really serves blocks: within a version a repeated prompt is served its shared prefix from the cache,
     and after each load the first request is served nothing (the blocks of the version before, just shown
     to be cached, are not reused)."""
-    cache_config = vllm_engine.engine.vllm_config.cache_config
+    old, new = version_weights(tiny_model_dir, 12), version_weights(tiny_model_dir, 13)
+    # and back to the old weights: blocks of the first load are not served to a later load of them either
+    assert_prefix_cache_is_per_load(
+        vllm_engine,
+        monkeypatch,
+        [(w, lambda results, w=w: assert_matches(tiny_model_dir, w, results)) for w in (old, new, old)],
+    )
+
+
+def assert_prefix_cache_is_per_load(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, loads: list[tuple[dict[str, torch.Tensor], Any]]
+) -> None:
+    """For each ``(version's tensors, check)`` of ``loads`` in turn: load it, then generate long prompts that
+    share a prefix twice over, and ``check(results)`` each time. The prefix cache must be on and serve, within
+    a version, a repeated prompt's full blocks; the first request after each load is served none."""
+    cache_config = engine.engine.vllm_config.cache_config
     assert cache_config.enable_prefix_caching, "the prefix cache is off: this test would test nothing"
     block = cache_config.block_size
-    greedy = Sampling(temperature=1.0, max_tokens=8, seed=3)
-    tok = vllm_engine.tokenizer
+    sampling = Sampling(temperature=1.0, max_tokens=8, seed=3)
+    tok = engine.tokenizer
     prefix = tok.encode("Solve the following problem step by step and put the answer last. " * 6)
     assert len(prefix) > block  # a full block of the prefix is cached
     prompts = [prefix + tok.encode(q) for q in ("12+7=", "3+4=")]
     # what a prompt seen before is served from the cache: its full blocks, short of its last token
     full = {f"t{i}/{j}": (len(p) - 1) // block * block for i, p in enumerate(prompts) for j in range(2)}
-    cached = _cached_prompt_tokens(vllm_engine, monkeypatch)
-    old, new = version_weights(tiny_model_dir, 12), version_weights(tiny_model_dir, 13)
-    # and back to the old weights: blocks of the first load are not served to a later load of them either
-    for weights in (old, new, old):
-        load_into(vllm_engine, weights)
+    cached = _cached_prompt_tokens(engine, monkeypatch)
+    for weights, check in loads:
+        load_into(engine, weights)
         for repeat in (False, True):
             cached.clear()
-            results = generate(vllm_engine, prompts, greedy, n=2)
+            results = generate(engine, prompts, sampling, n=2)
             assert sorted(cached) == sorted(full)
             if repeat:  # the same version: every request is served its prompt's full blocks from the cache
                 assert cached == full, cached
             else:  # the first request since the load: nothing computed under other weights
                 assert cached["t0/0"] == 0, cached
-            assert_matches(tiny_model_dir, weights, results.values())
+            check(results.values())
 
 
 def test_a_collective_broadcast_serves_the_new_weights_and_a_cut_one_changes_nothing(

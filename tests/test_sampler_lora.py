@@ -4,7 +4,6 @@ checked against the Hugging Face forward with peft's adapters of the same versio
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,8 @@ import torch
 
 from services.common.lora import LoraConfig, adapter_shapes, adapter_tensor_name
 from services.sampler.engine import Sampling, WeightMismatch, WorkerCallFailed
-from tests.sampler_helpers import assert_logprobs_match, hf_logprobs, load_into, versions
-from tests.test_sampler_engine import _cached_prompt_tokens, generate, prompts_of
+from tests.sampler_helpers import assert_logprobs_match, hf_logprobs, in_process_engine, load_into, versions
+from tests.test_sampler_engine import assert_prefix_cache_is_per_load, generate, prompts_of
 
 LORA = LoraConfig(rank=8, alpha=16)
 
@@ -25,26 +24,8 @@ def lora_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     at the session's end only: an in-process engine's shutdown destroys vLLM's process-wide parallel groups,
     which the session's other engine (``vllm_engine``) still steps on."""
     pytest.importorskip("vllm")
-    from services.sampler.engine import VllmEngine, VllmSettings
-
-    environ_before = dict(os.environ)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VCPO_WEIGHT_STAGING"] = str(tmp_path_factory.mktemp("staging"))
-    try:
-        engine = VllmEngine(
-            VllmSettings(
-                model=str(tiny_model_dir),
-                dtype="float32",
-                max_model_len=256,
-                kv_cache_memory_bytes=64 << 20,
-                enforce_eager=True,
-                seed=0,
-                adapter=LORA,
-            )
-        )
-    finally:
-        os.environ.clear()
-        os.environ.update(environ_before)
+    staging = str(tmp_path_factory.mktemp("staging"))
+    engine = in_process_engine(tiny_model_dir, {"VCPO_WEIGHT_STAGING": staging}, adapter=LORA)
     yield engine
     engine.close()
 
@@ -107,28 +88,12 @@ def test_an_adapter_swap_never_serves_kv_blocks_of_another_adapter(
     """Long shared prompts across swaps, as tests/test_sampler_engine.py checks full versions: within a version a
     repeated prompt is served its shared prefix from vLLM's prefix cache; after each swap the first request is
     served nothing, and back on an earlier adapter no block of its first load is reused."""
-    cache_config = lora_engine.engine.vllm_config.cache_config
-    assert cache_config.enable_prefix_caching, "the prefix cache is off: this test would test nothing"
-    block = cache_config.block_size
-    sampling = Sampling(temperature=1.0, max_tokens=8, seed=3)
-    tok = lora_engine.tokenizer
-    prefix = tok.encode("Solve the following problem step by step and put the answer last. " * 6)
-    assert len(prefix) > block
-    prompts = [prefix + tok.encode(q) for q in ("12+7=", "3+4=")]
-    full = {f"t{i}/{j}": (len(p) - 1) // block * block for i, p in enumerate(prompts) for j in range(2)}
-    cached = _cached_prompt_tokens(lora_engine, monkeypatch)
     old, new = adapter_version(tiny_model_dir, 12), adapter_version(tiny_model_dir, 13)
-    for model, version in (old, new, old):
-        load_into(lora_engine, version)
-        for repeat in (False, True):
-            cached.clear()
-            results = generate(lora_engine, prompts, sampling, n=2)
-            assert sorted(cached) == sorted(full)
-            if repeat:
-                assert cached == full, cached
-            else:
-                assert cached["t0/0"] == 0, cached
-            check(model, results.values())
+    assert_prefix_cache_is_per_load(
+        lora_engine,
+        monkeypatch,
+        [(version, lambda results, m=model: check(m, results)) for model, version in (old, new, old)],
+    )
 
 
 def swapped_logprobs(old: Any, new: Any, prompt: list[int], tokens: list[int], k: int) -> torch.Tensor:
