@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deploy.config import SystemConfig
+    from services.common.lora import LoraConfig
 
 SHM_DIR = "/dev/shm"
 # beyond the version's file: vLLM's message queues, NCCL's shared-memory transport and Ray's object store
@@ -176,6 +177,17 @@ def model_parameters(model: str) -> int | None:
         return None
 
 
+def adapter_parameters(model: str, lora: LoraConfig) -> int | None:
+    """Parameters of one adapter version of ``model`` (its LoRA adapters alone), from its config on the meta
+    device; None where the config cannot be read yet (offline before the download)."""
+    from services.learner.checkpoints import model_parameters as checkpoint_parameters
+
+    try:
+        return checkpoint_parameters(model, lora) or None
+    except Exception:  # no config.json here or on the hub: the check runs once the model is local
+        return None
+
+
 def version_bytes(cfg: SystemConfig, parameters: int) -> int:
     """Bytes of one published version: the learner's parameters in its precision."""
     lr = cfg.learner
@@ -289,7 +301,8 @@ class NodeChecks:
         download, or nothing stages through files)."""
         if self.staging_checked or not model:
             return ""
-        parameters = model_parameters(model)
+        lora = self.cfg.learner.lora
+        parameters = adapter_parameters(model, lora) if lora.adapter_versions else model_parameters(model)
         if parameters is None:
             return ""
         self.staging_checked = True
@@ -304,4 +317,5 @@ class NodeChecks:
             )
         for line in warn:
             print(f"  [!!] staging        {line}", flush=True)
-        return f"one version is {_gb(size)} ({parameters:,} parameters); every sampler node has room for it"
+        what = "LoRA adapter " if lora.adapter_versions else ""
+        return f"one {what}version is {_gb(size)} ({parameters:,} parameters); every sampler node has room for it"

@@ -501,6 +501,23 @@ def test_a_node_whose_staging_directory_cannot_hold_a_version_is_refused_naming_
     text = str(err.value)
     assert f"{staging} has " in text and "a sampler hands each weight version" in text
     assert "docker run --shm-size=" in text
+    # with LoRA adapter versions a version is the adapters alone (counted from the model's config), which
+    # fits where the whole model does not; merged versions are the whole model again
+    from services.common.tiny_model import TinyModelSpec, qwen2_config
+
+    qwen2_config(TinyModelSpec()).save_pretrained(huge)
+    for publish, fits in (("adapter", True), ("merged", False)):
+        lora = {"rank": 8, "publish": publish}
+        collective = {"transport": "tcp" if publish == "adapter" else "collective"}
+        cfg = _gpu_run(tmp_path, 2, 2, learner={"precision": "bf16", "lora": lora}, weight_broker=collective)
+        checks = NodeChecks(cfg, staging=str(staging))
+        checks.run()
+        if fits:
+            said = checks.check_staging(str(huge))
+            assert "one LoRA adapter version is" in said and "every sampler node has room" in said, said
+        else:
+            with pytest.raises(NodeCheckError):
+                checks.check_staging(str(huge))
 
 
 @pytest.mark.slow

@@ -1347,6 +1347,7 @@ def test_generated_secrets_are_kept_or_given() -> None:
         (["learner.lora.rank=-1"], "/learner/lora/rank"),
         (["learner.lora.dropout=1"], "/learner/lora/dropout"),
         (["learner.lora.publish=full"], "/learner/lora/publish"),
+        (["modelSize.adapterParameters=-1"], "/modelSize/adapterParameters"),
         (["learner.lora.targetModules={.q_proj}"], "/learner/lora/targetModules/0"),
         (["learner.lora.rnak=8"], "rnak"),
         (['extraConfig=[evaluation]\nplacement = "dedicated"\n'], "extraConfig sets evaluation.placement"),
@@ -1433,12 +1434,16 @@ def minimums(
     collective: bool = True,
     nccl: bool = True,
     ranks_per_pod: int = 2,
+    adapter_millions: float = 0.0,
 ) -> dict[str, int]:
-    """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = one version;
-    ``nccl``: the weight group's backend is NCCL (a GPU learner), under which GPU workers receive versions
-    into their GPUs, not into the pod's host memory."""
+    """docs/deploy.md's rule ("Memory and /dev/shm"), written out again, in whole Gi: W = the whole model's
+    weights; ``nccl``: the weight group's backend is NCCL (a GPU learner), under which GPU workers receive
+    versions into their GPUs, not into the pod's host memory; ``adapter_millions``: versions are LoRA adapters
+    of that many million parameters, held wherever a version is, with the frozen base in a CPU engine."""
     w = billions * 1e9 * dtype_bytes / GIB
-    broker_path = (3 if gpus else 2) * w + 6 + 2 * max(1, gpus)
+    base = w if adapter_millions and not gpus else 0.0  # a CPU engine holds the frozen base in host memory
+    w = adapter_millions * 1e6 * dtype_bytes / GIB if adapter_millions else w  # one version
+    broker_path = (3 if gpus else 2) * w + base + 6 + 2 * max(1, gpus)
     # with the collective transport over gloo (or in a CPU sampler) each engine worker receives the broadcast
     # version into its own host memory; under NCCL each GPU worker receives it into its GPU
     received = max(1, gpus) if collective and not (nccl and gpus) else 0
@@ -1560,6 +1565,39 @@ SIZING_CASES = {  # name: (flags, minimums)
     "tcp, tensor parallel 2": (
         ("run.model=Qwen/Qwen2.5-7B", "sampler.gpusPerReplica=2", "weightBroker.transport=tcp"),
         minimums(7 * 1.1, gpus=2, collective=False),
+    ),
+    "LoRA, adapter versions of a stated size": (
+        (
+            "run.model=Qwen/Qwen2.5-7B",
+            "weightBroker.transport=tcp",
+            "learner.lora.rank=16",
+            "modelSize.adapterParameters=40.4",
+        ),
+        minimums(7 * 1.1, collective=False, adapter_millions=40.4),
+    ),
+    "LoRA, adapter versions of a stated size, 4 retained, tensor parallel 2": (
+        (
+            "run.model=Qwen/Qwen2.5-7B",
+            "weightBroker.transport=tcp",
+            "learner.lora.rank=64",
+            "modelSize.adapterParameters=161.5",
+            "weightBroker.retainVersions=4",
+            "sampler.gpusPerReplica=2",
+        ),
+        minimums(7 * 1.1, gpus=2, collective=False, retain=4, adapter_millions=161.5),
+    ),
+    "LoRA, adapter versions of no stated size: whole versions": (
+        ("run.model=Qwen/Qwen2.5-7B", "weightBroker.transport=tcp", "learner.lora.rank=16"),
+        minimums(7 * 1.1, collective=False),
+    ),
+    "LoRA, merged versions: whole versions whatever the adapters' size": (
+        (
+            "run.model=Qwen/Qwen2.5-7B",
+            "learner.lora.rank=16",
+            "learner.lora.publish=merged",
+            "modelSize.adapterParameters=40.4",
+        ),
+        minimums(7 * 1.1),
     ),
 }
 SIZED_KEYS = {  # the minimum's name -> the values it checks
@@ -1725,6 +1763,21 @@ def test_sizes_of_other_units_and_of_cpu_samplers() -> None:
             f"sampler.resources.requests.memory={memory}Gi",
         )
         assert (out.returncode == 0) == ok, errors(out)
+    # adapter versions without GPUs: the engine in the sampler's process holds the frozen base, + 2 versions
+    cpu_lora = minimums(1.5 * 1.1, gpus=0, adapter_millions=18.5)["sampler"]  # 3.1GiB + 2 × 0.03GiB + 8Gi
+    assert cpu_lora == 12
+    for memory, ok in ((cpu_lora, True), (cpu_lora - 1, False)):
+        out = helm(
+            "template",
+            "r",
+            str(CHART),
+            *("--set", "sampler.gpusPerReplica=0,learner.gpusPerRank=0,rayCluster.shmSize=64Mi"),
+            *("--set", "weightBroker.transport=tcp,learner.lora.rank=16,modelSize.adapterParameters=18.5"),
+            *("--set", f"sampler.resources.limits.memory={memory}Gi"),
+            *("--set", f"sampler.resources.requests.memory={memory}Gi"),
+        )
+        assert (out.returncode == 0) == ok, errors(out)
+        assert ok or "the frozen base in the engine (3.1GiB) + 2 copies of a version" in errors(out)
     render(
         "--set",
         "run.model=",

@@ -367,6 +367,23 @@ def test_the_charts_learner_check_counts_a_lora_learners_frozen_base() -> None:
 
 
 @pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
+def test_each_adapter_values_file_states_its_adapters_size(path: Path, tmp_path: Path) -> None:
+    """A values file whose versions are LoRA adapters states their size (modelSize.adapterParameters, in
+    millions), which the chart sizes the pods' versions by: at least the learner's own count of what a version
+    holds, and within 1% of it, so the pods are neither short of room nor sized for much more."""
+    from services.learner.memory import model_shape, version_params
+
+    s = shipped(path.relative_to(ROOT).as_posix(), tmp_path)
+    lora = s.cfg.learner.lora
+    stated = float(chart_values(path)["modelSize"].get("adapterParameters", 0))
+    if not lora.adapter_versions:
+        assert stated == 0, f"{path.name}: modelSize.adapterParameters set without adapter versions"
+        return
+    held = version_params(model_shape(hf_config(s.cfg.run.model), lora), lora)
+    assert stated * 1e6 >= held and stated * 1e6 <= 1.01 * held, (path.name, stated, held)
+
+
+@pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
 def test_each_values_files_stop_grace_covers_the_launchers_stop_waits(path: Path, tmp_path: Path) -> None:
     """Kubernetes SIGKILLs a stopping RayJob after rayJob.stopGracePeriodSeconds; the launcher stops the
     evaluator, the samplers and the reward service one after another (launcher.stop_timeout_s each at most),

@@ -1,7 +1,11 @@
 {{/*
 Memory the model's weights take in the pods, checked at install so that an undersized pod fails here, with
 the value to raise, instead of being OOM-killed at its first weight update (docs/deploy.md, "Memory and
-/dev/shm"). W = one version of the weights = modelSize.parameters × 10^9 × modelSize.dtypeBytes.
+/dev/shm"). W = one version of the weights = modelSize.parameters × 10^9 × modelSize.dtypeBytes. A LoRA run
+whose versions are its adapters (learner.lora.rank > 0, publish = adapter) with modelSize.adapterParameters set
+counts V = that many millions × modelSize.dtypeBytes in W's place wherever a version is held (the staged and
+previous versions, the adapter's directory in /dev/shm, the broker's); a sampler without GPUs holds the frozen
+base in its own process, + W. Without modelSize.adapterParameters every version counts as W.
 
   sampler pod (and a dedicated evaluator's)  3 W + 6Gi + 2Gi per GPU   the staged version, the previous one
                                                                       (kept to roll back a failed load) and
@@ -94,7 +98,14 @@ receivedOnGpus, whether each sampler GPU worker receives versions into its own G
 {{- $cfg := include "vcpo-rl.runToml" . | fromToml -}}
 {{- $wb := $cfg.weight_broker -}}
 {{- $w := divf (mulf (float64 (include "vcpo-rl.sizing.billions" .)) 1000000000.0 (float64 $v.modelSize.dtypeBytes)) 1073741824.0 -}}
+{{- /* adapter versions (services/common/lora.py: rank > 0 and publish = adapter, its default) of a known
+size stand in for W wherever a version is held; the frozen base stays on the GPUs, or in a CPU engine */ -}}
+{{- $lora := dig "learner" "lora" dict $cfg -}}
+{{- $adapterMillions := float64 (default 0 $v.modelSize.adapterParameters) -}}
+{{- $adapters := and (gt (int (dig "rank" 0 $lora)) 0) (eq (dig "publish" "adapter" $lora) "adapter") (gt $adapterMillions 0.0) -}}
+{{- $version := ternary (divf (mulf $adapterMillions 1000000.0 (float64 $v.modelSize.dtypeBytes)) 1073741824.0) $w $adapters -}}
 {{- $gpus := int $v.sampler.gpusPerReplica -}}
+{{- $base := ternary $w 0.0 (and $adapters (eq $gpus 0)) -}}
 {{- $copies := ternary 3 2 (gt $gpus 0) -}}
 {{- $collective := eq $wb.transport "collective" -}}
 {{- /* the weight group's backend: auto gives NCCL with a GPU learner (group_control.py,
@@ -110,19 +121,21 @@ buffers */ -}}
 {{- $head := int (include "vcpo-rl.sizing.headGi" .) -}}
 {{- dict
   "weightsGi" $w
+  "versionGi" $version
+  "adapters" $adapters
   "copies" $copies
   "received" $received
   "receivedOnGpus" (and $collective $nccl (gt $gpus 0))
   "engineGi" $engine
   "retained" $retained
   "inMemory" $inMemory
-  "sampler" (ceil (addf (mulf (add $copies $received) $w) $engine) | int)
-  "evaluator" (ceil (addf (mulf $copies $w) $engine) | int)
-  "shm" (ternary (ceil (addf $w (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
-  "head" (ternary (ceil (addf (mulf $retained $w) $head) | int) $head $inMemory)
+  "sampler" (ceil (addf (mulf (add $copies $received) $version) $base $engine) | int)
+  "evaluator" (ceil (addf (mulf $copies $version) $base $engine) | int)
+  "shm" (ternary (ceil (addf $version (include "vcpo-rl.sizing.shmHeadroomGi" .)) | int) 0 (gt $gpus 0))
+  "head" (ternary (ceil (addf (mulf $retained $version) $head) | int) $head $inMemory)
   "learnerStaging" $collective
-  "learner" (ceil (addf (ternary $w 0.0 $collective) (add (include "vcpo-rl.sizing.learnerGi" .) (mul (include "vcpo-rl.sizing.perRankGi" .) (int $v.learner.ranksPerPod)))) | int)
-  "volume" (ternary 0 (ceil (mulf $retained $w) | int) $inMemory)
+  "learner" (ceil (addf (ternary $version 0.0 $collective) (add (include "vcpo-rl.sizing.learnerGi" .) (mul (include "vcpo-rl.sizing.perRankGi" .) (int $v.learner.ranksPerPod)))) | int)
+  "volume" (ternary 0 (ceil (mulf $retained $version) | int) $inMemory)
   | toJson -}}
 {{- end -}}
 
@@ -145,7 +158,13 @@ the resources> "resources" <values> "min" <Gi> "why" <what the minimum is made o
 {{- $s := include "vcpo-rl.sizing" . | fromJson -}}
 {{- $source := ternary "modelSize.parameters" "its name + 10%; modelSize.parameters sets the exact count" (gt (float64 $v.modelSize.parameters) 0.0) -}}
 {{- $model := printf "run.model %q (%.3gB parameters from %s; × %v bytes = %.1fGiB per version)" $v.run.model (float64 (include "vcpo-rl.sizing.billions" .)) $source $v.modelSize.dtypeBytes (float64 $s.weightsGi) -}}
-{{- $copies := ternary "3 copies of the weights (the staged version, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of the weights (the staged version, the previous one)" (eq (int $s.copies) 3) -}}
+{{- if $s.adapters -}}
+{{- $model = printf "run.model %q's LoRA adapter versions (modelSize.adapterParameters = %vM parameters × %v bytes = %.2fGiB per version)" $v.run.model $v.modelSize.adapterParameters $v.modelSize.dtypeBytes (float64 $s.versionGi) -}}
+{{- end -}}
+{{- $copies := ternary "3 copies of a version (the staged one, the previous one, the /dev/shm file vLLM's workers read)" "2 copies of a version (the staged one, the previous one)" (eq (int $s.copies) 3) -}}
+{{- if and $s.adapters (eq (int $s.copies) 2) -}}
+{{- $copies = printf "the frozen base in the engine (%.1fGiB) + %s" (float64 $s.weightsGi) $copies -}}
+{{- end -}}
 {{- $why := printf "a sampler pod needs for %s: %s + %dGi for the engine's processes" $model $copies (int $s.engineGi) -}}
 {{- $received := "" -}}
 {{- if gt (int $s.received) 0 -}}
