@@ -7,7 +7,7 @@ every evaluation the run made, whether the ledger balances, and the bytes of eac
 (against the whole model's). The last line is one JSON object with the figures. It takes about 8 minutes at 500
 steps on a 2-core machine, which is why it is not in the test suite.
 
-    python experiments/lora_run.py [--steps 500] [--rank 16] [--lr 1e-3] [--run-dir /tmp/lora-run]
+    python experiments/lora_run.py [--steps 500] [--rank 16] [--lr 1e-3] [--run-dir /tmp/lora-run] [--set K=V ...]
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--window", type=int, default=50, help="steps averaged at each end")
     parser.add_argument("--run-dir", type=Path, default=Path("/tmp/lora-run"))
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further config override, as deploy.launch's --set (e.g. learner.lora.alpha=32); repeatable",
+    )
     args = parser.parse_args()
     if args.steps < 2 * args.window:
         parser.error(f"--steps {args.steps} is less than two windows of {args.window}")
@@ -82,6 +89,8 @@ def main() -> None:
         "--launcher.max_minutes",
         str(max(10, args.steps // 25)),  # the preset's 10 minutes end a slow machine's run short of its steps
     ]
+    for override in args.set:
+        command += ["--set", override]
     print(" ".join(command), flush=True)
     if subprocess.run(command, cwd=ROOT).returncode != 0:
         raise SystemExit("the run failed")
@@ -92,7 +101,7 @@ def main() -> None:
         f"mean@4 by version: {result['held_out']}; version bytes {result['version_bytes']}; ledger balanced: "
         f"{result['ledger_balanced']}"
     )
-    print(json.dumps({"rank": args.rank, "lr": args.lr, **result}))
+    print(json.dumps({"rank": args.rank, "lr": args.lr, "set": args.set, **result}))
     if not result["ledger_balanced"]:
         raise SystemExit("the ledger does not balance")
 
