@@ -21,6 +21,7 @@ warm start's seconds and rewards; and the recommended case's reward curve in 25-
 one JSON object with the recommended settings and their figures.
 
     python benchmarks/warm_start_rl.py [--quick] [--seeds 0,1,2] [--ws-steps 50,100,150] [--rl-lrs ...]
+        [--lora-rank 16 --lora-alpha 32]   (RL trains LoRA adapters on the warm-started model)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from experiments.replay import Replay, ReplaySettings
 from services.common.datasets import load_dataset
+from services.common.lora import LoraConfig
 from services.common.tiny_model import TinyModelSpec, build_tiny_model
 from services.learner.config import LearnerConfig
 from services.learner.policy_sampling import policy_reward
@@ -64,16 +66,17 @@ def rl_run(
     seed: int,
     lag: int = 4,
     objective: str = "vcpo",
+    lora: LoraConfig | None = None,
 ) -> tuple[list[float], Any, Any]:
     """The simulated RL loop (module docstring; ``experiments.replay``) on ``model_dir``'s model: each step's
     mean reward, the final model and its tokenizer. ``seed`` generates the dataset (as the run's seed does)
     and drives the task order and the sampling; ``lag`` is how many versions behind the learner the sampling
-    policy is."""
+    policy is; ``lora``: train LoRA adapters on the frozen model instead of every weight."""
     config = objective_config(LearnerConfig(objective=objective))
     settings = ReplaySettings(
         groups_per_step=GROUPS_PER_STEP, n=N, max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN, lr=lr
     )
-    replay = Replay(model_dir, dataset, config, seed=seed, lag=lag, settings=settings)
+    replay = Replay(model_dir, dataset, config, seed=seed, lag=lag, settings=settings, lora=lora)
     rewards_per_step = [replay.step()["reward"] for _ in range(steps)]
     replay.model.eval()
     return rewards_per_step, replay.model, replay.tokenizer
@@ -106,6 +109,10 @@ def main() -> None:
         "--objective", default="vcpo", choices=["vcpo", "grpo"], help="the learner's objective"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="RL trains LoRA adapters of this rank (0: every weight)"
+    )
+    parser.add_argument("--lora-alpha", type=int, default=0, help="LoRA alpha (0: 2 x rank)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -156,6 +163,7 @@ def main() -> None:
                         seed=seed,
                         lag=args.lag,
                         objective=args.objective,
+                        lora=LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha),
                     )
                     first, last = statistics.fmean(rewards[:window]), statistics.fmean(rewards[-window:])
                     runs.setdefault((steps, lr), []).append(
@@ -188,7 +196,8 @@ def main() -> None:
             f"{_mean(rows, 'held_out'):>8.3f} {min(trains):>9.3f} {max(trains):>9.3f}"
         )
     print(
-        f"\nRL ({args.objective}, lag {args.lag}, {rl_steps} steps of {GROUPS_PER_STEP} x {N}): mean training "
+        f"\nRL ({args.objective}, lag {args.lag}, {rl_steps} steps of {GROUPS_PER_STEP} x {N}"
+        f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}): mean training "
         f"reward of the first and last {window} steps; mean over seeds, min_rise the smallest"
     )
     print(

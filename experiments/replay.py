@@ -43,8 +43,10 @@ from typing import Any
 import torch
 
 from services.common.datasets import load_dataset
+from services.common.lora import LoraConfig
 from services.common.prompts import PromptEncoder
 from services.learner.logprobs import token_logprobs
+from services.learner.lora import apply_lora, trainable_parameters
 from services.learner.lr_schedule import lr_factor
 from services.learner.policy_sampling import policy_reward, sample_responses
 from services.learner.step import StepInputs, TrajectoryTensors
@@ -123,6 +125,7 @@ class Replay:
         seed: int,
         lag: int,
         settings: ReplaySettings | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,15 +136,18 @@ class Replay:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if lora is not None and lora.enabled:  # the learner's adapters (services/learner/lora.py) on both
+            torch.manual_seed(seed)  # peft's initialization of lora_A draws from the global generator
+            apply_lora(self.model, lora)
+            apply_lora(self.sampler, lora)
         s = self.settings
         self.encoder = PromptEncoder(self.tokenizer, s.max_model_len, s.max_tokens)
         self.stops = stop_token_ids(self.tokenizer, self.model.generation_config)
         self.pad = pad_token_id(self.tokenizer)
         self.score = get_scorer("math")
         self.tasks = DatasetTasks(load_dataset(dataset, split="train", seed=seed), seed=seed)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay
-        )
+        self.trained = trainable_parameters(self.model)  # every weight, or the adapters alone
+        self.optimizer = torch.optim.AdamW(self.trained, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
         self.generator = torch.Generator().manual_seed(seed)
         self.versions: list[dict[str, Any]] = [copy.deepcopy(self.model.state_dict())]  # [v]: after v steps
         self.t = 0
@@ -180,7 +186,7 @@ class Replay:
         base_lr = s.lr * lr_factor(self.t, s.lr_decay, s.lr_decay_steps, s.lr_min_ratio)
         for group in self.optimizer.param_groups:  # lr ← η₀ · decay(t) · s(ρ), as the learner sets it
             group["lr"] = base_lr * metrics["lr_scale"]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trained, s.grad_clip))
         finite = math.isfinite(grad_norm)
         update = (
             finite and not metrics["step_skipped"]

@@ -234,3 +234,45 @@ def test_the_committed_results_parse_and_cover_the_default_grid() -> None:
     readme = (results / "README.md").read_text()
     for link in re.findall(r"\]\(([^)]+)\)", readme):  # the findings' links point at files that exist
         assert (results / link).exists(), link
+
+
+def test_the_replay_trains_lora_adapters_alone_and_samples_from_them(tiny_model_dir: Path) -> None:
+    """With ``lora`` the replay's learner and sampler carry the learner's adapters (services/learner/lora.py):
+    the optimizer holds the adapters alone, a step leaves every base weight as it was and moves the adapters,
+    and the sampler loads each version, adapters included."""
+    import types
+
+    import torch
+
+    from experiments.replay import Replay, ReplaySettings
+    from services.common.lora import LoraConfig
+    from services.learner.config import LearnerConfig
+    from services.learner.vcpo import objective_config
+
+    settings = ReplaySettings(groups_per_step=2, n=4, max_tokens=8, lr=1e-2)
+    lora = LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])
+    replay = Replay(
+        tiny_model_dir,
+        "builtin:tail_add",
+        objective_config(LearnerConfig()),
+        seed=0,
+        lag=1,
+        settings=settings,
+        lora=lora,
+    )
+    # the untrained model scores 0 on every task: a reward by the response's length gives the groups a signal
+    replay.score = lambda scored: types.SimpleNamespace(value=float(len(scored.response) % 2))
+    before = {k: v.clone() for k, v in replay.model.state_dict().items()}
+    trained = {n for n, p in replay.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert {id(p) for p in replay.trained} == {id(p) for p in replay.model.parameters() if p.requires_grad}
+    for _ in range(3):
+        record = replay.step()
+        assert record["update_skipped"] == 0.0 and record["zero_signal_groups"] < settings.groups_per_step
+    after = replay.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(".lora_A." in k or ".lora_B." in k for k in moved), sorted(moved)[:5]
+    assert any(".lora_B." in k for k in moved)  # B starts at zero: the adapters' output changed
+    # the sampler serves version t - lag, adapters included
+    replay.sampler.load_state_dict(replay.versions[replay.t])
+    assert all(torch.equal(replay.sampler.state_dict()[k], after[k]) for k in after)
